@@ -1,0 +1,5 @@
+"""Harness: the public ``attention`` call, correctness checks, timing and result files."""
+
+from kernels.contract import Problem, UnsupportedProblem  # noqa: F401
+
+from .api import attention  # noqa: F401

@@ -1,0 +1,43 @@
+"""The public call: ``attention("k2", q, k, v, causal=True)``."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from kernels import get_kernel
+
+from .inputs import poisoned_outputs, problem_from_tensors
+
+_CACHE: "OrderedDict[tuple, object]" = OrderedDict()
+_CACHE_SIZE = 8  # K1's compiled problems hold an S buffer each: keep few
+
+
+def compiled_for(name: str, problem):
+    """Compile (or reuse) kernel ``name`` for ``problem``; the JIT itself is cached per
+    compile-time key inside ``kernels.contract.jit_compile``."""
+    key = (name, problem)
+    if key in _CACHE:
+        _CACHE.move_to_end(key)
+        return _CACHE[key]
+    compiled = get_kernel(name).compile(problem)
+    _CACHE[key] = compiled
+    while len(_CACHE) > _CACHE_SIZE:
+        _CACHE.popitem(last=False)
+    return compiled
+
+
+def attention(name: str, q, k, v, causal: bool = False, softmax_scale=None, return_lse: bool = False):
+    """softmax(q k^T * scale) v with kernel stage ``name``.
+
+    q, k, v: CUDA tensors (batch, heads, seqlen, head_dim), bf16 or fp16, last dim contiguous.
+    Returns O in the same layout (contiguous), and the float32 (batch, heads, seqlen)
+    log-sum-exp of the scaled scores when ``return_lse``. Unsupported inputs raise
+    ``kernels.UnsupportedProblem`` naming the constraint.
+    """
+    problem = problem_from_tensors(q, k, v, causal, softmax_scale)
+    entry = get_kernel(name)
+    entry.caps.check(problem, want_lse=return_lse)
+    compiled = compiled_for(name, problem)
+    out, lse = poisoned_outputs(problem, device=q.device)
+    entry.run(compiled, q, k, v, out, lse)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,69 @@
+"""Validation of user tensors and the per-problem buffers the harness hands to kernels."""
+
+from __future__ import annotations
+
+from kernels.contract import Problem, UnsupportedProblem
+
+TORCH_DTYPES = {"bfloat16", "float16"}
+
+
+def torch_dtype(name: str):
+    import torch
+
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
+
+
+def problem_from_tensors(q, k, v, causal: bool, softmax_scale=None) -> Problem:
+    """Check q, k, v against the SDPA-layout contract and describe them as a Problem.
+
+    Every refusal names the constraint, so a caller never sees a crash or a silent wrong answer.
+    """
+    import torch
+
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise UnsupportedProblem(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise UnsupportedProblem(f"{name} must be 4-D (batch, heads, seqlen, head_dim), got shape {tuple(t.shape)}")
+        if not t.is_cuda:
+            raise UnsupportedProblem(f"{name} must be a CUDA tensor, got device {t.device}")
+        if t.stride(-1) != 1:
+            raise UnsupportedProblem(f"{name} must have a contiguous last dim (stride 1), got strides {t.stride()}")
+        if any(s % 8 for s in t.stride()[:-1]) or t.data_ptr() % 16:
+            raise UnsupportedProblem(
+                f"{name} must be 16-byte aligned with strides that are multiples of 8 elements "
+                f"(TMA rows), got strides {t.stride()}; call .contiguous() first"
+            )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise UnsupportedProblem(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    dtype = str(q.dtype).replace("torch.", "")
+    if dtype not in TORCH_DTYPES:
+        raise UnsupportedProblem(f"dtype must be bfloat16 or float16, got {q.dtype}")
+    if not (q.device == k.device == v.device):
+        raise UnsupportedProblem(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if not (q.shape == k.shape == v.shape):
+        raise UnsupportedProblem(
+            "q, k, v must have the same shape (self-attention, equal seqlens and heads): "
+            f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    b, h, n, d = q.shape
+    return Problem(b, h, n, d, dtype=dtype, causal=bool(causal), softmax_scale=softmax_scale)
+
+
+def random_inputs(p: Problem, device="cuda", seed=None):
+    """Fresh N(0,1) q, k, v in the problem's dtype (never zeros: they hide unwritten outputs)."""
+    import torch
+
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed if seed is not None else torch.seed() % (2**63))
+    shape = (p.batch, p.nheads, p.seqlen, p.head_dim)
+    return tuple(torch.randn(shape, generator=gen, device=device, dtype=torch_dtype(p.dtype)) for _ in range(3))
+
+
+def poisoned_outputs(p: Problem, device="cuda"):
+    """O and LSE filled with NaN, so any element a kernel fails to write fails the check."""
+    import torch
+
+    out = torch.full((p.batch, p.nheads, p.seqlen, p.head_dim), float("nan"), device=device, dtype=torch_dtype(p.dtype))
+    lse = torch.full((p.batch, p.nheads, p.seqlen), float("nan"), device=device, dtype=torch.float32)
+    return out, lse

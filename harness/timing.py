@@ -1,0 +1,39 @@
+"""Device-event timing: warm-up first, then the median of many launches."""
+
+from __future__ import annotations
+
+import statistics
+
+
+def benchmark(fn, warmup_ms: float = 50.0, rep_ms: float = 300.0, min_reps: int = 5, max_reps: int = 200) -> float:
+    """Median milliseconds per call of ``fn`` (which only enqueues GPU work).
+
+    The first call is made outside any timing (it may JIT-compile or build handles); a rough
+    estimate then sizes the warm-up and the number of timed repetitions, each timed by its
+    own pair of CUDA events.
+    """
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(3):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    est = max(start.elapsed_time(end) / 3, 1e-3)
+    for _ in range(max(1, int(warmup_ms / est))):
+        fn()
+    n = max(min_reps, min(max_reps, int(rep_ms / est)))
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+    for s, e in events:
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in events)
+
+
+def tflops(flops: float, ms: float) -> float:
+    return flops / (ms * 1e-3) / 1e12

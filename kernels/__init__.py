@@ -1,0 +1,68 @@
+"""Registry of kernel stages. The harness finds every kernel through ``get_kernel(name)``.
+
+Each entry names the module implementing the contract in ``kernels/contract.py`` and the
+variant keyword arguments passed to its ``compile_kernel`` (K3's pipeline depth, say).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from dataclasses import dataclass, field
+
+from .contract import Capabilities, CompiledAttention, Problem, UnsupportedProblem, ensure_arch  # noqa: F401
+
+# Before any kernel module imports cutlass: the DSL reads its target arch at import.
+ensure_arch()
+
+
+@dataclass(frozen=True)
+class KernelEntry:
+    name: str
+    module: str
+    title: str
+    variant: dict = field(default_factory=dict)
+
+    def load(self):
+        return importlib.import_module(self.module)
+
+    @property
+    def available(self) -> bool:
+        return importlib.util.find_spec(self.module) is not None
+
+    @property
+    def caps(self) -> Capabilities:
+        return self.load().CAPS
+
+    def compile(self, problem: Problem, **kw) -> CompiledAttention:
+        mod = self.load()
+        mod.CAPS.check(problem)
+        return mod.compile_kernel(problem, **self.variant, **kw)
+
+    def run(self, compiled: CompiledAttention, q, k, v, out, lse) -> None:
+        self.load().run_kernel(compiled, q, k, v, out, lse)
+
+
+_ENTRIES = [
+    KernelEntry("k1", "kernels.k1", "naive: three launches, S materialized in GMEM"),
+    KernelEntry("k2", "kernels.k2", "FA2 on CUDA cores: fused tiled online softmax"),
+    KernelEntry("k3_1", "kernels.k3", "TMA loads, 1 KV stage", {"kv_stages": 1}),
+    KernelEntry("k3_2", "kernels.k3", "TMA loads, 2 KV stages", {"kv_stages": 2}),
+    KernelEntry("k3_3", "kernels.k3", "TMA loads, 5 KV stages", {"kv_stages": 5}),
+    KernelEntry("k4_qk", "kernels.k4_qk", "WGMMA for QK, scores laundered via SMEM, scalar PV"),
+    KernelEntry("k4", "kernels.k4", "WGMMA for QK and PV, softmax on the accumulator in registers"),
+]
+
+REGISTRY = {e.name: e for e in _ENTRIES}
+
+
+def get_kernel(name: str) -> KernelEntry:
+    entry = REGISTRY.get(name)
+    if entry is None or not entry.available:
+        raise UnsupportedProblem(f"unknown kernel {name!r}; available: {', '.join(kernel_names())}")
+    return entry
+
+
+def kernel_names() -> list:
+    """Registered kernels whose module exists, in worklog order."""
+    return [e.name for e in _ENTRIES if e.available]

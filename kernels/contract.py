@@ -1,0 +1,189 @@
+"""The contract every kernel stage implements.
+
+A kernel module ``kernels/<name>.py`` exposes three things:
+
+``CAPS``
+    a :class:`Capabilities` saying which problems it can run. The harness calls
+    ``CAPS.check(problem)`` before compiling, so an unsupported case is refused with a
+    message that names the constraint instead of being launched.
+``compile_kernel(problem, **variant) -> CompiledAttention``
+    JIT-compiles the kernel for the problem's compile-time key (head dim, dtype, causal,
+    variant) and allocates any scratch buffers the problem needs (K1's score matrix).
+    Compilation uses fake tensors with symbolic batch/heads/seqlen, so it works without a
+    GPU (set ``CUTE_DSL_ARCH=sm_90a``) and one compiled function serves every seqlen.
+``run_kernel(compiled, q, k, v, out, lse) -> None``
+    only launches, on the current torch stream. Timings wrap this call and never include JIT.
+
+Tensors use the SDPA layout ``(batch, heads, seqlen, head_dim)`` with a contiguous last dim;
+``lse`` is float32 ``(batch, heads, seqlen)`` holding the natural-log log-sum-exp of the scaled
+scores of each query row.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Optional
+
+DTYPES = ("bfloat16", "float16")
+
+
+class UnsupportedProblem(ValueError):
+    """A kernel cannot run this problem; the message names the violated constraint."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One attention call: shapes, dtype, masking and scale."""
+
+    batch: int
+    nheads: int
+    seqlen: int
+    head_dim: int
+    dtype: str = "bfloat16"
+    causal: bool = False
+    softmax_scale: Optional[float] = None
+
+    def __post_init__(self):
+        for name in ("batch", "nheads", "seqlen", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise UnsupportedProblem(f"{name} must be a positive integer, got {value!r}")
+        if self.dtype not in DTYPES:
+            raise UnsupportedProblem(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+
+    @property
+    def scale(self) -> float:
+        return self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
+
+    @property
+    def flops(self) -> float:
+        """Standard count: two GEMMs of 2*N*N*d each per head; causal does half the work."""
+        f = 4.0 * self.batch * self.nheads * self.seqlen * self.seqlen * self.head_dim
+        return f / 2 if self.causal else f
+
+    def with_(self, **kw) -> "Problem":
+        return replace(self, **kw)
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a kernel supports. ``check`` raises :class:`UnsupportedProblem` otherwise."""
+
+    head_dims: tuple
+    dtypes: tuple = DTYPES
+    causal: bool = True
+    lse: bool = True
+    max_seqlen: Optional[int] = None
+    # Longest seqlen the sweep times: the CUDA-core stages take minutes beyond it.
+    sweep_max_seqlen: Optional[int] = None
+
+    def check(self, p: Problem, want_lse: bool = False) -> None:
+        if p.head_dim not in self.head_dims:
+            raise UnsupportedProblem(f"head_dim {p.head_dim} not supported (supported: {list(self.head_dims)})")
+        if p.dtype not in self.dtypes:
+            raise UnsupportedProblem(f"dtype {p.dtype} not supported (supported: {list(self.dtypes)})")
+        if p.causal and not self.causal:
+            raise UnsupportedProblem("causal masking not supported by this kernel")
+        if want_lse and not self.lse:
+            raise UnsupportedProblem("this kernel does not produce the log-sum-exp (LSE)")
+        if self.max_seqlen is not None and p.seqlen > self.max_seqlen:
+            raise UnsupportedProblem(f"seqlen {p.seqlen} exceeds this kernel's limit of {self.max_seqlen}")
+
+
+@dataclass
+class CompiledAttention:
+    """A compiled kernel bound to one problem: the JIT function(s) plus scratch buffers."""
+
+    name: str
+    problem: Problem
+    launch: Callable[..., None]
+    buffers: dict = field(default_factory=dict)
+    ptx: Optional[str] = None
+    info: dict = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------------------
+# Compile helpers shared by every kernel module.
+# --------------------------------------------------------------------------------------
+
+def cute_dtype(name: str):
+    import cutlass
+
+    return {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16, "float32": cutlass.Float32}[name]
+
+
+def ensure_arch() -> None:
+    """Without a GPU the DSL cannot query the arch: compile for Hopper (sm_90a)."""
+    if "CUTE_DSL_ARCH" in os.environ:
+        return
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return
+    except ImportError:
+        pass
+    os.environ["CUTE_DSL_ARCH"] = "sm_90a"
+
+
+class FakeShapes:
+    """Symbolic batch, heads and seqlen shared by all tensors of one compile."""
+
+    def __init__(self):
+        import cutlass.cute as cute
+
+        self.batch, self.nheads, self.seqlen = cute.sym_int(), cute.sym_int(), cute.sym_int()
+
+    def tensor(self, dtype, trailing, align_elems: int = 8):
+        """A (batch, heads, seqlen, *trailing) tensor: last stride 1, others symbolic.
+
+        ``trailing`` is a tuple of extra dims (``(d,)`` for Q/K/V/O, ``()`` for LSE,
+        ``(seqlen,)`` for K1's score matrix); the divisibility on the symbolic strides is
+        what lets TMA assume 16-byte aligned rows.
+        """
+        import cutlass.cute as cute
+        from cutlass.cute.runtime import make_fake_tensor
+
+        shape = (self.batch, self.nheads, self.seqlen) + tuple(trailing)
+        stride = tuple(cute.sym_int64(divisibility=align_elems) for _ in shape[:-1]) + (1,)
+        align = max(align_elems * dtype.width // 8, 1)
+        return make_fake_tensor(dtype, shape, stride=stride, assumed_align=align)
+
+
+_JIT_CACHE: dict = {}
+
+
+def jit_compile(key, build: Callable[[], tuple], keep_ptx: bool = False):
+    """``cute.compile`` once per compile-time key.
+
+    ``build()`` returns ``(jit_fn, args)``; args are fake tensors and placeholders. The
+    compiled function takes torch tensors directly (TVM-FFI) and launches on the current
+    torch stream.
+    """
+    ensure_arch()
+    full_key = (key, keep_ptx)
+    if full_key not in _JIT_CACHE:
+        import cutlass.cute as cute
+
+        fn, args = build()
+        opts = "--enable-tvm-ffi" + (" --keep-ptx" if keep_ptx else "")
+        _JIT_CACHE[full_key] = cute.compile(fn, *args, options=opts)
+    return _JIT_CACHE[full_key]
+
+
+def fake_stream():
+    from cutlass.cute.runtime import make_fake_stream
+
+    return make_fake_stream(use_tvm_ffi_env_stream=True)
+
+
+def compiled_ptx(compiled) -> Optional[str]:
+    try:
+        return compiled.artifacts.PTX
+    except AttributeError:
+        return None
+
+
+LOG2_E = math.log2(math.e)

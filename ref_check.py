@@ -1,0 +1,87 @@
+"""Correctness grid against PyTorch SDPA on float32 copies of the inputs.
+
+    python ref_check.py k2            # one kernel
+    python ref_check.py all           # every registered kernel
+    python ref_check.py k4 --quick    # a smaller grid
+
+For each kernel: causal and non-causal, every head dim it supports among 64 and 128 (all of
+them with --all-head-dims), seqlens that are not multiples of any tile, batch*heads > 1, fresh
+random inputs per case and NaN-poisoned outputs. Prints one row per case and exits non-zero
+if any case fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kernels import get_kernel, kernel_names
+from kernels.contract import Problem, UnsupportedProblem
+
+SEQLENS = (1, 17, 100, 1000, 4097)
+QUICK_SEQLENS = (1, 17, 1000)
+HEAD_DIMS = (64, 128)
+
+
+def cases(name: str, seqlens, all_head_dims: bool):
+    caps = get_kernel(name).caps
+    head_dims = caps.head_dims if all_head_dims else [d for d in caps.head_dims if d in HEAD_DIMS]
+    for d in head_dims:
+        for causal in ((False, True) if caps.causal else (False,)):
+            for n in seqlens:
+                yield Problem(2, 3, n, d, dtype="bfloat16", causal=causal)
+    if "float16" in caps.dtypes:  # fp16 on one shape per causal mode
+        for causal in ((False, True) if caps.causal else (False,)):
+            yield Problem(1, 4, 1000, head_dims[0], dtype="float16", causal=causal)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("kernels", nargs="*", default=["all"])
+    ap.add_argument("--quick", action="store_true", help=f"seqlens {QUICK_SEQLENS} only")
+    ap.add_argument("--all-head-dims", action="store_true")
+    ap.add_argument("--out", help="write the per-case rows as JSON here")
+    args = ap.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("ref_check needs a CUDA GPU (H100/H200); without one, `pytest` compiles every kernel for sm_90a.",
+              file=sys.stderr)
+        return 2
+    from harness import results
+    from harness.check import check_kernel
+
+    names = kernel_names() if args.kernels in ([], ["all"]) else args.kernels
+    seqlens = QUICK_SEQLENS if args.quick else SEQLENS
+    rows, failures = [], 0
+    print(f"device: {torch.cuda.get_device_name()}")
+    print(f"{'kernel':<8}{'dtype':<10}{'b':>3}{'h':>3}{'seqlen':>7}{'d':>5}{'causal':>7}"
+          f"{'max_abs':>11}{'rel_l2':>11}{'lse_err':>11}  result")
+    for name in names:
+        try:
+            grid = list(cases(name, seqlens, args.all_head_dims))
+        except UnsupportedProblem as e:
+            print(f"{name}: {e}")
+            failures += 1
+            continue
+        for p in grid:
+            try:
+                res = check_kernel(name, p)
+                row = res.row()
+            except Exception as e:  # a crash is a failure of this case, not of the whole grid
+                row = dict(kernel=name, ok=False, reason=f"{type(e).__name__}: {e}"[:200], max_abs=float("nan"),
+                           rel_l2=float("nan"), lse_max_abs=float("nan"), batch=p.batch, nheads=p.nheads,
+                           seqlen=p.seqlen, head_dim=p.head_dim, dtype=p.dtype, causal=int(p.causal))
+            rows.append(row)
+            failures += not row["ok"]
+            print(f"{name:<8}{p.dtype:<10}{p.batch:>3}{p.nheads:>3}{p.seqlen:>7}{p.head_dim:>5}{int(p.causal):>7}"
+                  f"{row['max_abs']:>11.2e}{row['rel_l2']:>11.2e}{row['lse_max_abs']:>11.2e}  "
+                  f"{'ok' if row['ok'] else 'FAIL ' + row['reason']}")
+    if args.out:
+        results.write(args.out, rows, "python ref_check.py " + " ".join(argv if argv is not None else sys.argv[1:]))
+    print(f"\n{len(rows) - failures}/{len(rows)} cases passed" + (f", {failures} FAILED" if failures else ""))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
