@@ -168,7 +168,11 @@ def jit_compile(key, build: Callable[[], tuple], keep_ptx: bool = False):
         import cutlass.cute as cute
 
         fn, args = build()
-        opts = "--enable-tvm-ffi" + (" --keep-ptx" if keep_ptx else "")
+        opts = "--enable-tvm-ffi"
+        if keep_ptx:  # the DSL also writes the PTX to a file: keep it out of the working tree
+            import tempfile
+
+            opts += f" --keep-ptx --dump-dir={tempfile.mkdtemp(prefix='cute-ptx-')}"
         _JIT_CACHE[full_key] = cute.compile(fn, *args, options=opts)
     return _JIT_CACHE[full_key]
 
