@@ -57,7 +57,7 @@ def compile_only(names, problem) -> int:
     print(f"compile-only (sm_90a): head_dim={problem.head_dim} dtype={problem.dtype} causal={int(problem.causal)}")
     for name in names:
         try:
-            compiled = get_kernel(name).compile(problem, keep_ptx=True, allocate=False)
+            compiled = get_kernel(name).compile(problem, keep_ptx=True)
         except UnsupportedProblem as e:
             print(f"{name}: refused: {e}")
             continue

@@ -25,8 +25,6 @@ def problem_from_tensors(q, k, v, causal: bool, softmax_scale=None) -> Problem:
             raise UnsupportedProblem(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
             raise UnsupportedProblem(f"{name} must be 4-D (batch, heads, seqlen, head_dim), got shape {tuple(t.shape)}")
-        if not t.is_cuda:
-            raise UnsupportedProblem(f"{name} must be a CUDA tensor, got device {t.device}")
         if t.stride(-1) != 1:
             raise UnsupportedProblem(f"{name} must have a contiguous last dim (stride 1), got strides {t.stride()}")
         if any(s % 8 for s in t.stride()[:-1]) or t.data_ptr() % 16:
@@ -46,6 +44,9 @@ def problem_from_tensors(q, k, v, causal: bool, softmax_scale=None) -> Problem:
             "q, k, v must have the same shape (self-attention, equal seqlens and heads): "
             f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not t.is_cuda:
+            raise UnsupportedProblem(f"{name} must be a CUDA tensor, got device {t.device}")
     b, h, n, d = q.shape
     return Problem(b, h, n, d, dtype=dtype, causal=bool(causal), softmax_scale=softmax_scale)
 

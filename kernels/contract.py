@@ -140,14 +140,18 @@ class FakeShapes:
         """A (batch, heads, seqlen, *trailing) tensor: last stride 1, others symbolic.
 
         ``trailing`` is a tuple of extra dims (``(d,)`` for Q/K/V/O, ``()`` for LSE,
-        ``(seqlen,)`` for K1's score matrix); the divisibility on the symbolic strides is
-        what lets TMA assume 16-byte aligned rows.
+        ``(seqlen,)`` for K1's score matrix). The strides are declared divisible by
+        ``align_elems`` (what lets TMA assume 16-byte aligned rows) only when that holds
+        for every seqlen: when the trailing dims are static and their product divides
+        evenly. LSE and S rows have a seqlen-long stride, so they get no such claim.
         """
         import cutlass.cute as cute
         from cutlass.cute.runtime import make_fake_tensor
 
         shape = (self.batch, self.nheads, self.seqlen) + tuple(trailing)
-        stride = tuple(cute.sym_int64(divisibility=align_elems) for _ in shape[:-1]) + (1,)
+        row = math.prod(trailing) if all(isinstance(t, int) for t in trailing) else None
+        div = align_elems if row is not None and row % align_elems == 0 and len(trailing) > 0 else 1
+        stride = tuple(cute.sym_int64(divisibility=div) for _ in shape[:-1]) + (1,)
         align = max(align_elems * dtype.width // 8, 1)
         return make_fake_tensor(dtype, shape, stride=stride, assumed_align=align)
 

@@ -120,6 +120,15 @@ def s_bytes(p: Problem) -> int:
     return p.batch * p.nheads * p.seqlen * p.seqlen * 4
 
 
+def check_s_fits(p: Problem, free_bytes: int) -> None:
+    """Refuse a problem whose materialized S would not fit (with 10% headroom)."""
+    if s_bytes(p) > 0.9 * free_bytes:
+        raise UnsupportedProblem(
+            f"K1 materializes S ({s_bytes(p) / 2**30:.1f} GiB for batch*heads={p.batch * p.nheads}, "
+            f"seqlen={p.seqlen}), more than fits in the {free_bytes / 2**30:.1f} GiB free on the GPU"
+        )
+
+
 def _compile_all(p: Problem, keep_ptx: bool):
     dt = cute_dtype(p.dtype)
     key = ("k1", p.head_dim, p.dtype, p.causal)
@@ -146,20 +155,14 @@ def _compile_all(p: Problem, keep_ptx: bool):
     )
 
 
-def compile_kernel(p: Problem, *, keep_ptx: bool = False, allocate: bool = True) -> CompiledAttention:
+def compile_kernel(p: Problem, *, keep_ptx: bool = False) -> CompiledAttention:
     score, softmax, output = _compile_all(p, keep_ptx)
     buffers = {}
-    if allocate:
-        import torch
+    import torch
 
-        if torch.cuda.is_available():
-            free, _ = torch.cuda.mem_get_info()
-            if s_bytes(p) > 0.9 * free:
-                raise UnsupportedProblem(
-                    f"K1 materializes S ({s_bytes(p) / 2**30:.1f} GiB for batch*heads={p.batch * p.nheads}, "
-                    f"seqlen={p.seqlen}), more than the {free / 2**30:.1f} GiB free on the GPU"
-                )
-            buffers["S"] = torch.empty((p.batch, p.nheads, p.seqlen, p.seqlen), dtype=torch.float32, device="cuda")
+    if torch.cuda.is_available():  # a CPU-only compile (tests, --compile-only) allocates nothing
+        check_s_fits(p, torch.cuda.mem_get_info()[0])
+        buffers["S"] = torch.empty((p.batch, p.nheads, p.seqlen, p.seqlen), dtype=torch.float32, device="cuda")
 
     def launch(q, k, v, out, lse):
         S = buffers["S"]

@@ -1,0 +1,80 @@
+"""Every registered kernel compiles for sm_90a on the CPU, and its PTX holds what its stage claims.
+
+Without a GPU, ``kernels`` sets CUTE_DSL_ARCH=sm_90a; the DSL compiles against fake tensors with
+symbolic batch/heads/seqlen, so these run anywhere the DSL installs.
+"""
+
+import re
+
+import pytest
+
+from harness.inspect_ptx import count_instructions
+from kernels import get_kernel, kernel_names
+from kernels.contract import Problem
+
+# The instructions each stage introduces, at least once, and what it must not contain yet.
+CLAIMS = {
+    "k1": dict(has=["ld.global", "st.global", "ex2.approx"],
+               lacks=["ld.shared", "cp.async.bulk.tensor", "wgmma.mma_async"]),
+    "k2": dict(has=["ld.shared", "st.shared", "shfl.sync", "ex2.approx"],
+               lacks=["cp.async.bulk.tensor", "wgmma.mma_async"]),
+    "k3": dict(has=["cp.async.bulk.tensor", "mbarrier", "shfl.sync", "ex2.approx"], lacks=["wgmma.mma_async"]),
+    "k4_qk": dict(has=["cp.async.bulk.tensor", "mbarrier", "wgmma.mma_async"], lacks=["setmaxnreg"]),
+    "k4": dict(has=["cp.async.bulk.tensor", "mbarrier", "wgmma.mma_async"], lacks=["setmaxnreg"]),
+}
+
+
+def claims_for(name):
+    return CLAIMS[name.split("_")[0] if name.startswith("k3") else name]
+
+
+def variants(name):
+    caps = get_kernel(name).caps
+    dims = [d for d in caps.head_dims if d in (64, 128)]
+    for d in dims:
+        for causal in (False, True):
+            yield Problem(1, 1, 128, d, dtype="bfloat16", causal=causal)
+    if "float16" in caps.dtypes:
+        yield Problem(1, 1, 128, dims[-1], dtype="float16", causal=True)
+
+
+CASES = [(n, p) for n in kernel_names() for p in variants(n)]
+
+
+@pytest.mark.parametrize("name,problem", CASES, ids=[f"{n}-d{p.head_dim}-c{int(p.causal)}-{p.dtype}" for n, p in CASES])
+def test_compiles_with_stage_instructions(name, problem):
+    compiled = get_kernel(name).compile(problem, keep_ptx=True)
+    assert compiled.ptx and ".target sm_90a" in compiled.ptx
+    counts = count_instructions(compiled.ptx)
+    claims = claims_for(name)
+    for instr in claims["has"]:
+        assert counts[instr] > 0, f"{name}: expected {instr} in PTX"
+    for instr in claims["lacks"]:
+        assert counts[instr] == 0, f"{name}: {instr} belongs to a later stage"
+    assert counts["ld/st.local"] == 0, f"{name}: local memory (spills or dynamic register indexing)"
+
+
+def test_k1_has_three_launches():
+    ptx = get_kernel("k1").compile(Problem(1, 1, 64, 64), keep_ptx=True).ptx
+    assert len(re.findall(r"\.entry\s", ptx)) == 3
+
+
+def _wgmma_shapes(ptx):
+    return set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k\d+)", ptx))
+
+
+@pytest.mark.skipif("k4_qk" not in kernel_names(), reason="k4_qk not built yet")
+def test_k4_qk_uses_wgmma_for_qk_only():
+    # QK^T contracts over d: one WGMMA shape; PV stays on CUDA cores (FFMA loop, no second GEMM).
+    ptx = get_kernel("k4_qk").compile(Problem(1, 1, 128, 128), keep_ptx=True).ptx
+    assert len(_wgmma_shapes(ptx)) == 1
+
+
+@pytest.mark.skipif("k4" not in kernel_names(), reason="k4 not built yet")
+def test_k4_uses_wgmma_for_both_gemms():
+    # PV's A operand comes from registers (P never touches SMEM): a register-A WGMMA must appear
+    # beside the SMEM-A one used for QK^T.
+    ptx = get_kernel("k4").compile(Problem(1, 1, 128, 128), keep_ptx=True).ptx
+    wgmmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.(?:bf16|f16)\.(?:bf16|f16)\s+\{[^}]*\},\s*(\{|%rd)", ptx)
+    assert "{" in wgmmas, "no WGMMA with A from registers (the PV GEMM)"
+    assert "%rd" in wgmmas, "no WGMMA with A from SMEM (the QK GEMM)"

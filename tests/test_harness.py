@@ -1,0 +1,160 @@
+"""Harness unit tests (CPU): FLOP counting, configuration, error metric, refusals, tables."""
+
+import math
+
+import pytest
+import torch
+
+from harness.check import compare
+from harness.config import default_batch_heads, parse_bool, problem_from, sweep_problems
+from harness.inputs import problem_from_tensors
+from harness.results import markdown_table, replace_block
+from kernels import get_kernel, kernel_names
+from kernels.contract import Capabilities, Problem, UnsupportedProblem
+from kernels.k1 import check_s_fits, s_bytes
+
+
+def test_flops_standard_count_and_causal_half():
+    p = Problem(2, 16, 8192, 128)
+    assert p.flops == 4 * 2 * 16 * 8192**2 * 128
+    assert p.with_(causal=True).flops == p.flops / 2
+
+
+def test_default_scale_is_inverse_sqrt_head_dim():
+    assert Problem(1, 1, 8, 64).scale == pytest.approx(1 / 8)
+    assert Problem(1, 1, 8, 64, softmax_scale=0.3).scale == 0.3
+
+
+def test_config_env_and_flags():
+    env = {"SEQLEN": "512", "HEADDIM": "64", "CAUSAL": "1", "DTYPE": "fp16"}
+    p = problem_from(env)
+    assert (p.seqlen, p.head_dim, p.causal, p.dtype) == (512, 64, True, "float16")
+    assert (p.batch, p.nheads) == default_batch_heads(512, 64) == (32, 32)
+    p = problem_from(env, seqlen=1024, causal=0, batch=3)
+    assert (p.seqlen, p.causal, p.batch, p.nheads) == (1024, False, 3, 32)
+
+
+@pytest.mark.parametrize("env", [{"SEQLEN": "abc"}, {"SEQLEN": "0"}, {"CAUSAL": "maybe"}, {"DTYPE": "float8"},
+                                 {"HEADDIM": "-64"}])
+def test_config_rejects_bad_values(env):
+    with pytest.raises(UnsupportedProblem):
+        problem_from(env)
+
+
+def test_parse_bool():
+    assert parse_bool("1") and parse_bool("TRUE") and not parse_bool("0") and not parse_bool("")
+
+
+def test_sweep_grid_keeps_work_constant():
+    grid = list(sweep_problems())
+    assert len(grid) == 6 * 2 * 2
+    dense = [p for p in grid if not p.causal]
+    assert len({p.flops / p.seqlen for p in dense}) == 1  # batch*heads*seqlen*d is fixed
+
+
+def test_compare_passes_rounding_and_fails_errors():
+    torch.manual_seed(0)
+    ref = torch.randn(2, 3, 50, 64)
+    lse = torch.randn(2, 3, 50)
+    ok = compare(ref.bfloat16(), ref, lse, lse, "bfloat16")
+    assert ok[3] == "" and ok[1] < 5e-3
+    bad = ref.clone()
+    bad[0, 0, 0, 0] += 0.5
+    assert "max_abs" in compare(bad.bfloat16(), ref, lse, lse, "bfloat16")[3]
+    assert "rel_l2" in compare((ref * 1.05).bfloat16(), ref, lse, lse, "bfloat16")[3]
+
+
+def test_compare_rejects_nan_and_wrong_lse():
+    ref = torch.randn(1, 1, 8, 16)
+    lse = torch.randn(1, 1, 8)
+    poisoned = ref.clone()
+    poisoned[0, 0, 3] = float("nan")  # one row the kernel never wrote
+    verdict = compare(poisoned, ref, lse, lse, "float16")[3]
+    assert "non-finite" in verdict
+    assert "lse" in compare(ref, ref, lse + 0.01, lse, "float16")[3]
+    assert "lse" in compare(ref, ref, lse * float("nan"), lse, "float16")[3]
+
+
+def test_capabilities_refuse_with_named_constraint():
+    caps = Capabilities(head_dims=(64, 128), dtypes=("bfloat16",), causal=False, lse=False, max_seqlen=1024)
+    with pytest.raises(UnsupportedProblem, match="head_dim 96"):
+        caps.check(Problem(1, 1, 16, 96))
+    with pytest.raises(UnsupportedProblem, match="dtype float16"):
+        caps.check(Problem(1, 1, 16, 64, dtype="float16"))
+    with pytest.raises(UnsupportedProblem, match="causal"):
+        caps.check(Problem(1, 1, 16, 64, causal=True))
+    with pytest.raises(UnsupportedProblem, match="seqlen 2048"):
+        caps.check(Problem(1, 1, 2048, 64))
+    with pytest.raises(UnsupportedProblem, match="log-sum-exp"):
+        caps.check(Problem(1, 1, 16, 64), want_lse=True)
+    caps.check(Problem(1, 1, 16, 64))
+
+
+def test_problem_rejects_nonsense():
+    with pytest.raises(UnsupportedProblem, match="seqlen"):
+        Problem(1, 1, 0, 64)
+    with pytest.raises(UnsupportedProblem, match="dtype"):
+        Problem(1, 1, 8, 64, dtype="float32")
+
+
+def _qkv(shape=(1, 2, 16, 64), dtype=torch.bfloat16):
+    return [torch.randn(shape, dtype=dtype) for _ in range(3)]
+
+
+def test_tensor_validation_messages():
+    q, k, v = _qkv()
+    with pytest.raises(UnsupportedProblem, match="4-D"):
+        problem_from_tensors(q[0], k, v, False)
+    with pytest.raises(UnsupportedProblem, match="contiguous last dim"):
+        problem_from_tensors(q.transpose(2, 3), k, v, False)
+    with pytest.raises(UnsupportedProblem, match="multiples of 8"):
+        problem_from_tensors(torch.randn(1, 2, 16, 68, dtype=torch.bfloat16)[..., :64], k, v, False)
+    with pytest.raises(UnsupportedProblem, match="share a dtype"):
+        problem_from_tensors(q, k.half(), v, False)
+    with pytest.raises(UnsupportedProblem, match="bfloat16 or float16"):
+        problem_from_tensors(*(t.float() for t in (q, k, v)), False)
+    with pytest.raises(UnsupportedProblem, match="same shape"):
+        problem_from_tensors(q, *_qkv((1, 2, 32, 64))[:2], False)
+    with pytest.raises(UnsupportedProblem, match="CUDA tensor"):
+        problem_from_tensors(q, k, v, False)
+
+
+def test_k1_refuses_s_that_does_not_fit():
+    p = Problem(1, 32, 16384, 64)
+    assert s_bytes(p) == 32 * 16384**2 * 4
+    with pytest.raises(UnsupportedProblem, match="materializes S"):
+        check_s_fits(p, free_bytes=16 * 2**30)
+    check_s_fits(p, free_bytes=80 * 2**30)
+
+
+def test_registry_lists_kernels_in_order_and_names_unknown():
+    names = kernel_names()
+    assert names[:2] == ["k1", "k2"] or names[:1] == ["k1"]
+    with pytest.raises(UnsupportedProblem, match="unknown kernel 'k9'"):
+        get_kernel("k9")
+
+
+def test_attention_refuses_before_launch_on_cpu():
+    from harness import attention
+
+    with pytest.raises(UnsupportedProblem, match="CUDA tensor"):
+        attention("k1", *_qkv(), causal=True)
+
+
+def test_replace_block_and_table():
+    doc = "a\n<!-- table:x -->\nold\n<!-- /table:x -->\nb"
+    table = markdown_table(["k", "v"], [["k1", 1.5]])
+    out = replace_block(doc, "x", table)
+    assert "old" not in out and "| k1 | 1.5 |" in out and out.startswith("a\n") and out.endswith("\nb")
+    with pytest.raises(KeyError):
+        replace_block(doc, "y", table)
+
+
+def test_bench_without_gpu_points_to_compile_only(capsys):
+    import bench
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    assert bench.main(["k1"]) == 2
+    assert "--compile-only" in capsys.readouterr().err
+    assert math.isfinite(Problem(1, 1, 1, 64).flops)
