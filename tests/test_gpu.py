@@ -1,0 +1,38 @@
+"""Real launches against SDPA. Marked ``gpu``; skipped where no CUDA GPU is visible.
+
+On the GPU machine: ``python -m pytest -m gpu -q``. The full grid is ``python ref_check.py all``.
+"""
+
+import pytest
+import torch
+
+from harness import attention
+from harness.check import check_kernel, compare
+from harness.reference import reference
+from kernels import get_kernel, kernel_names
+from kernels.contract import Problem, UnsupportedProblem
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.mark.parametrize("name", kernel_names())
+@pytest.mark.parametrize("seqlen,causal", [(17, True), (1000, False), (1000, True)])
+def test_kernel_matches_sdpa(name, seqlen, causal):
+    d = 128 if 128 in get_kernel(name).caps.head_dims else get_kernel(name).caps.head_dims[0]
+    res = check_kernel(name, Problem(2, 3, seqlen, d, causal=causal))
+    assert res.ok, res.reason
+
+
+@pytest.mark.parametrize("name", kernel_names())
+def test_public_call_with_lse_and_strided_heads(name):
+    # (batch, seqlen, heads, d) storage viewed as SDPA layout: non-contiguous heads, contiguous d.
+    q, k, v = (torch.randn(2, 300, 4, 64, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for _ in range(3))
+    out, lse = attention(name, q, k, v, causal=True, softmax_scale=0.2, return_lse=True)
+    ref, ref_lse = reference(q, k, v, True, 0.2)
+    assert compare(out, ref, lse, ref_lse, "bfloat16")[3] == ""
+
+
+def test_unsupported_head_dim_is_refused_before_launch():
+    q = torch.randn(1, 1, 64, 40, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(UnsupportedProblem, match="head_dim 40"):
+        attention("k2", q, q, q)
