@@ -1,0 +1,147 @@
+"""Regenerate every results table in README.md and docs/*.md (and the plot) from results/*.json.
+
+    python scripts/make_docs.py            # tables
+    python scripts/make_docs.py --plot     # tables + docs/plots/*.png (needs matplotlib)
+
+Result files come from commands run on the GPU machine:
+    python bench.py all --sweep --out results/sweep.json
+    python ref_check.py all --out results/refcheck.json
+Nothing here is typed by hand: a table block <!-- table:NAME --> ... <!-- /table:NAME --> is
+replaced whole each time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from harness.results import fmt, gpu_short_name, load, markdown_table, replace_block  # noqa: E402
+from kernels import REGISTRY  # noqa: E402
+
+PEERS = ("sdpa-cudnn", "sdpa-flash", "fa4")
+FAMILIES = {"k1": ["k1"], "k2": ["k2"], "k3": ["k3_1", "k3_2", "k3_3"], "k4": ["k4_qk", "k4"]}
+
+
+def sweep_rows(sweep):
+    return [r for r in sweep["rows"] if r.get("tflops")]
+
+
+def tflops_at(rows, kernel, seqlen, head_dim, causal):
+    for r in rows:
+        if (r["kernel"], r["seqlen"], r["head_dim"], r["causal"]) == (kernel, seqlen, head_dim, causal):
+            return r["tflops"]
+    return None
+
+
+def refcheck_summary(refcheck, kernel):
+    rows = [r for r in refcheck["rows"] if r["kernel"] == kernel] if refcheck else []
+    if not rows:
+        return "not run"
+    ok = sum(r["ok"] for r in rows)
+    return f"{ok}/{len(rows)} pass" if ok < len(rows) else f"all {len(rows)} pass"
+
+
+def readme_table(sweep, refcheck):
+    gpu = gpu_short_name(sweep["meta"].get("device", "")) if sweep else "—"
+    rows = sweep_rows(sweep) if sweep else []
+    header = ["kernel", "what it adds", "ref_check", f"TFLOP/s d128 N=4096 ({gpu})", "causal", "N=8192", "causal"]
+    body = []
+    for name, entry in REGISTRY.items():
+        if not entry.available:
+            continue
+        body.append([f"`{name}`", entry.title, refcheck_summary(refcheck, name)] +
+                    [fmt(tflops_at(rows, name, n, 128, c)) for n in (4096, 8192) for c in (0, 1)])
+    for peer in PEERS:
+        body.append([f"*{peer}*", "peer, same run", "—"] + [fmt(tflops_at(rows, peer, n, 128, c)) for n in (4096, 8192) for c in (0, 1)])
+    return markdown_table(header, body)
+
+
+def family_table(sweep, kernels):
+    gpu = gpu_short_name(sweep["meta"].get("device", ""))
+    rows = sweep_rows(sweep)
+    seqlens = sorted({r["seqlen"] for r in sweep["rows"]})
+    header = ["d", "causal", "kernel"] + [f"N={n}" for n in seqlens]
+    body = []
+    for d in sorted({r["head_dim"] for r in sweep["rows"]}):
+        for c in (0, 1):
+            for k in list(kernels) + list(PEERS):
+                vals = [tflops_at(rows, k, n, d, c) for n in seqlens]
+                if any(v is not None for v in vals):
+                    body.append([d, c, f"`{k}`" if k not in PEERS else f"*{k}*"] + [fmt(v) for v in vals])
+    note = (f"TFLOP/s on an {gpu} (forward, bf16, batch = 16384/N, heads = 2048/d; causal counts half the FLOPs). "
+            f"From `{sweep['meta'].get('command', '')}` on {sweep['meta'].get('date', '')[:10]}, "
+            f"torch {sweep['meta'].get('torch', '?')}, nvidia-cutlass-dsl {sweep['meta'].get('nvidia-cutlass-dsl', '?')}. "
+            "A dash: not run (refused, or past the kernel's sweep limit).")
+    return note + "\n\n" + markdown_table(header, body)
+
+
+def refcheck_table(refcheck, kernels):
+    gpu = gpu_short_name(refcheck["meta"].get("device", ""))
+    header = ["kernel", "dtype", "d", "causal", "seqlen", "max_abs", "rel_l2", "lse err", "result"]
+    body = [[r["kernel"], r["dtype"], r["head_dim"], r["causal"], r["seqlen"], f"{r['max_abs']:.1e}",
+             f"{r['rel_l2']:.1e}", f"{r['lse_max_abs']:.1e}", "ok" if r["ok"] else "FAIL"]
+            for r in refcheck["rows"] if r["kernel"] in kernels]
+    return f"`{refcheck['meta'].get('command', '')}` on an {gpu} (batch 2, heads 3; fp16 rows batch 1, heads 4):\n\n" + \
+        markdown_table(header, body)
+
+
+def plot(sweep, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = sweep_rows(sweep)
+    gpu = gpu_short_name(sweep["meta"].get("device", ""))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    for ax, causal in zip(axes, (0, 1)):
+        for k in [n for n, e in REGISTRY.items() if e.available] + ["sdpa-cudnn", "fa4"]:
+            pts = sorted((r["seqlen"], r["tflops"]) for r in rows
+                         if r["kernel"] == k and r["head_dim"] == 128 and r["causal"] == causal)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=k, linestyle="--" if k in PEERS else "-")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("seqlen")
+        ax.set_title(f"{'causal' if causal else 'non-causal'}, d=128, bf16, {gpu}")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_ylabel("TFLOP/s")
+    axes[1].legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def latest(pattern):
+    files = sorted(ROOT.glob(f"results/{pattern}"))
+    return load(files[-1]) if files else None
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--plot", action="store_true")
+    args = ap.parse_args(argv)
+    sweep, refcheck = latest("sweep*.json"), latest("refcheck*.json")
+    readme = ROOT / "README.md"
+    readme.write_text(replace_block(readme.read_text(), "kernels", readme_table(sweep, refcheck)))
+    for family, kernels in FAMILIES.items():
+        page = ROOT / "docs" / f"{family}.md"
+        if not page.exists():
+            continue
+        text = page.read_text()
+        if sweep and "<!-- table:sweep -->" in text:
+            text = replace_block(text, "sweep", family_table(sweep, kernels))
+        if refcheck and "<!-- table:refcheck -->" in text:
+            text = replace_block(text, "refcheck", refcheck_table(refcheck, kernels))
+        page.write_text(text)
+    if args.plot and sweep:
+        plot(sweep, ROOT / "docs" / "plots" / "tflops_vs_seqlen.png")
+    print("tables regenerated" + (" and plot written" if args.plot and sweep else ""))
+
+
+if __name__ == "__main__":
+    main()
