@@ -1,0 +1,41 @@
+"""The docs generator builds its tables from result files (synthetic ones here)."""
+
+import importlib.util
+from pathlib import Path
+
+spec = importlib.util.spec_from_file_location("make_docs", Path(__file__).parent.parent / "scripts" / "make_docs.py")
+make_docs = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(make_docs)
+
+
+def row(kernel, seqlen, causal, tflops, d=128):
+    return dict(kernel=kernel, seqlen=seqlen, head_dim=d, causal=causal, tflops=tflops, ms=1.0, status="ok")
+
+
+SWEEP = {"meta": {"device": "NVIDIA H200", "command": "python bench.py all --sweep", "date": "2026-11-21T00:00:00"},
+         "rows": [row("k1", 4096, 0, 2.5), row("k1", 8192, 0, None), row("sdpa-cudnn", 4096, 0, 600.0),
+                  row("k1", 4096, 1, 1.25)]}
+REFCHECK = {"meta": {"device": "NVIDIA H200", "command": "python ref_check.py all"},
+            "rows": [dict(kernel="k1", dtype="bfloat16", head_dim=64, causal=0, seqlen=17, max_abs=1e-3, rel_l2=2e-3,
+                          lse_max_abs=1e-6, ok=True),
+                     dict(kernel="k1", dtype="bfloat16", head_dim=64, causal=1, seqlen=17, max_abs=1.0, rel_l2=1.0,
+                          lse_max_abs=1.0, ok=False)]}
+
+
+def test_readme_table_takes_numbers_from_the_sweep():
+    table = make_docs.readme_table(SWEEP, REFCHECK)
+    assert "H200" in table
+    k1 = next(line for line in table.splitlines() if line.startswith("| `k1`"))
+    assert "| 2.5 | 1.2 | — | — |" in k1 and "1/2 pass" in k1
+    assert "| 600.0 |" in next(line for line in table.splitlines() if "sdpa-cudnn" in line)
+
+
+def test_family_table_names_device_and_command():
+    table = make_docs.family_table(SWEEP, ["k1"])
+    assert "H200" in table and "python bench.py all --sweep" in table
+    assert "| 128 | 0 | `k1` | 2.5 |" in table and "| 128 | 1 | `k1` | 1.2 |" in table
+
+
+def test_refcheck_table_marks_failures():
+    table = make_docs.refcheck_table(REFCHECK, ["k1"])
+    assert table.count("| ok |") == 1 and table.count("| FAIL |") == 1
