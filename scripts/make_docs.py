@@ -89,6 +89,29 @@ def refcheck_table(refcheck, kernels):
         markdown_table(header, body)
 
 
+def tune_table(tune):
+    """docs/k4.md: the seed's K4 configuration against the tuned ones, peers from the same run."""
+    gpu = gpu_short_name(tune["meta"].get("device", ""))
+    body = []
+    for d in sorted({r["head_dim"] for r in tune["rows"]}):
+        rows = [r for r in tune["rows"] if r["head_dim"] == d]
+        for label in dict.fromkeys(_label(r) for r in rows):  # unique, in run order
+            same = [r for r in rows if _label(r) == label]
+            shown = label + (" (seed)" if same[0].get("seed") else "")
+            if same[0].get("default"):
+                shown = f"**{shown} (default)**"
+            by_causal = {r["causal"]: r["tflops"] for r in same}
+            body.append([d, shown] + [fmt(by_causal.get(c)) for c in (0, 1)])
+    seqlen = tune["rows"][0]["seqlen"] if tune["rows"] else "?"
+    return (f"seqlen {seqlen}, batch 2, heads 2048/d, bf16, on an {gpu}; `{tune['meta'].get('command', '')}`, "
+            f"{tune['meta'].get('date', '')[:10]}.\n\n" + markdown_table(["d", "configuration", "TFLOP/s", "causal"], body))
+
+
+def _label(r):
+    cfg = r.get("config")
+    return ", ".join(f"{k}={v}" for k, v in cfg.items()) if cfg else f"*{r['kernel']}*"
+
+
 def plot(sweep, path):
     import matplotlib
 
@@ -138,6 +161,10 @@ def main(argv=None):
         if refcheck and "<!-- table:refcheck -->" in text:
             text = replace_block(text, "refcheck", refcheck_table(refcheck, kernels))
         page.write_text(text)
+    tune = latest("k4-tune*.json")
+    page = ROOT / "docs" / "k4.md"
+    if tune and page.exists() and "<!-- table:tune -->" in page.read_text():
+        page.write_text(replace_block(page.read_text(), "tune", tune_table(tune)))
     if args.plot and sweep:
         plot(sweep, ROOT / "docs" / "plots" / "tflops_vs_seqlen.png")
     print("tables regenerated" + (" and plot written" if args.plot and sweep else ""))

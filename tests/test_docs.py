@@ -39,3 +39,18 @@ def test_family_table_names_device_and_command():
 def test_refcheck_table_marks_failures():
     table = make_docs.refcheck_table(REFCHECK, ["k1"])
     assert table.count("| ok |") == 1 and table.count("| FAIL |") == 1
+
+
+def test_tune_table_marks_seed_and_default():
+    cfg_seed, cfg_def = dict(num_wg=1, tile_n=64), dict(num_wg=2, tile_n=128)
+    tune = {"meta": {"device": "NVIDIA H100 80GB HBM3", "command": "python scripts/k4_tune.py"},
+            "rows": [dict(kernel="k4", head_dim=128, causal=c, seqlen=8192, config=cfg, seed=cfg is cfg_seed,
+                          default=cfg is cfg_def, tflops=t)
+                     for c, cfg, t in ((0, cfg_seed, 300.0), (1, cfg_seed, 250.0), (0, cfg_def, 560.0),
+                                       (1, cfg_def, 520.0))]
+            + [dict(kernel="fa4", head_dim=128, causal=0, seqlen=8192, config=None, tflops=640.0)]}
+    table = make_docs.tune_table(tune)
+    assert "H100" in table
+    assert "| 128 | num_wg=1, tile_n=64 (seed) | 300.0 | 250.0 |" in table
+    assert "| 128 | **num_wg=2, tile_n=128 (default)** | 560.0 | 520.0 |" in table
+    assert "| 128 | *fa4* | 640.0 | — |" in table
