@@ -1,0 +1,216 @@
+"""K3: K2's compute body with the loads moved to TMA and an mbarrier pipeline.
+
+New relative to K2:
+* Loads are TMA bulk-tensor copies. The descriptors are built on the host from a
+  (seqlen, d, heads, batch) view of each input; one elected thread of warp 0 issues a whole
+  (64, d) tile per instruction, and rows past seqlen arrive as zeros (the descriptor knows
+  the bounds), so the loads need no predicates. Scores past seqlen still need masking:
+  a zero K row gives a score of 0, not -inf.
+* Completion is tracked by mbarriers, not __syncthreads: ``PipelineTmaAsync`` for Q (one
+  stage) and for K/V (``kv_stages`` stages). A stage's single barrier expects K bytes + V
+  bytes, so it completes only when both tiles have landed.
+* K and V get separate SMEM regions, each ``kv_stages`` deep: while the consumers read V of
+  tile j, the producer may already be writing K of tile j+1 into another stage.
+* The loop is a prefetch phase (fill up to kv_stages stages) then a steady state (consume
+  tile j, release its stage, refill it with tile j + kv_stages).
+
+The CTA-wide barriers of K2 are gone from the main loop: the only data threads exchange
+through SMEM is a row of P inside one row group, which lives in one warp, so ``__syncwarp``
+suffices. The registry exposes k3_1 / k3_2 / k3_3 = 1, 2, 5 KV stages.
+
+SMEM: sQ (Br, d) + kv_stages * [sK (Bc, d) + sV (Bc, d)] + sS (Br, Bc) FP32 + mbarriers.
+At d=128 five stages is 16 + 160 + 16 = 192 KB; at d=256 five stages would be 368 KB and is
+refused.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import Float32
+from cutlass.cute.nvgpu import cpasync
+
+from . import simt, tma_pipeline
+from .contract import (
+    LOG2_E,
+    Capabilities,
+    CompiledAttention,
+    FakeShapes,
+    Problem,
+    UnsupportedProblem,
+    compiled_ptx,
+    cute_dtype,
+    fake_stream,
+    jit_compile,
+)
+from .tiles import kv_tile_count, unmasked_kv_tile_count
+
+CAPS = Capabilities(head_dims=(32, 64, 96, 128, 256), sweep_max_seqlen=8192)
+
+TILE_M = 64
+TILE_N = 64
+THREADS_PER_ROW = 4
+NUM_THREADS = TILE_M * THREADS_PER_ROW  # 256
+SMEM_CAPACITY = 227 * 1024  # H100 / H200 opt-in max per CTA
+
+
+def smem_bytes(head_dim: int, dtype_bytes: int, kv_stages: int) -> int:
+    tile_bytes = TILE_N * head_dim * dtype_bytes
+    mbarriers = 8 * 2 * (1 + kv_stages)
+    return TILE_M * head_dim * dtype_bytes + 2 * kv_stages * tile_bytes + TILE_M * TILE_N * 4 + mbarriers
+
+
+def check_smem(name: str, p: Problem, kv_stages: int) -> None:
+    need = smem_bytes(p.head_dim, 2, kv_stages)
+    if need > SMEM_CAPACITY:
+        raise UnsupportedProblem(
+            f"{name}: head_dim {p.head_dim} with {kv_stages} KV stages needs {need // 1024} KB of SMEM, "
+            f"more than the {SMEM_CAPACITY // 1024} KB a CTA can have")
+
+
+def row_major(rows: int, cols: int, stages: int = 1) -> cute.Layout:
+    return cute.make_layout((rows, cols, stages), stride=(cols, 1, rows * cols))
+
+
+class K3FMHA:
+    def __init__(self, head_dim: int, dtype, causal: bool, kv_stages: int):
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.causal = causal
+        self.kv_stages = kv_stages
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+                 softmax_scale: Float32, stream):
+        d = self.head_dim
+        sQ_layout = row_major(TILE_M, d)
+        sKV_layout = row_major(TILE_N, d, self.kv_stages)
+        tile_layout_kv = cute.select(sKV_layout, mode=[0, 1])  # one stage: what a single TMA writes
+        tma_q, mQ_tma = tma_pipeline.make_tma_load(tma_pipeline.seq_major_view(mQ), cute.select(sQ_layout, mode=[0, 1]),
+                                                   TILE_M, d)
+        tma_k, mK_tma = tma_pipeline.make_tma_load(tma_pipeline.seq_major_view(mK), tile_layout_kv, TILE_N, d)
+        tma_v, mV_tma = tma_pipeline.make_tma_load(tma_pipeline.seq_major_view(mV), tile_layout_kv, TILE_N, d)
+        batch, nheads, seqlen = mQ.shape[0], mQ.shape[1], mQ.shape[2]
+        grid = [cute.ceil_div(seqlen, TILE_M), nheads, batch]
+        self.kernel(tma_q, mQ_tma, tma_k, mK_tma, tma_v, mV_tma, mO, mLSE, softmax_scale * LOG2_E,
+                    sQ_layout, sKV_layout).launch(grid=grid, block=[NUM_THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, tma_q: cute.CopyAtom, mQ_tma: cute.Tensor, tma_k: cute.CopyAtom, mK_tma: cute.Tensor,
+               tma_v: cute.CopyAtom, mV_tma: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, scale_log2: Float32,
+               sQ_layout: cute.Layout, sKV_layout: cute.Layout):
+        tidx, _, _ = cute.arch.thread_idx()
+        m_block, head, batch = cute.arch.block_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        seqlen = mO.shape[2]
+        row = tidx // THREADS_PER_ROW
+        lane = tidx % THREADS_PER_ROW
+        q_idx = m_block * TILE_M + row
+        stages = self.kv_stages
+
+        if warp_idx == 0:
+            for atom in (tma_q, tma_k, tma_v):
+                cpasync.prefetch_descriptor(atom)
+
+        @cute.struct
+        class SharedStorage:
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_kv: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 128]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 128]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 128]
+            sS: cute.struct.Align[cute.struct.MemRange[Float32, TILE_M * TILE_N], 128]
+
+        storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
+        sQ = storage.sQ.get_tensor(sQ_layout)
+        sK = storage.sK.get_tensor(sKV_layout)
+        sV = storage.sV.get_tensor(sKV_layout)
+        sS = storage.sS.get_tensor(cute.make_layout((TILE_M, TILE_N), stride=(TILE_N, 1)))
+
+        q_bytes = cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1]))
+        kv_bytes = 2 * cute.size_in_bytes(self.dtype, cute.select(sKV_layout, mode=[0, 1]))
+        pipeline_q, pipeline_kv = tma_pipeline.make_pipelines(
+            storage.mbar_q.data_ptr(), storage.mbar_kv.data_ptr(), q_bytes, kv_bytes, stages, NUM_THREADS)
+
+        tQsQ, tQgQ = tma_pipeline.partition_for_tma(tma_q, mQ_tma, sQ, TILE_M, head, batch)
+        tKsK, tKgK = tma_pipeline.partition_for_tma(tma_k, mK_tma, sK, TILE_N, head, batch)
+        tVsV, tVgV = tma_pipeline.partition_for_tma(tma_v, mV_tma, sV, TILE_N, head, batch)
+
+        n_tiles = kv_tile_count(m_block, seqlen, TILE_M, TILE_N, self.causal)
+        n_unmasked = unmasked_kv_tile_count(m_block, seqlen, TILE_M, TILE_N, self.causal)
+
+        # ---- prefetch: Q, then the first min(stages, n_tiles) K/V tiles --------------------
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        kv_produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
+        if warp_idx == 0:
+            pipeline_q.producer_acquire(q_state)
+            cute.copy(tma_q, tQgQ[None, m_block], tQsQ[None, 0], tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
+            for _ in cutlass.range(cutlass.min(stages, n_tiles), unroll=1):
+                pipeline_kv.producer_acquire(kv_produce)
+                barrier = pipeline_kv.producer_get_barrier(kv_produce)
+                cute.copy(tma_k, tKgK[None, kv_produce.count], tKsK[None, kv_produce.index], tma_bar_ptr=barrier)
+                cute.copy(tma_v, tVgV[None, kv_produce.count], tVsV[None, kv_produce.index], tma_bar_ptr=barrier)
+                kv_produce.advance()
+
+        row_max = -Float32.inf
+        row_sum = Float32(0.0)
+        acc_o = cute.make_rmem_tensor((self.head_dim // THREADS_PER_ROW,), Float32)
+        acc_o.fill(0.0)
+        sQ_tile = sQ[None, None, 0]
+
+        pipeline_q.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
+        kv_consume = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+        # ---- steady state ---------------------------------------------------------------
+        for n_block in cutlass.range(n_tiles, unroll=1):
+            kv_start = n_block * TILE_N
+            pipeline_kv.consumer_wait(kv_consume)
+            sK_tile = sK[None, None, kv_consume.index]
+            sV_tile = sV[None, None, kv_consume.index]
+            simt.qk_scores_to_smem(sQ_tile, sK_tile, sS, row, lane, scale_log2, THREADS_PER_ROW)
+            if n_block >= n_unmasked:
+                simt.mask_scores(sS, row, lane, q_idx, kv_start, seqlen, THREADS_PER_ROW, self.causal)
+            row_max, row_sum = simt.online_softmax_step(sS, row, lane, row_max, row_sum, acc_o, THREADS_PER_ROW)
+            cute.arch.sync_warp()  # the row group's P is complete
+            simt.pv_accumulate(sS, sV_tile, acc_o, row, lane, THREADS_PER_ROW)
+            # Every lane of the warp is done with this stage (and with its P row, which the
+            # next iteration overwrites); lane 0 then releases the stage for the warp.
+            cute.arch.sync_warp()
+            pipeline_kv.consumer_release(kv_consume)
+            kv_consume.advance()
+            # Refill the stage just drained with tile n_block + stages. producer_acquire waits
+            # until all warps have released it.
+            if warp_idx == 0:
+                if kv_produce.count < n_tiles:
+                    pipeline_kv.producer_acquire(kv_produce)
+                    barrier = pipeline_kv.producer_get_barrier(kv_produce)
+                    cute.copy(tma_k, tKgK[None, kv_produce.count], tKsK[None, kv_produce.index], tma_bar_ptr=barrier)
+                    cute.copy(tma_v, tVgV[None, kv_produce.count], tVsV[None, kv_produce.index], tma_bar_ptr=barrier)
+                    kv_produce.advance()
+
+        simt.store_output_and_lse(acc_o, row_max, row_sum, mO[batch, head, None, None], mLSE[batch, head, None],
+                                  q_idx, seqlen, lane, THREADS_PER_ROW)
+
+
+def compile_kernel(p: Problem, *, kv_stages: int = 2, keep_ptx: bool = False) -> CompiledAttention:
+    check_smem("K3", p, kv_stages)
+    dt = cute_dtype(p.dtype)
+
+    def build():
+        f = FakeShapes()
+        qkvo = [f.tensor(dt, (p.head_dim,)) for _ in range(4)]
+        args = (*qkvo, f.tensor(Float32, (), 4), Float32(1.0), fake_stream())
+        return K3FMHA(p.head_dim, dt, p.causal, kv_stages), args
+
+    fn = jit_compile(("k3", p.head_dim, p.dtype, p.causal, kv_stages), build, keep_ptx)
+
+    def launch(q, k, v, out, lse):
+        fn(q, k, v, out, lse, p.scale)
+
+    name = {1: "k3_1", 2: "k3_2", 5: "k3_3"}.get(kv_stages, f"k3_s{kv_stages}")
+    return CompiledAttention(name, p, launch, ptx=compiled_ptx(fn) if keep_ptx else None,
+                             info={"kv_stages": kv_stages, "smem_bytes": smem_bytes(p.head_dim, 2, kv_stages)})
+
+
+def run_kernel(compiled: CompiledAttention, q, k, v, out, lse) -> None:
+    compiled.launch(q, k, v, out, lse)

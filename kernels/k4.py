@@ -1,0 +1,313 @@
+"""K4.2: both GEMMs on WGMMA, online softmax on the accumulator in registers.
+
+What changes relative to K3 (TMA loads into a multi-stage pipeline, CUDA-core math):
+
+* S = Q K^T and O += P V are warpgroup MMAs (WGMMA, 64 x N x 16 per instruction) reading
+  Q, K, V straight from swizzled SMEM through 64-bit descriptors. The swizzled layouts come
+  from ``cutlass.utils.hopper_helpers.make_smem_layout_a/b``; TMA writes in that same swizzle.
+* The score tile never leaves registers. The online softmax runs on the QK accumulator
+  fragment (each row lives on 4 sibling lanes: quad shuffles for max and sum), and the
+  probabilities P are handed to the PV WGMMA as its *register* A operand: the QK C fragment
+  re-indexed as an A fragment (``sm90.acc_as_operand_a``) and narrowed to bf16/fp16.
+* V is the B operand of PV with the contraction over keys, but its contiguous axis is d,
+  which is PV's N axis. So V is re-viewed at entry with modes (d, seqlen, heads, batch):
+  the bytes do not move, and both the TMA atom and the WGMMA descriptor see an MN-major
+  operand derived from that one view.
+* O stays in registers for the whole KV loop (rescaled per tile, normalized once at the
+  end) and is written straight from registers with row predication; LSE goes out with it.
+  (An SMEM + TMA store would clip rows for free, but costs a CTA barrier and an STSM pass
+  for a write that happens once per 64+ KV tiles; 4-byte predicated stores are simpler.)
+
+Threads: ``num_wg`` warpgroups, each owning its own 64-row slice of a tile_m = 64*num_wg
+query tile and doing exactly the same work. No warp specialization (K5): warp 0 also issues
+the TMA loads, between its own WGMMAs. Two warpgroups drift against each other freely, so
+one's softmax overlaps the other's tensor-core work without any explicit scheduling (K6).
+
+Pipeline: Q one stage; K and V share ``kv_stages`` stages with one full barrier per stage
+that covers K+V bytes. Separate K and V barriers only pay when QK can start before V lands,
+i.e. when loads are issued just in time; here they are issued stages-lag tiles ahead, so a
+single barrier (half the mbarrier traffic) is enough. Stage s of tile j is refilled with tile
+j+stages at iteration j+``refill_lag``: lag 1 is the tightest ring, lag 2 lets the other
+warpgroup trail warp 0 by up to a tile before warp 0 has to wait for its release.
+
+Causal: KV tiles above the diagonal are never loaded or computed (``tiles.kv_tile_count``);
+only the trailing diagonal / seqlen tiles run the masked code path. CTAs are launched
+heaviest-first (reversed query tiles) so the long causal rows do not start last.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.utils import LayoutEnum
+
+from . import sm90
+from .contract import (
+    Capabilities,
+    CompiledAttention,
+    FakeShapes,
+    Problem,
+    UnsupportedProblem,
+    compiled_ptx,
+    cute_dtype,
+    fake_stream,
+    jit_compile,
+)
+from .tiles import kv_tile_count, unmasked_kv_tile_count
+
+CAPS = Capabilities(head_dims=(64, 128, 256))
+
+# Per head dim, measured on an H200 at seqlen 8192, bf16 (scripts/k4_try.py bench):
+# d=64 gains from a third warpgroup (more rows share each K/V tile, and three warpgroups hide
+# one another's softmax better); d=128 with 3 warpgroups x 128 keys would need ~200 registers
+# for 384 threads, so it stays at 2; d=256 needs tile_n=64 to fit two stages in SMEM.
+DEFAULT_CONFIG = {
+    64: dict(num_wg=3, tile_n=128, kv_stages=3, refill_lag=2),
+    128: dict(num_wg=2, tile_n=128, kv_stages=2, refill_lag=1),
+    256: dict(num_wg=2, tile_n=64, kv_stages=2, refill_lag=1),
+}
+SMEM_LIMIT = 227 * 1024
+
+
+class K4FMHA:
+    def __init__(self, head_dim: int, dtype, causal: bool, num_wg: int, tile_n: int, kv_stages: int,
+                 refill_lag: int):
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.causal = causal
+        self.num_wg = num_wg
+        self.tile_m = 64 * num_wg
+        self.tile_n = tile_n
+        self.kv_stages = kv_stages
+        self.refill_lag = refill_lag
+        self.num_threads = 128 * num_wg
+        assert 1 <= refill_lag < kv_stages or kv_stages == 1 == refill_lag
+
+    def smem_bytes(self) -> int:
+        elt = self.dtype.width // 8
+        return elt * self.head_dim * (self.tile_m + 2 * self.tile_n * self.kv_stages) + 1024
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+                 softmax_scale: Float32, stream):
+        d, dt = self.head_dim, self.dtype
+        # TMA-friendly views of the (B, H, N, d) tensors: (N, d, H, B), and V as (d, N, H, B).
+        # V's leading mode is now d, so LayoutEnum reads it as MN-major for the PV B operand.
+        mQt = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[2, 3, 1, 0]))
+        mKt = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[2, 3, 1, 0]))
+        mVt = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[3, 2, 1, 0]))
+
+        # GEMM-I  S(tile_m, tile_n) = Q(tile_m, d) . K(tile_n, d)^T, both K-major (d contiguous).
+        # GEMM-II O(tile_m, d) += P(tile_m, tile_n) . V^T(d, tile_n), P from registers, V MN-major.
+        # atom_layout (num_wg, 1, 1): warpgroup w owns rows [64w, 64w+64) of both.
+        tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
+            atom_layout_mnk=(self.num_wg, 1, 1), tiler_mn=(64, self.tile_n))
+        v_major = LayoutEnum.from_tensor(mVt)
+        tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, warpgroup.OperandMajorMode.K, v_major.sm90_mma_major_mode(), Float32,
+            atom_layout_mnk=(self.num_wg, 1, 1), tiler_mn=(64, d), a_source=warpgroup.OperandSource.RMEM)
+
+        # Swizzled SMEM: the layout atom (128B swizzle for 64 bf16 along the contiguous axis)
+        # is what lets WGMMA read 8x8 core matrices without bank conflicts.
+        sQ_layout = cute.select(
+            sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (self.tile_m, self.tile_n, d), dt, 1),
+            mode=[0, 1])
+        sK_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (self.tile_m, self.tile_n, d), dt,
+                                                  self.kv_stages)
+        sVt_layout = sm90_utils.make_smem_layout_b(v_major, (self.tile_m, d, self.tile_n), dt, self.kv_stages)
+
+        tma_Q, gQ_tma, q_bytes = sm90.make_tma_load(mQt, sQ_layout, (self.tile_m, d))
+        tma_K, gK_tma, k_bytes = sm90.make_tma_load(mKt, sK_layout, (self.tile_n, d))
+        tma_V, gV_tma, v_bytes = sm90.make_tma_load(mVt, sVt_layout, (d, self.tile_n))
+
+        @cute.struct
+        class SharedStorage:
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_kv: cute.struct.MemRange[cutlass.Int64, 2 * self.kv_stages]
+            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sVt_layout)], 1024]
+
+        self.q_bytes, self.kv_bytes = q_bytes, k_bytes + v_bytes
+        scale_log2 = softmax_scale * sm90.LOG2_E
+        grid = (cute.ceil_div(mQ.shape[2], self.tile_m), mQ.shape[1], mQ.shape[0])
+        self.kernel(gQ_tma, gK_tma, gV_tma, mO, mLSE, tma_Q, tma_K, tma_V, scale_log2,
+                    sQ_layout, sK_layout, sVt_layout, tiled_mma_qk, tiled_mma_pv, SharedStorage).launch(
+            grid=grid, block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream,
+            min_blocks_per_mp=1)
+
+    @cute.kernel
+    def kernel(self, gQ_tma: cute.Tensor, gK_tma: cute.Tensor, gV_tma: cute.Tensor, mO: cute.Tensor,
+               mLSE: cute.Tensor, tma_Q: cute.CopyAtom, tma_K: cute.CopyAtom, tma_V: cute.CopyAtom,
+               scale_log2: Float32, sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+               sVt_layout: cute.ComposedLayout, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
+               SharedStorage: cutlass.Constexpr):
+        tile_m, tile_n, d, stages = self.tile_m, self.tile_n, self.head_dim, self.kv_stages
+        tidx, _, _ = cute.arch.thread_idx()
+        bx, head, batch = cute.arch.block_idx()
+        gdx, _, _ = cute.arch.grid_dim()
+        # Causal: the last query tiles visit the most KV tiles; launch them first.
+        m_block = gdx - 1 - bx if const_expr(self.causal) else bx
+        seqlen = mO.shape[2]
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg_idx = cute.arch.make_warp_uniform(tidx // 128)
+
+        if warp_idx == 0:
+            for atom in (tma_Q, tma_K, tma_V):
+                cpasync.prefetch_descriptor(atom)
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        num_warps = self.num_threads // 32
+        pipe_q = sm90.tma_pipeline(storage.mbar_q.data_ptr(), 1, num_warps, self.q_bytes)
+        pipe_kv = sm90.tma_pipeline(storage.mbar_kv.data_ptr(), stages, num_warps, self.kv_bytes)
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sVt = storage.sV.get_tensor(sVt_layout.outer, swizzle=sVt_layout.inner)
+
+        n_tiles = kv_tile_count(m_block, seqlen, tile_m, tile_n, self.causal)
+        n_unmasked = unmasked_kv_tile_count(m_block, seqlen, tile_m, tile_n, self.causal)
+
+        # ---- TMA partitions: one box per tile, indexed by SMEM stage and GMEM tile ----------
+        gQ = cute.local_tile(gQ_tma[None, None, head, batch], (tile_m, d), (m_block, 0))
+        gK = cute.local_tile(gK_tma[None, None, head, batch], (tile_n, d), (None, 0))
+        gVt = cute.local_tile(gV_tma[None, None, head, batch], (d, tile_n), (0, None))
+        tQsQ, tQgQ = sm90.tma_partition(tma_Q, sQ, gQ)
+        tKsK, tKgK = sm90.tma_partition(tma_K, sK, gK)
+        tVsV, tVgV = sm90.tma_partition(tma_V, sVt, gVt)
+
+        if warp_idx == 0:
+            q_state = sm90.pipe_state(1, Int32(0), producer=True)
+            pipe_q.producer_acquire(q_state)
+            cute.copy(tma_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+            for t in cutlass.range(cutlass.min(stages, n_tiles), unroll=1):
+                self.load_kv(t, pipe_kv, tma_K, tma_V, tKgK, tKsK, tVgV, tVsV)
+
+        # ---- MMA partitions -------------------------------------------------------------
+        # Operand descriptors are per warpgroup (the WGMMA is issued by all 128 threads of
+        # it); accumulator fragments are per thread.
+        wg_mma_qk = tiled_mma_qk.get_slice(wg_idx * 128)
+        wg_mma_pv = tiled_mma_pv.get_slice(wg_idx * 128)
+        thr_mma_qk = tiled_mma_qk.get_slice(tidx)
+        tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))
+        tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK))          # (.., stage)
+        tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(sVt))        # (.., stage)
+        # P's home: a 16-bit register A fragment, rewritten from acc_S every KV tile.
+        tOrP = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((tile_m, tile_n)))
+        acc_S_shape = tiled_mma_qk.partition_shape_C((tile_m, tile_n))
+        acc_O = cute.make_rmem_tensor(tiled_mma_pv.partition_shape_C((tile_m, d)), Float32)
+        acc_O.fill(0.0)  # zero + unified rescale: the first tile needs no special case
+        # Coordinate probe: the identity tensor partitioned like acc_S says which (row, col)
+        # of the tile each accumulator register holds.
+        tScS = thr_mma_qk.partition_C(cute.make_identity_tensor((tile_m, tile_n)))
+
+        softmax = sm90.OnlineSoftmax(cute.size(sm90.acc_mn_view(acc_O), mode=[0]), scale_log2)
+        row_scale = cute.make_rmem_tensor(softmax.num_rows, Float32)
+
+        # Q is loaded once and read by every QK GEMM; its stage is never released.
+        pipe_q.consumer_wait(sm90.pipe_state(1, Int32(0), producer=False))
+        # Unmasked tiles first, then the diagonal / seqlen-tail tiles with the masked path.
+        loads = (pipe_kv, tma_K, tma_V, tKgK, tKsK, tVgV, tVsV)
+        mmas = (tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O, tScS)
+        for j in cutlass.range(n_unmasked, unroll=1):
+            self.kv_iteration(j, n_tiles, m_block, seqlen, warp_idx, loads, mmas, softmax, row_scale,
+                              masked=False)
+        for j in cutlass.range(n_unmasked, n_tiles, unroll=1):
+            self.kv_iteration(j, n_tiles, m_block, seqlen, warp_idx, loads, mmas, softmax, row_scale,
+                              masked=True)
+
+        # ---- Epilogue: normalize once, write O and LSE straight from registers ------------
+        lse = cute.make_rmem_tensor(softmax.num_rows, Float32)
+        softmax.finalize(acc_O, lse)
+        rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
+        sm90.convert_to(acc_O, rO)
+
+        thr_mma_pv = tiled_mma_pv.get_slice(tidx)
+        gO = cute.local_tile(mO[batch, head, None, None], (tile_m, d), (m_block, 0))
+        tOgO_mn = sm90.acc_mn_view(thr_mma_pv.partition_C(gO))
+        tOcO_mn = sm90.acc_mn_view(thr_mma_pv.partition_C(cute.make_identity_tensor((tile_m, d))))
+        rO_mn = sm90.acc_mn_view(rO)
+        rows_left = seqlen - m_block * tile_m
+        for r in cutlass.range_constexpr(softmax.num_rows):
+            row = tOcO_mn[r, 0][0]
+            if row < rows_left:
+                # Each row segment is (2 adjacent columns) x (pairs 8 apart): 4-byte stores.
+                cute.autovec_copy(rO_mn[r, None], tOgO_mn[r, None])
+                if tOcO_mn[r, 0][1] == 0:  # lane 0 of the quad owns column 0: it writes LSE
+                    mLSE[batch, head, m_block * tile_m + row] = lse[r]
+
+    @cute.jit
+    def load_kv(self, t: Int32, pipe_kv, tma_K, tma_V, tKgK, tKsK, tVgV, tVsV):
+        """Warp 0: arm stage t % stages with the K+V byte count, then launch both copies."""
+        st = sm90.pipe_state(self.kv_stages, t, producer=True)
+        pipe_kv.producer_acquire(st)
+        bar = pipe_kv.producer_get_barrier(st)
+        cute.copy(tma_K, tKgK[None, t], tKsK[None, st.index], tma_bar_ptr=bar)
+        cute.copy(tma_V, tVgV[None, t], tVsV[None, st.index], tma_bar_ptr=bar)
+
+    @cute.jit
+    def kv_iteration(self, j: Int32, n_tiles: Int32, m_block: Int32, seqlen: Int32, warp_idx: Int32,
+                     loads: tuple, mmas: tuple, softmax: sm90.OnlineSoftmax, row_scale: cute.Tensor,
+                     masked: cutlass.Constexpr[bool]):
+        """One KV tile: S = QK^T, (mask), softmax on the fragment, O = O*scale + P V."""
+        pipe_kv = loads[0]
+        tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O, tScS = mmas
+        cons = sm90.pipe_state(self.kv_stages, j, producer=False)
+        pipe_kv.consumer_wait(cons)
+        acc_S = cute.make_rmem_tensor(tiled_mma_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
+        sm90.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, cons.index], zero_init=True, wg_wait=-1)
+        # While QK runs on the tensor cores, warp 0 refills the stage that was consumed
+        # refill_lag tiles ago (it waits there until every warp has released it).
+        if warp_idx == 0:
+            t = j - self.refill_lag + self.kv_stages
+            if j >= self.refill_lag and t < n_tiles:
+                self.load_kv(t, *loads)
+        warpgroup.wait_group(0)
+        if const_expr(masked):
+            sm90.mask_tile(acc_S, tScS, m_block, j, seqlen, self.tile_m, self.tile_n, self.causal)
+        softmax.step(acc_S, row_scale, check_inf=masked)
+        softmax.rescale(acc_O, row_scale)
+        # The register handoff: acc_S's C fragment re-read in A-operand order, narrowed.
+        sm90.convert_to(sm90.acc_as_operand_a(acc_S), tOrP)
+        sm90.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, cons.index], zero_init=False, wg_wait=0)
+        pipe_kv.consumer_release(cons)
+
+
+def _config(p: Problem, overrides: dict) -> dict:
+    cfg = dict(DEFAULT_CONFIG[p.head_dim])
+    cfg.update({k: v for k, v in overrides.items() if v is not None})
+    return cfg
+
+
+def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_wg=None, tile_n=None, kv_stages=None,
+                   refill_lag=None) -> CompiledAttention:
+    CAPS.check(p)
+    cfg = _config(p, dict(num_wg=num_wg, tile_n=tile_n, kv_stages=kv_stages, refill_lag=refill_lag))
+    dt = cute_dtype(p.dtype)
+    kernel = K4FMHA(p.head_dim, dt, p.causal, **cfg)
+    if kernel.smem_bytes() > SMEM_LIMIT:
+        raise UnsupportedProblem(
+            f"K4 config {cfg} at head_dim {p.head_dim} needs {kernel.smem_bytes() // 1024} KB of SMEM "
+            f"(limit {SMEM_LIMIT // 1024} KB): use fewer kv_stages or a smaller tile_n")
+    key = ("k4", p.head_dim, p.dtype, p.causal, tuple(sorted(cfg.items())))
+
+    def build():
+        f = FakeShapes()
+        args = (f.tensor(dt, (p.head_dim,)), f.tensor(dt, (p.head_dim,)), f.tensor(dt, (p.head_dim,)),
+                f.tensor(dt, (p.head_dim,)), f.tensor(Float32, (), 4), Float32(1.0), fake_stream())
+        return kernel, args
+
+    fn = jit_compile(key, build, keep_ptx)
+
+    def launch(q, k, v, out, lse):
+        fn(q, k, v, out, lse, p.scale)
+
+    return CompiledAttention("k4", p, launch, {}, compiled_ptx(fn) if keep_ptx else None, info=cfg)
+
+
+def run_kernel(compiled: CompiledAttention, q, k, v, out, lse) -> None:
+    compiled.launch(q, k, v, out, lse)

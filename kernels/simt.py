@@ -1,0 +1,160 @@
+"""CUDA-core building blocks shared by K2, K3 and K4.1.
+
+Every function here works on one *row group*: ``threads_per_row`` consecutive threads that
+jointly own one query row of the tile. Thread ``tidx`` belongs to row ``tidx //
+threads_per_row`` and is ``lane = tidx % threads_per_row`` inside its group. A row group
+lives inside a single warp, so its reductions are sub-warp butterfly shuffles and nothing
+here needs a CTA-wide barrier.
+
+Ownership is interleaved: a thread owns score columns ``j = lane + threads_per_row * t``
+of its row and output columns ``c = lane + threads_per_row * i``. Neighbouring lanes then
+touch neighbouring elements, so the ``threads_per_row`` lanes of a group hit distinct
+SMEM banks when they read a row of V.
+
+Scores are kept in the log2 domain: ``S * scale * log2(e)``. ``exp(x - m) ==
+exp2(x*log2(e) - m*log2(e))``, and ``ex2.approx`` is the native instruction (``exp`` is
+ex2 plus a multiply), so folding ``log2(e)`` into the softmax scale once per score saves a
+multiply per exponential and costs nothing. The natural-log LSE is recovered at the end as
+``m * ln(2) + ln(l)``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+LN_2 = math.log(2.0)
+
+
+@cute.jit
+def load_rows_zero_fill(gSrc: cute.Tensor, sDst: cute.Tensor, n_valid_rows: Int32, tidx: Int32,
+                        num_threads: cutlass.Constexpr):
+    """Copy a (rows, d) GMEM tile into row-major SMEM with all threads, 16 bytes at a time.
+
+    Rows at or past ``n_valid_rows`` (beyond seqlen) are written as zeros: a stale row of V
+    multiplied by a zero probability is still NaN if it holds Inf/NaN bits.
+    """
+    vec = 128 // gSrc.element_type.width  # elements per 16-byte access
+    gSrc_vec = cute.zipped_divide(gSrc, (1, vec))  # ((1, vec), (rows, d / vec))
+    sDst_vec = cute.zipped_divide(sDst, (1, vec))
+    n_rows = cute.size(gSrc, mode=[0])
+    chunks_per_row = cute.size(gSrc, mode=[1]) // vec
+    for k in cutlass.range_constexpr(n_rows * chunks_per_row // num_threads):
+        chunk = tidx + k * num_threads
+        r = chunk // chunks_per_row
+        cc = chunk % chunks_per_row
+        if r < n_valid_rows:
+            sDst_vec[None, (r, cc)].store(gSrc_vec[None, (r, cc)].load())
+        else:
+            sDst_vec[None, (r, cc)].store(cute.full((1, vec), 0, sDst.element_type))
+
+
+@cute.jit
+def qk_scores_to_smem(sQ: cute.Tensor, sK: cute.Tensor, sS: cute.Tensor, row: Int32, lane: Int32,
+                      scale_log2: Float32, threads_per_row: cutlass.Constexpr):
+    """S[row, j] = (Q[row, :] . K[j, :]) * scale * log2(e) for this thread's columns j.
+
+    One Q element is loaded per step of the d loop and reused against all of the thread's
+    Bc / threads_per_row K rows, which live in registers as running FP32 dot products.
+    """
+    head_dim = cute.size(sQ, mode=[1])
+    n_cols = cute.size(sS, mode=[1]) // threads_per_row
+    acc_s = cute.make_rmem_tensor((n_cols,), Float32)
+    acc_s.fill(0.0)
+    for c in cutlass.range(head_dim, unroll=8):
+        q = sQ[row, c].to(Float32)
+        for t in cutlass.range_constexpr(n_cols):
+            acc_s[t] += q * sK[lane + threads_per_row * t, c].to(Float32)
+    for t in cutlass.range_constexpr(n_cols):
+        sS[row, lane + threads_per_row * t] = acc_s[t] * scale_log2
+
+
+@cute.jit
+def mask_scores(sS: cute.Tensor, row: Int32, lane: Int32, q_idx: Int32, kv_start: Int32, seqlen: Int32,
+                threads_per_row: cutlass.Constexpr, causal: cutlass.Constexpr):
+    """Write -inf over this thread's scores whose key is past seqlen or (causal) after the query.
+
+    Only the last KV tile(s) of a query tile need this (see ``tiles.unmasked_kv_tile_count``).
+    """
+    n_cols = cute.size(sS, mode=[1]) // threads_per_row
+    for t in cutlass.range_constexpr(n_cols):
+        j = lane + threads_per_row * t
+        kv_idx = kv_start + j
+        masked = kv_idx >= seqlen
+        if cutlass.const_expr(causal):
+            masked = masked or kv_idx > q_idx
+        if masked:
+            sS[row, j] = -Float32.inf
+
+
+@cute.jit
+def row_group_reduce(val: Float32, op: cutlass.Constexpr, threads_per_row: cutlass.Constexpr) -> Float32:
+    """Combine ``val`` across the row group with butterfly shuffles (xor 1, 2, ...)."""
+    for i in cutlass.range_constexpr(int(math.log2(threads_per_row))):
+        val = op(val, cute.arch.shuffle_sync_bfly(val, offset=1 << i))
+    return val
+
+
+@cute.jit
+def online_softmax_step(sS: cute.Tensor, row: Int32, lane: Int32, row_max: Float32, row_sum: Float32,
+                        acc_o: cute.Tensor, threads_per_row: cutlass.Constexpr):
+    """One FA2 row update: fold the score tile in sS into (row_max, row_sum, acc_o).
+
+    Overwrites this thread's scores with P = exp2(S - m_new) in place and rescales the
+    unnormalized output accumulator by exp2(m_old - m_new). Returns (m_new, l_new), both
+    replicated across the row group.
+    """
+    n_cols = cute.size(sS, mode=[1]) // threads_per_row
+    tile_max = -Float32.inf
+    for t in cutlass.range_constexpr(n_cols):
+        tile_max = cute.arch.fmax(tile_max, sS[row, lane + threads_per_row * t])
+    tile_max = row_group_reduce(tile_max, cute.arch.fmax, threads_per_row)
+    new_max = cute.arch.fmax(row_max, tile_max)
+    # A row that has only seen masked keys keeps m = -inf; exponentiating against 0 instead
+    # gives exp2(-inf) = 0 everywhere rather than the NaN of (-inf) - (-inf).
+    max_safe = new_max
+    if new_max == -Float32.inf:
+        max_safe = Float32(0.0)
+    correction = cute.math.exp2(row_max - max_safe, fastmath=True)
+    tile_sum = Float32(0.0)
+    for t in cutlass.range_constexpr(n_cols):
+        j = lane + threads_per_row * t
+        p = cute.math.exp2(sS[row, j] - max_safe, fastmath=True)
+        sS[row, j] = p
+        tile_sum += p
+    tile_sum = row_group_reduce(tile_sum, lambda a, b: a + b, threads_per_row)
+    for i in cutlass.range_constexpr(cute.size(acc_o)):
+        acc_o[i] = acc_o[i] * correction
+    return new_max, row_sum * correction + tile_sum
+
+
+@cute.jit
+def pv_accumulate(sP: cute.Tensor, sV: cute.Tensor, acc_o: cute.Tensor, row: Int32, lane: Int32,
+                  threads_per_row: cutlass.Constexpr):
+    """acc_o[i] += sum_j P[row, j] * V[j, lane + threads_per_row * i] over the whole KV tile."""
+    tile_n = cute.size(sP, mode=[1])
+    for j in cutlass.range(tile_n, unroll=4):
+        p = sP[row, j]
+        for i in cutlass.range_constexpr(cute.size(acc_o)):
+            acc_o[i] += p * sV[j, lane + threads_per_row * i].to(Float32)
+
+
+@cute.jit
+def store_output_and_lse(acc_o: cute.Tensor, row_max: Float32, row_sum: Float32, mO_bh: cute.Tensor,
+                         mLSE_bh: cute.Tensor, q_idx: Int32, seqlen: Int32, lane: Int32,
+                         threads_per_row: cutlass.Constexpr):
+    """Deferred normalization: O = acc_o / l, written with LSE = m*ln2 + ln(l) for valid rows.
+
+    A row with l == 0 saw no unmasked key; dividing by 1 keeps its O at 0 instead of NaN.
+    """
+    inv_sum = Float32(1.0)
+    if row_sum != 0.0:
+        inv_sum = 1.0 / row_sum
+    if q_idx < seqlen:
+        for i in cutlass.range_constexpr(cute.size(acc_o)):
+            mO_bh[q_idx, lane + threads_per_row * i] = (acc_o[i] * inv_sum).to(mO_bh.element_type)
+        if lane == 0:
+            mLSE_bh[q_idx] = row_max * LN_2 + cute.math.log(row_sum, fastmath=True)

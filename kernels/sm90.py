@@ -1,0 +1,294 @@
+"""Hopper (SM90) building blocks shared by the WGMMA stages (K4 onward).
+
+Everything here is about one fact: after a WGMMA the result lives in registers, spread
+over the 128 threads of a warpgroup in a hardware-defined pattern (the C fragment). The
+helpers below name that pattern so kernels can work on it without an SMEM round trip:
+
+* ``acc_mn_view``        the accumulator re-viewed as (rows, cols) of the tile this thread owns
+* ``acc_as_operand_a``   the C fragment of GEMM-I re-viewed as the A operand of GEMM-II
+  (the QK -> PV register handoff), plus ``convert_to`` to narrow it to bf16/fp16
+* ``quad_allreduce_*``   a row is split over 4 sibling lanes: reduce over them with shuffles
+* ``OnlineSoftmax``      the FA2 online softmax, run directly on a C fragment
+* ``mask_tile``          seqlen / causal masking via an identity-tensor coordinate probe
+* ``gemm``               issue one tile's WGMMAs (fence, k-loop, commit, optional wait)
+* ``make_tma_load`` / ``tma_pipeline`` / ``pipe_state``   TMA atoms and mbarrier pipelines
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+from cutlass import pipeline
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass._mlir.dialects import llvm
+
+LOG2_E = math.log2(math.e)
+LN_2 = math.log(2.0)
+
+
+# --------------------------------------------------------------------------------------
+# Fragment layouts
+# --------------------------------------------------------------------------------------
+
+def acc_mn_layout(acc_layout: cute.Layout) -> cute.Layout:
+    """((2, 2, V), MMA_M, MMA_N) -> ((2, MMA_M), (2, V, MMA_N)).
+
+    An SM90 accumulator fragment for an M=64 x N atom holds, per thread, V = N/8 column
+    pairs in each of 2 rows (rows r and r+8 of the warp's 16-row slab). Mode 0 of the atom
+    is (2 columns, 2 rows, V pairs). Regrouping the modes gives a plain (rows, cols) view
+    so softmax code can say "row r, column c" without knowing the hardware pattern.
+    """
+    flat = cute.make_layout(acc_layout.shape)  # column-major indices into the fragment
+    shape = ((flat.shape[0][1], flat.shape[1]), (flat.shape[0][0], flat.shape[0][2], flat.shape[2]))
+    stride = ((flat.stride[0][1], flat.stride[1]), (flat.stride[0][0], flat.stride[0][2], flat.stride[2]))
+    return cute.composition(acc_layout, cute.make_layout(shape, stride=stride))
+
+
+def acc_mn_view(acc: cute.Tensor) -> cute.Tensor:
+    """The same registers (or coordinates) as ``acc``, indexed as [row, col]."""
+    return cute.make_tensor(acc.iterator, acc_mn_layout(acc.layout))
+
+
+def acc_frg_a_layout(acc_layout: cute.Layout) -> cute.Layout:
+    """((2, 2, V), MMA_M, MMA_N) -> ((2, 2, 2), MMA_M, (V/2, MMA_N)).
+
+    The register A operand of a 16-bit WGMMA (M=64, K=16) holds per thread 2x2 pairs: the
+    same two rows as the C fragment and the columns {c, c+1, c+8, c+9} of a 16-wide k slab.
+    Those are exactly two consecutive column pairs of the C fragment, so the C fragment
+    *is* an A fragment once the V pairs are split into (2 pairs per k-block, V/2 k-blocks).
+    No data moves between threads; only the indexing changes.
+    """
+    assert acc_layout.shape[0][2] % 2 == 0, "C->A reinterpretation needs an even number of column pairs"
+    split = cute.logical_divide(acc_layout, ((None, None, 2), None, None))
+    shape = (
+        (split.shape[0][0], split.shape[0][1], split.shape[0][2][0]),
+        split.shape[1],
+        (split.shape[0][2][1], split.shape[2]),
+    )
+    stride = (
+        (split.stride[0][0], split.stride[0][1], split.stride[0][2][0]),
+        split.stride[1],
+        (split.stride[0][2][1], split.stride[2]),
+    )
+    return cute.make_layout(shape, stride=stride)
+
+
+def acc_as_operand_a(acc: cute.Tensor) -> cute.Tensor:
+    """View an FP32 C fragment in the A-operand order of the next GEMM."""
+    return cute.make_tensor(acc.iterator, acc_frg_a_layout(acc.layout))
+
+
+@dsl_user_op
+def cvt_pair(lo: Float32, hi: Float32, dtype, *, loc=None, ip=None) -> Int32:
+    """Two FP32 -> one packed bf16x2/f16x2 register (lo in the low half), one instruction."""
+    kind = "bf16x2" if dtype is cutlass.BFloat16 else "f16x2"
+    return Int32(llvm.inline_asm(
+        T.i32(), [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
+        f"cvt.rn.{kind}.f32 $0, $1, $2;", "=r,f,f",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@cute.jit
+def convert_to(src: cute.Tensor, dst: cute.Tensor):
+    """dst = dtype(src) element-wise (in each tensor's own logical order), two per instruction.
+
+    ``TensorSSA.to`` does not always pair the conversions up; writing packed 32-bit words
+    through an Int32 view of the 16-bit destination does.
+    """
+    src_flat = cute.make_tensor(src.iterator, cute.coalesce(src.layout))
+    dst_words = cute.recast_tensor(dst, Int32)
+    for i in cutlass.range_constexpr(cute.size(dst_words)):
+        dst_words[i] = cvt_pair(src_flat[2 * i], src_flat[2 * i + 1], dst.element_type)
+
+
+# --------------------------------------------------------------------------------------
+# Row reductions over the 4 sibling lanes of a row
+# --------------------------------------------------------------------------------------
+
+@cute.jit
+def quad_allreduce_max(x: Float32) -> Float32:
+    """The 4 lanes 4k..4k+3 own the same two rows: butterfly over lane bits 0 and 1."""
+    x = cute.arch.fmax(x, cute.arch.shuffle_sync_bfly(x, offset=1))
+    x = cute.arch.fmax(x, cute.arch.shuffle_sync_bfly(x, offset=2))
+    return x
+
+
+@cute.jit
+def quad_allreduce_sum(x: Float32) -> Float32:
+    x = x + cute.arch.shuffle_sync_bfly(x, offset=1)
+    x = x + cute.arch.shuffle_sync_bfly(x, offset=2)
+    return x
+
+
+@cute.jit
+def row_max(row: cute.Tensor, init: Float32) -> Float32:
+    """Max over one row of a fragment with 4 independent chains (ILP), seeded with ``init``."""
+    n = cute.size(row)
+    acc = [row[0], row[1], row[2], row[3]]
+    for i in cutlass.range_constexpr(4, n, 4):
+        for j in cutlass.range_constexpr(4):
+            acc[j] = cute.arch.fmax(acc[j], row[i + j])
+    return cute.arch.fmax(cute.arch.fmax(cute.arch.fmax(acc[0], acc[1]), cute.arch.fmax(acc[2], acc[3])), init)
+
+
+@cute.jit
+def row_sum(row: cute.Tensor) -> Float32:
+    n = cute.size(row)
+    acc = [row[0], row[1], row[2], row[3]]
+    for i in cutlass.range_constexpr(4, n, 4):
+        for j in cutlass.range_constexpr(4):
+            acc[j] = acc[j] + row[i + j]
+    return (acc[0] + acc[1]) + (acc[2] + acc[3])
+
+
+# --------------------------------------------------------------------------------------
+# Online softmax on the accumulator fragment
+# --------------------------------------------------------------------------------------
+
+class OnlineSoftmax:
+    """Per-thread running max / partial sum for the rows this thread owns.
+
+    ``row_sum`` is each thread's *partial* sum over its own columns: every sibling lane
+    rescales by the same factor (the max is quad-reduced), so the cross-lane sum can wait
+    until ``finalize``. Scores stay unscaled; ``scale_log2 = softmax_scale * log2(e)`` is
+    folded into one FFMA per element ahead of ``ex2``.
+    """
+
+    def __init__(self, num_rows: int, scale_log2: Float32):
+        self.num_rows = num_rows
+        self.scale_log2 = scale_log2
+        self.row_max = cute.make_rmem_tensor(num_rows, Float32)
+        self.row_sum = cute.make_rmem_tensor(num_rows, Float32)
+        self.row_max.fill(-Float32.inf)
+        self.row_sum.fill(0.0)
+
+    @cute.jit
+    def step(self, acc_S: cute.Tensor, row_scale: cute.Tensor, check_inf: cutlass.Constexpr[bool]):
+        """Overwrite acc_S with P = exp2(S*scale_log2 - max*scale_log2); row_scale gets the
+        factor exp2((old_max - new_max)*scale_log2) that O must be multiplied by."""
+        acc_S_mn = acc_mn_view(acc_S)
+        for r in cutlass.range_constexpr(self.num_rows):
+            row = acc_S_mn[r, None]
+            m_prev = self.row_max[r]
+            m_new = quad_allreduce_max(row_max(row, m_prev))
+            self.row_max[r] = m_new
+            if const_expr(check_inf):
+                # A row fully masked so far has max -inf: subtract 0 instead so that
+                # exp2(-inf - 0) = 0 rather than exp2(-inf + inf) = NaN.
+                m_new = Float32(0.0) if m_new == -Float32.inf else m_new
+            m_scaled = m_new * self.scale_log2
+            row_scale[r] = cute.math.exp2(m_prev * self.scale_log2 - m_scaled, fastmath=True)
+            p = cute.math.exp2(row.load() * self.scale_log2 - m_scaled, fastmath=True)
+            row.store(p)
+            self.row_sum[r] = self.row_sum[r] * row_scale[r] + row_sum(row)
+
+    @cute.jit
+    def rescale(self, acc_O: cute.Tensor, row_scale: cute.Tensor):
+        acc_O_mn = acc_mn_view(acc_O)
+        for r in cutlass.range_constexpr(self.num_rows):
+            acc_O_mn[r, None].store(acc_O_mn[r, None].load() * row_scale[r])
+
+    @cute.jit
+    def finalize(self, acc_O: cute.Tensor, lse: cute.Tensor):
+        """Deferred normalization: O /= rowsum once, and lse = ln(sum) + max*scale."""
+        acc_O_mn = acc_mn_view(acc_O)
+        for r in cutlass.range_constexpr(self.num_rows):
+            total = quad_allreduce_sum(self.row_sum[r])
+            empty = total == 0.0 or total != total  # fully masked row (cannot happen for a valid row)
+            inv = cute.arch.rcp_approx(Float32(1.0) if empty else total)
+            lse[r] = (-Float32.inf if empty
+                      else (self.row_max[r] * self.scale_log2 + cute.math.log2(total, fastmath=True)) * LN_2)
+            acc_O_mn[r, None].store(acc_O_mn[r, None].load() * inv)
+
+
+# --------------------------------------------------------------------------------------
+# Masking through an identity-tensor coordinate probe
+# --------------------------------------------------------------------------------------
+
+@cute.jit
+def mask_tile(acc_S: cute.Tensor, tScS: cute.Tensor, m_block: Int32, n_block: Int32, seqlen: Int32,
+              tile_m: cutlass.Constexpr, tile_n: cutlass.Constexpr, causal: cutlass.Constexpr):
+    """Set scores to -inf where key >= seqlen or (causal) key > query.
+
+    ``tScS`` is the thread's partition of an identity tensor over the (tile_m, tile_n) tile:
+    the same C-fragment layout as acc_S, but each slot holds its (row, col) coordinate.
+    Rows and columns are probed once each through the (rows, cols) view.
+    """
+    acc_S_mn = acc_mn_view(acc_S)
+    tScS_mn = acc_mn_view(tScS)
+    col_limit_seqlen = seqlen - n_block * tile_n
+    for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
+        col_limit = col_limit_seqlen
+        if const_expr(causal):
+            q_idx = m_block * tile_m + tScS_mn[r, 0][0]
+            col_limit = cutlass.min(col_limit, q_idx + 1 - n_block * tile_n)
+        for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
+            if tScS_mn[0, c][1] >= col_limit:
+                acc_S_mn[r, c] = -Float32.inf
+
+
+# --------------------------------------------------------------------------------------
+# WGMMA issue
+# --------------------------------------------------------------------------------------
+
+@cute.jit
+def gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor,
+         zero_init: cutlass.Constexpr[bool], wg_wait: cutlass.Constexpr[int]):
+    """acc (+)= A @ B over the k-blocks of one tile, as one async WGMMA group.
+
+    fence: make register writes to acc/A visible to the async tensor-core proxy.
+    commit_group: close the batch. wait_group(n): block until <= n batches are in flight
+    (wg_wait < 0 returns immediately so the caller can overlap work with the GEMM).
+    """
+    warpgroup.fence()
+    atom = cute.make_mma_atom(tiled_mma.op)
+    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+    for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
+        cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.commit_group()
+    if const_expr(wg_wait >= 0):
+        warpgroup.wait_group(wg_wait)
+
+
+# --------------------------------------------------------------------------------------
+# TMA and pipelines
+# --------------------------------------------------------------------------------------
+
+def make_tma_load(gmem: cute.Tensor, smem_layout, tile: tuple):
+    """TMA atom for one (staged) SMEM buffer: the box is the first two modes of smem_layout."""
+    one_stage = cute.select(smem_layout, mode=[0, 1])
+    atom, tma_tensor = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), gmem, one_stage, tile)
+    return atom, tma_tensor, cute.size_in_bytes(gmem.element_type, one_stage)
+
+
+def tma_partition(atom, sX: cute.Tensor, gX: cute.Tensor):
+    """(TMA box, stage) view of SMEM and (TMA box, tile) view of GMEM for one CTA, no multicast."""
+    return cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2))
+
+
+def tma_pipeline(barriers, num_stages: int, consumer_warps: int, tx_bytes: int):
+    """Full/empty mbarrier pairs per stage. One elected producer thread arms a stage with the
+    expected byte count; the TMA engine completes it; lane 0 of each consumer warp releases it."""
+    return pipeline.PipelineTmaAsync.create(
+        barrier_storage=barriers,
+        num_stages=num_stages,
+        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_warps),
+        tx_count=tx_bytes,
+    )
+
+
+def pipe_state(stages: int, t: Int32, producer: bool) -> pipeline.PipelineState:
+    """Pipeline position of the t-th tile, computed instead of carried through the loop.
+
+    Stage t % stages; the phase flips every full lap. Producers start on phase 1 so that
+    their first lap passes the (initially "empty") barriers without waiting.
+    """
+    lap_parity = (t // stages) % 2
+    phase = lap_parity ^ 1 if producer else lap_parity
+    return pipeline.PipelineState(stages, t, t % stages, phase)
