@@ -32,12 +32,16 @@ class KernelEntry:
 
     @property
     def caps(self) -> Capabilities:
-        return self.load().CAPS
+        """What this entry supports. A module whose variants differ (K3's pipeline depth
+        decides which head dims fit in SMEM) defines ``capabilities(**variant)``."""
+        mod = self.load()
+        if hasattr(mod, "capabilities"):
+            return mod.capabilities(**self.variant)
+        return mod.CAPS
 
     def compile(self, problem: Problem, **kw) -> CompiledAttention:
-        mod = self.load()
-        mod.CAPS.check(problem)
-        return mod.compile_kernel(problem, **self.variant, **kw)
+        self.caps.check(problem)
+        return self.load().compile_kernel(problem, **self.variant, **kw)
 
     def run(self, compiled: CompiledAttention, q, k, v, out, lse) -> None:
         self.load().run_kernel(compiled, q, k, v, out, lse)

@@ -78,10 +78,13 @@ class Capabilities:
     max_seqlen: Optional[int] = None
     # Longest seqlen the sweep times: the CUDA-core stages take minutes beyond it.
     sweep_max_seqlen: Optional[int] = None
+    # Why the lists above are what they are (an SMEM budget, say): appended to refusals.
+    why: str = ""
 
     def check(self, p: Problem, want_lse: bool = False) -> None:
         if p.head_dim not in self.head_dims:
-            raise UnsupportedProblem(f"head_dim {p.head_dim} not supported (supported: {list(self.head_dims)})")
+            why = f"; {self.why}" if self.why else ""
+            raise UnsupportedProblem(f"head_dim {p.head_dim} not supported (supported: {list(self.head_dims)}){why}")
         if p.dtype not in self.dtypes:
             raise UnsupportedProblem(f"dtype {p.dtype} not supported (supported: {list(self.dtypes)})")
         if p.causal and not self.causal:
@@ -185,6 +188,29 @@ def fake_stream():
     from cutlass.cute.runtime import make_fake_stream
 
     return make_fake_stream(use_tvm_ffi_env_stream=True)
+
+
+def fake_attention_args(dtype, head_dim: int) -> tuple:
+    """Placeholders for one fused-kernel compile: (q, k, v, o, lse, softmax_scale, stream)."""
+    import cutlass
+
+    f = FakeShapes()
+    qkvo = [f.tensor(dtype, (head_dim,)) for _ in range(4)]
+    return (*qkvo, f.tensor(cutlass.Float32, ()), cutlass.Float32(1.0), fake_stream())
+
+
+def fused_attention(name: str, p: Problem, fn, keep_ptx: bool, info: Optional[dict] = None) -> CompiledAttention:
+    """Bind a compiled single-launch kernel (every stage after K1) to one problem."""
+
+    def launch(q, k, v, out, lse):
+        fn(q, k, v, out, lse, p.scale)
+
+    return CompiledAttention(name, p, launch, {}, compiled_ptx(fn) if keep_ptx else None, info or {})
+
+
+def run_kernel(compiled: CompiledAttention, q, k, v, out, lse) -> None:
+    """The contract's launch-only entry; every stage's ``run_kernel`` is this one."""
+    compiled.launch(q, k, v, out, lse)
 
 
 def compiled_ptx(compiled) -> Optional[str]:

@@ -28,6 +28,7 @@ from .contract import (
     cute_dtype,
     fake_stream,
     jit_compile,
+    run_kernel,  # noqa: F401  (the contract's launch-only entry)
 )
 
 CAPS = Capabilities(head_dims=(32, 64, 96, 128, 256), sweep_max_seqlen=4096)
@@ -175,6 +176,3 @@ def compile_kernel(p: Problem, *, keep_ptx: bool = False) -> CompiledAttention:
         ptx = "\n".join(filter(None, (compiled_ptx(c) for c in (score, softmax, output))))
     return CompiledAttention("k1", p, launch, buffers, ptx)
 
-
-def run_kernel(compiled: CompiledAttention, q, k, v, out, lse) -> None:
-    compiled.launch(q, k, v, out, lse)

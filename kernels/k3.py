@@ -61,6 +61,14 @@ def smem_bytes(head_dim: int, dtype_bytes: int, kv_stages: int) -> int:
     return TILE_M * head_dim * dtype_bytes + 2 * kv_stages * tile_bytes + TILE_M * TILE_N * 4 + mbarriers
 
 
+def capabilities(kv_stages: int) -> Capabilities:
+    """The head dims whose sQ + kv_stages * (sK + sV) + sS fit in one CTA's SMEM."""
+    fits = tuple(d for d in CAPS.head_dims if smem_bytes(d, 2, kv_stages) <= SMEM_CAPACITY)
+    too_big = [f"d={d} needs {smem_bytes(d, 2, kv_stages) // 1024} KB" for d in CAPS.head_dims if d not in fits]
+    why = f"with {kv_stages} KV stages {', '.join(too_big)} of SMEM (max {SMEM_CAPACITY // 1024} KB)" if too_big else ""
+    return Capabilities(head_dims=fits, sweep_max_seqlen=CAPS.sweep_max_seqlen, why=why)
+
+
 def check_smem(name: str, p: Problem, kv_stages: int) -> None:
     need = smem_bytes(p.head_dim, 2, kv_stages)
     if need > SMEM_CAPACITY:

@@ -43,7 +43,8 @@ from .contract import (
 from .k3 import check_smem, row_major, smem_bytes
 from .tiles import kv_tile_count, unmasked_kv_tile_count
 
-CAPS = Capabilities(head_dims=(32, 64, 96, 128), sweep_max_seqlen=16384)
+CAPS = Capabilities(head_dims=(32, 64, 96, 128), sweep_max_seqlen=16384,
+                    why="d=256 with 5 KV stages needs 368 KB of SMEM (max 227 KB)")
 
 TILE_M = 64
 TILE_N = 64

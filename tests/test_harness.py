@@ -158,3 +158,9 @@ def test_bench_without_gpu_points_to_compile_only(capsys):
     assert bench.main(["k1"]) == 2
     assert "--compile-only" in capsys.readouterr().err
     assert math.isfinite(Problem(1, 1, 1, 64).flops)
+
+
+def test_k3_refuses_head_dims_whose_stages_do_not_fit():
+    assert 256 in get_kernel("k3_1").caps.head_dims
+    with pytest.raises(UnsupportedProblem, match="368 KB of SMEM"):
+        get_kernel("k3_3").compile(Problem(1, 1, 64, 256))
