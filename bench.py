@@ -64,6 +64,8 @@ def compile_only(names, problem) -> int:
         counts = count_instructions(compiled.ptx or "")
         shown = ", ".join(f"{k}={v}" for k, v in counts.items() if v)
         print(f"{name}: PTX {len(compiled.ptx or '')} chars; {shown}")
+        if compiled.info:
+            print(f"    config: {compiled.info}")
         for kern, regs, smem, spill in ptxas_report(compiled.ptx or ""):
             print(f"    {kern[:60]}: registers={regs} static_smem={smem} spill_bytes={spill}")
     return 0

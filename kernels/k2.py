@@ -30,12 +30,12 @@ from .contract import (
     LOG2_E,
     Capabilities,
     CompiledAttention,
-    FakeShapes,
     Problem,
-    compiled_ptx,
     cute_dtype,
-    fake_stream,
+    fake_attention_args,
+    fused_attention,
     jit_compile,
+    run_kernel,  # noqa: F401  (the contract's launch-only entry)
 )
 from .tiles import kv_tile_count, unmasked_kv_tile_count
 
@@ -91,10 +91,7 @@ class K2FMHA:
         simt.load_rows_zero_fill(cute.local_tile(mQ_bh, tile_q, (m_block, 0)), sQ, seqlen - m_block * TILE_M,
                                  tidx, NUM_THREADS)
 
-        row_max = -Float32.inf
-        row_sum = Float32(0.0)
-        acc_o = cute.make_rmem_tensor((self.head_dim // THREADS_PER_ROW,), Float32)
-        acc_o.fill(0.0)
+        row_max, row_sum, acc_o = simt.init_row_state(self.head_dim, THREADS_PER_ROW)
 
         n_tiles = kv_tile_count(m_block, seqlen, TILE_M, TILE_N, self.causal)
         n_unmasked = unmasked_kv_tile_count(m_block, seqlen, TILE_M, TILE_N, self.causal)
@@ -123,21 +120,6 @@ class K2FMHA:
 
 def compile_kernel(p: Problem, *, keep_ptx: bool = False) -> CompiledAttention:
     dt = cute_dtype(p.dtype)
-
-    def build():
-        f = FakeShapes()
-        qkvo = [f.tensor(dt, (p.head_dim,)) for _ in range(4)]
-        args = (*qkvo, f.tensor(Float32, (), 4), Float32(1.0), fake_stream())
-        return K2FMHA(p.head_dim, dt, p.causal), args
-
-    fn = jit_compile(("k2", p.head_dim, p.dtype, p.causal), build, keep_ptx)
-
-    def launch(q, k, v, out, lse):
-        fn(q, k, v, out, lse, p.scale)
-
-    return CompiledAttention("k2", p, launch, ptx=compiled_ptx(fn) if keep_ptx else None,
-                             info={"tile_m": TILE_M, "tile_n": TILE_N, "threads": NUM_THREADS})
-
-
-def run_kernel(compiled: CompiledAttention, q, k, v, out, lse) -> None:
-    compiled.launch(q, k, v, out, lse)
+    fn = jit_compile(("k2", p.head_dim, p.dtype, p.causal),
+                     lambda: (K2FMHA(p.head_dim, dt, p.causal), fake_attention_args(dt, p.head_dim)), keep_ptx)
+    return fused_attention("k2", p, fn, keep_ptx, {"tile_m": TILE_M, "tile_n": TILE_N, "threads": NUM_THREADS})

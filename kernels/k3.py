@@ -29,20 +29,19 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass import Float32
-from cutlass.cute.nvgpu import cpasync
 
 from . import simt, tma_pipeline
 from .contract import (
     LOG2_E,
     Capabilities,
     CompiledAttention,
-    FakeShapes,
     Problem,
     UnsupportedProblem,
-    compiled_ptx,
     cute_dtype,
-    fake_stream,
+    fake_attention_args,
+    fused_attention,
     jit_compile,
+    run_kernel,  # noqa: F401  (the contract's launch-only entry)
 )
 from .tiles import kv_tile_count, unmasked_kv_tile_count
 
@@ -94,11 +93,9 @@ class K3FMHA:
         d = self.head_dim
         sQ_layout = row_major(TILE_M, d)
         sKV_layout = row_major(TILE_N, d, self.kv_stages)
-        tile_layout_kv = cute.select(sKV_layout, mode=[0, 1])  # one stage: what a single TMA writes
-        tma_q, mQ_tma = tma_pipeline.make_tma_load(tma_pipeline.seq_major_view(mQ), cute.select(sQ_layout, mode=[0, 1]),
-                                                   TILE_M, d)
-        tma_k, mK_tma = tma_pipeline.make_tma_load(tma_pipeline.seq_major_view(mK), tile_layout_kv, TILE_N, d)
-        tma_v, mV_tma = tma_pipeline.make_tma_load(tma_pipeline.seq_major_view(mV), tile_layout_kv, TILE_N, d)
+        tma_q, mQ_tma = tma_pipeline.make_tma_load(tma_pipeline.seq_major_view(mQ), sQ_layout, (TILE_M, d))
+        tma_k, mK_tma = tma_pipeline.make_tma_load(tma_pipeline.seq_major_view(mK), sKV_layout, (TILE_N, d))
+        tma_v, mV_tma = tma_pipeline.make_tma_load(tma_pipeline.seq_major_view(mV), sKV_layout, (TILE_N, d))
         batch, nheads, seqlen = mQ.shape[0], mQ.shape[1], mQ.shape[2]
         grid = [cute.ceil_div(seqlen, TILE_M), nheads, batch]
         self.kernel(tma_q, mQ_tma, tma_k, mK_tma, tma_v, mV_tma, mO, mLSE, softmax_scale * LOG2_E,
@@ -118,8 +115,7 @@ class K3FMHA:
         stages = self.kv_stages
 
         if warp_idx == 0:
-            for atom in (tma_q, tma_k, tma_v):
-                cpasync.prefetch_descriptor(atom)
+            tma_pipeline.prefetch_descriptors(tma_q, tma_k, tma_v)
 
         @cute.struct
         class SharedStorage:
@@ -136,38 +132,27 @@ class K3FMHA:
         sV = storage.sV.get_tensor(sKV_layout)
         sS = storage.sS.get_tensor(cute.make_layout((TILE_M, TILE_N), stride=(TILE_N, 1)))
 
-        q_bytes = cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1]))
-        kv_bytes = 2 * cute.size_in_bytes(self.dtype, cute.select(sKV_layout, mode=[0, 1]))
+        q_bytes = tma_pipeline.stage_bytes(self.dtype, sQ_layout)
+        kv_bytes = 2 * tma_pipeline.stage_bytes(self.dtype, sKV_layout)
         pipeline_q, pipeline_kv = tma_pipeline.make_pipelines(
             storage.mbar_q.data_ptr(), storage.mbar_kv.data_ptr(), q_bytes, kv_bytes, stages, NUM_THREADS)
 
-        tQsQ, tQgQ = tma_pipeline.partition_for_tma(tma_q, mQ_tma, sQ, TILE_M, head, batch)
-        tKsK, tKgK = tma_pipeline.partition_for_tma(tma_k, mK_tma, sK, TILE_N, head, batch)
-        tVsV, tVgV = tma_pipeline.partition_for_tma(tma_v, mV_tma, sV, TILE_N, head, batch)
+        tQsQ, tQgQ = tma_pipeline.partition_for_tma(tma_q, mQ_tma, sQ, (TILE_M, self.head_dim), head, batch)
+        tKsK, tKgK = tma_pipeline.partition_for_tma(tma_k, mK_tma, sK, (TILE_N, self.head_dim), head, batch)
+        tVsV, tVgV = tma_pipeline.partition_for_tma(tma_v, mV_tma, sV, (TILE_N, self.head_dim), head, batch)
+        kv_loads = (tma_k, tKgK, tKsK, tma_v, tVgV, tVsV)
 
         n_tiles = kv_tile_count(m_block, seqlen, TILE_M, TILE_N, self.causal)
         n_unmasked = unmasked_kv_tile_count(m_block, seqlen, TILE_M, TILE_N, self.causal)
 
         # ---- prefetch: Q, then the first min(stages, n_tiles) K/V tiles --------------------
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        kv_produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
-        if warp_idx == 0:
-            pipeline_q.producer_acquire(q_state)
-            cute.copy(tma_q, tQgQ[None, m_block], tQsQ[None, 0], tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
-            for _ in cutlass.range(cutlass.min(stages, n_tiles), unroll=1):
-                pipeline_kv.producer_acquire(kv_produce)
-                barrier = pipeline_kv.producer_get_barrier(kv_produce)
-                cute.copy(tma_k, tKgK[None, kv_produce.count], tKsK[None, kv_produce.index], tma_bar_ptr=barrier)
-                cute.copy(tma_v, tVgV[None, kv_produce.count], tVsV[None, kv_produce.index], tma_bar_ptr=barrier)
-                kv_produce.advance()
+        kv_produce = tma_pipeline.prefetch(pipeline_q, (tma_q, tQgQ[None, m_block], tQsQ[None, 0]), pipeline_kv,
+                                           kv_loads, stages, n_tiles, warp_idx)
 
-        row_max = -Float32.inf
-        row_sum = Float32(0.0)
-        acc_o = cute.make_rmem_tensor((self.head_dim // THREADS_PER_ROW,), Float32)
-        acc_o.fill(0.0)
+        row_max, row_sum, acc_o = simt.init_row_state(self.head_dim, THREADS_PER_ROW)
         sQ_tile = sQ[None, None, 0]
 
-        pipeline_q.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
+        tma_pipeline.wait_q(pipeline_q)
         kv_consume = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
         # ---- steady state ---------------------------------------------------------------
         for n_block in cutlass.range(n_tiles, unroll=1):
@@ -182,19 +167,11 @@ class K3FMHA:
             cute.arch.sync_warp()  # the row group's P is complete
             simt.pv_accumulate(sS, sV_tile, acc_o, row, lane, THREADS_PER_ROW)
             # Every lane of the warp is done with this stage (and with its P row, which the
-            # next iteration overwrites); lane 0 then releases the stage for the warp.
+            # next iteration overwrites); lane 0 then releases the stage for the warp, and
+            # warp 0 refills it with tile n_block + stages once all warps have released it.
             cute.arch.sync_warp()
-            pipeline_kv.consumer_release(kv_consume)
-            kv_consume.advance()
-            # Refill the stage just drained with tile n_block + stages. producer_acquire waits
-            # until all warps have released it.
-            if warp_idx == 0:
-                if kv_produce.count < n_tiles:
-                    pipeline_kv.producer_acquire(kv_produce)
-                    barrier = pipeline_kv.producer_get_barrier(kv_produce)
-                    cute.copy(tma_k, tKgK[None, kv_produce.count], tKsK[None, kv_produce.index], tma_bar_ptr=barrier)
-                    cute.copy(tma_v, tVgV[None, kv_produce.count], tVsV[None, kv_produce.index], tma_bar_ptr=barrier)
-                    kv_produce.advance()
+            kv_consume, kv_produce = tma_pipeline.release_and_refill(pipeline_kv, kv_consume, kv_produce, kv_loads,
+                                                                     n_tiles, warp_idx)
 
         simt.store_output_and_lse(acc_o, row_max, row_sum, mO[batch, head, None, None], mLSE[batch, head, None],
                                   q_idx, seqlen, lane, THREADS_PER_ROW)
@@ -203,22 +180,9 @@ class K3FMHA:
 def compile_kernel(p: Problem, *, kv_stages: int = 2, keep_ptx: bool = False) -> CompiledAttention:
     check_smem("K3", p, kv_stages)
     dt = cute_dtype(p.dtype)
-
-    def build():
-        f = FakeShapes()
-        qkvo = [f.tensor(dt, (p.head_dim,)) for _ in range(4)]
-        args = (*qkvo, f.tensor(Float32, (), 4), Float32(1.0), fake_stream())
-        return K3FMHA(p.head_dim, dt, p.causal, kv_stages), args
-
-    fn = jit_compile(("k3", p.head_dim, p.dtype, p.causal, kv_stages), build, keep_ptx)
-
-    def launch(q, k, v, out, lse):
-        fn(q, k, v, out, lse, p.scale)
-
+    fn = jit_compile(("k3", p.head_dim, p.dtype, p.causal, kv_stages),
+                     lambda: (K3FMHA(p.head_dim, dt, p.causal, kv_stages), fake_attention_args(dt, p.head_dim)),
+                     keep_ptx)
     name = {1: "k3_1", 2: "k3_2", 5: "k3_3"}.get(kv_stages, f"k3_s{kv_stages}")
-    return CompiledAttention(name, p, launch, ptx=compiled_ptx(fn) if keep_ptx else None,
-                             info={"kv_stages": kv_stages, "smem_bytes": smem_bytes(p.head_dim, 2, kv_stages)})
-
-
-def run_kernel(compiled: CompiledAttention, q, k, v, out, lse) -> None:
-    compiled.launch(q, k, v, out, lse)
+    return fused_attention(name, p, fn, keep_ptx,
+                           {"kv_stages": kv_stages, "smem_bytes": smem_bytes(p.head_dim, 2, kv_stages)})

@@ -41,20 +41,20 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import warpgroup
 from cutlass.utils import LayoutEnum
 
-from . import sm90
+from . import sm90, tma_pipeline
 from .contract import (
     Capabilities,
     CompiledAttention,
-    FakeShapes,
     Problem,
     UnsupportedProblem,
-    compiled_ptx,
     cute_dtype,
-    fake_stream,
+    fake_attention_args,
+    fused_attention,
     jit_compile,
+    run_kernel,  # noqa: F401  (the contract's launch-only entry)
 )
 from .tiles import kv_tile_count, unmasked_kv_tile_count
 
@@ -96,9 +96,9 @@ class K4FMHA:
         d, dt = self.head_dim, self.dtype
         # TMA-friendly views of the (B, H, N, d) tensors: (N, d, H, B), and V as (d, N, H, B).
         # V's leading mode is now d, so LayoutEnum reads it as MN-major for the PV B operand.
-        mQt = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[2, 3, 1, 0]))
-        mKt = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[2, 3, 1, 0]))
-        mVt = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[3, 2, 1, 0]))
+        mQt = tma_pipeline.seq_major_view(mQ)
+        mKt = tma_pipeline.seq_major_view(mK)
+        mVt = tma_pipeline.head_dim_major_view(mV)
 
         # GEMM-I  S(tile_m, tile_n) = Q(tile_m, d) . K(tile_n, d)^T, both K-major (d contiguous).
         # GEMM-II O(tile_m, d) += P(tile_m, tile_n) . V^T(d, tile_n), P from registers, V MN-major.
@@ -120,9 +120,9 @@ class K4FMHA:
                                                   self.kv_stages)
         sVt_layout = sm90_utils.make_smem_layout_b(v_major, (self.tile_m, d, self.tile_n), dt, self.kv_stages)
 
-        tma_Q, gQ_tma, q_bytes = sm90.make_tma_load(mQt, sQ_layout, (self.tile_m, d))
-        tma_K, gK_tma, k_bytes = sm90.make_tma_load(mKt, sK_layout, (self.tile_n, d))
-        tma_V, gV_tma, v_bytes = sm90.make_tma_load(mVt, sVt_layout, (d, self.tile_n))
+        tma_Q, gQ_tma = tma_pipeline.make_tma_load(mQt, sQ_layout, (self.tile_m, d))
+        tma_K, gK_tma = tma_pipeline.make_tma_load(mKt, sK_layout, (self.tile_n, d))
+        tma_V, gV_tma = tma_pipeline.make_tma_load(mVt, sVt_layout, (d, self.tile_n))
 
         @cute.struct
         class SharedStorage:
@@ -132,7 +132,6 @@ class K4FMHA:
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sVt_layout)], 1024]
 
-        self.q_bytes, self.kv_bytes = q_bytes, k_bytes + v_bytes
         scale_log2 = softmax_scale * sm90.LOG2_E
         grid = (cute.ceil_div(mQ.shape[2], self.tile_m), mQ.shape[1], mQ.shape[0])
         self.kernel(gQ_tma, gK_tma, gV_tma, mO, mLSE, tma_Q, tma_K, tma_V, scale_log2,
@@ -157,14 +156,14 @@ class K4FMHA:
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
 
         if warp_idx == 0:
-            for atom in (tma_Q, tma_K, tma_V):
-                cpasync.prefetch_descriptor(atom)
+            tma_pipeline.prefetch_descriptors(tma_Q, tma_K, tma_V)
 
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(SharedStorage)
-        num_warps = self.num_threads // 32
-        pipe_q = sm90.tma_pipeline(storage.mbar_q.data_ptr(), 1, num_warps, self.q_bytes)
-        pipe_kv = sm90.tma_pipeline(storage.mbar_kv.data_ptr(), stages, num_warps, self.kv_bytes)
+        q_bytes = tma_pipeline.stage_bytes(self.dtype, sQ_layout)
+        kv_bytes = tma_pipeline.stage_bytes(self.dtype, sK_layout) + tma_pipeline.stage_bytes(self.dtype, sVt_layout)
+        pipe_q, pipe_kv = tma_pipeline.make_pipelines(storage.mbar_q.data_ptr(), storage.mbar_kv.data_ptr(),
+                                                      q_bytes, kv_bytes, stages, self.num_threads)
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sVt = storage.sV.get_tensor(sVt_layout.outer, swizzle=sVt_layout.inner)
@@ -173,19 +172,17 @@ class K4FMHA:
         n_unmasked = unmasked_kv_tile_count(m_block, seqlen, tile_m, tile_n, self.causal)
 
         # ---- TMA partitions: one box per tile, indexed by SMEM stage and GMEM tile ----------
-        gQ = cute.local_tile(gQ_tma[None, None, head, batch], (tile_m, d), (m_block, 0))
-        gK = cute.local_tile(gK_tma[None, None, head, batch], (tile_n, d), (None, 0))
-        gVt = cute.local_tile(gV_tma[None, None, head, batch], (d, tile_n), (0, None))
-        tQsQ, tQgQ = sm90.tma_partition(tma_Q, sQ, gQ)
-        tKsK, tKgK = sm90.tma_partition(tma_K, sK, gK)
-        tVsV, tVgV = sm90.tma_partition(tma_V, sVt, gVt)
+        # Q: just this CTA's tile; K, V: every KV tile, indexed when loaded.
+        tQsQ, tQgQ = tma_pipeline.partition_for_tma(tma_Q, gQ_tma, sQ, (tile_m, d), head, batch, coord=(m_block, 0))
+        tKsK, tKgK = tma_pipeline.partition_for_tma(tma_K, gK_tma, sK, (tile_n, d), head, batch)
+        # V^T is viewed (d, seqlen, ...): its KV tiles run along mode 1.
+        tVsV, tVgV = tma_pipeline.partition_for_tma(tma_V, gV_tma, sVt, (d, tile_n), head, batch, coord=(0, None))
+        kv_loads = (tma_K, tKgK, tKsK, tma_V, tVgV, tVsV)
 
         if warp_idx == 0:
-            q_state = sm90.pipe_state(1, Int32(0), producer=True)
-            pipe_q.producer_acquire(q_state)
-            cute.copy(tma_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+            tma_pipeline.load_q(pipe_q, tma_Q, tQgQ, tQsQ)
             for t in cutlass.range(cutlass.min(stages, n_tiles), unroll=1):
-                self.load_kv(t, pipe_kv, tma_K, tma_V, tKgK, tKsK, tVgV, tVsV)
+                tma_pipeline.load_kv_stage(pipe_kv, tma_pipeline.pipe_state(stages, t, producer=True), t, *kv_loads)
 
         # ---- MMA partitions -------------------------------------------------------------
         # Operand descriptors are per warpgroup (the WGMMA is issued by all 128 threads of
@@ -209,9 +206,9 @@ class K4FMHA:
         row_scale = cute.make_rmem_tensor(softmax.num_rows, Float32)
 
         # Q is loaded once and read by every QK GEMM; its stage is never released.
-        pipe_q.consumer_wait(sm90.pipe_state(1, Int32(0), producer=False))
+        tma_pipeline.wait_q(pipe_q)
         # Unmasked tiles first, then the diagonal / seqlen-tail tiles with the masked path.
-        loads = (pipe_kv, tma_K, tma_V, tKgK, tKsK, tVgV, tVsV)
+        loads = (pipe_kv, *kv_loads)
         mmas = (tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O, tScS)
         for j in cutlass.range(n_unmasked, unroll=1):
             self.kv_iteration(j, n_tiles, m_block, seqlen, warp_idx, loads, mmas, softmax, row_scale,
@@ -241,22 +238,13 @@ class K4FMHA:
                     mLSE[batch, head, m_block * tile_m + row] = lse[r]
 
     @cute.jit
-    def load_kv(self, t: Int32, pipe_kv, tma_K, tma_V, tKgK, tKsK, tVgV, tVsV):
-        """Warp 0: arm stage t % stages with the K+V byte count, then launch both copies."""
-        st = sm90.pipe_state(self.kv_stages, t, producer=True)
-        pipe_kv.producer_acquire(st)
-        bar = pipe_kv.producer_get_barrier(st)
-        cute.copy(tma_K, tKgK[None, t], tKsK[None, st.index], tma_bar_ptr=bar)
-        cute.copy(tma_V, tVgV[None, t], tVsV[None, st.index], tma_bar_ptr=bar)
-
-    @cute.jit
     def kv_iteration(self, j: Int32, n_tiles: Int32, m_block: Int32, seqlen: Int32, warp_idx: Int32,
                      loads: tuple, mmas: tuple, softmax: sm90.OnlineSoftmax, row_scale: cute.Tensor,
                      masked: cutlass.Constexpr[bool]):
         """One KV tile: S = QK^T, (mask), softmax on the fragment, O = O*scale + P V."""
-        pipe_kv = loads[0]
+        pipe_kv, *kv_loads = loads
         tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O, tScS = mmas
-        cons = sm90.pipe_state(self.kv_stages, j, producer=False)
+        cons = tma_pipeline.pipe_state(self.kv_stages, j, producer=False)
         pipe_kv.consumer_wait(cons)
         acc_S = cute.make_rmem_tensor(tiled_mma_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
         sm90.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, cons.index], zero_init=True, wg_wait=-1)
@@ -265,7 +253,8 @@ class K4FMHA:
         if warp_idx == 0:
             t = j - self.refill_lag + self.kv_stages
             if j >= self.refill_lag and t < n_tiles:
-                self.load_kv(t, *loads)
+                tma_pipeline.load_kv_stage(pipe_kv, tma_pipeline.pipe_state(self.kv_stages, t, producer=True), t,
+                                           *kv_loads)
         warpgroup.wait_group(0)
         if const_expr(masked):
             sm90.mask_tile(acc_S, tScS, m_block, j, seqlen, self.tile_m, self.tile_n, self.causal)
@@ -294,20 +283,5 @@ def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_wg=None, tile_n=No
             f"K4 config {cfg} at head_dim {p.head_dim} needs {kernel.smem_bytes() // 1024} KB of SMEM "
             f"(limit {SMEM_LIMIT // 1024} KB): use fewer kv_stages or a smaller tile_n")
     key = ("k4", p.head_dim, p.dtype, p.causal, tuple(sorted(cfg.items())))
-
-    def build():
-        f = FakeShapes()
-        args = (f.tensor(dt, (p.head_dim,)), f.tensor(dt, (p.head_dim,)), f.tensor(dt, (p.head_dim,)),
-                f.tensor(dt, (p.head_dim,)), f.tensor(Float32, (), 4), Float32(1.0), fake_stream())
-        return kernel, args
-
-    fn = jit_compile(key, build, keep_ptx)
-
-    def launch(q, k, v, out, lse):
-        fn(q, k, v, out, lse, p.scale)
-
-    return CompiledAttention("k4", p, launch, {}, compiled_ptx(fn) if keep_ptx else None, info=cfg)
-
-
-def run_kernel(compiled: CompiledAttention, q, k, v, out, lse) -> None:
-    compiled.launch(q, k, v, out, lse)
+    fn = jit_compile(key, lambda: (kernel, fake_attention_args(dt, p.head_dim)), keep_ptx)
+    return fused_attention("k4", p, fn, keep_ptx, cfg)

@@ -25,7 +25,7 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32
-from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 from cutlass.utils import LayoutEnum
 
 from . import simt, tma_pipeline
@@ -33,12 +33,12 @@ from .contract import (
     LOG2_E,
     Capabilities,
     CompiledAttention,
-    FakeShapes,
     Problem,
-    compiled_ptx,
     cute_dtype,
-    fake_stream,
+    fake_attention_args,
+    fused_attention,
     jit_compile,
+    run_kernel,  # noqa: F401  (the contract's launch-only entry)
 )
 from .k3 import check_smem, row_major, smem_bytes
 from .tiles import kv_tile_count, unmasked_kv_tile_count
@@ -71,12 +71,9 @@ class K4QKFMHA:
         sQ_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, mma_tiler, self.dtype, 1)
         sK_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, mma_tiler, self.dtype, self.kv_stages)
         sV_layout = row_major(TILE_N, d, self.kv_stages)
-        tma_q, mQ_tma = tma_pipeline.make_tma_load(tma_pipeline.seq_major_view(mQ),
-                                                   cute.slice_(sQ_layout, (None, None, 0)), TILE_M, d)
-        tma_k, mK_tma = tma_pipeline.make_tma_load(tma_pipeline.seq_major_view(mK),
-                                                   cute.slice_(sK_layout, (None, None, 0)), TILE_N, d)
-        tma_v, mV_tma = tma_pipeline.make_tma_load(tma_pipeline.seq_major_view(mV),
-                                                   cute.select(sV_layout, mode=[0, 1]), TILE_N, d)
+        tma_q, mQ_tma = tma_pipeline.make_tma_load(tma_pipeline.seq_major_view(mQ), sQ_layout, (TILE_M, d))
+        tma_k, mK_tma = tma_pipeline.make_tma_load(tma_pipeline.seq_major_view(mK), sK_layout, (TILE_N, d))
+        tma_v, mV_tma = tma_pipeline.make_tma_load(tma_pipeline.seq_major_view(mV), sV_layout, (TILE_N, d))
         batch, nheads, seqlen = mQ.shape[0], mQ.shape[1], mQ.shape[2]
         grid = [cute.ceil_div(seqlen, TILE_M), nheads, batch]
         self.kernel(tma_q, mQ_tma, tma_k, mK_tma, tma_v, mV_tma, mO, mLSE, softmax_scale * LOG2_E, tiled_mma,
@@ -97,8 +94,7 @@ class K4QKFMHA:
         stages = self.kv_stages
 
         if warp_idx == 0:
-            for atom in (tma_q, tma_k, tma_v):
-                cpasync.prefetch_descriptor(atom)
+            tma_pipeline.prefetch_descriptors(tma_q, tma_k, tma_v)
 
         @cute.struct
         class SharedStorage:
@@ -116,15 +112,15 @@ class K4QKFMHA:
         sV = storage.sV.get_tensor(sV_layout)
         sS = storage.sS.get_tensor(cute.make_layout((TILE_M, TILE_N), stride=(TILE_N, 1)))
 
-        q_bytes = cute.size_in_bytes(self.dtype, cute.slice_(sQ_layout, (None, None, 0)))
-        kv_bytes = (cute.size_in_bytes(self.dtype, cute.slice_(sK_layout, (None, None, 0)))
-                    + cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1])))
+        q_bytes = tma_pipeline.stage_bytes(self.dtype, sQ_layout)
+        kv_bytes = tma_pipeline.stage_bytes(self.dtype, sK_layout) + tma_pipeline.stage_bytes(self.dtype, sV_layout)
         pipeline_q, pipeline_kv = tma_pipeline.make_pipelines(
             storage.mbar_q.data_ptr(), storage.mbar_kv.data_ptr(), q_bytes, kv_bytes, stages, NUM_THREADS)
 
-        tQsQ, tQgQ = tma_pipeline.partition_for_tma(tma_q, mQ_tma, sQ, TILE_M, head, batch)
-        tKsK, tKgK = tma_pipeline.partition_for_tma(tma_k, mK_tma, sK, TILE_N, head, batch)
-        tVsV, tVgV = tma_pipeline.partition_for_tma(tma_v, mV_tma, sV, TILE_N, head, batch)
+        tQsQ, tQgQ = tma_pipeline.partition_for_tma(tma_q, mQ_tma, sQ, (TILE_M, self.head_dim), head, batch)
+        tKsK, tKgK = tma_pipeline.partition_for_tma(tma_k, mK_tma, sK, (TILE_N, self.head_dim), head, batch)
+        tVsV, tVgV = tma_pipeline.partition_for_tma(tma_v, mV_tma, sV, (TILE_N, self.head_dim), head, batch)
+        kv_loads = (tma_k, tKgK, tKsK, tma_v, tVgV, tVsV)
 
         # WGMMA operands as SMEM descriptors; tSrQ (MMA, 1, d/16, 1), tSrK (MMA, 1, d/16, stages).
         thr_mma = tiled_mma.get_slice(tidx)
@@ -138,24 +134,12 @@ class K4QKFMHA:
         n_unmasked = unmasked_kv_tile_count(m_block, seqlen, TILE_M, TILE_N, self.causal)
 
         # ---- prefetch (as K3) ------------------------------------------------------------
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        kv_produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
-        if warp_idx == 0:
-            pipeline_q.producer_acquire(q_state)
-            cute.copy(tma_q, tQgQ[None, m_block], tQsQ[None, 0], tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
-            for _ in cutlass.range(cutlass.min(stages, n_tiles), unroll=1):
-                pipeline_kv.producer_acquire(kv_produce)
-                barrier = pipeline_kv.producer_get_barrier(kv_produce)
-                cute.copy(tma_k, tKgK[None, kv_produce.count], tKsK[None, kv_produce.index], tma_bar_ptr=barrier)
-                cute.copy(tma_v, tVgV[None, kv_produce.count], tVsV[None, kv_produce.index], tma_bar_ptr=barrier)
-                kv_produce.advance()
+        kv_produce = tma_pipeline.prefetch(pipeline_q, (tma_q, tQgQ[None, m_block], tQsQ[None, 0]), pipeline_kv,
+                                           kv_loads, stages, n_tiles, warp_idx)
 
-        row_max = -Float32.inf
-        row_sum = Float32(0.0)
-        acc_o = cute.make_rmem_tensor((self.head_dim // THREADS_PER_ROW,), Float32)
-        acc_o.fill(0.0)
+        row_max, row_sum, acc_o = simt.init_row_state(self.head_dim, THREADS_PER_ROW)
 
-        pipeline_q.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
+        tma_pipeline.wait_q(pipeline_q)
         kv_consume = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
         # ---- steady state ------------------------------------------------------------------
         for n_block in cutlass.range(n_tiles, unroll=1):
@@ -185,16 +169,9 @@ class K4QKFMHA:
             row_max, row_sum = simt.online_softmax_step(sS, row, lane, row_max, row_sum, acc_o, THREADS_PER_ROW)
             cute.arch.sync_warp()  # the row group's P is complete
             simt.pv_accumulate(sS, sV[None, None, stage], acc_o, row, lane, THREADS_PER_ROW)
-            cute.arch.sync_warp()
-            pipeline_kv.consumer_release(kv_consume)
-            kv_consume.advance()
-            if warp_idx == 0:
-                if kv_produce.count < n_tiles:
-                    pipeline_kv.producer_acquire(kv_produce)
-                    barrier = pipeline_kv.producer_get_barrier(kv_produce)
-                    cute.copy(tma_k, tKgK[None, kv_produce.count], tKsK[None, kv_produce.index], tma_bar_ptr=barrier)
-                    cute.copy(tma_v, tVgV[None, kv_produce.count], tVsV[None, kv_produce.index], tma_bar_ptr=barrier)
-                    kv_produce.advance()
+            cute.arch.sync_warp()  # as K3: the warp is done with this stage
+            kv_consume, kv_produce = tma_pipeline.release_and_refill(pipeline_kv, kv_consume, kv_produce, kv_loads,
+                                                                     n_tiles, warp_idx)
 
         simt.store_output_and_lse(acc_o, row_max, row_sum, mO[batch, head, None, None], mLSE[batch, head, None],
                                   q_idx, seqlen, lane, THREADS_PER_ROW)
@@ -203,21 +180,7 @@ class K4QKFMHA:
 def compile_kernel(p: Problem, *, keep_ptx: bool = False) -> CompiledAttention:
     check_smem("K4.1", p, KV_STAGES)
     dt = cute_dtype(p.dtype)
-
-    def build():
-        f = FakeShapes()
-        qkvo = [f.tensor(dt, (p.head_dim,)) for _ in range(4)]
-        args = (*qkvo, f.tensor(Float32, (), 4), Float32(1.0), fake_stream())
-        return K4QKFMHA(p.head_dim, dt, p.causal), args
-
-    fn = jit_compile(("k4_qk", p.head_dim, p.dtype, p.causal), build, keep_ptx)
-
-    def launch(q, k, v, out, lse):
-        fn(q, k, v, out, lse, p.scale)
-
-    return CompiledAttention("k4_qk", p, launch, ptx=compiled_ptx(fn) if keep_ptx else None,
-                             info={"kv_stages": KV_STAGES, "smem_bytes": smem_bytes(p.head_dim, 2, KV_STAGES)})
-
-
-def run_kernel(compiled: CompiledAttention, q, k, v, out, lse) -> None:
-    compiled.launch(q, k, v, out, lse)
+    fn = jit_compile(("k4_qk", p.head_dim, p.dtype, p.causal),
+                     lambda: (K4QKFMHA(p.head_dim, dt, p.causal), fake_attention_args(dt, p.head_dim)), keep_ptx)
+    return fused_attention("k4_qk", p, fn, keep_ptx,
+                           {"kv_stages": KV_STAGES, "smem_bytes": smem_bytes(p.head_dim, 2, KV_STAGES)})

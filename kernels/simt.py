@@ -98,6 +98,15 @@ def row_group_reduce(val: Float32, op: cutlass.Constexpr, threads_per_row: cutla
     return val
 
 
+def init_row_state(head_dim: int, threads_per_row: int):
+    """The FA2 running state of one row group before its first KV tile: row max -inf, row sum
+    0, and this thread's d / threads_per_row unnormalized output columns at 0.
+    Returns (row_max, row_sum, acc_o)."""
+    acc_o = cute.make_rmem_tensor((head_dim // threads_per_row,), Float32)
+    acc_o.fill(0.0)
+    return -Float32.inf, Float32(0.0), acc_o
+
+
 @cute.jit
 def online_softmax_step(sS: cute.Tensor, row: Int32, lane: Int32, row_max: Float32, row_sum: Float32,
                         acc_o: cute.Tensor, threads_per_row: cutlass.Constexpr):

@@ -11,7 +11,8 @@ helpers below name that pattern so kernels can work on it without an SMEM round 
 * ``OnlineSoftmax``      the FA2 online softmax, run directly on a C fragment
 * ``mask_tile``          seqlen / causal masking via an identity-tensor coordinate probe
 * ``gemm``               issue one tile's WGMMAs (fence, k-loop, commit, optional wait)
-* ``make_tma_load`` / ``tma_pipeline`` / ``pipe_state``   TMA atoms and mbarrier pipelines
+
+TMA descriptors, views and mbarrier pipelines live in ``kernels/tma_pipeline.py``.
 """
 
 from __future__ import annotations
@@ -21,8 +22,7 @@ import math
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
-from cutlass import pipeline
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass._mlir.dialects import llvm
 
@@ -253,42 +253,3 @@ def gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cu
     warpgroup.commit_group()
     if const_expr(wg_wait >= 0):
         warpgroup.wait_group(wg_wait)
-
-
-# --------------------------------------------------------------------------------------
-# TMA and pipelines
-# --------------------------------------------------------------------------------------
-
-def make_tma_load(gmem: cute.Tensor, smem_layout, tile: tuple):
-    """TMA atom for one (staged) SMEM buffer: the box is the first two modes of smem_layout."""
-    one_stage = cute.select(smem_layout, mode=[0, 1])
-    atom, tma_tensor = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), gmem, one_stage, tile)
-    return atom, tma_tensor, cute.size_in_bytes(gmem.element_type, one_stage)
-
-
-def tma_partition(atom, sX: cute.Tensor, gX: cute.Tensor):
-    """(TMA box, stage) view of SMEM and (TMA box, tile) view of GMEM for one CTA, no multicast."""
-    return cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2))
-
-
-def tma_pipeline(barriers, num_stages: int, consumer_warps: int, tx_bytes: int):
-    """Full/empty mbarrier pairs per stage. One elected producer thread arms a stage with the
-    expected byte count; the TMA engine completes it; lane 0 of each consumer warp releases it."""
-    return pipeline.PipelineTmaAsync.create(
-        barrier_storage=barriers,
-        num_stages=num_stages,
-        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_warps),
-        tx_count=tx_bytes,
-    )
-
-
-def pipe_state(stages: int, t: Int32, producer: bool) -> pipeline.PipelineState:
-    """Pipeline position of the t-th tile, computed instead of carried through the loop.
-
-    Stage t % stages; the phase flips every full lap. Producers start on phase 1 so that
-    their first lap passes the (initially "empty") barriers without waiting.
-    """
-    lap_parity = (t // stages) % 2
-    phase = lap_parity ^ 1 if producer else lap_parity
-    return pipeline.PipelineState(stages, t, t % stages, phase)

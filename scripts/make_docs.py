@@ -79,6 +79,21 @@ def family_table(sweep, kernels):
     return note + "\n\n" + markdown_table(header, body)
 
 
+def k3_depth_table(sweep):
+    """docs/k3.md: the three pipeline depths side by side, as ratios to one stage."""
+    rows = sweep_rows(sweep)
+    body = []
+    for d in sorted({r["head_dim"] for r in sweep["rows"]}):
+        for c in (0, 1):
+            for n in sorted({r["seqlen"] for r in sweep["rows"]}):
+                t = [tflops_at(rows, k, n, d, c) for k in ("k3_1", "k3_2", "k3_3")]
+                if t[0]:
+                    ratios = [f"{x / t[0]:.3f}" if x else "—" for x in t[1:]]
+                    body.append([d, c, n] + [fmt(x) for x in t] + ratios)
+    header = ["d", "causal", "N", "k3_1", "k3_2", "k3_3", "k3_2 / k3_1", "k3_3 / k3_1"]
+    return "Pipeline depth, TFLOP/s from the same sweep:\n\n" + markdown_table(header, body)
+
+
 def refcheck_table(refcheck, kernels):
     gpu = gpu_short_name(refcheck["meta"].get("device", ""))
     header = ["kernel", "dtype", "d", "causal", "seqlen", "max_abs", "rel_l2", "lse err", "result"]
@@ -158,6 +173,8 @@ def main(argv=None):
         text = page.read_text()
         if sweep and "<!-- table:sweep -->" in text:
             text = replace_block(text, "sweep", family_table(sweep, kernels))
+        if sweep and "<!-- table:k3depths -->" in text:
+            text = replace_block(text, "k3depths", k3_depth_table(sweep))
         if refcheck and "<!-- table:refcheck -->" in text:
             text = replace_block(text, "refcheck", refcheck_table(refcheck, kernels))
         page.write_text(text)

@@ -78,3 +78,11 @@ def test_k4_uses_wgmma_for_both_gemms():
     wgmmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.(?:bf16|f16)\.(?:bf16|f16)\s+\{[^}]*\},\s*(\{|%rd)", ptx)
     assert "{" in wgmmas, "no WGMMA with A from registers (the PV GEMM)"
     assert "%rd" in wgmmas, "no WGMMA with A from SMEM (the QK GEMM)"
+
+
+@pytest.mark.skipif("k3_3" not in kernel_names(), reason="k3 not built yet")
+def test_k3_pipeline_depth_shows_in_mbarriers():
+    # Q's full/empty pair plus one full/empty pair per KV stage.
+    counts = [len(re.findall(r"\bmbarrier\.init\.", get_kernel(n).compile(Problem(1, 1, 128, 64), keep_ptx=True).ptx))
+              for n in ("k3_1", "k3_2", "k3_3")]
+    assert counts[0] < counts[1] < counts[2], counts

@@ -54,3 +54,9 @@ def test_tune_table_marks_seed_and_default():
     assert "| 128 | num_wg=1, tile_n=64 (seed) | 300.0 | 250.0 |" in table
     assert "| 128 | **num_wg=2, tile_n=128 (default)** | 560.0 | 520.0 |" in table
     assert "| 128 | *fa4* | 640.0 | — |" in table
+
+
+def test_k3_depth_table_gives_ratios_to_one_stage():
+    sweep = {"meta": {}, "rows": [row("k3_1", 1024, 0, 10.0), row("k3_2", 1024, 0, 10.5), row("k3_3", 1024, 0, 9.0)]}
+    table = make_docs.k3_depth_table(sweep)
+    assert "| 128 | 0 | 1024 | 10.0 | 10.5 | 9.0 | 1.050 | 0.900 |" in table
