@@ -78,7 +78,7 @@ class K2FMHA:
             sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, TILE_N * self.head_dim], 128]
             sS: cute.struct.Align[cute.struct.MemRange[Float32, TILE_M * TILE_N], 128]
 
-        storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
+        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         sQ = storage.sQ.get_tensor(cute.make_layout((TILE_M, self.head_dim), stride=(self.head_dim, 1)))
         sKV = storage.sKV.get_tensor(cute.make_layout((TILE_N, self.head_dim), stride=(self.head_dim, 1)))
         sS = storage.sS.get_tensor(cute.make_layout((TILE_M, TILE_N), stride=(TILE_N, 1)))

@@ -41,8 +41,8 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
-from cutlass.cute.nvgpu import warpgroup
-from cutlass.utils import LayoutEnum
+from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+from cutlass.tensor_utils import LayoutEnum
 
 from . import sm90, tma_pipeline
 from .contract import (
@@ -104,11 +104,11 @@ class K4FMHA:
         # GEMM-II O(tile_m, d) += P(tile_m, tile_n) . V^T(d, tile_n), P from registers, V MN-major.
         # atom_layout (num_wg, 1, 1): warpgroup w owns rows [64w, 64w+64) of both.
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
-            dt, dt, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
+            dt, dt, OperandMajorMode.K, OperandMajorMode.K, Float32,
             atom_layout_mnk=(self.num_wg, 1, 1), tiler_mn=(64, self.tile_n))
         v_major = LayoutEnum.from_tensor(mVt)
         tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
-            dt, dt, warpgroup.OperandMajorMode.K, v_major.sm90_mma_major_mode(), Float32,
+            dt, dt, OperandMajorMode.K, v_major.sm90_mma_major_mode(), Float32,
             atom_layout_mnk=(self.num_wg, 1, 1), tiler_mn=(64, d), a_source=warpgroup.OperandSource.RMEM)
 
         # Swizzled SMEM: the layout atom (128B swizzle for 64 bf16 along the contiguous axis)
@@ -158,7 +158,7 @@ class K4FMHA:
         if warp_idx == 0:
             tma_pipeline.prefetch_descriptors(tma_Q, tma_K, tma_V)
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
         q_bytes = tma_pipeline.stage_bytes(self.dtype, sQ_layout)
         kv_bytes = tma_pipeline.stage_bytes(self.dtype, sK_layout) + tma_pipeline.stage_bytes(self.dtype, sVt_layout)
