@@ -61,10 +61,16 @@ def random_inputs(p: Problem, device="cuda", seed=None):
     return tuple(torch.randn(shape, generator=gen, device=device, dtype=torch_dtype(p.dtype)) for _ in range(3))
 
 
-def poisoned_outputs(p: Problem, device="cuda"):
-    """O and LSE filled with NaN, so any element a kernel fails to write fails the check."""
+def empty_outputs(p: Problem, device="cuda"):
+    """Uninitialized O (the input dtype) and LSE (float32): every kernel writes all of both."""
     import torch
 
-    out = torch.full((p.batch, p.nheads, p.seqlen, p.head_dim), float("nan"), device=device, dtype=torch_dtype(p.dtype))
-    lse = torch.full((p.batch, p.nheads, p.seqlen), float("nan"), device=device, dtype=torch.float32)
+    out = torch.empty((p.batch, p.nheads, p.seqlen, p.head_dim), device=device, dtype=torch_dtype(p.dtype))
+    lse = torch.empty((p.batch, p.nheads, p.seqlen), device=device, dtype=torch.float32)
     return out, lse
+
+
+def poisoned_outputs(p: Problem, device="cuda"):
+    """O and LSE filled with NaN, so any element a kernel fails to write fails the check."""
+    out, lse = empty_outputs(p, device)
+    return out.fill_(float("nan")), lse.fill_(float("nan"))

@@ -60,3 +60,9 @@ def test_k3_depth_table_gives_ratios_to_one_stage():
     sweep = {"meta": {}, "rows": [row("k3_1", 1024, 0, 10.0), row("k3_2", 1024, 0, 10.5), row("k3_3", 1024, 0, 9.0)]}
     table = make_docs.k3_depth_table(sweep)
     assert "| 128 | 0 | 1024 | 10.0 | 10.5 | 9.0 | 1.050 | 0.900 |" in table
+
+
+def test_ci_runs_the_readme_test_command():
+    root = Path(__file__).parent.parent
+    ci_cmd = [line for line in (root / ".ci" / "run").read_text().splitlines() if "pytest" in line and not line.startswith("#")]
+    assert len(ci_cmd) == 1 and ci_cmd[0] in (root / "README.md").read_text()
