@@ -14,7 +14,9 @@ _CACHE_SIZE = 8  # K1's compiled problems hold an S buffer each: keep few
 
 def compiled_for(name: str, problem):
     """Compile (or reuse) kernel ``name`` for ``problem``; the JIT itself is cached per
-    compile-time key inside ``kernels.contract.jit_compile``."""
+    compile-time key inside ``kernels.contract.jit_compile``. The scale is a launch argument,
+    so problems differing only in scale share one entry (and K1 one S buffer)."""
+    problem = problem.with_(softmax_scale=None)
     key = (name, problem)
     if key in _CACHE:
         _CACHE.move_to_end(key)
@@ -34,10 +36,14 @@ def attention(name: str, q, k, v, causal: bool = False, softmax_scale=None, retu
     log-sum-exp of the scaled scores when ``return_lse``. Unsupported inputs raise
     ``kernels.UnsupportedProblem`` naming the constraint.
     """
+    import torch
+
     problem = problem_from_tensors(q, k, v, causal, softmax_scale)
     entry = get_kernel(name)
     entry.caps.check(problem, want_lse=return_lse)
-    compiled = compiled_for(name, problem)
-    out, lse = empty_outputs(problem, device=q.device)  # the checks poison; a caller needs no fill
-    entry.run(compiled, q, k, v, out, lse)
+    entry.caps.check_device(torch.cuda.get_device_capability(q.device))
+    with torch.cuda.device(q.device):  # compile-time buffers and the launch follow the inputs
+        compiled = compiled_for(name, problem)
+        out, lse = empty_outputs(problem, device=q.device)  # the checks poison; a caller needs no fill
+        entry.run(compiled, q, k, v, out, lse, problem.scale)
     return (out, lse) if return_lse else out

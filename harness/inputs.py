@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from kernels.contract import Problem, UnsupportedProblem
-
-TORCH_DTYPES = {"bfloat16", "float16"}
+from kernels.contract import DTYPES, Problem, UnsupportedProblem
 
 
 def torch_dtype(name: str):
@@ -16,7 +14,8 @@ def torch_dtype(name: str):
 def problem_from_tensors(q, k, v, causal: bool, softmax_scale=None) -> Problem:
     """Check q, k, v against the SDPA-layout contract and describe them as a Problem.
 
-    Every refusal names the constraint, so a caller never sees a crash or a silent wrong answer.
+    Every refusal names the constraint; the kernel's own limits (head dim, grid, GPU) are
+    checked next, by its Capabilities, before anything is compiled or launched.
     """
     import torch
 
@@ -25,6 +24,9 @@ def problem_from_tensors(q, k, v, causal: bool, softmax_scale=None) -> Problem:
             raise UnsupportedProblem(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
             raise UnsupportedProblem(f"{name} must be 4-D (batch, heads, seqlen, head_dim), got shape {tuple(t.shape)}")
+        if t.requires_grad:
+            raise UnsupportedProblem(f"{name} requires grad: these kernels are forward-only (no autograd); "
+                                     "pass a tensor detached from the graph")
         if t.stride(-1) != 1:
             raise UnsupportedProblem(f"{name} must have a contiguous last dim (stride 1), got strides {t.stride()}")
         if any(s % 8 for s in t.stride()[:-1]) or t.data_ptr() % 16:
@@ -35,7 +37,7 @@ def problem_from_tensors(q, k, v, causal: bool, softmax_scale=None) -> Problem:
     if not (q.dtype == k.dtype == v.dtype):
         raise UnsupportedProblem(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     dtype = str(q.dtype).replace("torch.", "")
-    if dtype not in TORCH_DTYPES:
+    if dtype not in DTYPES:
         raise UnsupportedProblem(f"dtype must be bfloat16 or float16, got {q.dtype}")
     if not (q.device == k.device == v.device):
         raise UnsupportedProblem(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")

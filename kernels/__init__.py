@@ -43,8 +43,8 @@ class KernelEntry:
         self.caps.check(problem)
         return self.load().compile_kernel(problem, **self.variant, **kw)
 
-    def run(self, compiled: CompiledAttention, q, k, v, out, lse) -> None:
-        self.load().run_kernel(compiled, q, k, v, out, lse)
+    def run(self, compiled: CompiledAttention, q, k, v, out, lse, softmax_scale=None) -> None:
+        self.load().run_kernel(compiled, q, k, v, out, lse, softmax_scale)
 
 
 _ENTRIES = [

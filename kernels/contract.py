@@ -11,7 +11,7 @@ A kernel module ``kernels/<name>.py`` exposes three things:
     variant) and allocates any scratch buffers the problem needs (K1's score matrix).
     Compilation uses fake tensors with symbolic batch/heads/seqlen, so it works without a
     GPU (set ``CUTE_DSL_ARCH=sm_90a``) and one compiled function serves every seqlen.
-``run_kernel(compiled, q, k, v, out, lse) -> None``
+``run_kernel(compiled, q, k, v, out, lse, softmax_scale=None) -> None``
     only launches, on the current torch stream. Timings wrap this call and never include JIT.
 
 Tensors use the SDPA layout ``(batch, heads, seqlen, head_dim)`` with a contiguous last dim;
@@ -27,6 +27,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
 DTYPES = ("bfloat16", "float16")
+LOG2_E = math.log2(math.e)  # exp(x) == exp2(x * LOG2_E): the kernels fold it into the scale
+LN_2 = math.log(2.0)  # natural-log LSE from a log2-domain max: m * LN_2 + ln(l)
+SMEM_CAPACITY = 227 * 1024  # H100 / H200: the most dynamic SMEM one CTA can opt into
+GRID_YZ_LIMIT = 65535  # gridDim.y and gridDim.z (heads and batch in the fused kernels)
+HOPPER = ((9, 0),)
+# Kernels with no Hopper-only instruction (K1, K2) may run on these; they are tested on Hopper only.
+AMPERE_AND_LATER = ((8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0))
 
 
 class UnsupportedProblem(ValueError):
@@ -52,6 +59,10 @@ class Problem:
                 raise UnsupportedProblem(f"{name} must be a positive integer, got {value!r}")
         if self.dtype not in DTYPES:
             raise UnsupportedProblem(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.softmax_scale is not None:
+            if not isinstance(self.softmax_scale, (int, float)) or isinstance(self.softmax_scale, bool) \
+                    or not math.isfinite(self.softmax_scale) or self.softmax_scale <= 0:
+                raise UnsupportedProblem(f"softmax_scale must be a finite number > 0, got {self.softmax_scale!r}")
 
     @property
     def scale(self) -> float:
@@ -80,6 +91,10 @@ class Capabilities:
     sweep_max_seqlen: Optional[int] = None
     # Why the lists above are what they are (an SMEM budget, say): appended to refusals.
     why: str = ""
+    # K1 folds batch*heads into one grid dimension; the fused kernels use one each.
+    folds_batch_heads: bool = False
+    # Compute capabilities the kernel's instructions exist on (TMA, WGMMA: Hopper only).
+    archs: tuple = HOPPER
 
     def check(self, p: Problem, want_lse: bool = False) -> None:
         if p.head_dim not in self.head_dims:
@@ -93,6 +108,18 @@ class Capabilities:
             raise UnsupportedProblem("this kernel does not produce the log-sum-exp (LSE)")
         if self.max_seqlen is not None and p.seqlen > self.max_seqlen:
             raise UnsupportedProblem(f"seqlen {p.seqlen} exceeds this kernel's limit of {self.max_seqlen}")
+        if self.folds_batch_heads and p.batch * p.nheads > GRID_YZ_LIMIT:
+            raise UnsupportedProblem(f"batch*heads = {p.batch * p.nheads} exceeds the grid limit {GRID_YZ_LIMIT}")
+        for name in ("batch", "nheads"):
+            if getattr(p, name) > GRID_YZ_LIMIT:
+                raise UnsupportedProblem(f"{name} = {getattr(p, name)} exceeds the grid limit {GRID_YZ_LIMIT}")
+
+    def check_device(self, capability: tuple) -> None:
+        """Refuse a GPU whose compute capability lacks the kernel's instructions."""
+        if tuple(capability) not in self.archs:
+            names = ", ".join(f"sm_{a}{b}" for a, b in self.archs)
+            raise UnsupportedProblem(
+                f"this kernel is built for {names} (H100/H200); the GPU is sm_{capability[0]}{capability[1]}")
 
 
 @dataclass
@@ -202,15 +229,20 @@ def fake_attention_args(dtype, head_dim: int) -> tuple:
 def fused_attention(name: str, p: Problem, fn, keep_ptx: bool, info: Optional[dict] = None) -> CompiledAttention:
     """Bind a compiled single-launch kernel (every stage after K1) to one problem."""
 
-    def launch(q, k, v, out, lse):
-        fn(q, k, v, out, lse, p.scale)
+    def launch(q, k, v, out, lse, softmax_scale):
+        fn(q, k, v, out, lse, softmax_scale)
 
     return CompiledAttention(name, p, launch, {}, compiled_ptx(fn) if keep_ptx else None, info or {})
 
 
-def run_kernel(compiled: CompiledAttention, q, k, v, out, lse) -> None:
-    """The contract's launch-only entry; every stage's ``run_kernel`` is this one."""
-    compiled.launch(q, k, v, out, lse)
+def run_kernel(compiled: CompiledAttention, q, k, v, out, lse, softmax_scale: Optional[float] = None) -> None:
+    """The contract's launch-only entry; every stage's ``run_kernel`` is this one.
+
+    The scale is a runtime argument of every kernel, so one compiled problem serves any
+    scale; it defaults to the problem's own.
+    """
+    scale = compiled.problem.scale if softmax_scale is None else softmax_scale
+    compiled.launch(q, k, v, out, lse, scale)
 
 
 def compiled_ptx(compiled) -> Optional[str]:
@@ -220,4 +252,3 @@ def compiled_ptx(compiled) -> Optional[str]:
         return None
 
 
-LOG2_E = math.log2(math.e)

@@ -19,6 +19,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from .contract import (
+    AMPERE_AND_LATER,
     Capabilities,
     CompiledAttention,
     FakeShapes,
@@ -31,7 +32,9 @@ from .contract import (
     run_kernel,  # noqa: F401  (the contract's launch-only entry)
 )
 
-CAPS = Capabilities(head_dims=(32, 64, 96, 128, 256), sweep_max_seqlen=4096)
+# Plain loads and stores run on any CUDA GPU the DSL targets; batch*heads shares one grid dim.
+CAPS = Capabilities(head_dims=(32, 64, 96, 128, 256), sweep_max_seqlen=4096, folds_batch_heads=True,
+                    archs=AMPERE_AND_LATER)
 
 TILE = 16  # score/output kernels: 16x16 threads per block
 ROWS_PER_BLOCK = 256  # softmax kernel: one thread per row
@@ -162,12 +165,15 @@ def compile_kernel(p: Problem, *, keep_ptx: bool = False) -> CompiledAttention:
     import torch
 
     if torch.cuda.is_available():  # a CPU-only compile (tests, --compile-only) allocates nothing
+        # On the current device, which the harness sets to the inputs' device. One S per compiled
+        # problem: two streams running the same compiled K1 at once would share it.
         check_s_fits(p, torch.cuda.mem_get_info()[0])
-        buffers["S"] = torch.empty((p.batch, p.nheads, p.seqlen, p.seqlen), dtype=torch.float32, device="cuda")
+        buffers["S"] = torch.empty((p.batch, p.nheads, p.seqlen, p.seqlen), dtype=torch.float32,
+                                   device=torch.cuda.current_device())
 
-    def launch(q, k, v, out, lse):
+    def launch(q, k, v, out, lse, softmax_scale):
         S = buffers["S"]
-        score(q, k, S, p.scale)
+        score(q, k, S, softmax_scale)
         softmax(S, lse)
         output(S, v, out)
 

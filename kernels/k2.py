@@ -27,6 +27,7 @@ from cutlass import Float32
 
 from . import simt
 from .contract import (
+    AMPERE_AND_LATER,
     LOG2_E,
     Capabilities,
     CompiledAttention,
@@ -40,7 +41,7 @@ from .contract import (
 from .tiles import kv_tile_count, unmasked_kv_tile_count
 
 # SMEM at d=256: sQ 32 KB + sKV 32 KB + sS 16 KB = 80 KB, well inside 227 KB.
-CAPS = Capabilities(head_dims=(32, 64, 96, 128, 256), sweep_max_seqlen=8192)
+CAPS = Capabilities(head_dims=(32, 64, 96, 128, 256), sweep_max_seqlen=8192, archs=AMPERE_AND_LATER)
 
 TILE_M = 64  # Br: query rows per CTA
 TILE_N = 64  # Bc: keys per KV tile
