@@ -66,8 +66,8 @@ def compile_only(names, problem) -> int:
         print(f"{name}: PTX {len(compiled.ptx or '')} chars; {shown}")
         if compiled.info:
             print(f"    config: {compiled.info}")
-        for kern, regs, smem, spill in ptxas_report(compiled.ptx or ""):
-            print(f"    {kern[:60]}: registers={regs} static_smem={smem} spill_bytes={spill}")
+        for kern, regs, _static_smem, spill in ptxas_report(compiled.ptx or ""):
+            print(f"    {kern[:60]}: registers={regs} spill_bytes={spill}")
     return 0
 
 
@@ -86,8 +86,10 @@ def time_one(name, problem, q, k, v):
     except UnsupportedProblem as e:
         return None, f"refused: {e}"
     out, lse = poisoned_outputs(problem)
-    ms = benchmark(lambda: entry.run(compiled, q, k, v, out, lse))
-    torch.cuda.synchronize()
+    ms = benchmark(lambda: entry.run(compiled, q, k, v, out, lse, problem.scale))
+    # The outputs started as NaN: a launch that silently did nothing must not be reported as fast.
+    if not (torch.isfinite(out).all() and torch.isfinite(lse).all()):
+        return None, "failed: the timed launches left outputs unwritten or non-finite"
     return ms, "ok"
 
 
@@ -172,7 +174,7 @@ def main(argv=None) -> int:
         print_rows(rows)
         all_rows += rows
     if args.out:
-        path = results.write(args.out, all_rows, "python bench.py " + " ".join(argv if argv is not None else sys.argv[1:]))
+        path = results.write(args.out, all_rows, results.command_line("bench.py", argv))
         print(f"\nwrote {path}")
     return 0
 

@@ -1,5 +1,6 @@
 """What a compiled kernel contains: counts of the PTX instructions each stage is about, and
-(when ``ptxas`` is on PATH) registers, shared memory and spills per kernel."""
+(when ``ptxas`` is on PATH) registers and spills per kernel. The kernels allocate their SMEM
+dynamically, so its size is not in the PTX: each kernel reports its own in ``compiled.info``."""
 
 from __future__ import annotations
 
@@ -28,10 +29,6 @@ INSTRUCTIONS = {
 
 def count_instructions(ptx: str) -> dict:
     return {name: len(re.findall(rx, ptx)) for name, rx in INSTRUCTIONS.items()}
-
-
-def static_smem_bytes(ptx: str) -> int:
-    return sum(int(n) for n in re.findall(r"\.shared\s+\.align\s+\d+\s+\.b8\s+\S+\[(\d+)\]", ptx))
 
 
 def split_modules(ptx: str) -> list:

@@ -30,6 +30,21 @@ def environment() -> dict:
     return meta
 
 
+WORKLOAD_ENV = ("SEQLEN", "HEADDIM", "CAUSAL", "BATCH", "NHEADS", "DTYPE", "CHECK")
+
+
+def command_line(script: str, argv=None) -> str:
+    """The command as it can be rerun: workload environment variables that were set, then the
+    script and its arguments."""
+    import os
+    import shlex
+    import sys
+
+    env = [f"{k}={shlex.quote(os.environ[k])}" for k in WORKLOAD_ENV if k in os.environ]
+    args = list(argv) if argv is not None else sys.argv[1:]
+    return " ".join(env + ["python", script] + [shlex.quote(a) for a in args])
+
+
 def gpu_short_name(device: str) -> str:
     m = re.search(r"(H100|H200|H20|A100|B200|GH200)", device or "")
     return m.group(1) if m else (device or "unknown")

@@ -35,6 +35,7 @@ from .contract import (
     LOG2_E,
     Capabilities,
     CompiledAttention,
+    SMEM_CAPACITY,
     Problem,
     UnsupportedProblem,
     cute_dtype,
@@ -51,25 +52,32 @@ TILE_M = 64
 TILE_N = 64
 THREADS_PER_ROW = 4
 NUM_THREADS = TILE_M * THREADS_PER_ROW  # 256
-SMEM_CAPACITY = 227 * 1024  # H100 / H200 opt-in max per CTA
 
 
-def smem_bytes(head_dim: int, dtype_bytes: int, kv_stages: int) -> int:
+def smem_bytes(head_dim: int, dtype_bytes: int, kv_stages: int, qk_align: int = 128) -> int:
+    """SharedStorage bytes: mbarriers, then sQ and sK aligned to ``qk_align`` (128 B here; K4.1
+    swizzles them for WGMMA and passes 1024), then sV and the FP32 sS aligned to 128 B."""
     tile_bytes = TILE_N * head_dim * dtype_bytes
-    mbarriers = 8 * 2 * (1 + kv_stages)
-    return TILE_M * head_dim * dtype_bytes + 2 * kv_stages * tile_bytes + TILE_M * TILE_N * 4 + mbarriers
+    return tma_pipeline.smem_footprint(kv_stages, [
+        (TILE_M * head_dim * dtype_bytes, qk_align),
+        (kv_stages * tile_bytes, qk_align),
+        (kv_stages * tile_bytes, 128),
+        (TILE_M * TILE_N * 4, 128),
+    ])
 
 
-def capabilities(kv_stages: int) -> Capabilities:
+def capabilities(kv_stages: int, head_dims=CAPS.head_dims, sweep_max_seqlen=CAPS.sweep_max_seqlen,
+                 qk_align: int = 128) -> Capabilities:
     """The head dims whose sQ + kv_stages * (sK + sV) + sS fit in one CTA's SMEM."""
-    fits = tuple(d for d in CAPS.head_dims if smem_bytes(d, 2, kv_stages) <= SMEM_CAPACITY)
-    too_big = [f"d={d} needs {smem_bytes(d, 2, kv_stages) // 1024} KB" for d in CAPS.head_dims if d not in fits]
+    fits = tuple(d for d in head_dims if smem_bytes(d, 2, kv_stages, qk_align) <= SMEM_CAPACITY)
+    too_big = [f"d={d} needs {smem_bytes(d, 2, kv_stages, qk_align) // 1024} KB" for d in head_dims
+               if d not in fits]
     why = f"with {kv_stages} KV stages {', '.join(too_big)} of SMEM (max {SMEM_CAPACITY // 1024} KB)" if too_big else ""
-    return Capabilities(head_dims=fits, sweep_max_seqlen=CAPS.sweep_max_seqlen, why=why)
+    return Capabilities(head_dims=fits, sweep_max_seqlen=sweep_max_seqlen, why=why)
 
 
-def check_smem(name: str, p: Problem, kv_stages: int) -> None:
-    need = smem_bytes(p.head_dim, 2, kv_stages)
+def check_smem(name: str, p: Problem, kv_stages: int, qk_align: int = 128) -> None:
+    need = smem_bytes(p.head_dim, 2, kv_stages, qk_align)
     if need > SMEM_CAPACITY:
         raise UnsupportedProblem(
             f"{name}: head_dim {p.head_dim} with {kv_stages} KV stages needs {need // 1024} KB of SMEM, "

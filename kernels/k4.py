@@ -16,23 +16,37 @@ What changes relative to K3 (TMA loads into a multi-stage pipeline, CUDA-core ma
 * O stays in registers for the whole KV loop (rescaled per tile, normalized once at the
   end) and is written straight from registers with row predication; LSE goes out with it.
   (An SMEM + TMA store would clip rows for free, but costs a CTA barrier and an STSM pass
-  for a write that happens once per 64+ KV tiles; 4-byte predicated stores are simpler.)
+  for a write that happens once per CTA, after its whole KV loop; 4-byte predicated stores
+  are simpler.)
 
-Threads: ``num_wg`` warpgroups, each owning its own 64-row slice of a tile_m = 64*num_wg
-query tile and doing exactly the same work. No warp specialization (K5): warp 0 also issues
-the TMA loads, between its own WGMMAs. Two warpgroups drift against each other freely, so
-one's softmax overlaps the other's tensor-core work without any explicit scheduling (K6).
+Threads: ``num_wg`` warpgroups (``DEFAULT_CONFIG``: 3 at d=64, 2 at d=128/256), each owning
+its own 64-row slice of a tile_m = 64*num_wg query tile and doing exactly the same work. No
+warp specialization (K5): warp 0 also issues the TMA loads, between its own WGMMAs. The
+warpgroups drift against each other freely, so one's softmax overlaps another's tensor-core
+work without any explicit scheduling (K6).
 
 Pipeline: Q one stage; K and V share ``kv_stages`` stages with one full barrier per stage
 that covers K+V bytes. Separate K and V barriers only pay when QK can start before V lands,
 i.e. when loads are issued just in time; here they are issued stages-lag tiles ahead, so a
 single barrier (half the mbarrier traffic) is enough. Stage s of tile j is refilled with tile
 j+stages at iteration j+``refill_lag``: lag 1 is the tightest ring, lag 2 lets the other
-warpgroup trail warp 0 by up to a tile before warp 0 has to wait for its release.
+warpgroup trail warp 0 by up to a tile before warp 0 has to wait for its release. The lag
+must stay below kv_stages (``check_config`` refuses the rest: with lag >= stages warp 0 would
+wait for a tile it has not loaded yet).
 
 Causal: KV tiles above the diagonal are never loaded or computed (``tiles.kv_tile_count``);
 only the trailing diagonal / seqlen tiles run the masked code path. CTAs are launched
 heaviest-first (reversed query tiles) so the long causal rows do not start last.
+
+Reading order: the file starts on the host (``K4FMHA.__call__``: TMA-friendly views, the two
+tiled MMAs, swizzled SMEM layouts, TMA atoms, the SharedStorage struct, the launch) and then
+follows the kernel's data flow (pipelines, TMA and MMA partitions, the KV loop in
+``kv_iteration``, the epilogue). Unlike K2/K3/K4.1, which declare SharedStorage inside the
+kernel and let the DSL size the dynamic SMEM from the allocator, K4 declares it in the host
+launcher next to the layouts it is built from and passes ``smem=SharedStorage.size_in_bytes()``
+explicitly (the CUTLASS Hopper examples' idiom): with up to ~220 KB per CTA the requested
+size is then visible at the launch, beside the ``smem_bytes`` that ``compile_kernel`` checks
+against the 227 KB limit. Both forms allocate the same struct through ``SmemAllocator``.
 """
 
 from __future__ import annotations
@@ -46,6 +60,8 @@ from cutlass.tensor_utils import LayoutEnum
 
 from . import sm90, tma_pipeline
 from .contract import (
+    LOG2_E,
+    SMEM_CAPACITY,
     Capabilities,
     CompiledAttention,
     Problem,
@@ -60,16 +76,20 @@ from .tiles import kv_tile_count, unmasked_kv_tile_count
 
 CAPS = Capabilities(head_dims=(64, 128, 256))
 
-# Per head dim, measured on an H200 at seqlen 8192, bf16 (scripts/k4_try.py bench):
+# Per head dim, timed on an H200 at seqlen 8192, bf16 (scripts/k4_tune.py, d=64 and d=128):
 # d=64 gains from a third warpgroup (more rows share each K/V tile, and three warpgroups hide
-# one another's softmax better); d=128 with 3 warpgroups x 128 keys would need ~200 registers
-# for 384 threads, so it stays at 2; d=256 needs tile_n=64 to fit two stages in SMEM.
+# one another's softmax better). d=128 stays at 2 warpgroups: that kernel uses 194 registers
+# per thread; 3 warpgroups (384 threads) cap ptxas at 168, which it meets without spilling,
+# but the config is not in k4_tune.py's sweep, so 2 vs 3 at d=128 is untimed here. (Register
+# counts: ptxas -v via harness/inspect_ptx.ptxas_report on the CPU-compiled PTX, nvidia-cutlass-dsl
+# 4.8.1, sm_90a; d=64's 3-warpgroup default uses 155.) d=256 needs tile_n=64 to fit two stages
+# in SMEM (tile_n=128 would need 321 KB); its config comes from an earlier tuning run that
+# scripts/k4_tune.py does not reproduce.
 DEFAULT_CONFIG = {
     64: dict(num_wg=3, tile_n=128, kv_stages=3, refill_lag=2),
     128: dict(num_wg=2, tile_n=128, kv_stages=2, refill_lag=1),
     256: dict(num_wg=2, tile_n=64, kv_stages=2, refill_lag=1),
 }
-SMEM_LIMIT = 227 * 1024
 
 
 class K4FMHA:
@@ -84,11 +104,15 @@ class K4FMHA:
         self.kv_stages = kv_stages
         self.refill_lag = refill_lag
         self.num_threads = 128 * num_wg
-        assert 1 <= refill_lag < kv_stages or kv_stages == 1 == refill_lag
 
     def smem_bytes(self) -> int:
-        elt = self.dtype.width // 8
-        return elt * self.head_dim * (self.tile_m + 2 * self.tile_n * self.kv_stages) + 1024
+        """SharedStorage bytes: mbarriers, then sQ, sK, sV each on a 1024-byte boundary."""
+        tile_bytes = self.dtype.width // 8 * self.head_dim
+        return tma_pipeline.smem_footprint(self.kv_stages, [
+            (self.tile_m * tile_bytes, 1024),
+            (self.kv_stages * self.tile_n * tile_bytes, 1024),
+            (self.kv_stages * self.tile_n * tile_bytes, 1024),
+        ])
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
@@ -132,7 +156,7 @@ class K4FMHA:
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sVt_layout)], 1024]
 
-        scale_log2 = softmax_scale * sm90.LOG2_E
+        scale_log2 = softmax_scale * LOG2_E
         grid = (cute.ceil_div(mQ.shape[2], self.tile_m), mQ.shape[1], mQ.shape[0])
         self.kernel(gQ_tma, gK_tma, gV_tma, mO, mLSE, tma_Q, tma_K, tma_V, scale_log2,
                     sQ_layout, sK_layout, sVt_layout, tiled_mma_qk, tiled_mma_pv, SharedStorage).launch(
@@ -272,16 +296,41 @@ def _config(p: Problem, overrides: dict) -> dict:
     return cfg
 
 
+def check_config(cfg: dict) -> None:
+    """Refuse a configuration the kernel cannot run (rather than hang, mis-tile or spill)."""
+    for name in ("num_wg", "tile_n", "kv_stages", "refill_lag"):
+        if not isinstance(cfg[name], int) or isinstance(cfg[name], bool):
+            raise UnsupportedProblem(f"K4 config {cfg}: {name} must be an int")
+    num_wg, tile_n, stages, lag = cfg["num_wg"], cfg["tile_n"], cfg["kv_stages"], cfg["refill_lag"]
+    if not 1 <= lag < stages:
+        # At iteration j warp 0 first waits for tile j, then loads tile j - lag + stages. With
+        # lag >= stages (kv_stages == 1 included) that is tile j or an earlier one, which has
+        # not been loaded yet: warp 0 waits forever for a load only it can issue.
+        raise UnsupportedProblem(
+            f"K4 config {cfg}: needs 1 <= refill_lag < kv_stages (at iteration j warp 0 waits for tile j, "
+            f"then loads tile j - refill_lag + kv_stages; with refill_lag >= kv_stages that tile is not "
+            f"loaded yet and the kernel would hang)")
+    if not 1 <= num_wg <= 3 or 64 * num_wg > 256:
+        raise UnsupportedProblem(
+            f"K4 config {cfg}: num_wg must be 1, 2 or 3 (tile_m = 64*num_wg rows is one TMA box of at "
+            f"most 256 rows, and 4 warpgroups would leave at most 128 registers per thread)")
+    if tile_n % 16 != 0 or not 16 <= tile_n <= 256:
+        raise UnsupportedProblem(
+            f"K4 config {cfg}: tile_n must be a multiple of 16 in [16, 256] (the PV WGMMA's K step is 16 "
+            f"keys, and a K/V tile is one TMA box of at most 256 rows)")
+
+
 def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_wg=None, tile_n=None, kv_stages=None,
                    refill_lag=None) -> CompiledAttention:
     CAPS.check(p)
     cfg = _config(p, dict(num_wg=num_wg, tile_n=tile_n, kv_stages=kv_stages, refill_lag=refill_lag))
+    check_config(cfg)
     dt = cute_dtype(p.dtype)
     kernel = K4FMHA(p.head_dim, dt, p.causal, **cfg)
-    if kernel.smem_bytes() > SMEM_LIMIT:
+    if kernel.smem_bytes() > SMEM_CAPACITY:
         raise UnsupportedProblem(
             f"K4 config {cfg} at head_dim {p.head_dim} needs {kernel.smem_bytes() // 1024} KB of SMEM "
-            f"(limit {SMEM_LIMIT // 1024} KB): use fewer kv_stages or a smaller tile_n")
+            f"(limit {SMEM_CAPACITY // 1024} KB): use fewer kv_stages or a smaller tile_n")
     key = ("k4", p.head_dim, p.dtype, p.causal, tuple(sorted(cfg.items())))
     fn = jit_compile(key, lambda: (kernel, fake_attention_args(dt, p.head_dim)), keep_ptx)
-    return fused_attention("k4", p, fn, keep_ptx, cfg)
+    return fused_attention("k4", p, fn, keep_ptx, dict(cfg, smem_bytes=kernel.smem_bytes()))

@@ -25,10 +25,10 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32
-from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+from cutlass.cute.nvgpu import OperandMajorMode
 from cutlass.tensor_utils import LayoutEnum
 
-from . import simt, tma_pipeline
+from . import simt, sm90, tma_pipeline
 from .contract import (
     LOG2_E,
     Capabilities,
@@ -40,17 +40,26 @@ from .contract import (
     jit_compile,
     run_kernel,  # noqa: F401  (the contract's launch-only entry)
 )
-from .k3 import check_smem, row_major, smem_bytes
+from . import k3
+from .k3 import row_major
 from .tiles import kv_tile_count, unmasked_kv_tile_count
-
-CAPS = Capabilities(head_dims=(32, 64, 96, 128), sweep_max_seqlen=16384,
-                    why="d=256 with 5 KV stages needs 368 KB of SMEM (max 227 KB)")
 
 TILE_M = 64
 TILE_N = 64
 KV_STAGES = 5
 THREADS_PER_ROW = 2
 NUM_THREADS = 128  # one warpgroup
+# sQ and sK are 128B-swizzled WGMMA operands: their buffers start on 1024-byte boundaries.
+SWIZZLE_ALIGN = 1024
+
+# K3's SMEM budget with the swizzled buffers' alignment: every K3 head dim that fits
+# (d=256 with 5 KV stages does not; the refusal says how many KB it would need).
+CAPS = k3.capabilities(KV_STAGES, head_dims=(32, 64, 96, 128, 256), sweep_max_seqlen=16384,
+                       qk_align=SWIZZLE_ALIGN)
+
+
+def smem_bytes(head_dim: int, dtype_bytes: int = 2, kv_stages: int = KV_STAGES) -> int:
+    return k3.smem_bytes(head_dim, dtype_bytes, kv_stages, qk_align=SWIZZLE_ALIGN)
 
 
 class K4QKFMHA:
@@ -101,8 +110,8 @@ class K4QKFMHA:
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_kv: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             # 1024-byte alignment: the 128B swizzle pattern repeats every 8 rows of 128 B.
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], SWIZZLE_ALIGN]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], SWIZZLE_ALIGN]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 128]
             sS: cute.struct.Align[cute.struct.MemRange[Float32, TILE_M * TILE_N], 128]
 
@@ -147,14 +156,10 @@ class K4QKFMHA:
             pipeline_kv.consumer_wait(kv_consume)
             stage = kv_consume.index
 
-            # S = Q K_j^T on the tensor cores, FP32 accumulate, then wait for it.
-            tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
-            warpgroup.fence()
-            for k_block in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
-                cute.gemm(tiled_mma, acc_s, tSrQ[None, None, k_block, 0], tSrK[None, None, k_block, stage], acc_s)
-                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
+            # S = Q K_j^T on the tensor cores, FP32 accumulate, then wait for it (K4 issues
+            # both of its GEMMs through the same helper).
+            sm90.gemm(tiled_mma, acc_s, tSrQ[None, None, None, 0], tSrK[None, None, None, stage], zero_init=True,
+                      wg_wait=0)
 
             # Scatter the fragment into the plain (Br, Bc) tile; the first barrier keeps us
             # from overwriting P_{j-1} while another row group still reads it in PV.
@@ -178,7 +183,7 @@ class K4QKFMHA:
 
 
 def compile_kernel(p: Problem, *, keep_ptx: bool = False) -> CompiledAttention:
-    check_smem("K4.1", p, KV_STAGES)
+    k3.check_smem("K4.1", p, KV_STAGES, qk_align=SWIZZLE_ALIGN)
     dt = cute_dtype(p.dtype)
     fn = jit_compile(("k4_qk", p.head_dim, p.dtype, p.causal),
                      lambda: (K4QKFMHA(p.head_dim, dt, p.causal), fake_attention_args(dt, p.head_dim)), keep_ptx)

@@ -8,8 +8,20 @@ here needs a CTA-wide barrier.
 
 Ownership is interleaved: a thread owns score columns ``j = lane + threads_per_row * t``
 of its row and output columns ``c = lane + threads_per_row * i``. Neighbouring lanes then
-touch neighbouring elements, so the ``threads_per_row`` lanes of a group hit distinct
-SMEM banks when they read a row of V.
+touch neighbouring elements of a row. That makes the V reads of ``pv_accumulate`` conflict
+free: every lane of the warp reads the same row ``sV[j, ·]``, the lanes of a group read
+consecutive elements, and the row groups read the same words (a broadcast).
+
+SMEM bank conflicts (a known cost of K2/K3's plain row-major layouts, kept on purpose): a
+warp holds 32 / threads_per_row row groups (8 in K2/K3, 16 in K4.1), one query row each.
+Every access indexed by the thread's own row -- ``sS[row, j]`` in the softmax,
+``sQ[row, c]`` in QK, ``sP[row, j]`` in PV -- touches that many consecutive rows at once.
+With a 64-wide FP32 score row (256 B) or a bf16 Q row at d=64/128/256 (128/256/512 B) the
+row stride is a multiple of 128 B, so all the groups land on the same banks: an 8-way
+conflict (16-way in K4.1; d=32/96 rows give 4-way). Likewise ``sK[lane + threads_per_row*t,
+c]`` sends the lanes of a group to different K rows of the same column. Padding each row by
+a few words or an XOR swizzle would spread them over the banks; K4's swizzled WGMMA layouts
+(and its register-resident scores) are where this goes away.
 
 Scores are kept in the log2 domain: ``S * scale * log2(e)``. ``exp(x - m) ==
 exp2(x*log2(e) - m*log2(e))``, and ``ex2.approx`` is the native instruction (``exp`` is
@@ -26,7 +38,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-LN_2 = math.log(2.0)
+from .contract import LN_2
 
 
 @cute.jit
@@ -42,6 +54,9 @@ def load_rows_zero_fill(gSrc: cute.Tensor, sDst: cute.Tensor, n_valid_rows: Int3
     sDst_vec = cute.zipped_divide(sDst, (1, vec))
     n_rows = cute.size(gSrc, mode=[0])
     chunks_per_row = cute.size(gSrc, mode=[1]) // vec
+    assert cute.size(gSrc, mode=[1]) % vec == 0 and (n_rows * chunks_per_row) % num_threads == 0, (
+        f"load_rows_zero_fill: a ({n_rows}, {cute.size(gSrc, mode=[1])}) tile is not a whole number of "
+        f"{vec}-element chunks per thread for {num_threads} threads (leftover chunks would be skipped)")
     for k in cutlass.range_constexpr(n_rows * chunks_per_row // num_threads):
         chunk = tidx + k * num_threads
         r = chunk // chunks_per_row

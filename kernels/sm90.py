@@ -17,8 +17,6 @@ TMA descriptors, views and mbarrier pipelines live in ``kernels/tma_pipeline.py`
 
 from __future__ import annotations
 
-import math
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
@@ -26,8 +24,7 @@ from cutlass.cute.nvgpu import warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass._mlir.dialects import llvm
 
-LOG2_E = math.log2(math.e)
-LN_2 = math.log(2.0)
+from .contract import LN_2
 
 
 # --------------------------------------------------------------------------------------
@@ -128,6 +125,7 @@ def quad_allreduce_sum(x: Float32) -> Float32:
 def row_max(row: cute.Tensor, init: Float32) -> Float32:
     """Max over one row of a fragment with 4 independent chains (ILP), seeded with ``init``."""
     n = cute.size(row)
+    assert n % 4 == 0, f"row_max: row length {n} is not a multiple of 4 (the 4 ILP chains would skip columns)"
     acc = [row[0], row[1], row[2], row[3]]
     for i in cutlass.range_constexpr(4, n, 4):
         for j in cutlass.range_constexpr(4):
@@ -137,7 +135,9 @@ def row_max(row: cute.Tensor, init: Float32) -> Float32:
 
 @cute.jit
 def row_sum(row: cute.Tensor) -> Float32:
+    """Sum over one row of a fragment with 4 independent chains (ILP)."""
     n = cute.size(row)
+    assert n % 4 == 0, f"row_sum: row length {n} is not a multiple of 4 (the 4 ILP chains would skip columns)"
     acc = [row[0], row[1], row[2], row[3]]
     for i in cutlass.range_constexpr(4, n, 4):
         for j in cutlass.range_constexpr(4):
@@ -198,7 +198,9 @@ class OnlineSoftmax:
         acc_O_mn = acc_mn_view(acc_O)
         for r in cutlass.range_constexpr(self.num_rows):
             total = quad_allreduce_sum(self.row_sum[r])
-            empty = total == 0.0 or total != total  # fully masked row (cannot happen for a valid row)
+            # Only a zero sum means "no unmasked key" (cannot happen for a valid row). A NaN
+            # sum is a bug upstream: let it reach O and LSE so the checks catch it.
+            empty = total == 0.0
             inv = cute.arch.rcp_approx(Float32(1.0) if empty else total)
             lse[r] = (-Float32.inf if empty
                       else (self.row_max[r] * self.scale_log2 + cute.math.log2(total, fastmath=True)) * LN_2)

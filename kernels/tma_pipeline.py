@@ -63,6 +63,17 @@ def stage_layout(smem_layout):
     return cute.select(smem_layout, mode=[0, 1])
 
 
+def smem_footprint(kv_stages: int, buffers) -> int:
+    """Bytes of a SharedStorage laid out as the K3/K4.1/K4 structs are: the Q mbarrier pair and
+    ``kv_stages`` K+V pairs (8 B each) first, then each buffer of ``buffers`` = [(bytes,
+    alignment), ...] at the next multiple of its alignment (128 B for plain row-major tiles,
+    1024 B for a 128B-swizzled WGMMA operand, whose swizzle pattern repeats every 1024 B)."""
+    offset = 8 * 2 * (1 + kv_stages)
+    for size, align in buffers:
+        offset = -(-offset // align) * align + size
+    return offset
+
+
 def stage_bytes(dtype, smem_layout) -> int:
     """Bytes one TMA of this buffer delivers: what a stage's full barrier expects."""
     return cute.size_in_bytes(dtype, stage_layout(smem_layout))

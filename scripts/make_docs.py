@@ -72,7 +72,8 @@ def family_table(sweep, kernels):
                 vals = [tflops_at(rows, k, n, d, c) for n in seqlens]
                 if any(v is not None for v in vals):
                     body.append([d, c, f"`{k}`" if k not in PEERS else f"*{k}*"] + [fmt(v) for v in vals])
-    note = (f"TFLOP/s on an {gpu} (forward, bf16, batch = 16384/N, heads = 2048/d; causal counts half the FLOPs). "
+    dtypes = "/".join(sorted({r["dtype"] for r in sweep["rows"]}))
+    note = (f"TFLOP/s on an {gpu} (forward, {dtypes}, batch = 16384/N, heads = 2048/d; causal counts half the FLOPs). "
             f"From `{sweep['meta'].get('command', '')}` on {sweep['meta'].get('date', '')[:10]}, "
             f"torch {sweep['meta'].get('torch', '?')}, nvidia-cutlass-dsl {sweep['meta'].get('nvidia-cutlass-dsl', '?')}. "
             "A dash: not run (refused, or past the kernel's sweep limit).")
@@ -96,12 +97,15 @@ def k3_depth_table(sweep):
 
 def refcheck_table(refcheck, kernels):
     gpu = gpu_short_name(refcheck["meta"].get("device", ""))
-    header = ["kernel", "dtype", "d", "causal", "seqlen", "max_abs", "rel_l2", "lse err", "result"]
-    body = [[r["kernel"], r["dtype"], r["head_dim"], r["causal"], r["seqlen"], f"{r['max_abs']:.1e}",
-             f"{r['rel_l2']:.1e}", f"{r['lse_max_abs']:.1e}", "ok" if r["ok"] else "FAIL"]
+    header = ["kernel", "dtype", "batch×heads", "d", "causal", "seqlen", "max_abs", "SDPA's", "rel_l2", "lse err",
+              "result"]
+    body = [[r["kernel"], r["dtype"], f"{r['batch']}×{r['nheads']}", r["head_dim"], r["causal"], r["seqlen"],
+             f"{r['max_abs']:.1e}", f"{r.get('peer_max_abs', float('nan')):.1e}", f"{r['rel_l2']:.1e}",
+             f"{r['lse_max_abs']:.1e}", "ok" if r["ok"] else "FAIL"]
             for r in refcheck["rows"] if r["kernel"] in kernels]
-    return f"`{refcheck['meta'].get('command', '')}` on an {gpu} (batch 2, heads 3; fp16 rows batch 1, heads 4):\n\n" + \
-        markdown_table(header, body)
+    return (f"`{refcheck['meta'].get('command', '')}` on an {gpu}, {refcheck['meta'].get('date', '')[:10]}. "
+            "max_abs and SDPA's: largest error of the kernel and of SDPA in the same 16-bit dtype against the "
+            "float32 reference (a case passes within twice SDPA's).\n\n" + markdown_table(header, body))
 
 
 def tune_table(tune):
@@ -155,8 +159,9 @@ def plot(sweep, path):
 
 
 def latest(pattern):
-    files = sorted(ROOT.glob(f"results/{pattern}"))
-    return load(files[-1]) if files else None
+    """The result file matching ``pattern`` with the newest ``meta.date``."""
+    found = [load(f) for f in ROOT.glob(f"results/{pattern}")]
+    return max(found, key=lambda r: r["meta"].get("date", "")) if found else None
 
 
 def main(argv=None):

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Every result file behind the docs, in two parts that each fit a 10-minute device call.
-#   bash scripts/reproduce.sh check results/    # ref_check grid (all head dims) + GPU tests
-#   bash scripts/reproduce.sh perf  results/    # CHECK=1 headline runs, the sweep, K4 tuning
-# Then, anywhere: python scripts/make_docs.py --plot
+#   bash scripts/reproduce.sh check results    # ref_check grid (all head dims) + GPU tests
+#   bash scripts/reproduce.sh perf  results    # CHECK=1 headline runs, the sweep, K4 tuning
+# Each file records the command that wrote it; then, anywhere: python scripts/make_docs.py --plot
 set -euo pipefail
 part=${1:?check or perf}
 dir=${2:-results}

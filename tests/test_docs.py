@@ -9,17 +9,18 @@ spec.loader.exec_module(make_docs)
 
 
 def row(kernel, seqlen, causal, tflops, d=128):
-    return dict(kernel=kernel, seqlen=seqlen, head_dim=d, causal=causal, tflops=tflops, ms=1.0, status="ok")
+    return dict(kernel=kernel, seqlen=seqlen, head_dim=d, causal=causal, tflops=tflops, ms=1.0, status="ok",
+                dtype="bfloat16")
 
 
 SWEEP = {"meta": {"device": "NVIDIA H200", "command": "python bench.py all --sweep", "date": "2026-11-21T00:00:00"},
          "rows": [row("k1", 4096, 0, 2.5), row("k1", 8192, 0, None), row("sdpa-cudnn", 4096, 0, 600.0),
                   row("k1", 4096, 1, 1.25)]}
 REFCHECK = {"meta": {"device": "NVIDIA H200", "command": "python ref_check.py all"},
-            "rows": [dict(kernel="k1", dtype="bfloat16", head_dim=64, causal=0, seqlen=17, max_abs=1e-3, rel_l2=2e-3,
-                          lse_max_abs=1e-6, ok=True),
-                     dict(kernel="k1", dtype="bfloat16", head_dim=64, causal=1, seqlen=17, max_abs=1.0, rel_l2=1.0,
-                          lse_max_abs=1.0, ok=False)]}
+            "rows": [dict(kernel="k1", dtype="bfloat16", batch=2, nheads=3, head_dim=64, causal=0, seqlen=17,
+                          max_abs=1e-3, peer_max_abs=2e-3, rel_l2=2e-3, lse_max_abs=1e-6, ok=True),
+                     dict(kernel="k1", dtype="bfloat16", batch=2, nheads=3, head_dim=64, causal=1, seqlen=17,
+                          max_abs=1.0, peer_max_abs=2e-3, rel_l2=1.0, lse_max_abs=1.0, ok=False)]}
 
 
 def test_readme_table_takes_numbers_from_the_sweep():

@@ -29,7 +29,7 @@ def test_public_call_with_lse_and_strided_heads(name):
     q, k, v = (torch.randn(2, 300, 4, 64, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for _ in range(3))
     out, lse = attention(name, q, k, v, causal=True, softmax_scale=0.2, return_lse=True)
     ref, ref_lse = reference(q, k, v, True, 0.2)
-    assert compare(out, ref, lse, ref_lse, "bfloat16")[3] == ""
+    assert compare(out, ref, lse, ref_lse, "bfloat16").verdict == ""
 
 
 def test_unsupported_head_dim_is_refused_before_launch():
