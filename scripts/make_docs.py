@@ -60,6 +60,26 @@ def readme_table(sweep, refcheck):
     return markdown_table(header, body)
 
 
+def headline_table(bench_files):
+    """README: the CHECK=1 headline runs, each kernel with its ratio to the peers timed in the
+    same run, then the peers themselves."""
+    header = ["GPU", "workload (bf16)", "kernel", "TFLOP/s", "vs cuDNN", "vs flash-attn-4"]
+    body = []
+    for f in sorted(bench_files, key=lambda f: (gpu_short_name(f["meta"].get("device", "")), f["meta"]["command"])):
+        gpu = gpu_short_name(f["meta"].get("device", ""))
+        peers = {r["kernel"]: r["tflops"] for r in f["rows"] if r["kernel"] in PEERS and r.get("tflops")}
+        r0 = f["rows"][0]
+        work = f"B={r0['batch']} H={r0['nheads']} N={r0['seqlen']} d={r0['head_dim']}{' causal' if r0['causal'] else ''}"
+        for r in f["rows"]:
+            if r["kernel"] not in PEERS and r.get("tflops"):
+                ratios = [f"{r['tflops'] / peers[p]:.2f}×" if p in peers else "—" for p in ("sdpa-cudnn", "fa4")]
+                body.append([gpu, work, f"`{r['kernel']}`", fmt(r["tflops"])] + ratios)
+        body.append([gpu, work, "*cuDNN / flash-attn-4*", f"{fmt(peers.get('sdpa-cudnn'))} / {fmt(peers.get('fa4'))}",
+                     "", ""])
+    commands = sorted({f["meta"]["command"] for f in bench_files})
+    return markdown_table(header, body) + "\n\nFrom: " + "; ".join(f"`{c}`" for c in commands)
+
+
 def family_table(sweep, kernels):
     gpu = gpu_short_name(sweep["meta"].get("device", ""))
     rows = sweep_rows(sweep)
@@ -170,7 +190,11 @@ def main(argv=None):
     args = ap.parse_args(argv)
     sweep, refcheck = latest("sweep*.json"), latest("refcheck*.json")
     readme = ROOT / "README.md"
-    readme.write_text(replace_block(readme.read_text(), "kernels", readme_table(sweep, refcheck)))
+    text = replace_block(readme.read_text(), "kernels", readme_table(sweep, refcheck))
+    bench_files = [load(f) for f in ROOT.glob("results/bench-*.json")]
+    if bench_files and "<!-- table:headline -->" in text:
+        text = replace_block(text, "headline", headline_table(bench_files))
+    readme.write_text(text)
     for family, kernels in FAMILIES.items():
         page = ROOT / "docs" / f"{family}.md"
         if not page.exists():

@@ -2,6 +2,7 @@
 # Every result file behind the docs, in two parts that each fit a 10-minute device call.
 #   bash scripts/reproduce.sh check results    # ref_check grid (all head dims) + GPU tests
 #   bash scripts/reproduce.sh perf  results    # CHECK=1 headline runs, the sweep, K4 tuning
+#   bash scripts/reproduce.sh headline results # the CHECK=1 headline runs alone (a second GPU, say)
 # Each file records the command that wrote it; then, anywhere: python scripts/make_docs.py --plot
 set -euo pipefail
 part=${1:?check or perf}
@@ -16,13 +17,15 @@ case "$part" in
     $py -m pytest -m gpu -q tests/test_gpu.py 2>&1 | tail -5 || rc=1
     exit $rc
     ;;
-  perf)
+  perf|headline)
     CHECK=1 SEQLEN=4096 HEADDIM=128 $py bench.py k1 k2 --out "$dir/bench-k2-$gpu.json"
     for causal in 0 1; do
       CHECK=1 SEQLEN=8192 HEADDIM=128 CAUSAL=$causal $py bench.py k4 --out "$dir/bench-k4-c$causal-$gpu.json"
     done
-    $py bench.py all --sweep --out "$dir/sweep-$gpu.json" > "$dir/sweep-$gpu.log"
-    $py scripts/k4_tune.py --out "$dir/k4-tune-$gpu.json"
+    if [ "$part" = perf ]; then
+      $py bench.py all --sweep --out "$dir/sweep-$gpu.json" > "$dir/sweep-$gpu.log"
+      $py scripts/k4_tune.py --out "$dir/k4-tune-$gpu.json"
+    fi
     ;;
-  *) echo "usage: $0 check|perf [dir]" >&2; exit 2 ;;
+  *) echo "usage: $0 check|perf|headline [dir]" >&2; exit 2 ;;
 esac

@@ -67,3 +67,12 @@ def test_ci_runs_the_readme_test_command():
     root = Path(__file__).parent.parent
     ci_cmd = [line for line in (root / ".ci" / "run").read_text().splitlines() if "pytest" in line and not line.startswith("#")]
     assert len(ci_cmd) == 1 and ci_cmd[0] in (root / "README.md").read_text()
+
+
+def test_headline_table_gives_ratios_to_peers_of_the_same_run():
+    f = {"meta": {"device": "NVIDIA H100 80GB HBM3", "command": "SEQLEN=8192 CHECK=1 python bench.py k4"},
+         "rows": [dict(kernel=k, batch=2, nheads=16, seqlen=8192, head_dim=128, causal=0, tflops=t, ms=1.0)
+                  for k, t in (("k4", 500.0), ("sdpa-cudnn", 625.0), ("fa4", 400.0))]}
+    table = make_docs.headline_table([f])
+    assert "| H100 | B=2 H=16 N=8192 d=128 | `k4` | 500.0 | 0.80× | 1.25× |" in table
+    assert "625.0 / 400.0" in table and "SEQLEN=8192 CHECK=1 python bench.py k4" in table
