@@ -16,6 +16,11 @@ def compiled_for(name: str, problem):
     """Compile (or reuse) kernel ``name`` for ``problem``; the JIT itself is cached per
     compile-time key inside ``kernels.contract.jit_compile``. The scale is a launch argument,
     so problems differing only in scale share one entry (and K1 one S buffer)."""
+    import torch
+
+    # Every GPU path (attention, the checks, the benchmark) comes through here: refuse a GPU
+    # whose generation lacks the kernel's instructions before compiling for it.
+    get_kernel(name).caps.check_device(torch.cuda.get_device_capability())
     problem = problem.with_(softmax_scale=None)
     key = (name, problem)
     if key in _CACHE:
@@ -41,7 +46,6 @@ def attention(name: str, q, k, v, causal: bool = False, softmax_scale=None, retu
     problem = problem_from_tensors(q, k, v, causal, softmax_scale)
     entry = get_kernel(name)
     entry.caps.check(problem, want_lse=return_lse)
-    entry.caps.check_device(torch.cuda.get_device_capability(q.device))
     with torch.cuda.device(q.device):  # compile-time buffers and the launch follow the inputs
         compiled = compiled_for(name, problem)
         out, lse = empty_outputs(problem, device=q.device)  # the checks poison; a caller needs no fill

@@ -96,7 +96,6 @@ def check_kernel(name: str, p: Problem, seed=None) -> CheckResult:
     compiled = compiled_for(name, p)
     q, k, v = random_inputs(p, seed=seed)
     out, lse = poisoned_outputs(p)
-    entry.caps.check_device(torch.cuda.get_device_capability())
     entry.run(compiled, q, k, v, out, lse, p.scale)
     torch.cuda.synchronize()
     ref, ref_lse = reference(q, k, v, p.causal, p.scale)

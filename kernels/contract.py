@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 DTYPES = ("bfloat16", "float16")
 LOG2_E = math.log2(math.e)  # exp(x) == exp2(x * LOG2_E): the kernels fold it into the scale
@@ -227,12 +227,9 @@ def fake_attention_args(dtype, head_dim: int) -> tuple:
 
 
 def fused_attention(name: str, p: Problem, fn, keep_ptx: bool, info: Optional[dict] = None) -> CompiledAttention:
-    """Bind a compiled single-launch kernel (every stage after K1) to one problem."""
-
-    def launch(q, k, v, out, lse, softmax_scale):
-        fn(q, k, v, out, lse, softmax_scale)
-
-    return CompiledAttention(name, p, launch, {}, compiled_ptx(fn) if keep_ptx else None, info or {})
+    """Bind a compiled single-launch kernel (every stage after K1) to one problem: the JIT
+    function already takes (q, k, v, out, lse, softmax_scale), so it is the launch itself."""
+    return CompiledAttention(name, p, fn, {}, compiled_ptx(fn) if keep_ptx else None, info or {})
 
 
 def run_kernel(compiled: CompiledAttention, q, k, v, out, lse, softmax_scale: Optional[float] = None) -> None:

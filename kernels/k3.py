@@ -37,7 +37,6 @@ from .contract import (
     CompiledAttention,
     SMEM_CAPACITY,
     Problem,
-    UnsupportedProblem,
     cute_dtype,
     fake_attention_args,
     fused_attention,
@@ -74,14 +73,6 @@ def capabilities(kv_stages: int, head_dims=CAPS.head_dims, sweep_max_seqlen=CAPS
                if d not in fits]
     why = f"with {kv_stages} KV stages {', '.join(too_big)} of SMEM (max {SMEM_CAPACITY // 1024} KB)" if too_big else ""
     return Capabilities(head_dims=fits, sweep_max_seqlen=sweep_max_seqlen, why=why)
-
-
-def check_smem(name: str, p: Problem, kv_stages: int, qk_align: int = 128) -> None:
-    need = smem_bytes(p.head_dim, 2, kv_stages, qk_align)
-    if need > SMEM_CAPACITY:
-        raise UnsupportedProblem(
-            f"{name}: head_dim {p.head_dim} with {kv_stages} KV stages needs {need // 1024} KB of SMEM, "
-            f"more than the {SMEM_CAPACITY // 1024} KB a CTA can have")
 
 
 def row_major(rows: int, cols: int, stages: int = 1) -> cute.Layout:
@@ -186,7 +177,7 @@ class K3FMHA:
 
 
 def compile_kernel(p: Problem, *, kv_stages: int = 2, keep_ptx: bool = False) -> CompiledAttention:
-    check_smem("K3", p, kv_stages)
+    capabilities(kv_stages).check(p)  # also for direct callers with a depth the registry lacks
     dt = cute_dtype(p.dtype)
     fn = jit_compile(("k3", p.head_dim, p.dtype, p.causal, kv_stages),
                      lambda: (K3FMHA(p.head_dim, dt, p.causal, kv_stages), fake_attention_args(dt, p.head_dim)),

@@ -219,7 +219,6 @@ class K4FMHA:
         tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(sVt))        # (.., stage)
         # P's home: a 16-bit register A fragment, rewritten from acc_S every KV tile.
         tOrP = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((tile_m, tile_n)))
-        acc_S_shape = tiled_mma_qk.partition_shape_C((tile_m, tile_n))
         acc_O = cute.make_rmem_tensor(tiled_mma_pv.partition_shape_C((tile_m, d)), Float32)
         acc_O.fill(0.0)  # zero + unified rescale: the first tile needs no special case
         # Coordinate probe: the identity tensor partitioned like acc_S says which (row, col)

@@ -31,7 +31,6 @@ from cutlass.tensor_utils import LayoutEnum
 from . import simt, sm90, tma_pipeline
 from .contract import (
     LOG2_E,
-    Capabilities,
     CompiledAttention,
     Problem,
     cute_dtype,
@@ -183,7 +182,7 @@ class K4QKFMHA:
 
 
 def compile_kernel(p: Problem, *, keep_ptx: bool = False) -> CompiledAttention:
-    k3.check_smem("K4.1", p, KV_STAGES, qk_align=SWIZZLE_ALIGN)
+    CAPS.check(p)
     dt = cute_dtype(p.dtype)
     fn = jit_compile(("k4_qk", p.head_dim, p.dtype, p.causal),
                      lambda: (K4QKFMHA(p.head_dim, dt, p.causal), fake_attention_args(dt, p.head_dim)), keep_ptx)
