@@ -55,6 +55,7 @@ _ENTRIES = [
     KernelEntry("k3_3", "kernels.k3", "TMA loads, 5 KV stages", {"kv_stages": 5}),
     KernelEntry("k4_qk", "kernels.k4_qk", "WGMMA for QK, scores laundered via SMEM, scalar PV"),
     KernelEntry("k4", "kernels.k4", "WGMMA for QK and PV, softmax on the accumulator in registers"),
+    KernelEntry("k5", "kernels.k5", "warp specialization: a TMA producer warp, setmaxnreg, separate K/V pipelines"),
 ]
 
 REGISTRY = {e.name: e for e in _ENTRIES}

@@ -212,3 +212,30 @@ def release_and_refill(pipeline_kv: pipeline.PipelineTmaAsync, kv_consume: pipel
             load_kv_stage(pipeline_kv, kv_produce, kv_produce.count, *kv_loads)
             kv_produce.advance()
     return kv_consume, kv_produce
+
+
+# --------------------------------------------------------------------------------------
+# Warp-specialized pipelines (K5 onward): one producer warp, consumer warpgroups
+# --------------------------------------------------------------------------------------
+
+
+def make_ws_pipelines(mbar_q, mbar_k, mbar_v, q_bytes: int, k_bytes: int, v_bytes: int, kv_stages: int,
+                      consumer_warps: int):
+    """Q (one stage), K and V (``kv_stages`` each, same stage index for the same KV tile).
+
+    K and V get barriers of their own so that a consumer can start QK as soon as K has landed
+    (K6 issues the next QK before the current PV). Only the consumer warps release stages; the
+    producer warp never consumes. Unlike ``make_pipelines`` this does not sync the CTA: the
+    caller does it once, right before the role split (the last barrier all threads reach).
+    """
+    return tuple(_tma_pipeline(mbar, stages, consumer_warps, nbytes)
+                 for mbar, stages, nbytes in ((mbar_q, 1, q_bytes), (mbar_k, kv_stages, k_bytes),
+                                              (mbar_v, kv_stages, v_bytes)))
+
+
+@cute.jit
+def load_stage(pipeline_x: pipeline.PipelineTmaAsync, state: pipeline.PipelineState, tma_atom: cute.CopyAtom,
+               tXgX_tile: cute.Tensor, tXsX_stage: cute.Tensor):
+    """Producer: wait until the stage is empty, arm its full barrier, issue one TMA into it."""
+    pipeline_x.producer_acquire(state)
+    cute.copy(tma_atom, tXgX_tile, tXsX_stage, tma_bar_ptr=pipeline_x.producer_get_barrier(state))

@@ -1,0 +1,356 @@
+"""K5: warp specialization. Loads and math move to different warps.
+
+What changes relative to K4 (same WGMMAs, same register softmax, same P handoff):
+
+* One more warpgroup, the producer. Its warp 0 issues every TMA and only ever waits for a
+  stage to be *empty*; the consumer warpgroups issue only WGMMAs and softmax and only wait for
+  a stage to be *full*. In K4 warp 0 did both, so its warpgroup stalled whenever a refill had
+  to wait for the other warpgroup's release.
+* Register reallocation. The producer needs a handful of registers, the consumers all they can
+  get: ``setmaxnreg`` moves them (producer down to 24, consumers up to 240 with two consumer
+  warpgroups; 32 / 160 with three). The launch asks for one CTA per SM (``min_blocks_per_mp=1``)
+  so ptxas pins the launch budget (168 or 128 per thread) that the two numbers balance against.
+* K and V get pipelines of their own, so QK can start as soon as K has landed (K6 relies on it).
+* KV tiles are walked in *descending* order: the diagonal and seqlen-tail tiles, the only ones
+  that need a mask, come first, and the rest of the loop runs mask-free.
+* Tile order (``kernels/schedule.py``): a 1-D grid of (m_block, head, batch) tiles, heaviest
+  causal tiles first across all heads, heads grouped so that a group's K/V stay in L2. With
+  ``persistent`` the grid is one CTA per SM and each CTA loops over tiles: its producer warp
+  starts loading the next tile's Q and K/V while the consumers are still on the current one.
+
+Nothing after the role split may ``sync_threads`` (the producer warps are elsewhere): the
+pipelines' mbarriers are the only synchronization between producer and consumers.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+from cutlass.tensor_utils import LayoutEnum
+
+from . import schedule, sm90, tma_pipeline
+from .contract import (
+    LOG2_E,
+    SMEM_CAPACITY,
+    Capabilities,
+    CompiledAttention,
+    Problem,
+    UnsupportedProblem,
+    cute_dtype,
+    fake_attention_args,
+    fused_attention,
+    jit_compile,
+    run_kernel,  # noqa: F401  (the contract's launch-only entry)
+)
+from .tiles import kv_tile_count, unmasked_kv_tile_count
+
+CAPS = Capabilities(head_dims=(64, 128, 256))
+
+# The anchors' tiles (flash-attention's FA3 and flash-attn-4 sm90): three consumer warpgroups at
+# d=64 (192-row tiles: more rows share each K/V tile), two at d=128/256; d=256 takes 80-key tiles,
+# the most that fit two K/V stages beside a 128x256 Q tile in SMEM.
+DEFAULT_CONFIG = {
+    64: dict(num_wg=3, tile_n=128, kv_stages=2, persistent=False),
+    128: dict(num_wg=2, tile_n=128, kv_stages=2, persistent=False),
+    256: dict(num_wg=2, tile_n=80, kv_stages=2, persistent=False),
+}
+# setmaxnreg budgets (producer, consumer) per consumer-warpgroup count: they must add up to the
+# launch budget, 65536 / threads per CTA (24*128 + 240*256 = 168*384; 32*128 + 160*384 = 128*512).
+REGISTERS = {2: (24, 240), 3: (32, 160)}
+PRODUCER_WARPS = 4  # warpgroup 0; only its warp 0 issues loads, the other three idle at 24 regs
+
+
+def num_sms() -> int:
+    """SMs of the current GPU (the persistent grid size); 132 (H100 SXM / H200) without one."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    except ImportError:
+        pass
+    return 132
+
+
+class K5FMHA:
+    def __init__(self, head_dim: int, dtype, causal: bool, num_wg: int, tile_n: int, kv_stages: int,
+                 persistent: bool, sm_count: int = 132):
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.causal = causal
+        self.num_wg = num_wg
+        self.tile_m = 64 * num_wg
+        self.tile_n = tile_n
+        self.kv_stages = kv_stages
+        self.persistent = persistent
+        self.sm_count = sm_count
+        self.num_threads = 128 * (num_wg + 1)
+        self.producer_regs, self.consumer_regs = REGISTERS[num_wg]
+
+    def smem_bytes(self) -> int:
+        """SharedStorage bytes: Q, K and V mbarrier pairs, then sQ, sK, sV on 1024-byte boundaries."""
+        tile_bytes = self.dtype.width // 8 * self.head_dim
+        return tma_pipeline.smem_footprint(2 * self.kv_stages, [
+            (self.tile_m * tile_bytes, 1024),
+            (self.kv_stages * self.tile_n * tile_bytes, 1024),
+            (self.kv_stages * self.tile_n * tile_bytes, 1024),
+        ])
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+                 softmax_scale: Float32, stream):
+        d, dt = self.head_dim, self.dtype
+        mQt = tma_pipeline.seq_major_view(mQ)
+        mKt = tma_pipeline.seq_major_view(mK)
+        mVt = tma_pipeline.head_dim_major_view(mV)
+
+        # Each consumer warpgroup owns 64 rows of the tile_m-row query tile, as in K4.
+        tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, OperandMajorMode.K, OperandMajorMode.K, Float32,
+            atom_layout_mnk=(self.num_wg, 1, 1), tiler_mn=(64, self.tile_n))
+        v_major = LayoutEnum.from_tensor(mVt)
+        tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, OperandMajorMode.K, v_major.sm90_mma_major_mode(), Float32,
+            atom_layout_mnk=(self.num_wg, 1, 1), tiler_mn=(64, d), a_source=warpgroup.OperandSource.RMEM)
+
+        sQ_layout = cute.select(
+            sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (self.tile_m, self.tile_n, d), dt, 1),
+            mode=[0, 1])
+        sK_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (self.tile_m, self.tile_n, d), dt,
+                                                  self.kv_stages)
+        sVt_layout = sm90_utils.make_smem_layout_b(v_major, (self.tile_m, d, self.tile_n), dt, self.kv_stages)
+
+        tma_atom_Q, mQ_tma = tma_pipeline.make_tma_load(mQt, sQ_layout, (self.tile_m, d))
+        tma_atom_K, mK_tma = tma_pipeline.make_tma_load(mKt, sK_layout, (self.tile_n, d))
+        tma_atom_V, mV_tma = tma_pipeline.make_tma_load(mVt, sVt_layout, (d, self.tile_n))
+
+        @cute.struct
+        class SharedStorage:
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.kv_stages]
+            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.kv_stages]
+            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sVt_layout)], 1024]
+
+        scale_log2 = softmax_scale * LOG2_E
+        # One linear index per (m_block, head, batch) tile; schedule.tile_coords decodes it.
+        num_tiles = cute.ceil_div(mQ.shape[2], self.tile_m) * mQ.shape[1] * mQ.shape[0]
+        grid_x = cutlass.min(num_tiles, self.sm_count) if const_expr(self.persistent) else num_tiles
+        self.kernel(mQ_tma, mK_tma, mV_tma, mO, mLSE, tma_atom_Q, tma_atom_K, tma_atom_V, scale_log2,
+                    sQ_layout, sK_layout, sVt_layout, tiled_mma_qk, tiled_mma_pv, SharedStorage).launch(
+            grid=(grid_x, 1, 1), block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(),
+            stream=stream, min_blocks_per_mp=1)
+
+    @cute.kernel
+    def kernel(self, mQ_tma: cute.Tensor, mK_tma: cute.Tensor, mV_tma: cute.Tensor, mO: cute.Tensor,
+               mLSE: cute.Tensor, tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
+               scale_log2: Float32, sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+               sVt_layout: cute.ComposedLayout, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
+               SharedStorage: cutlass.Constexpr):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            tma_pipeline.prefetch_descriptors(tma_atom_Q, tma_atom_K, tma_atom_V)
+
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        pipelines = tma_pipeline.make_ws_pipelines(
+            storage.mbar_q.data_ptr(), storage.mbar_k.data_ptr(), storage.mbar_v.data_ptr(),
+            tma_pipeline.stage_bytes(self.dtype, sQ_layout), tma_pipeline.stage_bytes(self.dtype, sK_layout),
+            tma_pipeline.stage_bytes(self.dtype, sVt_layout), self.kv_stages, 4 * self.num_wg)
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sVt = storage.sV.get_tensor(sVt_layout.outer, swizzle=sVt_layout.inner)
+        # The mbarrier inits must be visible to the TMA unit and to every thread: the last
+        # CTA-wide barrier of the kernel.
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        if warp_idx < PRODUCER_WARPS:
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp_idx == 0:
+                self.load(mQ_tma, mK_tma, mV_tma, mO, tma_atom_Q, tma_atom_K, tma_atom_V, sQ, sK, sVt, pipelines)
+        else:
+            cute.arch.setmaxregister_increase(self.consumer_regs)
+            self.consume(mO, mLSE, sQ, sK, sVt, tiled_mma_qk, tiled_mma_pv, scale_log2, pipelines)
+
+    @cute.jit
+    def tiles(self, mO: cute.Tensor):
+        """(first tile index, step, number of tiles, decode args) of this CTA's tile loop."""
+        seqlen, nheads, batch = mO.shape[2], mO.shape[1], mO.shape[0]
+        num_m_blocks = cute.ceil_div(seqlen, self.tile_m)
+        section = schedule.l2_section_heads(seqlen, self.head_dim, self.dtype.width // 8, nheads * batch)
+        bx, _, _ = cute.arch.block_idx()
+        gdx, _, _ = cute.arch.grid_dim()
+        return bx, gdx, num_m_blocks * nheads * batch, (num_m_blocks, nheads, nheads * batch, section)
+
+    # ---- Producer: one warp, TMA only ---------------------------------------------------------
+
+    @cute.jit
+    def load(self, mQ_tma: cute.Tensor, mK_tma: cute.Tensor, mV_tma: cute.Tensor, mO: cute.Tensor,
+             tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom, sQ: cute.Tensor,
+             sK: cute.Tensor, sVt: cute.Tensor, pipelines: tuple):
+        pipeline_q, pipeline_k, pipeline_v = pipelines
+        tile_m, tile_n, d = self.tile_m, self.tile_n, self.head_dim
+        seqlen = mO.shape[2]
+        q_produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        kv_produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
+        tile_idx, step, num_tiles, decode = self.tiles(mO)
+        while tile_idx < num_tiles:
+            m_block, head, batch = schedule.tile_coords(tile_idx, *decode, self.causal)
+            tQsQ, tQgQ = tma_pipeline.partition_for_tma(tma_atom_Q, mQ_tma, sQ, (tile_m, d), head, batch,
+                                                        coord=(m_block, 0))
+            tKsK, tKgK = tma_pipeline.partition_for_tma(tma_atom_K, mK_tma, sK, (tile_n, d), head, batch)
+            tVsV, tVgV = tma_pipeline.partition_for_tma(tma_atom_V, mV_tma, sVt, (d, tile_n), head, batch,
+                                                        coord=(0, None))
+            # Q waits for the previous tile's consumers to release sQ (a persistent CTA only).
+            tma_pipeline.load_stage(pipeline_q, q_produce, tma_atom_Q, tQgQ, tQsQ)
+            q_produce.advance()
+            n_tiles = kv_tile_count(m_block, seqlen, tile_m, tile_n, self.causal)
+            for i in cutlass.range(n_tiles, unroll=1):
+                n_block = n_tiles - 1 - i
+                tma_pipeline.load_stage(pipeline_k, kv_produce, tma_atom_K, tKgK[None, n_block],
+                                        tKsK[None, kv_produce.index])
+                tma_pipeline.load_stage(pipeline_v, kv_produce, tma_atom_V, tVgV[None, n_block],
+                                        tVsV[None, kv_produce.index])
+                kv_produce.advance()
+            tile_idx += step
+        # Wait until the consumers have released every V stage: no mbarrier arrive may land
+        # after this CTA has exited (K's are released before V's).
+        pipeline_v.producer_tail(kv_produce)
+
+    # ---- Consumers: WGMMA + softmax only ------------------------------------------------------
+
+    @cute.jit
+    def consume(self, mO: cute.Tensor, mLSE: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor, sVt: cute.Tensor,
+                tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, scale_log2: Float32, pipelines: tuple):
+        pipeline_q, pipeline_k, pipeline_v = pipelines
+        tile_m, tile_n, d = self.tile_m, self.tile_n, self.head_dim
+        tidx = cute.arch.thread_idx()[0] - 128 * (PRODUCER_WARPS // 4)  # thread index among the consumers
+        wg_idx = cute.arch.make_warp_uniform(tidx // 128)
+        seqlen = mO.shape[2]
+
+        wg_mma_qk = tiled_mma_qk.get_slice(wg_idx * 128)
+        wg_mma_pv = tiled_mma_pv.get_slice(wg_idx * 128)
+        thr_mma_qk = tiled_mma_qk.get_slice(tidx)
+        tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))
+        tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK))
+        tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(sVt))
+        tOrP = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((tile_m, tile_n)))
+        acc_O = cute.make_rmem_tensor(tiled_mma_pv.partition_shape_C((tile_m, d)), Float32)
+        tScS = thr_mma_qk.partition_C(cute.make_identity_tensor((tile_m, tile_n)))
+        num_rows = cute.size(sm90.acc_mn_view(acc_O), mode=[0])
+        mmas = (tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O, tScS)
+
+        q_consume = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        kv_consume = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
+        tile_idx, step, num_tiles, decode = self.tiles(mO)
+        while tile_idx < num_tiles:
+            m_block, head, batch = schedule.tile_coords(tile_idx, *decode, self.causal)
+            n_tiles = kv_tile_count(m_block, seqlen, tile_m, tile_n, self.causal)
+            n_unmasked = unmasked_kv_tile_count(m_block, seqlen, tile_m, tile_n, self.causal)
+            acc_O.fill(0.0)
+            softmax = sm90.OnlineSoftmax(num_rows, scale_log2)  # fresh row max / sum per query tile
+            row_scale = cute.make_rmem_tensor(num_rows, Float32)
+            pipeline_q.consumer_wait(q_consume)
+            # Descending: the masked diagonal / seqlen-tail tiles first, then the mask-free rest.
+            for i in cutlass.range(n_tiles - n_unmasked, unroll=1):
+                kv_consume = self.kv_iteration(n_tiles - 1 - i, m_block, seqlen, kv_consume, pipelines, mmas,
+                                               softmax, row_scale, masked=True)
+            for i in cutlass.range(n_unmasked, unroll=1):
+                kv_consume = self.kv_iteration(n_unmasked - 1 - i, m_block, seqlen, kv_consume, pipelines, mmas,
+                                               softmax, row_scale, masked=False)
+            # Every QK of this tile has retired: the producer may load the next tile's Q.
+            pipeline_q.consumer_release(q_consume)
+            q_consume.advance()
+            self.epilogue(acc_O, softmax, tiled_mma_pv, tidx, mO, mLSE, m_block, head, batch)
+            tile_idx += step
+
+    @cute.jit
+    def kv_iteration(self, n_block: Int32, m_block: Int32, seqlen: Int32, kv_consume: pipeline.PipelineState,
+                     pipelines: tuple, mmas: tuple, softmax: sm90.OnlineSoftmax, row_scale: cute.Tensor,
+                     masked: cutlass.Constexpr[bool]) -> pipeline.PipelineState:
+        """K4's iteration with separate K and V waits, and no loads: S = QK^T, (mask), softmax,
+        O = O*scale + P V. Each stage is released right after the WGMMA that read it retired."""
+        _, pipeline_k, pipeline_v = pipelines
+        tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O, tScS = mmas
+        pipeline_k.consumer_wait(kv_consume)
+        acc_S = cute.make_rmem_tensor(tiled_mma_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
+        sm90.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_consume.index], zero_init=True, wg_wait=0)
+        pipeline_k.consumer_release(kv_consume)
+        if const_expr(masked):
+            sm90.mask_tile(acc_S, tScS, m_block, n_block, seqlen, self.tile_m, self.tile_n, self.causal)
+        softmax.step(acc_S, row_scale, check_inf=masked)
+        softmax.rescale(acc_O, row_scale)
+        sm90.convert_to(sm90.acc_as_operand_a(acc_S), tOrP)
+        pipeline_v.consumer_wait(kv_consume)
+        sm90.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_consume.index], zero_init=False, wg_wait=0)
+        pipeline_v.consumer_release(kv_consume)
+        kv_consume.advance()
+        return kv_consume
+
+    @cute.jit
+    def epilogue(self, acc_O: cute.Tensor, softmax: sm90.OnlineSoftmax, tiled_mma_pv: cute.TiledMma, tidx: Int32,
+                 mO: cute.Tensor, mLSE: cute.Tensor, m_block: Int32, head: Int32, batch: Int32):
+        """K4's epilogue: normalize once, write O and LSE straight from registers, rows predicated."""
+        tile_m, d = self.tile_m, self.head_dim
+        lse = cute.make_rmem_tensor(softmax.num_rows, Float32)
+        softmax.finalize(acc_O, lse)
+        rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
+        sm90.convert_to(acc_O, rO)
+        thr_mma_pv = tiled_mma_pv.get_slice(tidx)
+        gO = cute.local_tile(mO[batch, head, None, None], (tile_m, d), (m_block, 0))
+        tOgO_mn = sm90.acc_mn_view(thr_mma_pv.partition_C(gO))
+        tOcO_mn = sm90.acc_mn_view(thr_mma_pv.partition_C(cute.make_identity_tensor((tile_m, d))))
+        rO_mn = sm90.acc_mn_view(rO)
+        rows_left = mO.shape[2] - m_block * tile_m
+        for r in cutlass.range_constexpr(softmax.num_rows):
+            row = tOcO_mn[r, 0][0]
+            if row < rows_left:
+                cute.autovec_copy(rO_mn[r, None], tOgO_mn[r, None])
+                if tOcO_mn[r, 0][1] == 0:
+                    mLSE[batch, head, m_block * tile_m + row] = lse[r]
+
+
+def _config(p: Problem, overrides: dict) -> dict:
+    cfg = dict(DEFAULT_CONFIG[p.head_dim])
+    cfg.update({k: v for k, v in overrides.items() if v is not None})
+    return cfg
+
+
+def check_config(cfg: dict, name: str = "K5") -> None:
+    """Refuse a configuration the kernel cannot run (rather than hang, mis-tile or spill)."""
+    for key in ("num_wg", "tile_n", "kv_stages"):
+        if not isinstance(cfg[key], int) or isinstance(cfg[key], bool):
+            raise UnsupportedProblem(f"{name} config {cfg}: {key} must be an int")
+    if cfg["num_wg"] not in REGISTERS:
+        raise UnsupportedProblem(
+            f"{name} config {cfg}: num_wg must be one of {sorted(REGISTERS)} consumer warpgroups (the setmaxnreg "
+            f"budgets are defined for those; tile_m = 64*num_wg is one TMA box of at most 256 rows)")
+    if cfg["tile_n"] % 16 != 0 or not 16 <= cfg["tile_n"] <= 256:
+        raise UnsupportedProblem(
+            f"{name} config {cfg}: tile_n must be a multiple of 16 in [16, 256] (the PV WGMMA's K step is 16 "
+            f"keys, and a K/V tile is one TMA box of at most 256 rows)")
+    if cfg["kv_stages"] < 1:
+        raise UnsupportedProblem(f"{name} config {cfg}: kv_stages must be >= 1")
+
+
+def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_wg=None, tile_n=None, kv_stages=None,
+                   persistent=None) -> CompiledAttention:
+    CAPS.check(p)
+    cfg = _config(p, dict(num_wg=num_wg, tile_n=tile_n, kv_stages=kv_stages, persistent=persistent))
+    check_config(cfg)
+    dt = cute_dtype(p.dtype)
+    sm_count = num_sms()
+    kernel = K5FMHA(p.head_dim, dt, p.causal, sm_count=sm_count, **cfg)
+    if kernel.smem_bytes() > SMEM_CAPACITY:
+        raise UnsupportedProblem(
+            f"K5 config {cfg} at head_dim {p.head_dim} needs {kernel.smem_bytes() // 1024} KB of SMEM "
+            f"(limit {SMEM_CAPACITY // 1024} KB): use fewer kv_stages or a smaller tile_n")
+    key = ("k5", p.head_dim, p.dtype, p.causal, sm_count, tuple(sorted(cfg.items())))
+    fn = jit_compile(key, lambda: (kernel, fake_attention_args(dt, p.head_dim)), keep_ptx)
+    return fused_attention("k5", p, fn, keep_ptx, dict(cfg, smem_bytes=kernel.smem_bytes()))

@@ -1,0 +1,53 @@
+"""Which query tile a CTA works on, and in what order the tiles are handed out (K5 onward).
+
+Up to K4 the grid is (m_blocks, heads, batch) and the hardware dispatches blocks x-fastest.
+Two things go wrong with that order, and a linear tile index decoded here fixes both:
+
+* Causal tail. A causal query tile near the end of the sequence visits many KV tiles, one near
+  the start few. Reversing m inside each head is not enough: the heaviest tiles of the *last*
+  heads still start last and run alone at the end. Here the heaviest tiles of every head come
+  first (longest-processing-time first, "LPT").
+* L2 reuse. Heads are grouped into sections of ``heads_per_section`` heads whose K and V fit in
+  L2 together; a section's tiles run back to back (m-block-major, heads fastest), so every K/V
+  tile is read from HBM about once however many query tiles read it.
+
+``tile_coords`` is the decoding; ``l2_section_heads`` the section size. A kernel walks tile
+indices ``block_idx.x, block_idx.x + grid_dim.x, ...``: with one CTA per tile (grid = all tiles)
+that is a single step; with a persistent grid (one CTA per SM) each CTA loops over its share and
+its producer warp loads the next tile while the consumers finish the current one.
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32
+
+L2_BYTES = 50 * 1024 * 1024  # H100 (50 MB) and H200 (60 MB): size sections for the smaller
+
+
+@cute.jit
+def l2_section_heads(seqlen: Int32, head_dim: cutlass.Constexpr, elem_bytes: cutlass.Constexpr,
+                     num_heads: Int32) -> Int32:
+    """How many (batch, head) pairs share one L2 section: as many whose K+V fit in L2, at least 1."""
+    kv_bytes_per_head = seqlen * (2 * head_dim * elem_bytes)
+    return cutlass.max(cutlass.min(Int32(L2_BYTES) // cutlass.max(kv_bytes_per_head, 1), num_heads), 1)
+
+
+@cute.jit
+def tile_coords(tile_idx: Int32, num_m_blocks: Int32, nheads: Int32, num_bh: Int32, section: Int32,
+                lpt: cutlass.Constexpr):
+    """Linear tile index -> (m_block, head, batch).
+
+    Sections of ``section`` (batch, head) pairs, the last one possibly shorter; inside a
+    section the m block changes slowest, so all of its heads advance through the sequence
+    together. With ``lpt`` the m order is reversed: the longest causal rows start first.
+    """
+    tiles_per_section = section * num_m_blocks
+    section_idx = tile_idx // tiles_per_section
+    in_section = tile_idx - section_idx * tiles_per_section
+    heads_here = cutlass.min(section, num_bh - section_idx * section)
+    m_block = in_section // heads_here
+    bh = section_idx * section + (in_section - m_block * heads_here)
+    if cutlass.const_expr(lpt):
+        m_block = num_m_blocks - 1 - m_block
+    batch = bh // nheads
+    return m_block, bh - batch * nheads, batch

@@ -1,0 +1,105 @@
+"""Tune the warp-specialized stages (K5, K6): configurations timed beside the peers, in one run.
+
+    python scripts/tune.py --out results/tune-k6.json                       # the default grid
+    python scripts/tune.py --kernels k6 --headdim 128 --seqlen 512 8192 \
+        --configs '[{"tile_n": 128}, {"tile_n": 176}]'                      # a custom one
+
+For each (head dim, causal, seqlen) workload (bf16, batch = 16384/N, heads = 2048/d, the FA papers'
+convention) every (kernel, configuration) is first checked against SDPA on the same inputs (the
+ref_check criterion) and only then timed; cuDNN (through SDPA) and flash-attn-4 are timed on the
+same inputs. A configuration is a dict of the kernel's compile_kernel keywords; {} is its
+DEFAULT_CONFIG. Rows are written to --out as they are produced, and the table printed last gives
+each row's ratio to the best peer of its workload.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from harness import results  # noqa: E402
+from harness.check import compare  # noqa: E402
+from harness.config import default_batch_heads  # noqa: E402
+from harness.inputs import poisoned_outputs, random_inputs  # noqa: E402
+from harness.peers import peer_callables  # noqa: E402
+from harness.reference import reference  # noqa: E402
+from harness.timing import benchmark, tflops  # noqa: E402
+from kernels import get_kernel  # noqa: E402
+from kernels.contract import Problem, UnsupportedProblem  # noqa: E402
+
+BEST_PEERS = ("sdpa-cudnn", "fa4")
+
+
+def time_config(name, cfg, p, q, k, v, ref, ref_lse, sdpa) -> dict:
+    entry = get_kernel(name)
+    try:
+        compiled = entry.compile(p, **cfg)
+    except UnsupportedProblem as e:
+        return dict(ms=None, tflops=None, status=f"refused: {e}")
+    out, lse = poisoned_outputs(p)
+    entry.run(compiled, q, k, v, out, lse)
+    verdict = compare(out, ref, lse, ref_lse, p.dtype, sdpa).verdict
+    if verdict:
+        return dict(ms=None, tflops=None, status=f"check failed: {verdict}")
+    ms = benchmark(lambda: entry.run(compiled, q, k, v, out, lse))
+    return dict(ms=ms, tflops=tflops(p.flops, ms), status="ok", config_used=compiled.info)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kernels", nargs="+", default=["k4", "k5", "k6"])
+    ap.add_argument("--headdim", type=int, nargs="+", default=[64, 128, 256])
+    ap.add_argument("--causal", type=int, nargs="+", default=[0, 1], choices=(0, 1))
+    ap.add_argument("--seqlen", type=int, nargs="+", default=[512, 2048, 8192])
+    ap.add_argument("--configs", default="[{}]",
+                    help='JSON list of configurations tried for every kernel, or {"kernel": [configs], ...}')
+    ap.add_argument("--out")
+    args = ap.parse_args(argv)
+    import torch
+
+    configs = json.loads(args.configs)
+    rows = []
+    for d in args.headdim:
+        for causal in args.causal:
+            for n in args.seqlen:
+                b, h = default_batch_heads(n, d)
+                p = Problem(b, h, n, d, causal=bool(causal))
+                q, k, v = random_inputs(p)
+                ref, ref_lse = reference(q, k, v, p.causal, p.scale)
+                sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=p.causal, scale=p.scale)
+                base = dict(batch=b, nheads=h, seqlen=n, head_dim=d, causal=causal, dtype=p.dtype)
+                here = []
+                for name in args.kernels:
+                    for cfg in (configs.get(name, [{}]) if isinstance(configs, dict) else configs):
+                        here.append(dict(base, kernel=name, config=cfg,
+                                         **time_config(name, cfg, p, q, k, v, ref, ref_lse, sdpa)))
+                        print(f"d={d} causal={causal} N={n} {name} {cfg}: {here[-1]['status']} "
+                              f"{here[-1]['tflops'] or 0:.1f}", flush=True)
+                for name, fn in peer_callables(q, k, v, p.causal, p.scale).items():
+                    if name in BEST_PEERS and callable(fn):
+                        ms = benchmark(fn)
+                        here.append(dict(base, kernel=name, config=None, ms=ms, tflops=tflops(p.flops, ms),
+                                         status="ok"))
+                best = max((r["tflops"] for r in here if r["kernel"] in BEST_PEERS), default=None)
+                for r in here:
+                    r["vs_best_peer"] = r["tflops"] / best if best and r["tflops"] else None
+                rows += here
+                if args.out:  # after every workload, so an interrupted run keeps what it measured
+                    results.write(args.out, rows, results.command_line("scripts/tune.py", argv))
+                del q, k, v, ref, sdpa
+                torch.cuda.empty_cache()
+    print(f"\n{torch.cuda.get_device_name()}: bf16, TFLOP/s (x best of {'/'.join(BEST_PEERS)})")
+    for r in rows:
+        label = r["kernel"] + (" " + json.dumps(r["config"]) if r["config"] else "")
+        t = f"{r['tflops']:.1f}" + (f" ({r['vs_best_peer']:.2f}x)" if r["vs_best_peer"] else "") \
+            if r["tflops"] else r["status"][:60]
+        print(f"  d={r['head_dim']:<4}c={r['causal']} N={r['seqlen']:<6}{label:<50}{t}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
