@@ -56,6 +56,9 @@ _ENTRIES = [
     KernelEntry("k4_qk", "kernels.k4_qk", "WGMMA for QK, scores laundered via SMEM, scalar PV"),
     KernelEntry("k4", "kernels.k4", "WGMMA for QK and PV, softmax on the accumulator in registers"),
     KernelEntry("k5", "kernels.k5", "warp specialization: a TMA producer warp, setmaxnreg, separate K/V pipelines"),
+    KernelEntry("k6_pp", "kernels.k6", "ping-pong: consumer warpgroups take turns on the tensor cores",
+                {"pingpong": True, "overlap": False}),
+    KernelEntry("k6", "kernels.k6", "plus intra-warpgroup overlap: softmax of tile j+1 under PV of tile j"),
 ]
 
 REGISTRY = {e.name: e for e in _ENTRIES}

@@ -183,7 +183,10 @@ class K5FMHA:
         """(first tile index, step, number of tiles, decode args) of this CTA's tile loop."""
         seqlen, nheads, batch = mO.shape[2], mO.shape[1], mO.shape[0]
         num_m_blocks = cute.ceil_div(seqlen, self.tile_m)
-        section = schedule.l2_section_heads(seqlen, self.head_dim, self.dtype.width // 8, nheads * batch)
+        # Non-causal tiles all cost the same: m fastest inside one head (K4's order) keeps just a
+        # head or two of K/V in flight. Causal: L2 sections, heaviest m first.
+        section = (schedule.l2_section_heads(seqlen, self.head_dim, self.dtype.width // 8, nheads * batch)
+                   if const_expr(self.causal) else Int32(1))
         bx, _, _ = cute.arch.block_idx()
         gdx, _, _ = cute.arch.grid_dim()
         return bx, gdx, num_m_blocks * nheads * batch, (num_m_blocks, nheads, nheads * batch, section)
@@ -257,18 +260,27 @@ class K5FMHA:
             softmax = sm90.OnlineSoftmax(num_rows, scale_log2)  # fresh row max / sum per query tile
             row_scale = cute.make_rmem_tensor(num_rows, Float32)
             pipeline_q.consumer_wait(q_consume)
-            # Descending: the masked diagonal / seqlen-tail tiles first, then the mask-free rest.
-            for i in cutlass.range(n_tiles - n_unmasked, unroll=1):
-                kv_consume = self.kv_iteration(n_tiles - 1 - i, m_block, seqlen, kv_consume, pipelines, mmas,
-                                               softmax, row_scale, masked=True)
-            for i in cutlass.range(n_unmasked, unroll=1):
-                kv_consume = self.kv_iteration(n_unmasked - 1 - i, m_block, seqlen, kv_consume, pipelines, mmas,
-                                               softmax, row_scale, masked=False)
+            kv_consume = self.mainloop(m_block, seqlen, n_tiles, n_unmasked, kv_consume, pipelines, mmas, softmax,
+                                       row_scale)
             # Every QK of this tile has retired: the producer may load the next tile's Q.
             pipeline_q.consumer_release(q_consume)
             q_consume.advance()
             self.epilogue(acc_O, softmax, tiled_mma_pv, tidx, mO, mLSE, m_block, head, batch)
             tile_idx += step
+
+    @cute.jit
+    def mainloop(self, m_block: Int32, seqlen: Int32, n_tiles: Int32, n_unmasked: Int32,
+                 kv_consume: pipeline.PipelineState, pipelines: tuple, mmas: tuple, softmax: sm90.OnlineSoftmax,
+                 row_scale: cute.Tensor) -> pipeline.PipelineState:
+        """One query tile's KV loop, descending: the masked diagonal / seqlen-tail tiles first,
+        then the mask-free rest."""
+        for i in cutlass.range(n_tiles - n_unmasked, unroll=1):
+            kv_consume = self.kv_iteration(n_tiles - 1 - i, m_block, seqlen, kv_consume, pipelines, mmas, softmax,
+                                           row_scale, masked=True)
+        for i in cutlass.range(n_unmasked, unroll=1):
+            kv_consume = self.kv_iteration(n_unmasked - 1 - i, m_block, seqlen, kv_consume, pipelines, mmas,
+                                           softmax, row_scale, masked=False)
+        return kv_consume
 
     @cute.jit
     def kv_iteration(self, n_block: Int32, m_block: Int32, seqlen: Int32, kv_consume: pipeline.PipelineState,

@@ -255,3 +255,47 @@ def gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cu
     warpgroup.commit_group()
     if const_expr(wg_wait >= 0):
         warpgroup.wait_group(wg_wait)
+
+
+# --------------------------------------------------------------------------------------
+# Ping-pong between consumer warpgroups (K6): named barriers pass a token
+# --------------------------------------------------------------------------------------
+
+# Named-barrier ids (0 is sync_threads). One table for the whole kernel: a barrier id used for
+# two purposes at once deadlocks or releases the wrong threads.
+EPILOGUE_BARRIER = 1
+WARP_SCHEDULER_BARRIER = 2  # 2, 3, 4: one per consumer warpgroup
+
+
+class WarpScheduler:
+    """Consumer warpgroups take turns on the tensor cores.
+
+    A warpgroup ``sync``s its own barrier right before issuing a batch of GEMMs and ``arrive``s on
+    the next warpgroup's right after issuing them (before waiting for them): the next warpgroup's
+    GEMMs queue behind these while this one does its softmax. Each barrier counts two
+    warpgroups: its owner's sync and the previous one's arrive. ``init`` gives the first
+    warpgroup the token. Every warpgroup must sync and arrive equally often, or the token stalls.
+    """
+
+    def __init__(self, num_wg: int, enabled: bool):
+        self.num_wg = num_wg
+        self.enabled = enabled and num_wg > 1
+
+    def _wg(self):
+        # Consumers are warpgroups 1..num_wg (0 is the producer).
+        return cute.arch.make_warp_uniform(cute.arch.thread_idx()[0] // 128) - 1
+
+    @cute.jit
+    def init(self):
+        if const_expr(self.enabled):
+            if self._wg() == 0:
+                cute.arch.barrier_arrive(barrier_id=WARP_SCHEDULER_BARRIER, number_of_threads=2 * 128)
+
+    def sync(self):
+        if const_expr(self.enabled):
+            cute.arch.barrier(barrier_id=WARP_SCHEDULER_BARRIER + self._wg(), number_of_threads=2 * 128)
+
+    def arrive(self):
+        if const_expr(self.enabled):
+            next_wg = (self._wg() + 1) % self.num_wg
+            cute.arch.barrier_arrive(barrier_id=WARP_SCHEDULER_BARRIER + next_wg, number_of_threads=2 * 128)

@@ -1,0 +1,186 @@
+"""K6: hide the softmax behind the GEMMs. Ping-pong between warpgroups, overlap inside one.
+
+K5 left each consumer warpgroup strictly serial: QK, wait, softmax, PV, wait. While a warpgroup
+runs its exponentials (MUFU: about 1/250 of the tensor cores' rate, i.e. roughly half the GEMM
+time at d=128) its tensor-core work stops. K6 keeps K5's host code, producer and tile loop, and
+replaces only the consumer's KV loop (``mainloop``), in two steps that are registered apart:
+
+* ``k6_pp``, ping-pong (``sm90.WarpScheduler``): the consumer warpgroups pass a token through
+  named barriers so that one issues its GEMMs (PV of tile j and QK of tile j+1) while the other
+  runs its softmax. The tensor cores see back-to-back GEMMs from alternating warpgroups.
+* ``k6``, plus intra-warpgroup overlap: step j issues QK of tile j+1 *and* PV of tile j, then
+  waits only for the QK (``wait_group(1)``), runs the softmax of tile j+1 while PV j is still on
+  the tensor cores, and waits for PV only before it overwrites P. One prologue (QK + softmax of the
+  first tile) and one epilogue (the last PV) bracket the loop. The price: S of tile j+1 lives
+  beside P of tile j and O through the whole softmax (more registers).
+
+O may only be touched with no PV in flight. By default it is rescaled after ``wait_group(0)``, on
+the critical path; at d=256 that is 128 multiplies per thread per tile, so there it moves under
+the QK GEMM of the next step instead (``rescale_o_before_gemm``). The anchors use ping-pong only
+up to d=128 with the overlap: at d=256 the GEMMs already dwarf the softmax.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import warpgroup
+
+from . import k5, sm90
+from .contract import (
+    SMEM_CAPACITY,
+    CompiledAttention,
+    Problem,
+    UnsupportedProblem,
+    cute_dtype,
+    fake_attention_args,
+    fused_attention,
+    jit_compile,
+    run_kernel,  # noqa: F401  (the contract's launch-only entry)
+)
+
+CAPS = k5.CAPS
+DEFAULT_CONFIG = {d: dict(cfg, pingpong=d <= 128, overlap=True) for d, cfg in k5.DEFAULT_CONFIG.items()}
+
+
+class K6FMHA(k5.K5FMHA):
+    def __init__(self, *args, pingpong: bool, overlap: bool, **kw):
+        super().__init__(*args, **kw)
+        self.warp_scheduler = sm90.WarpScheduler(self.num_wg, pingpong)
+        self.overlap = overlap
+        self.rescale_o_before_gemm = overlap and self.head_dim > 128
+
+    @cute.jit
+    def consume(self, *args):
+        self.warp_scheduler.init()  # the first consumer warpgroup holds the token
+        k5.K5FMHA.consume(self, *args)
+
+    @cute.jit
+    def mainloop(self, m_block: Int32, seqlen: Int32, n_tiles: Int32, n_unmasked: Int32,
+                 kv_consume: pipeline.PipelineState, pipelines: tuple, mmas: tuple, softmax: sm90.OnlineSoftmax,
+                 row_scale: cute.Tensor) -> pipeline.PipelineState:
+        if const_expr(not self.overlap):
+            # K5's loop with the token around each batch of GEMMs: sync before the first QK,
+            # then (inside kv_iteration) arrive after QK j, sync before PV j; arrive after the last.
+            self.warp_scheduler.sync()
+            kv_consume = k5.K5FMHA.mainloop(self, m_block, seqlen, n_tiles, n_unmasked, kv_consume, pipelines,
+                                            mmas, softmax, row_scale)
+            self.warp_scheduler.arrive()
+        else:
+            # Prologue: QK and softmax of the first (masked) tile; its PV runs in the first step.
+            self.first_qk_softmax(n_tiles - 1, m_block, seqlen, kv_consume, pipelines, mmas, softmax, row_scale)
+            n_masked = cutlass.max(n_tiles - 1 - n_unmasked, 0)
+            for i in cutlass.range(n_masked, unroll=1):
+                kv_consume = self.overlapped_step(n_tiles - 2 - i, m_block, seqlen, kv_consume, pipelines, mmas,
+                                                  softmax, row_scale, masked=True)
+            for i in cutlass.range(n_tiles - 1 - n_masked, unroll=1):
+                kv_consume = self.overlapped_step(n_tiles - 2 - n_masked - i, m_block, seqlen, kv_consume, pipelines,
+                                                  mmas, softmax, row_scale, masked=False)
+            kv_consume = self.last_pv(kv_consume, pipelines, mmas, softmax, row_scale)
+        return kv_consume
+
+    @cute.jit
+    def kv_iteration(self, n_block: Int32, m_block: Int32, seqlen: Int32, kv_consume: pipeline.PipelineState,
+                     pipelines: tuple, mmas: tuple, softmax: sm90.OnlineSoftmax, row_scale: cute.Tensor,
+                     masked: cutlass.Constexpr[bool]) -> pipeline.PipelineState:
+        """K5's iteration with the ping-pong token: the other warpgroup's GEMMs run during this
+        one's softmax."""
+        _, pipeline_k, pipeline_v = pipelines
+        tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O, tScS = mmas
+        pipeline_k.consumer_wait(kv_consume)
+        acc_S = cute.make_rmem_tensor(tiled_mma_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
+        sm90.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_consume.index], zero_init=True, wg_wait=-1)
+        self.warp_scheduler.arrive()
+        warpgroup.wait_group(0)
+        pipeline_k.consumer_release(kv_consume)
+        if const_expr(masked):
+            sm90.mask_tile(acc_S, tScS, m_block, n_block, seqlen, self.tile_m, self.tile_n, self.causal)
+        softmax.step(acc_S, row_scale, check_inf=masked)
+        softmax.rescale(acc_O, row_scale)
+        sm90.convert_to(sm90.acc_as_operand_a(acc_S), tOrP)
+        pipeline_v.consumer_wait(kv_consume)
+        self.warp_scheduler.sync()
+        sm90.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_consume.index], zero_init=False, wg_wait=0)
+        pipeline_v.consumer_release(kv_consume)
+        kv_consume.advance()
+        return kv_consume
+
+    @cute.jit
+    def first_qk_softmax(self, n_block: Int32, m_block: Int32, seqlen: Int32, kv_consume: pipeline.PipelineState,
+                         pipelines: tuple, mmas: tuple, softmax: sm90.OnlineSoftmax, row_scale: cute.Tensor):
+        """S = QK^T of the first tile, masked (the first tile is the only one that may hold the
+        seqlen tail, and, causal, the diagonal), softmax, P into registers. No PV yet."""
+        _, pipeline_k, _ = pipelines
+        tiled_mma_qk, _, tSrQ, tSrK, _, tOrP, _, tScS = mmas
+        pipeline_k.consumer_wait(kv_consume)
+        acc_S = cute.make_rmem_tensor(tiled_mma_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
+        sm90.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_consume.index], zero_init=True, wg_wait=0)
+        pipeline_k.consumer_release(kv_consume)
+        sm90.mask_tile(acc_S, tScS, m_block, n_block, seqlen, self.tile_m, self.tile_n, self.causal)
+        softmax.step(acc_S, row_scale, check_inf=True)  # O is still zero: no rescale needed
+        sm90.convert_to(sm90.acc_as_operand_a(acc_S), tOrP)
+
+    @cute.jit
+    def overlapped_step(self, n_block: Int32, m_block: Int32, seqlen: Int32, kv_consume: pipeline.PipelineState,
+                        pipelines: tuple, mmas: tuple, softmax: sm90.OnlineSoftmax, row_scale: cute.Tensor,
+                        masked: cutlass.Constexpr[bool]) -> pipeline.PipelineState:
+        """QK of tile ``n_block`` and PV of the previous tile in flight together; the softmax of
+        ``n_block`` runs under the PV. ``kv_consume`` enters on the previous tile's stage."""
+        _, pipeline_k, pipeline_v = pipelines
+        tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O, tScS = mmas
+        kv_prev = kv_consume.clone()  # V of the previous tile, whose P is in tOrP
+        kv_consume.advance()
+        pipeline_k.consumer_wait(kv_consume)
+        self.warp_scheduler.sync()
+        acc_S = cute.make_rmem_tensor(tiled_mma_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
+        sm90.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_consume.index], zero_init=True, wg_wait=-1)
+        if const_expr(self.rescale_o_before_gemm):
+            softmax.rescale(acc_O, row_scale)  # the previous tile's factor, while only QK runs
+        pipeline_v.consumer_wait(kv_prev)
+        sm90.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_prev.index], zero_init=False, wg_wait=-1)
+        self.warp_scheduler.arrive()
+        warpgroup.wait_group(1)  # QK done; PV may still run
+        pipeline_k.consumer_release(kv_consume)
+        if const_expr(masked):
+            sm90.mask_tile(acc_S, tScS, m_block, n_block, seqlen, self.tile_m, self.tile_n, self.causal)
+        softmax.step(acc_S, row_scale, check_inf=masked)
+        warpgroup.wait_group(0)  # PV done: its P and V may be overwritten, O may be touched
+        pipeline_v.consumer_release(kv_prev)
+        sm90.convert_to(sm90.acc_as_operand_a(acc_S), tOrP)
+        if const_expr(not self.rescale_o_before_gemm):
+            softmax.rescale(acc_O, row_scale)
+        return kv_consume
+
+    @cute.jit
+    def last_pv(self, kv_consume: pipeline.PipelineState, pipelines: tuple, mmas: tuple,
+                softmax: sm90.OnlineSoftmax, row_scale: cute.Tensor) -> pipeline.PipelineState:
+        _, _, pipeline_v = pipelines
+        _, tiled_mma_pv, _, _, tOrVt, tOrP, acc_O, _ = mmas
+        if const_expr(self.rescale_o_before_gemm):
+            softmax.rescale(acc_O, row_scale)
+        pipeline_v.consumer_wait(kv_consume)
+        sm90.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_consume.index], zero_init=False, wg_wait=0)
+        pipeline_v.consumer_release(kv_consume)
+        kv_consume.advance()
+        return kv_consume
+
+
+def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_wg=None, tile_n=None,
+                   kv_stages=None, persistent=None, pingpong=None, overlap=None) -> CompiledAttention:
+    CAPS.check(p)
+    cfg = dict(DEFAULT_CONFIG[p.head_dim])
+    cfg.update({k: v for k, v in dict(num_wg=num_wg, tile_n=tile_n, kv_stages=kv_stages, persistent=persistent,
+                                      pingpong=pingpong, overlap=overlap).items() if v is not None})
+    k5.check_config(cfg, "K6")
+    dt = cute_dtype(p.dtype)
+    sm_count = k5.num_sms()
+    kernel = K6FMHA(p.head_dim, dt, p.causal, sm_count=sm_count, **cfg)
+    if kernel.smem_bytes() > SMEM_CAPACITY:
+        raise UnsupportedProblem(
+            f"K6 config {cfg} at head_dim {p.head_dim} needs {kernel.smem_bytes() // 1024} KB of SMEM "
+            f"(limit {SMEM_CAPACITY // 1024} KB): use fewer kv_stages or a smaller tile_n")
+    key = ("k6", p.head_dim, p.dtype, p.causal, sm_count, tuple(sorted(cfg.items())))
+    fn = jit_compile(key, lambda: (kernel, fake_attention_args(dt, p.head_dim)), keep_ptx)
+    return fused_attention("k6", p, fn, keep_ptx, dict(cfg, smem_bytes=kernel.smem_bytes()))
