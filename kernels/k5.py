@@ -54,10 +54,14 @@ CAPS = Capabilities(head_dims=(64, 128, 256))
 # d=64 (192-row tiles: more rows share each K/V tile), two at d=128/256; d=256 takes 80-key tiles,
 # the most that fit two K/V stages beside a 128x256 Q tile in SMEM.
 DEFAULT_CONFIG = {
-    64: dict(num_wg=3, tile_n=128, kv_stages=2, persistent=False),
-    128: dict(num_wg=2, tile_n=128, kv_stages=2, persistent=False),
-    256: dict(num_wg=2, tile_n=80, kv_stages=2, persistent=False),
+    64: dict(num_wg=3, tile_n=128, kv_stages=2),
+    128: dict(num_wg=2, tile_n=128, kv_stages=2),
+    256: dict(num_wg=2, tile_n=80, kv_stages=2),
 }
+# Persistent (one CTA per SM looping over tiles) pays where every tile costs the same: with a
+# static round-robin, causal tiles of unequal cost leave some SMs idle at the end (measured on an
+# H100: docs/k5.md), so causal keeps one CTA per tile, launched heaviest first.
+PERSISTENT_BY_DEFAULT = dict(causal=False, non_causal=True)
 # setmaxnreg budgets (producer, consumer) per consumer-warpgroup count: they must add up to the
 # launch budget, 65536 / threads per CTA (24*128 + 240*256 = 168*384; 32*128 + 160*384 = 128*512).
 REGISTERS = {2: (24, 240), 3: (32, 160)}
@@ -214,17 +218,24 @@ class K5FMHA:
             tma_pipeline.load_stage(pipeline_q, q_produce, tma_atom_Q, tQgQ, tQsQ)
             q_produce.advance()
             n_tiles = kv_tile_count(m_block, seqlen, tile_m, tile_n, self.causal)
-            for i in cutlass.range(n_tiles, unroll=1):
-                n_block = n_tiles - 1 - i
-                tma_pipeline.load_stage(pipeline_k, kv_produce, tma_atom_K, tKgK[None, n_block],
-                                        tKsK[None, kv_produce.index])
-                tma_pipeline.load_stage(pipeline_v, kv_produce, tma_atom_V, tVgV[None, n_block],
-                                        tVsV[None, kv_produce.index])
-                kv_produce.advance()
+            kv_loads = (pipeline_k, tma_atom_K, tKgK, tKsK, pipeline_v, tma_atom_V, tVgV, tVsV)
+            kv_produce = self.load_kv_tiles(n_tiles, kv_produce, kv_loads)
             tile_idx += step
         # Wait until the consumers have released every V stage: no mbarrier arrive may land
         # after this CTA has exited (K's are released before V's).
         pipeline_v.producer_tail(kv_produce)
+
+    @cute.jit
+    def load_kv_tiles(self, n_tiles: Int32, kv_produce: pipeline.PipelineState,
+                      kv_loads: tuple) -> pipeline.PipelineState:
+        """K and V of every KV tile, descending, K_j then V_j, each as soon as its stage is free."""
+        pipeline_k, tma_atom_K, tKgK, tKsK, pipeline_v, tma_atom_V, tVgV, tVsV = kv_loads
+        for i in cutlass.range(n_tiles, unroll=1):
+            n_block = n_tiles - 1 - i
+            tma_pipeline.load_stage(pipeline_k, kv_produce, tma_atom_K, tKgK[None, n_block], tKsK[None, kv_produce.index])
+            tma_pipeline.load_stage(pipeline_v, kv_produce, tma_atom_V, tVgV[None, n_block], tVsV[None, kv_produce.index])
+            kv_produce.advance()
+        return kv_produce
 
     # ---- Consumers: WGMMA + softmax only ------------------------------------------------------
 
@@ -328,8 +339,8 @@ class K5FMHA:
                     mLSE[batch, head, m_block * tile_m + row] = lse[r]
 
 
-def _config(p: Problem, overrides: dict) -> dict:
-    cfg = dict(DEFAULT_CONFIG[p.head_dim])
+def default_config(p: Problem, overrides: dict) -> dict:
+    cfg = dict(DEFAULT_CONFIG[p.head_dim], persistent=not p.causal)
     cfg.update({k: v for k, v in overrides.items() if v is not None})
     return cfg
 
@@ -354,7 +365,7 @@ def check_config(cfg: dict, name: str = "K5") -> None:
 def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_wg=None, tile_n=None, kv_stages=None,
                    persistent=None) -> CompiledAttention:
     CAPS.check(p)
-    cfg = _config(p, dict(num_wg=num_wg, tile_n=tile_n, kv_stages=kv_stages, persistent=persistent))
+    cfg = default_config(p, dict(num_wg=num_wg, tile_n=tile_n, kv_stages=kv_stages, persistent=persistent))
     check_config(cfg)
     dt = cute_dtype(p.dtype)
     sm_count = num_sms()

@@ -28,7 +28,7 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 
-from . import k5, sm90
+from . import k5, sm90, tma_pipeline
 from .contract import (
     SMEM_CAPACITY,
     CompiledAttention,
@@ -42,7 +42,11 @@ from .contract import (
 )
 
 CAPS = k5.CAPS
-DEFAULT_CONFIG = {d: dict(cfg, pingpong=d <= 128, overlap=True) for d, cfg in k5.DEFAULT_CONFIG.items()}
+# Ping-pong up to d=128 only (with the overlap, the d=256 GEMMs already dwarf the softmax).
+PINGPONG_MAX_HEAD_DIM = 128
+# With the overlap, S of the next tile lives beside P and O: at d=64 three consumer warpgroups get
+# 160 registers each, and 128-key tiles spill 12 bytes (ptxas); 112-key tiles fit.
+TILE_N = {64: 112}
 
 
 class K6FMHA(k5.K5FMHA):
@@ -80,6 +84,28 @@ class K6FMHA(k5.K5FMHA):
                                                   mmas, softmax, row_scale, masked=False)
             kv_consume = self.last_pv(kv_consume, pipelines, mmas, softmax, row_scale)
         return kv_consume
+
+    @cute.jit
+    def load_kv_tiles(self, n_tiles: Int32, kv_produce: pipeline.PipelineState,
+                      kv_loads: tuple) -> pipeline.PipelineState:
+        """With the overlap, step j needs K of tile j+1 before V of tile j: load in that order
+        (K_first, K_next, V_first, K_next2, V_next, ..., V_last)."""
+        if const_expr(not self.overlap):
+            kv_produce = k5.K5FMHA.load_kv_tiles(self, n_tiles, kv_produce, kv_loads)
+        else:
+            pipeline_k, tma_atom_K, tKgK, tKsK, pipeline_v, tma_atom_V, tVgV, tVsV = kv_loads
+            tma_pipeline.load_stage(pipeline_k, kv_produce, tma_atom_K, tKgK[None, n_tiles - 1],
+                                    tKsK[None, kv_produce.index])
+            for i in cutlass.range(n_tiles - 1, unroll=1):
+                kv_prev = kv_produce.clone()
+                kv_produce.advance()
+                tma_pipeline.load_stage(pipeline_k, kv_produce, tma_atom_K, tKgK[None, n_tiles - 2 - i],
+                                        tKsK[None, kv_produce.index])
+                tma_pipeline.load_stage(pipeline_v, kv_prev, tma_atom_V, tVgV[None, n_tiles - 1 - i],
+                                        tVsV[None, kv_prev.index])
+            tma_pipeline.load_stage(pipeline_v, kv_produce, tma_atom_V, tVgV[None, 0], tVsV[None, kv_produce.index])
+            kv_produce.advance()
+        return kv_produce
 
     @cute.jit
     def kv_iteration(self, n_block: Int32, m_block: Int32, seqlen: Int32, kv_consume: pipeline.PipelineState,
@@ -170,9 +196,12 @@ class K6FMHA(k5.K5FMHA):
 def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_wg=None, tile_n=None,
                    kv_stages=None, persistent=None, pingpong=None, overlap=None) -> CompiledAttention:
     CAPS.check(p)
-    cfg = dict(DEFAULT_CONFIG[p.head_dim])
-    cfg.update({k: v for k, v in dict(num_wg=num_wg, tile_n=tile_n, kv_stages=kv_stages, persistent=persistent,
-                                      pingpong=pingpong, overlap=overlap).items() if v is not None})
+    overlap = True if overlap is None else overlap
+    pingpong = (p.head_dim <= PINGPONG_MAX_HEAD_DIM or not overlap) if pingpong is None else pingpong
+    if tile_n is None and overlap:
+        tile_n = TILE_N.get(p.head_dim)
+    cfg = k5.default_config(p, dict(num_wg=num_wg, tile_n=tile_n, kv_stages=kv_stages, persistent=persistent,
+                                    pingpong=pingpong, overlap=overlap))
     k5.check_config(cfg, "K6")
     dt = cute_dtype(p.dtype)
     sm_count = k5.num_sms()

@@ -1,0 +1,38 @@
+"""One small launch of a kernel, checked, for compute-sanitizer (racecheck, synccheck) to watch.
+
+    compute-sanitizer --tool racecheck python scripts/sanitize_case.py k6 --headdim 128 --causal 1
+
+A warp-specialized kernel is where races (a stage overwritten while a WGMMA still reads it) and
+barrier misuse (a named barrier with the wrong thread count) live. The shapes are small so the
+sanitizer finishes in seconds, with a ragged seqlen so the masked tile and a partial query tile
+run, and more than one tile per CTA when the kernel is persistent (batch*heads > #SMs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from harness.check import check_kernel  # noqa: E402
+from kernels.contract import Problem  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("kernel")
+    ap.add_argument("--headdim", type=int, default=128)
+    ap.add_argument("--causal", type=int, default=0, choices=(0, 1))
+    ap.add_argument("--seqlen", type=int, default=300)
+    ap.add_argument("--batch-heads", type=int, default=140, help="(batch, head) pairs: > #SMs")
+    args = ap.parse_args(argv)
+    res = check_kernel(args.kernel, Problem(1, args.batch_heads, args.seqlen, args.headdim, causal=bool(args.causal)))
+    print(f"{args.kernel} d={args.headdim} causal={args.causal} N={args.seqlen}: "
+          f"{'ok' if res.ok else 'FAIL ' + res.reason} (max_abs {res.max_abs:.2e})")
+    return 0 if res.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
