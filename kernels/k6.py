@@ -44,9 +44,11 @@ from .contract import (
 CAPS = k5.CAPS
 # Ping-pong up to d=128 only (with the overlap, the d=256 GEMMs already dwarf the softmax).
 PINGPONG_MAX_HEAD_DIM = 128
-# With the overlap, S of the next tile lives beside P and O: at d=64 three consumer warpgroups get
-# 160 registers each, and 128-key tiles spill 12 bytes (ptxas); 112-key tiles fit.
-TILE_N = {64: 112}
+# d=64 runs without the overlap: with it, S of the next tile lives beside P and O, three consumer
+# warpgroups get 160 registers each, and 128-key tiles spill (12 bytes, ptxas); 112-key tiles fit
+# but measured slower on an H100 than ping-pong alone at 128 keys (docs/k6.md).
+OVERLAP_MIN_HEAD_DIM = 128
+TILE_N_WITH_OVERLAP = {64: 112}
 
 
 class K6FMHA(k5.K5FMHA):
@@ -196,10 +198,10 @@ class K6FMHA(k5.K5FMHA):
 def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_wg=None, tile_n=None,
                    kv_stages=None, persistent=None, pingpong=None, overlap=None) -> CompiledAttention:
     CAPS.check(p)
-    overlap = True if overlap is None else overlap
+    overlap = p.head_dim >= OVERLAP_MIN_HEAD_DIM if overlap is None else overlap
     pingpong = (p.head_dim <= PINGPONG_MAX_HEAD_DIM or not overlap) if pingpong is None else pingpong
     if tile_n is None and overlap:
-        tile_n = TILE_N.get(p.head_dim)
+        tile_n = TILE_N_WITH_OVERLAP.get(p.head_dim)
     cfg = k5.default_config(p, dict(num_wg=num_wg, tile_n=tile_n, kv_stages=kv_stages, persistent=persistent,
                                     pingpong=pingpong, overlap=overlap))
     k5.check_config(cfg, "K6")
