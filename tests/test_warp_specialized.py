@@ -1,0 +1,79 @@
+"""K5 and K6 on the CPU: what their PTX must hold, at every head dim and dtype, and no spills.
+
+Register counts say little here: with launch bounds ptxas pins the launch budget (168 registers
+at 384 threads, 128 at 512) and setmaxnreg moves registers at run time, so spill bytes are the
+check that matters.
+"""
+
+import re
+
+import pytest
+
+from harness.inspect_ptx import count_instructions, ptxas_report
+from kernels import get_kernel
+from kernels.contract import Problem
+from kernels.k5 import REGISTERS
+
+WS_KERNELS = ("k5", "k6_pp", "k6")
+CASES = [(n, d, dt, c) for n in WS_KERNELS for d in (64, 128, 256) for dt in ("bfloat16", "float16")
+         for c in (False, True) if dt == "bfloat16" or c]
+
+
+def _compile(name, d, dtype="bfloat16", causal=True, **cfg):
+    return get_kernel(name).compile(Problem(1, 1, 128, d, dtype=dtype, causal=causal), keep_ptx=True, **cfg)
+
+
+@pytest.mark.parametrize("name,d,dtype,causal", CASES, ids=[f"{n}-d{d}-{dt}-c{int(c)}" for n, d, dt, c in CASES])
+def test_registers_move_from_producer_to_consumers(name, d, dtype, causal):
+    compiled = _compile(name, d, dtype, causal)
+    ptx = compiled.ptx
+    producer, consumer = REGISTERS[compiled.info["num_wg"]]
+    assert re.findall(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+(\d+)", ptx) == [str(producer)]
+    assert re.findall(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+(\d+)", ptx) == [str(consumer)]
+    threads = 128 * (compiled.info["num_wg"] + 1)
+    assert re.search(rf"\.reqntid {threads}, 1, 1", ptx) and ".minnctapersm 1" in ptx
+    # The only CTA-wide barrier is the one after the mbarrier inits, before the role split.
+    assert len(re.findall(r"\bbar\.sync\s+0;", ptx)) == 1
+    counts = count_instructions(ptx)
+    assert counts["wgmma.mma_async"] > 0 and counts["cp.async.bulk.tensor"] > 0
+    assert counts["ld/st.local"] == 0
+    report = ptxas_report(ptx)
+    if not report:
+        pytest.skip("ptxas not on PATH")
+    assert all(spill == 0 for _, _, _, spill in report), report
+
+
+def _named_barriers(ptx):
+    return re.findall(r"\bbar\.(sync|arrive)\s+([^,;]+),\s*(\d+);", ptx)
+
+
+def test_k5_has_separate_k_and_v_pipelines_and_no_named_barriers():
+    ptx = _compile("k5", 128).ptx
+    # Q's pair plus a full/empty pair per stage for K and for V (2 stages): 2 + 4 + 4; K4 shares
+    # one pair per stage between K and V.
+    assert len(re.findall(r"\bmbarrier\.init\.", ptx)) >= 10
+    assert not [b for b in _named_barriers(ptx) if b[1].strip() != "0"]
+
+
+@pytest.mark.parametrize("name", ["k6_pp", "k6"])
+def test_k6_passes_a_token_between_warpgroups(name):
+    ptx = _compile(name, 128).ptx
+    kinds = {(kind, count) for kind, _, count in _named_barriers(ptx)}
+    assert ("sync", "256") in kinds and ("arrive", "256") in kinds, kinds
+
+
+def test_k6_overlaps_qk_with_pv():
+    # wait_group 1: QK of the next tile retired while the PV of this one may still run.
+    overlap = _compile("k6", 128).ptx
+    assert re.search(r"wgmma\.wait_group\.sync\.aligned\s+1;", overlap)
+    assert not re.search(r"wgmma\.wait_group\.sync\.aligned\s+1;", _compile("k6_pp", 128).ptx)
+
+
+def test_k6_at_d256_has_no_ping_pong():
+    assert not [b for b in _named_barriers(_compile("k6", 256).ptx) if b[1].strip() != "0"]
+
+
+def test_persistent_grid_loops_over_tiles():
+    # The same kernel with one CTA per SM: the decoded tile index advances by gridDim.x.
+    ptx = _compile("k6", 128, causal=False, persistent=True).ptx
+    assert "%nctaid.x" in ptx
