@@ -203,11 +203,13 @@ def jit_compile(key, build: Callable[[], tuple], keep_ptx: bool = False):
 
         fn, args = build()
         opts = "--enable-tvm-ffi"
-        if keep_ptx:  # the DSL also writes the PTX to a file: keep it out of the working tree
-            import tempfile
+        if not keep_ptx:
+            _JIT_CACHE[full_key] = cute.compile(fn, *args, options=opts)
+        else:  # the DSL writes the PTX to a file and reads it back into compiled.artifacts.PTX
+            import tempfile  # when compile returns, so the folder can go at once
 
-            opts += f" --keep-ptx --dump-dir={tempfile.mkdtemp(prefix='cute-ptx-')}"
-        _JIT_CACHE[full_key] = cute.compile(fn, *args, options=opts)
+            with tempfile.TemporaryDirectory(prefix="cute-ptx-") as dump:
+                _JIT_CACHE[full_key] = cute.compile(fn, *args, options=f"{opts} --keep-ptx --dump-dir={dump}")
     return _JIT_CACHE[full_key]
 
 
