@@ -6,7 +6,7 @@ from collections import OrderedDict
 
 from kernels import get_kernel
 
-from .inputs import empty_outputs, problem_from_tensors
+from .inputs import empty_outputs, problem_from_tensors, require_cuda
 
 _CACHE: "OrderedDict[tuple, object]" = OrderedDict()
 _CACHE_SIZE = 8  # K1's compiled problems hold an S buffer each: keep few
@@ -37,15 +37,18 @@ def attention(name: str, q, k, v, causal: bool = False, softmax_scale=None, retu
     """softmax(q k^T * scale) v with kernel stage ``name``.
 
     q, k, v: CUDA tensors (batch, heads, seqlen, head_dim), bf16 or fp16, last dim contiguous.
+    ``causal`` is a bool; ``softmax_scale`` any positive real number (default 1/sqrt(head_dim)).
     Returns O in the same layout (contiguous), and the float32 (batch, heads, seqlen)
     log-sum-exp of the scaled scores when ``return_lse``. Unsupported inputs raise
     ``kernels.UnsupportedProblem`` naming the constraint.
     """
     import torch
 
-    problem = problem_from_tensors(q, k, v, causal, softmax_scale)
+    # Every check that needs no GPU first, so that a CPU machine reports the real problem.
     entry = get_kernel(name)
+    problem = problem_from_tensors(q, k, v, causal, softmax_scale)
     entry.caps.check(problem, want_lse=return_lse)
+    require_cuda(q, k, v)
     with torch.cuda.device(q.device):  # compile-time buffers and the launch follow the inputs
         compiled = compiled_for(name, problem)
         out, lse = empty_outputs(problem, device=q.device)  # the checks poison; a caller needs no fill
