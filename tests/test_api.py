@@ -1,5 +1,5 @@
 """The public call on a CPU machine: every bad argument is refused by name before the device
-check, and good ones of any common type are taken."""
+check, good ones of any common type are taken, and the torch custom op traces without a GPU."""
 
 import numpy as np
 import pytest
@@ -89,3 +89,28 @@ def test_dtype_and_non_tensor_inputs_are_refused_by_name():
         attention("k4", q, [1.0], v)
     with pytest.raises(UnsupportedProblem, match="forward-only"):
         attention("k4", q.requires_grad_(), k, v)
+
+
+def test_fake_implementation_gives_output_shapes_without_a_gpu():
+    # What torch.compile sees of the op: shapes and dtypes from fake (CUDA) tensors, no kernel.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q = torch.empty(2, 100, 3, 64, dtype=torch.float16, device="cuda").transpose(1, 2)  # strided heads
+        out, lse = torch.ops.fa3_cute.attention("k4", q, q, q, True, None, True)
+        assert (out.shape, out.dtype, out.device.type) == ((2, 3, 100, 64), torch.float16, "cuda")
+        assert out.is_contiguous()
+        assert (lse.shape, lse.dtype) == ((2, 3, 100), torch.float32)
+
+
+def test_the_wrapper_traces_into_one_graph_around_the_op():
+    # torch.export traces as torch.compile(fullgraph=True) does, on fake tensors: no graph break
+    # in the wrapper, and the op stays one opaque node.
+    class Model(torch.nn.Module):
+        def forward(self, q, k, v):
+            out, lse = attention("k4", q, k, v, causal=True, softmax_scale=0.125, return_lse=True)
+            return out * 2, lse
+
+    graph = torch.export.export(Model(), tuple(_qkv()), strict=True).graph_module.code
+    assert graph.count("torch.ops.fa3_cute.attention.default(") == 1
+    assert "'k4'" in graph and "0.125" in graph
