@@ -44,8 +44,7 @@ def test_parse_bool():
 
 
 def test_sweep_grid_keeps_work_constant():
-    grid = list(sweep_problems())
-    assert len(grid) == 6 * 2 * 2
+    grid = sweep_problems(env={})
     dense = [p for p in grid if not p.causal]
     assert len({p.flops / p.seqlen for p in dense}) == 1  # batch*heads*seqlen*d is fixed
 
