@@ -1,6 +1,8 @@
-"""bench.py and ref_check.py on a CPU machine: help, flags, refusals, result files."""
+"""bench.py, ref_check.py and make_docs.py on a CPU machine: help, flags, refusals, result files."""
 
+import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -130,3 +132,19 @@ def test_ref_check_refuses_workload_variables_it_would_ignore(monkeypatch, capsy
 def test_ref_check_states_its_grid():
     text = ref_check.describe_grid(ref_check.QUICK_SEQLENS, all_head_dims=False)
     assert "1, 17, 128, 1000" in text and "(64, 128)" in text and "fp16" in text
+
+
+def _make_docs():
+    spec = importlib.util.spec_from_file_location("make_docs", ROOT / "scripts" / "make_docs.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_make_docs_plot_without_matplotlib_writes_nothing(monkeypatch, tmp_path):
+    make_docs = _make_docs()
+    monkeypatch.setattr(make_docs, "ROOT", tmp_path)  # were anything written, it would land here
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib fails
+    with pytest.raises(SystemExit, match="matplotlib"):
+        make_docs.main(["--plot"])
+    assert list(tmp_path.iterdir()) == []
