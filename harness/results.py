@@ -36,6 +36,8 @@ def git_commit():
         return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True,
                               timeout=30).stdout.strip()
 
+    if not (ROOT / ".git").exists():  # installed without its checkout: an enclosing repo is not ours
+        return None
     try:
         head = git("rev-parse", "HEAD")
         return head + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
@@ -71,7 +73,6 @@ def command_line(script: str, argv=None) -> str:
     """The command as it can be rerun: workload environment variables that were set, then the
     script and its arguments."""
     import shlex
-    import sys
 
     env = [f"{k}={shlex.quote(os.environ[k])}" for k in WORKLOAD_ENV if k in os.environ]
     args = list(argv) if argv is not None else sys.argv[1:]

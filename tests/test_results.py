@@ -98,11 +98,19 @@ def test_meta_records_commit_and_peer_versions():
         assert len(meta["commit"].removesuffix("-dirty")) == 40
 
 
-def test_commit_is_none_without_git(monkeypatch):
+def test_commit_is_none_without_git_or_checkout(monkeypatch, tmp_path):
     def no_git(*a, **k):
         raise FileNotFoundError("git")
 
-    monkeypatch.setattr(results.subprocess, "run", no_git)
+    with monkeypatch.context() as m:
+        m.setattr(results.subprocess, "run", no_git)
+        assert results.git_commit() is None
+    # Installed into a venv's site-packages that lies inside some other repository: not ours.
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q",
+                    "--allow-empty", "-m", "other"], check=True)
+    (tmp_path / "site-packages").mkdir()
+    monkeypatch.setattr(results, "ROOT", tmp_path / "site-packages")
     assert results.git_commit() is None
 
 
