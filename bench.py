@@ -6,8 +6,11 @@
     python bench.py --sweep --out results/sweep.json k2 k4
     python bench.py k4 --compile-only      # no GPU needed: compile for sm_90a and inspect
 
-Workload: SEQLEN, HEADDIM, CAUSAL, BATCH, NHEADS, DTYPE (env) or the equivalent flags.
-CHECK=1 (or --check) runs the correctness check on the same shape first and stops on failure.
+Workload: SEQLEN, HEADDIM, CAUSAL, BATCH, NHEADS, DTYPE (env) or the equivalent flags (a flag
+wins). CHECK=1 (or --check) runs the correctness check on the same shape first and stops on
+failure. With --out, the result file is rewritten after every row: an interrupted run keeps
+what it did. With --sweep and the peers, a summary of each kernel against the faster peer of
+each cell ends the run.
 """
 
 from __future__ import annotations
@@ -16,27 +19,33 @@ import argparse
 import os
 import sys
 
-from harness.config import parse_bool, problem_from, sweep_problems
+from harness.config import DEFAULTS, SWEEP_HEAD_DIMS, SWEEP_SEQLENS, parse_bool, problem_from, sweep_problems
+from harness.peers import BEST_OF, best_peer
 from kernels import get_kernel, kernel_names
 from kernels.contract import UnsupportedProblem
 
-PEERS = ("sdpa-cudnn", "sdpa-flash", "fa4")
-
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    kernels = "\n".join(f"  {n:<8} {get_kernel(n).title}" for n in kernel_names())
+    epilog = (f"kernels:\n{kernels}\n\nworkload defaults: seqlen {DEFAULTS['seqlen']}, head dim {DEFAULTS['headdim']}, "
+              f"causal {int(DEFAULTS['causal'])}, dtype {DEFAULTS['dtype']};\n"
+              "  batch = 16384/seqlen and heads = 2048/head dim unless given.\n"
+              f"sweep: head dim {'/'.join(map(str, SWEEP_HEAD_DIMS))} x causal 0/1 x seqlen "
+              f"{'/'.join(map(str, SWEEP_SEQLENS))};\n"
+              "  --seqlen/--headdim/--causal/--dtype restrict it to their value.")
+    ap = argparse.ArgumentParser(description=__doc__, epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("kernels", nargs="*", help="kernel names, or 'all' (default: all)")
-    ap.add_argument("--seqlen", type=int)
-    ap.add_argument("--headdim", type=int)
-    ap.add_argument("--causal", type=int, choices=(0, 1))
-    ap.add_argument("--batch", type=int)
-    ap.add_argument("--nheads", type=int)
-    ap.add_argument("--dtype")
+    ap.add_argument("--seqlen", type=int, help="(SEQLEN)")
+    ap.add_argument("--headdim", type=int, help="(HEADDIM)")
+    ap.add_argument("--causal", type=int, choices=(0, 1), help="(CAUSAL)")
+    ap.add_argument("--batch", type=int, help="(BATCH; not with --sweep)")
+    ap.add_argument("--nheads", type=int, help="(NHEADS; not with --sweep)")
+    ap.add_argument("--dtype", help="bf16 or fp16 (DTYPE)")
     ap.add_argument("--check", action="store_true", help="check against SDPA first (same as CHECK=1)")
-    ap.add_argument("--sweep", action="store_true", help="seqlen 512..16k x head dim 64/128 x causal 0/1")
+    ap.add_argument("--sweep", action="store_true", help="time the sweep grid (below), not one workload")
     ap.add_argument("--no-peers", action="store_true", help="skip SDPA / flash-attn-4")
     ap.add_argument("--compile-only", action="store_true", help="compile for sm_90a and report; no GPU needed")
-    ap.add_argument("--out", help="write the rows as JSON here")
+    ap.add_argument("--out", help="write the rows as JSON here, each as it is done")
     return ap.parse_args(argv)
 
 
@@ -48,27 +57,41 @@ def resolve_kernels(names):
     return names
 
 
-def compile_only(names, problem) -> int:
+def compile_only(names, problems, out) -> int:
+    """Compile each kernel for each distinct compile-time key among ``problems``; 1 when none compiled."""
     from kernels.contract import ensure_arch
 
     from harness.inspect_ptx import count_instructions, ptxas_report
 
     ensure_arch()
-    print(f"compile-only (sm_90a): head_dim={problem.head_dim} dtype={problem.dtype} causal={int(problem.causal)}")
-    for name in names:
-        try:
-            compiled = get_kernel(name).compile(problem, keep_ptx=True)
-        except UnsupportedProblem as e:
-            print(f"{name}: refused: {e}")
-            continue
-        counts = count_instructions(compiled.ptx or "")
-        shown = ", ".join(f"{k}={v}" for k, v in counts.items() if v)
-        print(f"{name}: PTX {len(compiled.ptx or '')} chars; {shown}")
-        if compiled.info:
-            print(f"    config: {compiled.info}")
-        for kern, regs, _static_smem, spill in ptxas_report(compiled.ptx or ""):
-            print(f"    {kern[:60]}: registers={regs} spill_bytes={spill}")
-    return 0
+    keys = {(p.head_dim, p.dtype, p.causal): p for p in problems}  # batch, heads, seqlen are symbolic
+    compiled_any = False
+    for problem in keys.values():
+        print(f"compile-only (sm_90a): head_dim={problem.head_dim} dtype={problem.dtype} causal={int(problem.causal)}")
+        base = dict(head_dim=problem.head_dim, dtype=problem.dtype, causal=int(problem.causal))
+        for name in names:
+            try:
+                compiled = get_kernel(name).compile(problem, keep_ptx=True)
+            except UnsupportedProblem as e:
+                print(f"{name}: refused: {e}")
+                if out:
+                    out.append(dict(base, kernel=name, status=f"refused: {e}"))
+                continue
+            compiled_any = True
+            ptx = compiled.ptx or ""
+            counts = count_instructions(ptx)
+            report = [dict(entry=kern, registers=regs, spill_bytes=spill) for kern, regs, _smem, spill in ptxas_report(ptx)]
+            print(f"{name}: PTX {len(ptx)} chars; " + ", ".join(f"{k}={v}" for k, v in counts.items() if v))
+            if compiled.info:
+                print(f"    config: {compiled.info}")
+            for r in report:
+                print(f"    {r['entry'][:60]}: registers={r['registers']} spill_bytes={r['spill_bytes']}")
+            if out:
+                out.append(dict(base, kernel=name, status="ok", ptx_chars=len(ptx), instructions=counts,
+                                config=compiled.info, ptxas=report or None))
+    if not compiled_any:
+        print("error: no kernel compiled for this workload (every one refused it)", file=sys.stderr)
+    return 0 if compiled_any else 1
 
 
 def time_one(name, problem, q, k, v):
@@ -92,68 +115,83 @@ def time_one(name, problem, q, k, v):
     return ms, "ok"
 
 
-def run_problem(names, problem, check: bool, peers: bool, sweep: bool) -> list:
+def kernel_row(name, problem, check: bool, sweep: bool, q, k, v) -> dict:
     from harness.check import check_kernel
+    from harness.timing import tflops
+
+    caps = get_kernel(name).caps
+    try:
+        caps.check(problem)
+    except UnsupportedProblem as e:  # a head dim the kernel lacks, say: a note in the table
+        return dict(ms=None, tflops=None, status=f"{'skipped' if sweep else 'refused'}: {e}")
+    if sweep and caps.sweep_max_seqlen and problem.seqlen > caps.sweep_max_seqlen:
+        return dict(ms=None, tflops=None, status="skipped: too slow for the sweep")
+    if check:
+        try:
+            res = check_kernel(name, problem)
+        except UnsupportedProblem as e:
+            return dict(ms=None, tflops=None, status=f"refused: {e}")
+        print(f"CHECK {name}: max_abs={res.max_abs:.3g} rel_l2={res.rel_l2:.3g} lse={res.lse_max_abs:.3g} "
+              f"{'PASS' if res.ok else 'FAIL: ' + res.reason}")
+        if not res.ok:
+            raise SystemExit(f"correctness check failed for {name}; not timing it")
+    ms, status = time_one(name, problem, q, k, v)
+    return dict(ms=ms, tflops=tflops(problem.flops, ms) if ms else None, status=status)
+
+
+def run_problem(names, problem, check: bool, peers: bool, sweep: bool, emit) -> None:
+    """Time the peers, then each kernel beside them; ``emit`` takes each row as it is done."""
     from harness.inputs import random_inputs
     from harness.peers import peer_callables
     from harness.timing import benchmark, tflops
 
-    rows = []
     base = dict(batch=problem.batch, nheads=problem.nheads, seqlen=problem.seqlen, head_dim=problem.head_dim,
                 causal=int(problem.causal), dtype=problem.dtype)
     q, k, v = random_inputs(problem)
+    peer_tflops = {}
+    for name, fn in (peer_callables(q, k, v, problem.causal, problem.scale).items() if peers else ()):
+        if callable(fn):
+            ms = benchmark(fn)
+            peer_tflops[name] = tflops(problem.flops, ms)
+            emit(dict(base, kernel=name, ms=ms, tflops=peer_tflops[name], status="ok"))
+        else:
+            emit(dict(base, kernel=name, ms=None, tflops=None, status=fn))
+    best = best_peer(peer_tflops)
     for name in names:
-        caps = get_kernel(name).caps
-        if sweep and caps.sweep_max_seqlen and problem.seqlen > caps.sweep_max_seqlen:
-            rows.append(dict(base, kernel=name, ms=None, tflops=None, status="skipped: too slow for the sweep"))
-            continue
-        if check:
-            try:
-                res = check_kernel(name, problem)
-            except UnsupportedProblem as e:
-                res = None
-                rows.append(dict(base, kernel=name, ms=None, tflops=None, status=f"refused: {e}"))
-                continue
-            print(f"CHECK {name}: max_abs={res.max_abs:.3g} rel_l2={res.rel_l2:.3g} lse={res.lse_max_abs:.3g} "
-                  f"{'PASS' if res.ok else 'FAIL: ' + res.reason}")
-            if not res.ok:
-                raise SystemExit(f"correctness check failed for {name}; not timing it")
-        ms, status = time_one(name, problem, q, k, v)
-        rows.append(dict(base, kernel=name, ms=ms, tflops=tflops(problem.flops, ms) if ms else None, status=status))
-    if peers:
-        for name, fn in peer_callables(q, k, v, problem.causal, problem.scale).items():
-            if callable(fn):
-                ms = benchmark(fn)
-                rows.append(dict(base, kernel=name, ms=ms, tflops=tflops(problem.flops, ms), status="ok"))
-            else:
-                rows.append(dict(base, kernel=name, ms=None, tflops=None, status=fn))
-    return rows
+        row = dict(base, kernel=name, **kernel_row(name, problem, check, sweep, q, k, v))
+        if best and row["tflops"]:
+            row.update(best_peer=best[0], vs_best_peer=row["tflops"] / best[1])
+        emit(row)
 
 
-def print_rows(rows) -> None:
-    peers = {r["kernel"]: r["tflops"] for r in rows if r["kernel"] in PEERS and r["tflops"]}
-    hdr = f"{'kernel':<11}{'ms':>10}{'TFLOP/s':>10}" + "".join(f"{'vs ' + p:>15}" for p in peers)
-    print(hdr)
-    for r in rows:
-        if r["ms"] is None:
-            print(f"{r['kernel']:<11}{r['status']}")
-            continue
-        ratios = "".join(f"{r['tflops'] / t:>14.2f}x" for t in peers.values())
-        print(f"{r['kernel']:<11}{r['ms']:>10.3f}{r['tflops']:>10.1f}{ratios}")
+def print_row(r) -> None:
+    if r["ms"] is None:
+        print(f"{r['kernel']:<11}{r['status']}")
+    else:
+        vs = f"{r['vs_best_peer']:>11.3f}x ({r['best_peer']})" if r.get("vs_best_peer") else ""
+        print(f"{r['kernel']:<11}{r['ms']:>10.3f}{r['tflops']:>10.1f}{vs}", flush=True)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         names = resolve_kernels(args.kernels)
-        problem = problem_from(seqlen=args.seqlen, headdim=args.headdim, causal=args.causal, batch=args.batch,
-                               nheads=args.nheads, dtype=args.dtype)
+        flags = dict(seqlen=args.seqlen, headdim=args.headdim, causal=args.causal, batch=args.batch,
+                     nheads=args.nheads, dtype=args.dtype)
+        problems = sweep_problems(**flags) if args.sweep else [problem_from(**flags)]
         check = args.check or parse_bool(os.environ.get("CHECK", "0"), "CHECK")
     except UnsupportedProblem as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    from harness import results
+
+    command = results.command_line("bench.py", argv)
     if args.compile_only:
-        return compile_only(names, problem)
+        out = results.open_result_file(args.out, command)
+        rc = compile_only(names, problems, out)
+        if out:
+            print(f"wrote {out.close()}")
+        return rc
     import torch
 
     if not torch.cuda.is_available():
@@ -161,20 +199,26 @@ def main(argv=None) -> int:
               f"kernels without one:\n    python bench.py {' '.join(args.kernels) or 'all'} --compile-only",
               file=sys.stderr)
         return 2
-    from harness import results
-
+    out = results.open_result_file(args.out, command)
     device = torch.cuda.get_device_name()
-    problems = list(sweep_problems(problem.dtype)) if args.sweep else [problem]
     all_rows = []
+
+    def emit(row):
+        print_row(row)
+        all_rows.append(row)
+        if out:
+            out.append(row)
+
     for p in problems:
         print(f"\n== {device}: batch={p.batch} heads={p.nheads} seqlen={p.seqlen} head_dim={p.head_dim} "
               f"causal={int(p.causal)} {p.dtype} ({p.flops / 1e12:.3f} TFLOP per call)")
-        rows = run_problem(names, p, check, not args.no_peers, args.sweep)
-        print_rows(rows)
-        all_rows += rows
-    if args.out:
-        path = results.write(args.out, all_rows, results.command_line("bench.py", argv))
-        print(f"\nwrote {path}")
+        print(f"{'kernel':<11}{'ms':>10}{'TFLOP/s':>10}{'vs best peer':>14}")
+        run_problem(names, p, check, not args.no_peers, args.sweep, emit)
+    if args.sweep and not args.no_peers:
+        print(f"\nRatio to the faster of {' and '.join(BEST_OF)} in each cell:")
+        print(results.best_peer_summary(all_rows))
+    if out:
+        print(f"\nwrote {out.close()}")
     return 0
 
 

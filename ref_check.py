@@ -9,14 +9,17 @@ them with --all-head-dims), seqlens that are and are not multiples of the tiles,
 plus one case with thousands of (batch, head) pairs, fp16 beside bf16, fresh random inputs per
 case and NaN-poisoned outputs. A case passes when O is within twice SDPA's own 16-bit error of
 the float32 reference (see harness/check.py) and LSE within 1e-4. Prints one row per case and
-exits non-zero if any case fails.
+exits non-zero if any case fails. The grid is fixed: the workload variables of bench.py
+(SEQLEN, HEADDIM, ...) are refused rather than ignored.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
+from harness.config import KNOBS
 from kernels import get_kernel, kernel_names
 from kernels.contract import Problem, UnsupportedProblem
 
@@ -40,13 +43,29 @@ def cases(name: str, seqlens, all_head_dims: bool):
     yield Problem(8, 1024, 80, head_dims[0], causal=True)  # many CTAs along heads and batch
 
 
+def describe_grid(seqlens, all_head_dims: bool) -> str:
+    dims = "every head dim it supports" if all_head_dims else f"the head dims it supports among {HEAD_DIMS}"
+    return (f"grid per kernel: {dims} x causal 0/1 x seqlen {', '.join(map(str, seqlens))}, batch 2 x heads 3, "
+            "bf16; plus fp16 at seqlen 1000 (batch 1 x heads 4) and batch 8 x heads 1024 at seqlen 80")
+
+
+def _e(x) -> str:
+    return f"{x:>11.2e}" if x is not None else f"{'—':>11}"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("kernels", nargs="*", default=["all"])
     ap.add_argument("--quick", action="store_true", help=f"seqlens {QUICK_SEQLENS} only")
     ap.add_argument("--all-head-dims", action="store_true")
-    ap.add_argument("--out", help="write the per-case rows as JSON here")
+    ap.add_argument("--out", help="write the per-case rows as JSON here, each as it is done")
     args = ap.parse_args(argv)
+    # The grid is fixed: a workload variable meant for bench.py would be silently ignored here.
+    ignored = [f"{var}={os.environ[var]}" for var in KNOBS.values() if var in os.environ]
+    if ignored:
+        print(f"error: ref_check runs its own grid and would ignore {', '.join(ignored)}: unset them, or check "
+              "one workload with `CHECK=1 python bench.py`", file=sys.stderr)
+        return 2
     import torch
 
     if not torch.cuda.is_available():
@@ -58,8 +77,10 @@ def main(argv=None) -> int:
 
     names = kernel_names() if args.kernels in ([], ["all"]) else args.kernels
     seqlens = QUICK_SEQLENS if args.quick else SEQLENS
+    out = results.open_result_file(args.out, results.command_line("ref_check.py", argv))
     rows, failures = [], 0
     print(f"device: {torch.cuda.get_device_name()}")
+    print(describe_grid(seqlens, args.all_head_dims))
     print(f"{'kernel':<8}{'dtype':<10}{'b':>3}{'h':>5}{'seqlen':>7}{'d':>5}{'causal':>7}"
           f"{'max_abs':>11}{'sdpa_err':>11}{'rel_l2':>11}{'lse_err':>11}  result")
     for name in names:
@@ -72,19 +93,20 @@ def main(argv=None) -> int:
         for p in grid:
             try:
                 res = check_kernel(name, p)
-                row = res.row()
+                row = dict(res.row(), status="ok" if res.ok else "failed")
             except Exception as e:  # a crash is a failure of this case, not of the whole grid
-                nan = float("nan")
-                row = dict(kernel=name, ok=False, reason=f"{type(e).__name__}: {e}"[:200], max_abs=nan, rel_l2=nan,
-                           lse_max_abs=nan, peer_max_abs=nan, batch=p.batch, nheads=p.nheads,
-                           seqlen=p.seqlen, head_dim=p.head_dim, dtype=p.dtype, causal=int(p.causal))
+                row = dict(kernel=name, ok=False, status="crashed", reason=f"{type(e).__name__}: {e}"[:200],
+                           max_abs=None, rel_l2=None, lse_max_abs=None, peer_max_abs=None, batch=p.batch,
+                           nheads=p.nheads, seqlen=p.seqlen, head_dim=p.head_dim, dtype=p.dtype, causal=int(p.causal))
             rows.append(row)
+            if out:
+                out.append(row)
             failures += not row["ok"]
             print(f"{name:<8}{p.dtype:<10}{p.batch:>3}{p.nheads:>5}{p.seqlen:>7}{p.head_dim:>5}{int(p.causal):>7}"
-                  f"{row['max_abs']:>11.2e}{row['peer_max_abs']:>11.2e}{row['rel_l2']:>11.2e}{row['lse_max_abs']:>11.2e}  "
-                  f"{'ok' if row['ok'] else 'FAIL ' + row['reason']}")
-    if args.out:
-        results.write(args.out, rows, results.command_line("ref_check.py", argv))
+                  f"{_e(row['max_abs'])}{_e(row['peer_max_abs'])}{_e(row['rel_l2'])}{_e(row['lse_max_abs'])}  "
+                  f"{'ok' if row['ok'] else 'FAIL ' + row['reason']}", flush=True)
+    if out:
+        out.close()
     print(f"\n{len(rows) - failures}/{len(rows)} cases passed" + (f", {failures} FAILED" if failures else ""))
     return 1 if failures else 0
 

@@ -12,8 +12,12 @@ import os
 from kernels.contract import DTYPES, Problem, UnsupportedProblem
 
 SWEEP_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
-SWEEP_HEAD_DIMS = (64, 128)
+SWEEP_HEAD_DIMS = (64, 128, 256)
 SWEEP_CAUSAL = (False, True)
+DEFAULTS = dict(seqlen=4096, headdim=128, causal=False, dtype="bfloat16")
+# flag -> environment variable; a flag wins over its variable, and errors name whichever was used.
+KNOBS = {"seqlen": "SEQLEN", "headdim": "HEADDIM", "causal": "CAUSAL", "batch": "BATCH", "nheads": "NHEADS",
+         "dtype": "DTYPE"}
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -38,35 +42,57 @@ def parse_int(text, name) -> int:
     return value
 
 
+def parse_dtype(text, name) -> str:
+    dtype = str(text).strip().lower()
+    dtype = {"bf16": "bfloat16", "fp16": "float16", "half": "float16"}.get(dtype, dtype)
+    if dtype not in DTYPES:
+        raise UnsupportedProblem(f"{name} must be one of {DTYPES} (or bf16/fp16), got {text!r}")
+    return dtype
+
+
 def default_batch_heads(seqlen: int, head_dim: int) -> tuple:
     return max(1, 16384 // seqlen), max(1, 2048 // head_dim)
 
 
+def workload_given(env=None, **flags) -> dict:
+    """knob -> parsed value, for each knob a flag (not None) or an environment variable sets."""
+    env = os.environ if env is None else env
+    given = {}
+    for knob, var in KNOBS.items():
+        if flags.get(knob) is not None:
+            raw, name = flags[knob], f"--{knob}"
+        elif var in env:
+            raw, name = env[var], var
+        else:
+            continue
+        parse = {"causal": parse_bool, "dtype": parse_dtype}.get(knob, parse_int)
+        given[knob] = (parse(raw, name), name)
+    return given
+
+
 def problem_from(env=None, **flags) -> Problem:
     """Build the benchmark Problem: flags (not None) win over env vars, then defaults."""
-    env = os.environ if env is None else env
-
-    def pick(flag, var, default):
-        if flags.get(flag) is not None:
-            return flags[flag]
-        return env.get(var, default)
-
-    seqlen = parse_int(pick("seqlen", "SEQLEN", 4096), "SEQLEN")
-    head_dim = parse_int(pick("headdim", "HEADDIM", 128), "HEADDIM")
-    causal = parse_bool(pick("causal", "CAUSAL", 0), "CAUSAL")
-    dtype = str(pick("dtype", "DTYPE", "bfloat16")).strip().lower()
-    dtype = {"bf16": "bfloat16", "fp16": "float16", "half": "float16"}.get(dtype, dtype)
-    if dtype not in DTYPES:
-        raise UnsupportedProblem(f"DTYPE must be one of {DTYPES} (or bf16/fp16), got {dtype!r}")
-    b0, h0 = default_batch_heads(seqlen, head_dim)
-    batch = parse_int(pick("batch", "BATCH", b0), "BATCH")
-    nheads = parse_int(pick("nheads", "NHEADS", h0), "NHEADS")
-    return Problem(batch, nheads, seqlen, head_dim, dtype=dtype, causal=causal)
+    given = {k: value for k, (value, _) in workload_given(env, **flags).items()}
+    w = {**DEFAULTS, **given}
+    b0, h0 = default_batch_heads(w["seqlen"], w["headdim"])
+    return Problem(w.get("batch", b0), w.get("nheads", h0), w["seqlen"], w["headdim"], dtype=w["dtype"],
+                   causal=w["causal"])
 
 
-def sweep_problems(dtype="bfloat16"):
-    for head_dim in SWEEP_HEAD_DIMS:
-        for causal in SWEEP_CAUSAL:
-            for seqlen in SWEEP_SEQLENS:
-                b, h = default_batch_heads(seqlen, head_dim)
-                yield Problem(b, h, seqlen, head_dim, dtype=dtype, causal=causal)
+def sweep_problems(env=None, **flags) -> list:
+    """The sweep grid (head dim x causal x seqlen, batch = 16384/seqlen, heads = 2048/head_dim);
+    a seqlen, head dim or causal flag (or variable) restricts its axis to that one value."""
+    given = workload_given(env, **flags)
+    for knob in ("batch", "nheads"):
+        if knob in given:
+            raise UnsupportedProblem(f"{given[knob][1]} cannot be combined with --sweep, which keeps the work per "
+                                     "call fixed (batch = 16384/seqlen, heads = 2048/head_dim); drop it, or time "
+                                     "one workload without --sweep")
+
+    def axis(knob, values):
+        return (given[knob][0],) if knob in given else values
+
+    dtype = given["dtype"][0] if "dtype" in given else DEFAULTS["dtype"]
+    return [Problem(*default_batch_heads(n, d), n, d, dtype=dtype, causal=c)
+            for d in axis("headdim", SWEEP_HEAD_DIMS) for c in axis("causal", SWEEP_CAUSAL)
+            for n in axis("seqlen", SWEEP_SEQLENS)]

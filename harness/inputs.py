@@ -11,19 +11,41 @@ def torch_dtype(name: str):
     return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
 
 
-def problem_from_tensors(q, k, v, causal: bool, softmax_scale=None) -> Problem:
-    """Check q, k, v against the SDPA-layout contract and describe them as a Problem.
-
-    Every refusal names the constraint; the kernel's own limits (head dim, grid, GPU) are
-    checked next, by its Capabilities, before anything is compiled or launched.
-    """
+def require_tensors(q, k, v) -> None:
     import torch
 
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise UnsupportedProblem(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+
+
+def problem_from_tensors(q, k, v, causal: bool, softmax_scale=None) -> Problem:
+    """Check q, k, v against the SDPA-layout contract and describe them as a Problem.
+
+    Every refusal names the constraint. Nothing here needs a GPU: shapes, dtype, strides,
+    causal and scale are checked first, so that a CPU machine reports the real problem;
+    ``require_cuda`` and the kernel's own limits (its Capabilities) come after.
+    """
+    require_tensors(q, k, v)
+    for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
             raise UnsupportedProblem(f"{name} must be 4-D (batch, heads, seqlen, head_dim), got shape {tuple(t.shape)}")
+    if not (q.shape == k.shape == v.shape):
+        raise UnsupportedProblem(
+            "q, k, v must have the same shape (self-attention, equal seqlens and heads): "
+            f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if min(q.shape) < 1:
+        raise UnsupportedProblem(f"batch, heads, seqlen and head_dim must all be positive, got shape {tuple(q.shape)}")
+    if q.shape[-1] % 8:  # before the stride check, which would otherwise blame the layout
+        raise UnsupportedProblem(f"head_dim must be a multiple of 8 (rows are moved in 16-byte pieces), "
+                                 f"got {q.shape[-1]}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise UnsupportedProblem(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    dtype = str(q.dtype).replace("torch.", "")
+    if dtype not in DTYPES:
+        raise UnsupportedProblem(f"dtype must be bfloat16 or float16, got {q.dtype}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
         if t.requires_grad:
             raise UnsupportedProblem(f"{name} requires grad: these kernels are forward-only (no autograd); "
                                      "pass a tensor detached from the graph")
@@ -34,23 +56,16 @@ def problem_from_tensors(q, k, v, causal: bool, softmax_scale=None) -> Problem:
                 f"{name} must be 16-byte aligned with strides that are multiples of 8 elements "
                 f"(TMA rows), got strides {t.stride()}; call .contiguous() first"
             )
-    if not (q.dtype == k.dtype == v.dtype):
-        raise UnsupportedProblem(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    dtype = str(q.dtype).replace("torch.", "")
-    if dtype not in DTYPES:
-        raise UnsupportedProblem(f"dtype must be bfloat16 or float16, got {q.dtype}")
     if not (q.device == k.device == v.device):
         raise UnsupportedProblem(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    if not (q.shape == k.shape == v.shape):
-        raise UnsupportedProblem(
-            "q, k, v must have the same shape (self-attention, equal seqlens and heads): "
-            f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
-        )
+    b, h, n, d = q.shape
+    return Problem(b, h, n, d, dtype=dtype, causal=causal, softmax_scale=softmax_scale)
+
+
+def require_cuda(q, k, v) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not t.is_cuda:
             raise UnsupportedProblem(f"{name} must be a CUDA tensor, got device {t.device}")
-    b, h, n, d = q.shape
-    return Problem(b, h, n, d, dtype=dtype, causal=bool(causal), softmax_scale=softmax_scale)
 
 
 def random_inputs(p: Problem, device="cuda", seed=None):

@@ -2,6 +2,17 @@
 
 from __future__ import annotations
 
+PEERS = ("sdpa-cudnn", "sdpa-flash", "fa4")
+# The bar a kernel is held to, per workload: the faster of cuDNN and flash-attn-4 (SDPA's flash
+# backend is FlashAttention-2, timed for context only).
+BEST_OF = ("sdpa-cudnn", "fa4")
+
+
+def best_peer(peer_tflops: dict):
+    """(name, TFLOP/s) of the fastest peer in BEST_OF among those timed, or None."""
+    timed = [(peer_tflops[n], n) for n in BEST_OF if peer_tflops.get(n)]
+    return (max(timed)[1], max(timed)[0]) if timed else None
+
 
 def peer_callables(q, k, v, causal: bool, scale: float) -> dict:
     """name -> zero-argument callable, or name -> reason string when the peer is unavailable."""

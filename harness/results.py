@@ -1,44 +1,78 @@
-"""Result files (JSON) and the markdown tables generated from them."""
+"""Result files (JSON) and the markdown tables generated from them.
+
+A file is ``{"meta": {...}, "rows": [...]}``. Since version 2 (files without ``meta.version``
+are version 1: the same rows, less meta) it is rewritten whole after every row, atomically, so
+a run stopped at any point leaves valid JSON with the rows done so far (``meta.complete`` says
+whether the run ended); it is strict JSON: a NaN or infinity becomes null, and the row's status
+says why; ``meta`` records the commit and the versions of the peers.
+"""
 
 from __future__ import annotations
 
 import datetime
 import json
+import math
+import os
 import platform
 import re
+import subprocess
+import sys
+import tempfile
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+
+from .config import KNOBS
+
+SCHEMA_VERSION = 2
+ROOT = Path(__file__).resolve().parent.parent
+# The DSL and the CUDA libraries it was installed with, and the peers timed beside the kernels.
+PACKAGES = ("nvidia-cutlass-dsl", "nvidia-cutlass-dsl-libs-cu12", "nvidia-cutlass-dsl-libs-cu13", "flash-attn-4",
+            "nvidia-cudnn-frontend")
+
+
+def git_commit():
+    """HEAD of the checkout the harness runs from, '-dirty' when tracked files differ; None without git."""
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True,
+                              timeout=30).stdout.strip()
+
+    if not (ROOT / ".git").exists():  # installed without its checkout: an enclosing repo is not ours
+        return None
+    try:
+        head = git("rev-parse", "HEAD")
+        return head + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
 
 
 def environment() -> dict:
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "python": platform.python_version()}
+            "python": platform.python_version(), "commit": git_commit()}
     try:
         import torch
 
         meta["torch"] = torch.__version__
+        meta["cudnn"] = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
         if torch.cuda.is_available():
             meta["device"] = torch.cuda.get_device_name()
             meta["cuda"] = torch.version.cuda
     except ImportError:
         pass
-    try:
-        from importlib.metadata import version
-
-        meta["nvidia-cutlass-dsl"] = version("nvidia-cutlass-dsl")
-    except Exception:
-        pass
+    for name in PACKAGES:  # None: not installed
+        try:
+            meta[name] = version(name)
+        except PackageNotFoundError:
+            meta[name] = None
     return meta
 
 
-WORKLOAD_ENV = ("SEQLEN", "HEADDIM", "CAUSAL", "BATCH", "NHEADS", "DTYPE", "CHECK")
+WORKLOAD_ENV = (*KNOBS.values(), "CHECK")
 
 
 def command_line(script: str, argv=None) -> str:
     """The command as it can be rerun: workload environment variables that were set, then the
     script and its arguments."""
-    import os
     import shlex
-    import sys
 
     env = [f"{k}={shlex.quote(os.environ[k])}" for k in WORKLOAD_ENV if k in os.environ]
     args = list(argv) if argv is not None else sys.argv[1:]
@@ -50,11 +84,94 @@ def gpu_short_name(device: str) -> str:
     return m.group(1) if m else (device or "unknown")
 
 
+def strict(value):
+    """``value`` with every NaN or infinity replaced by None (JSON has neither)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: strict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict(v) for v in value]
+    return value
+
+
+class ResultFile:
+    """A result file written as the rows come. Opening it writes the file (no rows yet), so an
+    unwritable path fails at once, before any work; each ``append`` rewrites it whole."""
+
+    def __init__(self, path, command: str):
+        self.path = Path(path)
+        self.meta = {"version": SCHEMA_VERSION, **environment(), "command": command, "complete": False}
+        self.rows = []
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.save()
+
+    def append(self, row: dict) -> None:
+        self.rows.append(row)
+        self.save()
+
+    def close(self) -> Path:
+        self.meta["complete"] = True
+        self.save()
+        return self.path
+
+    def save(self) -> None:
+        text = json.dumps(strict({"meta": self.meta, "rows": self.rows}), indent=1, allow_nan=False)
+        # A temporary file beside the target, then a rename: a reader (or a run killed mid-write)
+        # sees the old file or the new one, never half of one.
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            os.replace(tmp, self.path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+
+
+def open_result_file(path, command: str):
+    """A ResultFile at ``path`` (None without one); an unwritable path ends the run at once with
+    a message naming --out and exit status 2, before any work."""
+    if not path:
+        return None
+    try:
+        return ResultFile(path, command)
+    except OSError as e:
+        print(f"error: --out {path}: cannot write there ({e})", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 def write(path, rows: list, command: str) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"meta": {**environment(), "command": command}, "rows": rows}, indent=1))
-    return path
+    """Write a finished run's rows in one go."""
+    f = ResultFile(path, command)
+    f.rows.extend(rows)
+    return f.close()
+
+
+def best_peer_summary(rows: list) -> str:
+    """Each kernel's ratio to the best peer of every cell (``vs_best_peer`` in its rows), by head
+    dim and causal against seqlen, then its geometric mean over the cells and its worst cell."""
+    from .peers import PEERS
+
+    kern = [r for r in rows if r["kernel"] not in PEERS]
+    seqlens = sorted({r["seqlen"] for r in kern})
+    lines = [f"{'kernel':<10}{'d':>5}{'causal':>7}" + "".join(f"{'N=' + str(n):>9}" for n in seqlens)]
+    for kernel in dict.fromkeys(r["kernel"] for r in kern):
+        mine = [r for r in kern if r["kernel"] == kernel]
+        for d, c in dict.fromkeys((r["head_dim"], r["causal"]) for r in mine):
+            ratio = {r["seqlen"]: r.get("vs_best_peer") for r in mine if (r["head_dim"], r["causal"]) == (d, c)}
+            lines.append(f"{kernel:<10}{d:>5}{c:>7}" +
+                         "".join(f"{ratio[n]:>8.2f}x" if ratio.get(n) else f"{'—':>9}" for n in seqlens))
+        cells = [r for r in mine if r.get("vs_best_peer")]
+        if not cells:
+            lines.append(f"{kernel}: no cell timed beside a peer")
+            continue
+        geomean = math.exp(sum(math.log(r["vs_best_peer"]) for r in cells) / len(cells))
+        w = min(cells, key=lambda r: r["vs_best_peer"])
+        lines.append(f"{kernel}: geomean {geomean:.3f}x of the best peer over {len(cells)} cells; worst "
+                     f"{w['vs_best_peer']:.3f}x (vs {w['best_peer']}) at d={w['head_dim']} causal={w['causal']} "
+                     f"N={w['seqlen']}")
+    return "\n".join(lines)
 
 
 def load(path) -> dict:

@@ -22,7 +22,9 @@ scores of each query row.
 from __future__ import annotations
 
 import math
+import numbers
 import os
+import sys
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
@@ -38,6 +40,29 @@ AMPERE_AND_LATER = ((8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0))
 
 class UnsupportedProblem(ValueError):
     """A kernel cannot run this problem; the message names the violated constraint."""
+
+
+def as_causal(value) -> bool:
+    """``causal`` as a Python bool. Only bools (Python or NumPy) are taken: a string such as
+    "false" is truthy, and an int may be a seqlen passed in the wrong place."""
+    np = sys.modules.get("numpy")  # a NumPy bool exists only once numpy is imported
+    if isinstance(value, bool) or (np is not None and isinstance(value, np.bool_)):
+        return bool(value)
+    raise UnsupportedProblem(f"causal must be a bool (True or False), got {value!r} ({type(value).__name__})")
+
+
+def as_scale(value) -> float:
+    """``softmax_scale`` as a Python float: any real number (int, float, NumPy scalar) or a 0-d
+    CPU tensor or array holding one. Bools and CUDA tensors are refused (reading a CUDA tensor
+    would synchronize the device, and cannot happen inside graph capture)."""
+    if getattr(value, "is_cuda", False):
+        raise UnsupportedProblem("softmax_scale must be a number on the host, got a CUDA tensor; "
+                                 "pass float(scale) (read it once, outside the hot path)")
+    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):  # NumPy scalar, 0-d array or tensor
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+        raise UnsupportedProblem(f"softmax_scale must be a finite number > 0, got {value!r}")
+    return float(value)
 
 
 @dataclass(frozen=True)
@@ -59,10 +84,10 @@ class Problem:
                 raise UnsupportedProblem(f"{name} must be a positive integer, got {value!r}")
         if self.dtype not in DTYPES:
             raise UnsupportedProblem(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        # Frozen: normalize through object.__setattr__, so equal problems hash equal (cache keys).
+        object.__setattr__(self, "causal", as_causal(self.causal))
         if self.softmax_scale is not None:
-            if not isinstance(self.softmax_scale, (int, float)) or isinstance(self.softmax_scale, bool) \
-                    or not math.isfinite(self.softmax_scale) or self.softmax_scale <= 0:
-                raise UnsupportedProblem(f"softmax_scale must be a finite number > 0, got {self.softmax_scale!r}")
+            object.__setattr__(self, "softmax_scale", as_scale(self.softmax_scale))
 
     @property
     def scale(self) -> float:
@@ -203,11 +228,13 @@ def jit_compile(key, build: Callable[[], tuple], keep_ptx: bool = False):
 
         fn, args = build()
         opts = "--enable-tvm-ffi"
-        if keep_ptx:  # the DSL also writes the PTX to a file: keep it out of the working tree
-            import tempfile
+        if not keep_ptx:
+            _JIT_CACHE[full_key] = cute.compile(fn, *args, options=opts)
+        else:  # the DSL writes the PTX to a file and reads it back into compiled.artifacts.PTX
+            import tempfile  # when compile returns, so the folder can go at once
 
-            opts += f" --keep-ptx --dump-dir={tempfile.mkdtemp(prefix='cute-ptx-')}"
-        _JIT_CACHE[full_key] = cute.compile(fn, *args, options=opts)
+            with tempfile.TemporaryDirectory(prefix="cute-ptx-") as dump:
+                _JIT_CACHE[full_key] = cute.compile(fn, *args, options=f"{opts} --keep-ptx --dump-dir={dump}")
     return _JIT_CACHE[full_key]
 
 

@@ -1,29 +1,61 @@
 """Regenerate every results table in README.md and docs/*.md (and the plot) from results/*.json.
 
     python scripts/make_docs.py            # tables
-    python scripts/make_docs.py --plot     # tables + docs/plots/*.png (needs matplotlib)
+    python scripts/make_docs.py --plot     # tables + docs/plots/*.png (needs matplotlib: .[plot])
 
 Result files come from commands run on the GPU machine:
     python bench.py all --sweep --out results/sweep.json
     python ref_check.py all --out results/refcheck.json
 Nothing here is typed by hand: a table block <!-- table:NAME --> ... <!-- /table:NAME --> is
-replaced whole each time.
+replaced whole each time. Each kernel's tables go to docs/<family>.md, the family being the
+name's leading ``k<digits>`` (k3_2 -> k3, k4_qk -> k4), so a newly registered kernel needs no
+change here. Result files of every schema version are read (version 1 has no ``meta.version``).
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from harness.peers import BEST_OF, PEERS  # noqa: E402
 from harness.results import fmt, gpu_short_name, load, markdown_table, replace_block  # noqa: E402
-from kernels import REGISTRY  # noqa: E402
+from kernels import get_kernel, kernel_names  # noqa: E402
 
-PEERS = ("sdpa-cudnn", "sdpa-flash", "fa4")
-FAMILIES = {"k1": ["k1"], "k2": ["k2"], "k3": ["k3_1", "k3_2", "k3_3"], "k4": ["k4_qk", "k4"]}
+
+def families() -> dict:
+    """docs page stem -> its kernels, in registry order."""
+    out = {}
+    for name in kernel_names():
+        out.setdefault(re.match(r"k\d+", name).group(0), []).append(name)
+    return out
+
+
+def _archs(archs) -> str:
+    names = [f"sm_{a}{b}" for a, b in archs]
+    return names[0] if len(names) == 1 else f"{names[0]} to {names[-1]}"
+
+
+def caps_table() -> str:
+    """README: what each registered kernel runs, from its Capabilities."""
+    short = {"bfloat16": "bf16", "float16": "fp16"}
+    header = ["kernel", "file", "head dims", "dtypes", "causal", "LSE", "GPUs", "limits"]
+    body = []
+    for name in kernel_names():
+        entry = get_kernel(name)
+        caps = entry.caps
+        limits = [f"seqlen ≤ {caps.max_seqlen}"] if caps.max_seqlen else []
+        limits.append("batch·heads ≤ 65535" if caps.folds_batch_heads else "batch, heads ≤ 65535 each")
+        variant = ", ".join(f"{k}={v}" for k, v in entry.variant.items())
+        body.append([f"`{name}`", f"`{entry.module.replace('.', '/')}.py`" + (f" ({variant})" if variant else ""),
+                     ", ".join(map(str, caps.head_dims)), ", ".join(short.get(d, d) for d in caps.dtypes),
+                     "yes" if caps.causal else "no", "yes" if caps.lse else "no", _archs(caps.archs),
+                     "; ".join(limits)])
+    return markdown_table(header, body)
 
 
 def sweep_rows(sweep):
@@ -50,10 +82,8 @@ def readme_table(sweep, refcheck):
     rows = sweep_rows(sweep) if sweep else []
     header = ["kernel", "what it adds", "ref_check", f"TFLOP/s d128 N=4096 ({gpu})", "causal", "N=8192", "causal"]
     body = []
-    for name, entry in REGISTRY.items():
-        if not entry.available:
-            continue
-        body.append([f"`{name}`", entry.title, refcheck_summary(refcheck, name)] +
+    for name in kernel_names():
+        body.append([f"`{name}`", get_kernel(name).title, refcheck_summary(refcheck, name)] +
                     [fmt(tflops_at(rows, name, n, 128, c)) for n in (4096, 8192) for c in (0, 1)])
     for peer in PEERS:
         body.append([f"*{peer}*", "peer, same run", "—"] + [fmt(tflops_at(rows, peer, n, 128, c)) for n in (4096, 8192) for c in (0, 1)])
@@ -115,13 +145,18 @@ def k3_depth_table(sweep):
     return "Pipeline depth, TFLOP/s from the same sweep:\n\n" + markdown_table(header, body)
 
 
+def _e(x) -> str:
+    """Errors in scientific notation; a crashed case has none (null, or NaN in old files)."""
+    return "—" if x is None or x != x else f"{x:.1e}"
+
+
 def refcheck_table(refcheck, kernels):
     gpu = gpu_short_name(refcheck["meta"].get("device", ""))
     header = ["kernel", "dtype", "batch×heads", "d", "causal", "seqlen", "max_abs", "SDPA's", "rel_l2", "lse err",
               "result"]
     body = [[r["kernel"], r["dtype"], f"{r['batch']}×{r['nheads']}", r["head_dim"], r["causal"], r["seqlen"],
-             f"{r['max_abs']:.1e}", f"{r.get('peer_max_abs', float('nan')):.1e}", f"{r['rel_l2']:.1e}",
-             f"{r['lse_max_abs']:.1e}", "ok" if r["ok"] else "FAIL"]
+             _e(r["max_abs"]), _e(r.get("peer_max_abs")), _e(r["rel_l2"]), _e(r["lse_max_abs"]),
+             "ok" if r["ok"] else "FAIL"]
             for r in refcheck["rows"] if r["kernel"] in kernels]
     return (f"`{refcheck['meta'].get('command', '')}` on an {gpu}, {refcheck['meta'].get('date', '')[:10]}. "
             "max_abs and SDPA's: largest error of the kernel and of SDPA in the same 16-bit dtype against the "
@@ -161,7 +196,7 @@ def plot(sweep, path):
     gpu = gpu_short_name(sweep["meta"].get("device", ""))
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
     for ax, causal in zip(axes, (0, 1)):
-        for k in [n for n, e in REGISTRY.items() if e.available] + ["sdpa-cudnn", "fa4"]:
+        for k in kernel_names() + list(BEST_OF):
             pts = sorted((r["seqlen"], r["tflops"]) for r in rows
                          if r["kernel"] == k and r["head_dim"] == 128 and r["causal"] == causal)
             if pts:
@@ -178,9 +213,16 @@ def plot(sweep, path):
     fig.savefig(path, dpi=110)
 
 
+def finished(pattern) -> list:
+    """The result files matching ``pattern`` whose run ended: one still running, or stopped part
+    way, is left out (``meta.complete`` false; files before version 2 were written at the end)."""
+    found = [load(f) for f in sorted(ROOT.glob(f"results/{pattern}"))]
+    return [f for f in found if f["meta"].get("complete", True)]
+
+
 def latest(pattern):
-    """The result file matching ``pattern`` with the newest ``meta.date``."""
-    found = [load(f) for f in ROOT.glob(f"results/{pattern}")]
+    """The finished result file matching ``pattern`` with the newest ``meta.date``."""
+    found = finished(pattern)
     return max(found, key=lambda r: r["meta"].get("date", "")) if found else None
 
 
@@ -188,14 +230,20 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--plot", action="store_true")
     args = ap.parse_args(argv)
+    if args.plot:  # before anything is rewritten: fail whole, not half done
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise SystemExit("error: --plot needs matplotlib: pip install -e \".[plot]\" (nothing was written)")
     sweep, refcheck = latest("sweep*.json"), latest("refcheck*.json")
     readme = ROOT / "README.md"
     text = replace_block(readme.read_text(), "kernels", readme_table(sweep, refcheck))
-    bench_files = [load(f) for f in ROOT.glob("results/bench-*.json")]
+    text = replace_block(text, "caps", caps_table())
+    bench_files = finished("bench-*.json")
     if bench_files and "<!-- table:headline -->" in text:
         text = replace_block(text, "headline", headline_table(bench_files))
     readme.write_text(text)
-    for family, kernels in FAMILIES.items():
+    for family, kernels in families().items():
         page = ROOT / "docs" / f"{family}.md"
         if not page.exists():
             continue

@@ -92,3 +92,15 @@ def test_k3_pipeline_depth_shows_in_mbarriers():
     counts = [len(re.findall(r"\bmbarrier\.init\.", get_kernel(n).compile(Problem(1, 1, 128, 64), keep_ptx=True).ptx))
               for n in ("k3_1", "k3_2", "k3_3")]
     assert counts[0] < counts[1] < counts[2], counts
+
+
+def test_keep_ptx_leaves_no_folder_behind(tmp_path, monkeypatch):
+    import tempfile
+
+    from kernels import contract
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the DSL's PTX dump would land here
+    monkeypatch.setattr(contract, "_JIT_CACHE", {})  # compile afresh, whatever ran before
+    ptx = get_kernel("k2").compile(Problem(1, 1, 64, 64), keep_ptx=True).ptx
+    assert ".target sm_90a" in ptx  # read into memory before the folder went
+    assert list(tmp_path.iterdir()) == []

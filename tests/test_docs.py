@@ -3,6 +3,8 @@
 import importlib.util
 from pathlib import Path
 
+from kernels import get_kernel, kernel_names
+
 spec = importlib.util.spec_from_file_location("make_docs", Path(__file__).parent.parent / "scripts" / "make_docs.py")
 make_docs = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(make_docs)
@@ -76,3 +78,44 @@ def test_headline_table_gives_ratios_to_peers_of_the_same_run():
     table = make_docs.headline_table([f])
     assert "| H100 | B=2 H=16 N=8192 d=128 | `k4` | 500.0 | 0.80× | 1.25× |" in table
     assert "625.0 / 400.0" in table and "SEQLEN=8192 CHECK=1 python bench.py k4" in table
+
+
+def test_refcheck_table_shows_crashed_cases_without_numbers():
+    crashed = dict(REFCHECK["rows"][0], ok=False, status="crashed", max_abs=None, rel_l2=None, lse_max_abs=None,
+                   peer_max_abs=None)
+    table = make_docs.refcheck_table(dict(REFCHECK, rows=[crashed]), ["k1"])
+    assert "| — | — | — | — | FAIL |" in table
+
+
+def test_caps_table_comes_from_each_registered_kernels_capabilities():
+    table = make_docs.caps_table()
+    for name in kernel_names():
+        caps = get_kernel(name).caps
+        line = next(line for line in table.splitlines() if line.startswith(f"| `{name}` |"))
+        assert f"| {', '.join(map(str, caps.head_dims))} |" in line
+
+
+def test_readme_caps_table_is_generated_and_current():
+    # Registering a kernel (k5, say) changes the table: run python scripts/make_docs.py.
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    assert f"<!-- table:caps -->\n{make_docs.caps_table()}\n<!-- /table:caps -->" in readme
+
+
+def test_doc_pages_follow_the_kernel_names(monkeypatch):
+    names = ["k1", "k3_1", "k3_2", "k4_qk", "k4", "k4_seed", "k5", "k6"]
+    monkeypatch.setattr(make_docs, "kernel_names", lambda: names)
+    assert make_docs.families() == {"k1": ["k1"], "k3": ["k3_1", "k3_2"], "k4": ["k4_qk", "k4", "k4_seed"],
+                                    "k5": ["k5"], "k6": ["k6"]}
+
+
+def test_unfinished_result_files_are_not_used(monkeypatch, tmp_path):
+    import json
+
+    (tmp_path / "results").mkdir()
+    for name, date, complete in (("sweep-a.json", "2026-01-01", None), ("sweep-b.json", "2026-02-01", True),
+                                 ("sweep-c.json", "2026-03-01", False)):
+        meta = {"date": date} if complete is None else {"date": date, "version": 2, "complete": complete}
+        (tmp_path / "results" / name).write_text(json.dumps({"meta": meta, "rows": []}))
+    monkeypatch.setattr(make_docs, "ROOT", tmp_path)
+    assert [f["meta"]["date"] for f in make_docs.finished("sweep*.json")] == ["2026-01-01", "2026-02-01"]
+    assert make_docs.latest("sweep*.json")["meta"]["date"] == "2026-02-01"

@@ -1,4 +1,5 @@
-"""Real launches against SDPA. Marked ``gpu``; skipped where no CUDA GPU is visible.
+"""Real launches against SDPA, also under torch.compile and CUDA-graph replay. Marked ``gpu``;
+skipped where no CUDA GPU is visible.
 
 On the GPU machine: ``python -m pytest -m gpu -q``. The full grid is ``python ref_check.py all``.
 """
@@ -36,3 +37,45 @@ def test_unsupported_head_dim_is_refused_before_launch():
     q = torch.randn(1, 1, 64, 40, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(UnsupportedProblem, match="head_dim 40"):
         attention("k2", q, q, q)
+
+
+def _inputs(name):
+    caps = get_kernel(name).caps
+    d = 128 if 128 in caps.head_dims else caps.head_dims[0]
+    return [torch.randn(2, 4, 300, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+
+
+@pytest.mark.parametrize("name", kernel_names())
+def test_torch_compile_fullgraph_matches_eager(name):
+    q, k, v = _inputs(name)
+
+    def model(q, k, v):
+        out, lse = attention(name, q, k, v, causal=True, softmax_scale=0.1, return_lse=True)
+        return out * 2, lse
+
+    eager = model(q, k, v)  # also JIT-compiles the kernel, outside the compiled region
+    compiled = torch.compile(model, fullgraph=True)(q, k, v)  # fullgraph: a graph break is an error
+    for got, want in zip(compiled, eager):
+        assert torch.equal(got, want)  # the same kernel on the same inputs
+
+
+@pytest.mark.parametrize("name", kernel_names())
+def test_cuda_graph_capture_and_replay_match_sdpa(name):
+    q, k, v = _inputs(name)
+    # Warm-up outside capture: the first call JIT-compiles the kernel (and allocates K1's S),
+    # neither of which may happen while a graph is being captured.
+    attention(name, q, k, v, causal=True)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = attention(name, q, k, v, causal=True, return_lse=True)
+    for _ in range(2):  # replay on fresh inputs copied into the captured ones
+        for t in (q, k, v):
+            t.copy_(torch.randn_like(t))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref, ref_lse = reference(q, k, v, True, q.shape[-1] ** -0.5)
+        sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        c = compare(out, ref, lse, ref_lse, "bfloat16", sdpa)
+        assert c.verdict == "", c.verdict

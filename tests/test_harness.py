@@ -44,8 +44,7 @@ def test_parse_bool():
 
 
 def test_sweep_grid_keeps_work_constant():
-    grid = list(sweep_problems())
-    assert len(grid) == 6 * 2 * 2
+    grid = sweep_problems(env={})
     dense = [p for p in grid if not p.causal]
     assert len({p.flops / p.seqlen for p in dense}) == 1  # batch*heads*seqlen*d is fixed
 
@@ -134,7 +133,7 @@ def test_tensor_validation_messages():
     with pytest.raises(UnsupportedProblem, match="4-D"):
         problem_from_tensors(q[0], k, v, False)
     with pytest.raises(UnsupportedProblem, match="contiguous last dim"):
-        problem_from_tensors(q.transpose(2, 3), k, v, False)
+        problem_from_tensors(*(t.transpose(2, 3) for t in (q, k, v)), False)
     with pytest.raises(UnsupportedProblem, match="multiples of 8"):
         problem_from_tensors(torch.randn(1, 2, 16, 68, dtype=torch.bfloat16)[..., :64], k, v, False)
     with pytest.raises(UnsupportedProblem, match="share a dtype"):
@@ -145,8 +144,8 @@ def test_tensor_validation_messages():
         problem_from_tensors(q, *_qkv((1, 2, 32, 64))[:2], False)
     with pytest.raises(UnsupportedProblem, match="forward-only"):
         problem_from_tensors(q.requires_grad_(), k, v, False)
-    with pytest.raises(UnsupportedProblem, match="CUDA tensor"):
-        problem_from_tensors(q.detach(), k, v, False)
+    # Nothing above needs a GPU; the device is checked after, by attention (tests/test_api.py).
+    assert problem_from_tensors(q.detach(), k, v, False) == Problem(1, 2, 16, 64)
 
 
 def test_k1_refuses_s_that_does_not_fit():

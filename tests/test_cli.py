@@ -1,0 +1,150 @@
+"""bench.py, ref_check.py and make_docs.py on a CPU machine: help, flags, refusals, result files."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import bench
+import ref_check
+from harness.config import SWEEP_HEAD_DIMS, SWEEP_SEQLENS, default_batch_heads, sweep_problems
+from harness.results import WORKLOAD_ENV
+from kernels import kernel_names
+from kernels.contract import UnsupportedProblem
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def no_workload_env(monkeypatch):
+    for var in WORKLOAD_ENV:
+        monkeypatch.delenv(var, raising=False)
+
+
+def test_help_lists_kernels_and_defaults(capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    for name in kernel_names():
+        assert f"\n  {name} " in text
+    assert "seqlen 4096, head dim 128, causal 0" in text and "16384/seqlen" in text
+
+
+def test_sweep_grid_is_the_papers_grid():
+    grid = sweep_problems(env={})
+    assert {(p.head_dim, p.causal, p.seqlen) for p in grid} == \
+        {(d, c, n) for d in (64, 128, 256) for c in (False, True) for n in (512, 1024, 2048, 4096, 8192, 16384)}
+    assert len(grid) == len(SWEEP_HEAD_DIMS) * 2 * len(SWEEP_SEQLENS)
+    assert all((p.batch, p.nheads) == default_batch_heads(p.seqlen, p.head_dim) for p in grid)
+
+
+def test_sweep_flags_and_variables_restrict_the_grid():
+    assert {p.head_dim for p in sweep_problems(env={}, headdim=128)} == {128}
+    grid = sweep_problems(env={"CAUSAL": "1", "SEQLEN": "2048"}, dtype="fp16")
+    assert {(p.causal, p.seqlen, p.dtype) for p in grid} == {(True, 2048, "float16")}
+    assert {p.head_dim for p in grid} == set(SWEEP_HEAD_DIMS)
+    assert {p.head_dim for p in sweep_problems(env={"HEADDIM": "64"}, headdim=256)} == {256}  # flag wins
+
+
+@pytest.mark.parametrize("flags,named", [(dict(batch=2), "--batch"), (dict(nheads=4), "--nheads")])
+def test_sweep_refuses_batch_and_heads_by_the_name_used(flags, named):
+    with pytest.raises(UnsupportedProblem, match=f"{named} cannot be combined with --sweep"):
+        sweep_problems(env={}, **flags)
+    with pytest.raises(UnsupportedProblem, match="NHEADS cannot be combined"):
+        sweep_problems(env={"NHEADS": "4"})
+
+
+def test_errors_name_the_flag_or_variable_used(capsys, monkeypatch):
+    assert bench.main(["k4", "--compile-only", "--seqlen", "0"]) == 2
+    assert "--seqlen must be positive" in capsys.readouterr().err
+    assert bench.main(["k4", "--compile-only", "--dtype", "fp8"]) == 2
+    assert "--dtype must be one of" in capsys.readouterr().err
+    monkeypatch.setenv("SEQLEN", "0")
+    assert bench.main(["k4", "--compile-only"]) == 2
+    assert "SEQLEN must be positive" in capsys.readouterr().err
+
+
+def test_compile_only_exits_non_zero_when_nothing_compiles(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("HEADDIM", "80")
+    out = tmp_path / "co.json"
+    assert bench.main(["k4", "--compile-only", "--out", str(out)]) == 1
+    assert "no kernel compiled" in capsys.readouterr().err
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["status"].split(":")[0] for r in rows] == ["refused"] and "head_dim 80" in rows[0]["status"]
+
+
+def test_compile_only_writes_its_report(tmp_path):
+    out = tmp_path / "co.json"
+    assert bench.main(["k2", "--compile-only", "--headdim", "64", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    row = data["rows"][0]
+    assert data["meta"]["complete"] and (row["kernel"], row["head_dim"], row["status"]) == ("k2", 64, "ok")
+    assert row["ptx_chars"] > 0 and row["instructions"]["shfl.sync"] > 0 and row["instructions"]["ld/st.local"] == 0
+    assert "ptxas" in row  # registers and spills per entry, or null without ptxas on PATH
+
+
+def test_unwritable_out_fails_before_any_work(tmp_path, capsys, monkeypatch):
+    def no_compile(*a, **k):
+        raise AssertionError("compiled before checking --out")
+
+    monkeypatch.setattr(bench, "compile_only", no_compile)
+    (tmp_path / "f").write_text("")
+    with pytest.raises(SystemExit) as e:
+        bench.main(["k2", "--compile-only", "--out", str(tmp_path / "f" / "x.json")])
+    assert e.value.code == 2 and "--out" in capsys.readouterr().err
+
+
+def test_interrupted_sweep_keeps_its_rows(tmp_path, monkeypatch):
+    # The GPU work is replaced by rows made up here; what is tested is that bench writes each row
+    # as it comes, so Ctrl-C in the third workload leaves a valid file with the first two.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
+    done = []
+
+    def fake_run_problem(names, problem, check, peers, sweep, emit):
+        if len(done) == 2:
+            raise KeyboardInterrupt
+        done.append(problem)
+        for name in names:
+            emit(dict(kernel=name, seqlen=problem.seqlen, head_dim=problem.head_dim, causal=int(problem.causal),
+                      ms=1.0, tflops=float(problem.seqlen), status="ok"))
+
+    monkeypatch.setattr(bench, "run_problem", fake_run_problem)
+    out = tmp_path / "sweep.json"
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(["k2", "k4", "--sweep", "--headdim", "128", "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert data["meta"]["complete"] is False and "--sweep" in data["meta"]["command"]
+    assert [(r["kernel"], r["seqlen"]) for r in data["rows"]] == [("k2", 512), ("k4", 512), ("k2", 1024), ("k4", 1024)]
+
+
+def test_ref_check_refuses_workload_variables_it_would_ignore(monkeypatch, capsys):
+    monkeypatch.setenv("HEADDIM", "256")
+    assert ref_check.main(["k4"]) == 2
+    err = capsys.readouterr().err
+    assert "HEADDIM=256" in err and "own grid" in err
+
+
+def test_ref_check_states_its_grid():
+    text = ref_check.describe_grid(ref_check.QUICK_SEQLENS, all_head_dims=False)
+    assert "1, 17, 128, 1000" in text and "(64, 128)" in text and "fp16" in text
+
+
+def _make_docs():
+    spec = importlib.util.spec_from_file_location("make_docs", ROOT / "scripts" / "make_docs.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_make_docs_plot_without_matplotlib_writes_nothing(monkeypatch, tmp_path):
+    make_docs = _make_docs()
+    monkeypatch.setattr(make_docs, "ROOT", tmp_path)  # were anything written, it would land here
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib fails
+    with pytest.raises(SystemExit, match="matplotlib"):
+        make_docs.main(["--plot"])
+    assert list(tmp_path.iterdir()) == []
