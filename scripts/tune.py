@@ -25,14 +25,11 @@ from harness import results  # noqa: E402
 from harness.check import compare  # noqa: E402
 from harness.config import default_batch_heads  # noqa: E402
 from harness.inputs import poisoned_outputs, random_inputs  # noqa: E402
-from harness.peers import peer_callables  # noqa: E402
+from harness.peers import BEST_OF, peer_callables  # noqa: E402
 from harness.reference import reference  # noqa: E402
 from harness.timing import benchmark, tflops  # noqa: E402
 from kernels import get_kernel  # noqa: E402
 from kernels.contract import Problem, UnsupportedProblem  # noqa: E402
-
-BEST_PEERS = ("sdpa-cudnn", "fa4")
-
 
 def time_config(name, cfg, p, q, k, v, ref, ref_lse, sdpa) -> dict:
     entry = get_kernel(name)
@@ -62,6 +59,7 @@ def main(argv=None) -> int:
     import torch
 
     configs = json.loads(args.configs)
+    result_file = results.open_result_file(args.out, results.command_line("scripts/tune.py", argv))
     rows = []
     for d in args.headdim:
         for causal in args.causal:
@@ -80,19 +78,21 @@ def main(argv=None) -> int:
                         print(f"d={d} causal={causal} N={n} {name} {cfg}: {here[-1]['status']} "
                               f"{here[-1]['tflops'] or 0:.1f}", flush=True)
                 for name, fn in peer_callables(q, k, v, p.causal, p.scale).items():
-                    if name in BEST_PEERS and callable(fn):
+                    if name in BEST_OF and callable(fn):
                         ms = benchmark(fn)
                         here.append(dict(base, kernel=name, config=None, ms=ms, tflops=tflops(p.flops, ms),
                                          status="ok"))
-                best = max((r["tflops"] for r in here if r["kernel"] in BEST_PEERS), default=None)
+                best = max((r["tflops"] for r in here if r["kernel"] in BEST_OF), default=None)
                 for r in here:
                     r["vs_best_peer"] = r["tflops"] / best if best and r["tflops"] else None
                 rows += here
-                if args.out:  # after every workload, so an interrupted run keeps what it measured
-                    results.write(args.out, rows, results.command_line("scripts/tune.py", argv))
+                for r in here if result_file else ():  # as they come: an interrupted run keeps what it measured
+                    result_file.append(r)
                 del q, k, v, ref, sdpa
                 torch.cuda.empty_cache()
-    print(f"\n{torch.cuda.get_device_name()}: bf16, TFLOP/s (x best of {'/'.join(BEST_PEERS)})")
+    if result_file:
+        result_file.close()
+    print(f"\n{torch.cuda.get_device_name()}: bf16, TFLOP/s (x best of {'/'.join(BEST_OF)})")
     for r in rows:
         label = r["kernel"] + (" " + json.dumps(r["config"]) if r["config"] else "")
         t = f"{r['tflops']:.1f}" + (f" ({r['vs_best_peer']:.2f}x)" if r["vs_best_peer"] else "") \
