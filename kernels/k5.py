@@ -14,9 +14,13 @@ What changes relative to K4 (same WGMMAs, same register softmax, same P handoff)
 * KV tiles are walked in *descending* order: the diagonal and seqlen-tail tiles, the only ones
   that need a mask, come first, and the rest of the loop runs mask-free.
 * Tile order (``kernels/schedule.py``): a 1-D grid of (m_block, head, batch) tiles, heaviest
-  causal tiles first across all heads, heads grouped so that a group's K/V stay in L2. With
-  ``persistent`` the grid is one CTA per SM and each CTA loops over tiles: its producer warp
-  starts loading the next tile's Q and K/V while the consumers are still on the current one.
+  causal tiles first across all heads, heads grouped so that a group's K/V stay in L2.
+* Persistent CTAs (``scheduler``): "single" launches one CTA per tile, as K4 did; "static" and
+  "dynamic" launch one CTA per SM, and each loops over tiles, its producer warp loading the next
+  tile's K and Q while the consumers finish the current one. "static" walks tiles round-robin
+  (every tile costs the same when non-causal); "dynamic" (causal) has the producer claim the next
+  tile from a global atomic counter and pass it to the consumers through SMEM, so an SM that drew
+  light tiles takes more of them.
 
 Nothing after the role split may ``sync_threads`` (the producer warps are elsewhere): the
 pipelines' mbarriers are the only synchronization between producer and consumers.
@@ -47,6 +51,7 @@ from .contract import (
     run_kernel,  # noqa: F401  (the contract's launch-only entry)
 )
 from .tiles import kv_tile_count, unmasked_kv_tile_count
+from cutlass.cute.runtime import make_fake_tensor
 
 CAPS = Capabilities(head_dims=(64, 128, 256))
 
@@ -65,6 +70,8 @@ PERSISTENT_BY_DEFAULT = dict(causal=False, non_causal=True)
 # setmaxnreg budgets (producer, consumer) per consumer-warpgroup count: they must add up to the
 # launch budget, 65536 / threads per CTA (24*128 + 240*256 = 168*384; 32*128 + 160*384 = 128*512).
 REGISTERS = {2: (24, 240), 3: (32, 160)}
+SCHEDULERS = ("single", "static", "dynamic")
+TILE_STAGES = 2  # claimed tile indices in flight between the producer and the consumers
 PRODUCER_WARPS = 4  # warpgroup 0; only its warp 0 issues loads, the other three idle at 24 regs
 
 
@@ -82,7 +89,7 @@ def num_sms() -> int:
 
 class K5FMHA:
     def __init__(self, head_dim: int, dtype, causal: bool, num_wg: int, tile_n: int, kv_stages: int,
-                 persistent: bool, sm_count: int = 132):
+                 scheduler: str, sm_count: int = 132):
         self.head_dim = head_dim
         self.dtype = dtype
         self.causal = causal
@@ -90,15 +97,17 @@ class K5FMHA:
         self.tile_m = 64 * num_wg
         self.tile_n = tile_n
         self.kv_stages = kv_stages
-        self.persistent = persistent
+        self.scheduler = scheduler
         self.sm_count = sm_count
         self.num_threads = 128 * (num_wg + 1)
         self.producer_regs, self.consumer_regs = REGISTERS[num_wg]
 
     def smem_bytes(self) -> int:
-        """SharedStorage bytes: Q, K and V mbarrier pairs, then sQ, sK, sV on 1024-byte boundaries."""
+        """SharedStorage bytes: Q, K, V and tile-index mbarrier pairs, the tile-index slots, then sQ,
+        sK, sV on 1024-byte boundaries."""
         tile_bytes = self.dtype.width // 8 * self.head_dim
-        return tma_pipeline.smem_footprint(2 * self.kv_stages, [
+        return tma_pipeline.smem_footprint(2 * self.kv_stages + TILE_STAGES, [
+            (4 * TILE_STAGES, 4),
             (self.tile_m * tile_bytes, 1024),
             (self.kv_stages * self.tile_n * tile_bytes, 1024),
             (self.kv_stages * self.tile_n * tile_bytes, 1024),
@@ -106,7 +115,7 @@ class K5FMHA:
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
-                 softmax_scale: Float32, stream):
+                 softmax_scale: Float32, mTileCounter: cute.Tensor, stream):
         d, dt = self.head_dim, self.dtype
         mQt = tma_pipeline.seq_major_view(mQ)
         mKt = tma_pipeline.seq_major_view(mK)
@@ -137,6 +146,8 @@ class K5FMHA:
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.kv_stages]
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.kv_stages]
+            mbar_tile: cute.struct.MemRange[cutlass.Int64, 2 * TILE_STAGES]
+            tile_idx: cute.struct.MemRange[Int32, TILE_STAGES]
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sVt_layout)], 1024]
@@ -144,15 +155,15 @@ class K5FMHA:
         scale_log2 = softmax_scale * LOG2_E
         # One linear index per (m_block, head, batch) tile; schedule.tile_coords decodes it.
         num_tiles = cute.ceil_div(mQ.shape[2], self.tile_m) * mQ.shape[1] * mQ.shape[0]
-        grid_x = cutlass.min(num_tiles, self.sm_count) if const_expr(self.persistent) else num_tiles
-        self.kernel(mQ_tma, mK_tma, mV_tma, mO, mLSE, tma_atom_Q, tma_atom_K, tma_atom_V, scale_log2,
+        grid_x = num_tiles if const_expr(self.scheduler == "single") else cutlass.min(num_tiles, self.sm_count)
+        self.kernel(mQ_tma, mK_tma, mV_tma, mO, mLSE, mTileCounter, tma_atom_Q, tma_atom_K, tma_atom_V, scale_log2,
                     sQ_layout, sK_layout, sVt_layout, tiled_mma_qk, tiled_mma_pv, SharedStorage).launch(
             grid=(grid_x, 1, 1), block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(),
             stream=stream, min_blocks_per_mp=1)
 
     @cute.kernel
     def kernel(self, mQ_tma: cute.Tensor, mK_tma: cute.Tensor, mV_tma: cute.Tensor, mO: cute.Tensor,
-               mLSE: cute.Tensor, tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
+               mLSE: cute.Tensor, mTileCounter: cute.Tensor, tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
                scale_log2: Float32, sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
                sVt_layout: cute.ComposedLayout, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
                SharedStorage: cutlass.Constexpr):
@@ -166,6 +177,13 @@ class K5FMHA:
             storage.mbar_q.data_ptr(), storage.mbar_k.data_ptr(), storage.mbar_v.data_ptr(),
             tma_pipeline.stage_bytes(self.dtype, sQ_layout), tma_pipeline.stage_bytes(self.dtype, sK_layout),
             tma_pipeline.stage_bytes(self.dtype, sVt_layout), self.kv_stages, 4 * self.num_wg)
+        # Dynamic scheduling: the producer thread posts each claimed tile index in a slot; every
+        # consumer thread reads it and releases the slot.
+        pipeline_tile = pipeline.PipelineAsync.create(
+            barrier_storage=storage.mbar_tile.data_ptr(), num_stages=TILE_STAGES,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128 * self.num_wg), defer_sync=True)
+        tile_slots = (pipeline_tile, storage.tile_idx.get_tensor(cute.make_layout(TILE_STAGES)), mTileCounter)
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sVt = storage.sV.get_tensor(sVt_layout.outer, swizzle=sVt_layout.inner)
@@ -177,10 +195,11 @@ class K5FMHA:
         if warp_idx < PRODUCER_WARPS:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
-                self.load(mQ_tma, mK_tma, mV_tma, mO, tma_atom_Q, tma_atom_K, tma_atom_V, sQ, sK, sVt, pipelines)
+                self.load(mQ_tma, mK_tma, mV_tma, mO, tma_atom_Q, tma_atom_K, tma_atom_V, sQ, sK, sVt, pipelines,
+                          tile_slots)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
-            self.consume(mO, mLSE, sQ, sK, sVt, tiled_mma_qk, tiled_mma_pv, scale_log2, pipelines)
+            self.consume(mO, mLSE, sQ, sK, sVt, tiled_mma_qk, tiled_mma_pv, scale_log2, pipelines, tile_slots)
 
     @cute.jit
     def tiles(self, mO: cute.Tensor):
@@ -195,17 +214,58 @@ class K5FMHA:
         gdx, _, _ = cute.arch.grid_dim()
         return bx, gdx, num_m_blocks * nheads * batch, (num_m_blocks, nheads, nheads * batch, section)
 
+    @cute.jit
+    def claim_next_tile(self, tile_slots: tuple, tile_produce: pipeline.PipelineState, step: Int32,
+                        num_tiles: Int32) -> Int32:
+        """Producer warp, dynamic scheduler: claim the next tile and post it to the consumers.
+
+        The first ``grid`` tiles go to the CTAs by block index; claim c returns tile grid + c. Each
+        CTA makes exactly one claim past the end; the CTA whose such claim comes last resets the
+        counters to zero for the next launch (no memset per call).
+        """
+        pipeline_tile, sTileIdx, mTileCounter = tile_slots
+        next_tile = Int32(0)
+        if cute.arch.lane_idx() == 0:
+            next_tile = cute.arch.atomic_add(mTileCounter.iterator, Int32(1), scope="gpu") + step
+        next_tile = cute.arch.shuffle_sync(next_tile, 0)
+        pipeline_tile.producer_acquire(tile_produce)
+        with cute.arch.elect_one():
+            sTileIdx[tile_produce.index] = next_tile
+            pipeline_tile.producer_commit(tile_produce)
+        if next_tile >= num_tiles:
+            if cute.arch.lane_idx() == 0:
+                # acq_rel: this CTA's claims happen before its "done", and the last CTA sees all.
+                done = cute.arch.atomic_add(mTileCounter.iterator + 1, Int32(1), sem="acq_rel", scope="gpu")
+                if done == step - 1:
+                    mTileCounter[0] = Int32(0)
+                    mTileCounter[1] = Int32(0)
+        return next_tile
+
+    @cute.jit
+    def next_tile(self, tile_idx: Int32, step: Int32, tile_slots: tuple,
+                  tile_consume: pipeline.PipelineState) -> Int32:
+        """Consumers: the tile after ``tile_idx`` (round-robin, or the one the producer claimed)."""
+        if const_expr(self.scheduler == "dynamic"):
+            pipeline_tile, sTileIdx, _ = tile_slots
+            pipeline_tile.consumer_wait(tile_consume)
+            tile_idx = sTileIdx[tile_consume.index]
+            pipeline_tile.consumer_release(tile_consume)
+        else:
+            tile_idx += step
+        return tile_idx
+
     # ---- Producer: one warp, TMA only ---------------------------------------------------------
 
     @cute.jit
     def load(self, mQ_tma: cute.Tensor, mK_tma: cute.Tensor, mV_tma: cute.Tensor, mO: cute.Tensor,
              tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom, sQ: cute.Tensor,
-             sK: cute.Tensor, sVt: cute.Tensor, pipelines: tuple):
+             sK: cute.Tensor, sVt: cute.Tensor, pipelines: tuple, tile_slots: tuple):
         pipeline_q, pipeline_k, pipeline_v = pipelines
         tile_m, tile_n, d = self.tile_m, self.tile_n, self.head_dim
         seqlen = mO.shape[2]
         q_produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         kv_produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
+        tile_produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, TILE_STAGES)
         tile_idx, step, num_tiles, decode = self.tiles(mO)
         while tile_idx < num_tiles:
             m_block, head, batch = schedule.tile_coords(tile_idx, *decode, self.causal)
@@ -214,25 +274,33 @@ class K5FMHA:
             tKsK, tKgK = tma_pipeline.partition_for_tma(tma_atom_K, mK_tma, sK, (tile_n, d), head, batch)
             tVsV, tVgV = tma_pipeline.partition_for_tma(tma_atom_V, mV_tma, sVt, (d, tile_n), head, batch,
                                                         coord=(0, None))
-            # Q waits for the previous tile's consumers to release sQ (a persistent CTA only).
-            tma_pipeline.load_stage(pipeline_q, q_produce, tma_atom_Q, tQgQ, tQsQ)
-            q_produce.advance()
             n_tiles = kv_tile_count(m_block, seqlen, tile_m, tile_n, self.causal)
             kv_loads = (pipeline_k, tma_atom_K, tKgK, tKsK, pipeline_v, tma_atom_V, tVgV, tVsV)
-            kv_produce = self.load_kv_tiles(n_tiles, kv_produce, kv_loads)
-            tile_idx += step
+            # Q goes right after the first K: in a persistent CTA it waits for the consumers to
+            # release sQ, and that K need not wait with it.
+            q_load = (pipeline_q, q_produce, tma_atom_Q, tQgQ, tQsQ)
+            kv_produce = self.load_kv_tiles(n_tiles, kv_produce, kv_loads, q_load)
+            q_produce.advance()
+            if const_expr(self.scheduler == "dynamic"):
+                tile_idx = self.claim_next_tile(tile_slots, tile_produce, step, num_tiles)
+                tile_produce.advance()
+            else:
+                tile_idx += step
         # Wait until the consumers have released every V stage: no mbarrier arrive may land
         # after this CTA has exited (K's are released before V's).
         pipeline_v.producer_tail(kv_produce)
 
     @cute.jit
-    def load_kv_tiles(self, n_tiles: Int32, kv_produce: pipeline.PipelineState,
-                      kv_loads: tuple) -> pipeline.PipelineState:
-        """K and V of every KV tile, descending, K_j then V_j, each as soon as its stage is free."""
+    def load_kv_tiles(self, n_tiles: Int32, kv_produce: pipeline.PipelineState, kv_loads: tuple,
+                      q_load: tuple) -> pipeline.PipelineState:
+        """K and V of every KV tile, descending, K_j then V_j, each as soon as its stage is free;
+        Q after the first K."""
         pipeline_k, tma_atom_K, tKgK, tKsK, pipeline_v, tma_atom_V, tVgV, tVsV = kv_loads
         for i in cutlass.range(n_tiles, unroll=1):
             n_block = n_tiles - 1 - i
             tma_pipeline.load_stage(pipeline_k, kv_produce, tma_atom_K, tKgK[None, n_block], tKsK[None, kv_produce.index])
+            if i == 0:
+                tma_pipeline.load_stage(*q_load)
             tma_pipeline.load_stage(pipeline_v, kv_produce, tma_atom_V, tVgV[None, n_block], tVsV[None, kv_produce.index])
             kv_produce.advance()
         return kv_produce
@@ -241,7 +309,8 @@ class K5FMHA:
 
     @cute.jit
     def consume(self, mO: cute.Tensor, mLSE: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor, sVt: cute.Tensor,
-                tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, scale_log2: Float32, pipelines: tuple):
+                tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, scale_log2: Float32, pipelines: tuple,
+                tile_slots: tuple):
         pipeline_q, pipeline_k, pipeline_v = pipelines
         tile_m, tile_n, d = self.tile_m, self.tile_n, self.head_dim
         tidx = cute.arch.thread_idx()[0] - 128 * (PRODUCER_WARPS // 4)  # thread index among the consumers
@@ -262,6 +331,7 @@ class K5FMHA:
 
         q_consume = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         kv_consume = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
+        tile_consume = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, TILE_STAGES)
         tile_idx, step, num_tiles, decode = self.tiles(mO)
         while tile_idx < num_tiles:
             m_block, head, batch = schedule.tile_coords(tile_idx, *decode, self.causal)
@@ -277,7 +347,8 @@ class K5FMHA:
             pipeline_q.consumer_release(q_consume)
             q_consume.advance()
             self.epilogue(acc_O, softmax, tiled_mma_pv, tidx, mO, mLSE, m_block, head, batch)
-            tile_idx += step
+            tile_idx = self.next_tile(tile_idx, step, tile_slots, tile_consume)
+            tile_consume.advance()
 
     @cute.jit
     def mainloop(self, m_block: Int32, seqlen: Int32, n_tiles: Int32, n_unmasked: Int32,
@@ -340,7 +411,9 @@ class K5FMHA:
 
 
 def default_config(p: Problem, overrides: dict) -> dict:
-    cfg = dict(DEFAULT_CONFIG[p.head_dim], persistent=not p.causal)
+    """DEFAULT_CONFIG for the head dim, persistent (static) non-causal and dynamic causal, then
+    the caller's overrides (None keeps the default)."""
+    cfg = dict(DEFAULT_CONFIG[p.head_dim], scheduler="dynamic" if p.causal else "static")
     cfg.update({k: v for k, v in overrides.items() if v is not None})
     return cfg
 
@@ -360,20 +433,39 @@ def check_config(cfg: dict, name: str = "K5") -> None:
             f"keys, and a K/V tile is one TMA box of at most 256 rows)")
     if cfg["kv_stages"] < 1:
         raise UnsupportedProblem(f"{name} config {cfg}: kv_stages must be >= 1")
+    if cfg["scheduler"] not in SCHEDULERS:
+        raise UnsupportedProblem(f"{name} config {cfg}: scheduler must be one of {SCHEDULERS}")
+
+
+def build(name: str, kernel_cls, p: Problem, cfg: dict, keep_ptx: bool) -> CompiledAttention:
+    """Compile ``kernel_cls`` (K5FMHA or a subclass) for ``p`` and bind its tile counter.
+
+    The dynamic scheduler's counter is an int32 pair in GMEM that must read zero at every launch;
+    the kernel resets it itself, so one zeroed pair per (device, stream) serves every call.
+    """
+    check_config(cfg, name.upper())
+    dt = cute_dtype(p.dtype)
+    sm_count = num_sms()
+    kernel = kernel_cls(p.head_dim, dt, p.causal, sm_count=sm_count, **cfg)
+    if kernel.smem_bytes() > SMEM_CAPACITY:
+        raise UnsupportedProblem(
+            f"{name.upper()} config {cfg} at head_dim {p.head_dim} needs {kernel.smem_bytes() // 1024} KB of SMEM "
+            f"(limit {SMEM_CAPACITY // 1024} KB): use fewer kv_stages or a smaller tile_n")
+    key = (name, p.head_dim, p.dtype, p.causal, sm_count, tuple(sorted(cfg.items())))
+
+    def args():
+        q, k, v, o, lse, scale, stream = fake_attention_args(dt, p.head_dim)
+        return kernel, (q, k, v, o, lse, scale, make_fake_tensor(Int32, (2,), stride=(1,)), stream)
+
+    fn = jit_compile(key, args, keep_ptx)
+    compiled = fused_attention(name, p, fn, keep_ptx, dict(cfg, smem_bytes=kernel.smem_bytes()))
+    counters = schedule.TileCounters()
+    compiled.launch = lambda q, k, v, out, lse, scale: fn(q, k, v, out, lse, scale, counters.get(q.device))
+    return compiled
 
 
 def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_wg=None, tile_n=None, kv_stages=None,
-                   persistent=None) -> CompiledAttention:
+                   scheduler=None) -> CompiledAttention:
     CAPS.check(p)
-    cfg = default_config(p, dict(num_wg=num_wg, tile_n=tile_n, kv_stages=kv_stages, persistent=persistent))
-    check_config(cfg)
-    dt = cute_dtype(p.dtype)
-    sm_count = num_sms()
-    kernel = K5FMHA(p.head_dim, dt, p.causal, sm_count=sm_count, **cfg)
-    if kernel.smem_bytes() > SMEM_CAPACITY:
-        raise UnsupportedProblem(
-            f"K5 config {cfg} at head_dim {p.head_dim} needs {kernel.smem_bytes() // 1024} KB of SMEM "
-            f"(limit {SMEM_CAPACITY // 1024} KB): use fewer kv_stages or a smaller tile_n")
-    key = ("k5", p.head_dim, p.dtype, p.causal, sm_count, tuple(sorted(cfg.items())))
-    fn = jit_compile(key, lambda: (kernel, fake_attention_args(dt, p.head_dim)), keep_ptx)
-    return fused_attention("k5", p, fn, keep_ptx, dict(cfg, smem_bytes=kernel.smem_bytes()))
+    cfg = default_config(p, dict(num_wg=num_wg, tile_n=tile_n, kv_stages=kv_stages, scheduler=scheduler))
+    return build("k5", K5FMHA, p, cfg, keep_ptx)

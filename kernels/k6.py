@@ -29,17 +29,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 
 from . import k5, sm90, tma_pipeline
-from .contract import (
-    SMEM_CAPACITY,
-    CompiledAttention,
-    Problem,
-    UnsupportedProblem,
-    cute_dtype,
-    fake_attention_args,
-    fused_attention,
-    jit_compile,
-    run_kernel,  # noqa: F401  (the contract's launch-only entry)
-)
+from .contract import CompiledAttention, Problem, run_kernel  # noqa: F401  (the contract's launch-only entry)
 
 CAPS = k5.CAPS
 # Ping-pong up to d=128 only (with the overlap, the d=256 GEMMs already dwarf the softmax).
@@ -88,16 +78,17 @@ class K6FMHA(k5.K5FMHA):
         return kv_consume
 
     @cute.jit
-    def load_kv_tiles(self, n_tiles: Int32, kv_produce: pipeline.PipelineState,
-                      kv_loads: tuple) -> pipeline.PipelineState:
+    def load_kv_tiles(self, n_tiles: Int32, kv_produce: pipeline.PipelineState, kv_loads: tuple,
+                      q_load: tuple) -> pipeline.PipelineState:
         """With the overlap, step j needs K of tile j+1 before V of tile j: load in that order
-        (K_first, K_next, V_first, K_next2, V_next, ..., V_last)."""
+        (K_first, Q, K_next, V_first, K_next2, V_next, ..., V_last)."""
         if const_expr(not self.overlap):
-            kv_produce = k5.K5FMHA.load_kv_tiles(self, n_tiles, kv_produce, kv_loads)
+            kv_produce = k5.K5FMHA.load_kv_tiles(self, n_tiles, kv_produce, kv_loads, q_load)
         else:
             pipeline_k, tma_atom_K, tKgK, tKsK, pipeline_v, tma_atom_V, tVgV, tVsV = kv_loads
             tma_pipeline.load_stage(pipeline_k, kv_produce, tma_atom_K, tKgK[None, n_tiles - 1],
                                     tKsK[None, kv_produce.index])
+            tma_pipeline.load_stage(*q_load)
             for i in cutlass.range(n_tiles - 1, unroll=1):
                 kv_prev = kv_produce.clone()
                 kv_produce.advance()
@@ -195,23 +186,13 @@ class K6FMHA(k5.K5FMHA):
         return kv_consume
 
 
-def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_wg=None, tile_n=None,
-                   kv_stages=None, persistent=None, pingpong=None, overlap=None) -> CompiledAttention:
+def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_wg=None, tile_n=None, kv_stages=None,
+                   scheduler=None, pingpong=None, overlap=None) -> CompiledAttention:
     CAPS.check(p)
     overlap = p.head_dim >= OVERLAP_MIN_HEAD_DIM if overlap is None else overlap
     pingpong = (p.head_dim <= PINGPONG_MAX_HEAD_DIM or not overlap) if pingpong is None else pingpong
     if tile_n is None and overlap:
         tile_n = TILE_N_WITH_OVERLAP.get(p.head_dim)
-    cfg = k5.default_config(p, dict(num_wg=num_wg, tile_n=tile_n, kv_stages=kv_stages, persistent=persistent,
+    cfg = k5.default_config(p, dict(num_wg=num_wg, tile_n=tile_n, kv_stages=kv_stages, scheduler=scheduler,
                                     pingpong=pingpong, overlap=overlap))
-    k5.check_config(cfg, "K6")
-    dt = cute_dtype(p.dtype)
-    sm_count = k5.num_sms()
-    kernel = K6FMHA(p.head_dim, dt, p.causal, sm_count=sm_count, **cfg)
-    if kernel.smem_bytes() > SMEM_CAPACITY:
-        raise UnsupportedProblem(
-            f"K6 config {cfg} at head_dim {p.head_dim} needs {kernel.smem_bytes() // 1024} KB of SMEM "
-            f"(limit {SMEM_CAPACITY // 1024} KB): use fewer kv_stages or a smaller tile_n")
-    key = ("k6", p.head_dim, p.dtype, p.causal, sm_count, tuple(sorted(cfg.items())))
-    fn = jit_compile(key, lambda: (kernel, fake_attention_args(dt, p.head_dim)), keep_ptx)
-    return fused_attention("k6", p, fn, keep_ptx, dict(cfg, smem_bytes=kernel.smem_bytes()))
+    return k5.build("k6", K6FMHA, p, cfg, keep_ptx)

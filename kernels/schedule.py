@@ -51,3 +51,25 @@ def tile_coords(tile_idx: Int32, num_m_blocks: Int32, nheads: Int32, num_bh: Int
         m_block = num_m_blocks - 1 - m_block
     batch = bh // nheads
     return m_block, bh - batch * nheads, batch
+
+
+class TileCounters:
+    """Host side of the dynamic scheduler: one zeroed int32 pair in GMEM per (device, stream).
+
+    The kernel claims tiles with atomics on element 0 and counts finished CTAs in element 1; the
+    last CTA zeroes both, so the pair is ready for the next launch with no memset. Launches on one
+    stream run one after another; two streams get two pairs, so concurrent launches never share
+    one. Allocated on first use: make one eager call before capturing a CUDA graph.
+    """
+
+    def __init__(self):
+        self._pairs = {}
+
+    def get(self, device):
+        import torch
+
+        key = (device, torch.cuda.current_stream(device).cuda_stream)
+        pair = self._pairs.get(key)
+        if pair is None:
+            pair = self._pairs[key] = torch.zeros(2, dtype=torch.int32, device=device)
+        return pair

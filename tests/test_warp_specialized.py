@@ -73,7 +73,12 @@ def test_k6_at_d256_has_no_ping_pong():
     assert not [b for b in _named_barriers(_compile("k6", 256).ptx) if b[1].strip() != "0"]
 
 
-def test_persistent_grid_loops_over_tiles():
-    # The same kernel with one CTA per SM: the decoded tile index advances by gridDim.x.
-    ptx = _compile("k6", 128, causal=False, persistent=True).ptx
-    assert "%nctaid.x" in ptx
+def test_schedulers():
+    # Static persistent: the tile index advances by gridDim.x, no atomics. Dynamic (causal
+    # default): the producer claims tiles with a global atomic add.
+    static = _compile("k6", 128, causal=False).ptx
+    assert "%nctaid.x" in static and not re.search(r"\batom\.", static)
+    dynamic = _compile("k6", 128, causal=True).ptx
+    assert re.search(r"\batom\.[\w.]*add", dynamic)
+    single = _compile("k6", 128, causal=True, scheduler="single").ptx
+    assert not re.search(r"\batom\.", single)
