@@ -59,10 +59,12 @@ CAPS = Capabilities(head_dims=(64, 128, 256))
 # d=64 (192-row tiles: more rows share each K/V tile), two at d=128/256; d=256 takes 80-key tiles,
 # the most that fit two K/V stages beside a 128x256 Q tile in SMEM.
 DEFAULT_CONFIG = {
-    64: dict(num_wg=3, tile_n=128, kv_stages=2),
-    128: dict(num_wg=2, tile_n=128, kv_stages=2),
-    256: dict(num_wg=2, tile_n=80, kv_stages=2),
+    64: dict(num_wg=3, tile_n=128, kv_stages=2, q_stages=2),
+    128: dict(num_wg=2, tile_n=128, kv_stages=2, q_stages=2),
+    256: dict(num_wg=2, tile_n=80, kv_stages=2, q_stages=1),
 }
+# q_stages=2: a persistent CTA's producer loads the next tile's Q while the consumers still read
+# this one's (one stage would expose a Q load at every tile boundary). d=256 has no SMEM left.
 # Persistent (one CTA per SM looping over tiles) pays where every tile costs the same: with a
 # static round-robin, causal tiles of unequal cost leave some SMs idle at the end (measured on an
 # H100: docs/k5.md), so causal keeps one CTA per tile, launched heaviest first.
@@ -89,7 +91,7 @@ def num_sms() -> int:
 
 class K5FMHA:
     def __init__(self, head_dim: int, dtype, causal: bool, num_wg: int, tile_n: int, kv_stages: int,
-                 scheduler: str, sm_count: int = 132):
+                 q_stages: int, scheduler: str, sm_count: int = 132):
         self.head_dim = head_dim
         self.dtype = dtype
         self.causal = causal
@@ -97,6 +99,7 @@ class K5FMHA:
         self.tile_m = 64 * num_wg
         self.tile_n = tile_n
         self.kv_stages = kv_stages
+        self.q_stages = q_stages
         self.scheduler = scheduler
         self.sm_count = sm_count
         self.num_threads = 128 * (num_wg + 1)
@@ -106,9 +109,9 @@ class K5FMHA:
         """SharedStorage bytes: Q, K, V and tile-index mbarrier pairs, the tile-index slots, then sQ,
         sK, sV on 1024-byte boundaries."""
         tile_bytes = self.dtype.width // 8 * self.head_dim
-        return tma_pipeline.smem_footprint(2 * self.kv_stages + TILE_STAGES, [
+        return tma_pipeline.smem_footprint(self.q_stages - 1 + 2 * self.kv_stages + TILE_STAGES, [
             (4 * TILE_STAGES, 4),
-            (self.tile_m * tile_bytes, 1024),
+            (self.q_stages * self.tile_m * tile_bytes, 1024),
             (self.kv_stages * self.tile_n * tile_bytes, 1024),
             (self.kv_stages * self.tile_n * tile_bytes, 1024),
         ])
@@ -130,9 +133,8 @@ class K5FMHA:
             dt, dt, OperandMajorMode.K, v_major.sm90_mma_major_mode(), Float32,
             atom_layout_mnk=(self.num_wg, 1, 1), tiler_mn=(64, d), a_source=warpgroup.OperandSource.RMEM)
 
-        sQ_layout = cute.select(
-            sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (self.tile_m, self.tile_n, d), dt, 1),
-            mode=[0, 1])
+        sQ_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (self.tile_m, self.tile_n, d), dt,
+                                                  self.q_stages)
         sK_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (self.tile_m, self.tile_n, d), dt,
                                                   self.kv_stages)
         sVt_layout = sm90_utils.make_smem_layout_b(v_major, (self.tile_m, d, self.tile_n), dt, self.kv_stages)
@@ -143,7 +145,7 @@ class K5FMHA:
 
         @cute.struct
         class SharedStorage:
-            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * self.q_stages]
             mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.kv_stages]
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.kv_stages]
             mbar_tile: cute.struct.MemRange[cutlass.Int64, 2 * TILE_STAGES]
@@ -176,7 +178,7 @@ class K5FMHA:
         pipelines = tma_pipeline.make_ws_pipelines(
             storage.mbar_q.data_ptr(), storage.mbar_k.data_ptr(), storage.mbar_v.data_ptr(),
             tma_pipeline.stage_bytes(self.dtype, sQ_layout), tma_pipeline.stage_bytes(self.dtype, sK_layout),
-            tma_pipeline.stage_bytes(self.dtype, sVt_layout), self.kv_stages, 4 * self.num_wg)
+            tma_pipeline.stage_bytes(self.dtype, sVt_layout), self.q_stages, self.kv_stages, 4 * self.num_wg)
         # Dynamic scheduling: the producer thread posts each claimed tile index in a slot; every
         # consumer thread reads it and releases the slot.
         pipeline_tile = pipeline.PipelineAsync.create(
@@ -263,7 +265,7 @@ class K5FMHA:
         pipeline_q, pipeline_k, pipeline_v = pipelines
         tile_m, tile_n, d = self.tile_m, self.tile_n, self.head_dim
         seqlen = mO.shape[2]
-        q_produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        q_produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
         kv_produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
         tile_produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, TILE_STAGES)
         tile_idx, step, num_tiles, decode = self.tiles(mO)
@@ -278,7 +280,7 @@ class K5FMHA:
             kv_loads = (pipeline_k, tma_atom_K, tKgK, tKsK, pipeline_v, tma_atom_V, tVgV, tVsV)
             # Q goes right after the first K: in a persistent CTA it waits for the consumers to
             # release sQ, and that K need not wait with it.
-            q_load = (pipeline_q, q_produce, tma_atom_Q, tQgQ, tQsQ)
+            q_load = (pipeline_q, q_produce, tma_atom_Q, tQgQ, tQsQ[None, q_produce.index])
             kv_produce = self.load_kv_tiles(n_tiles, kv_produce, kv_loads, q_load)
             q_produce.advance()
             if const_expr(self.scheduler == "dynamic"):
@@ -327,9 +329,8 @@ class K5FMHA:
         acc_O = cute.make_rmem_tensor(tiled_mma_pv.partition_shape_C((tile_m, d)), Float32)
         tScS = thr_mma_qk.partition_C(cute.make_identity_tensor((tile_m, tile_n)))
         num_rows = cute.size(sm90.acc_mn_view(acc_O), mode=[0])
-        mmas = (tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O, tScS)
 
-        q_consume = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        q_consume = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
         kv_consume = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
         tile_consume = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, TILE_STAGES)
         tile_idx, step, num_tiles, decode = self.tiles(mO)
@@ -341,6 +342,8 @@ class K5FMHA:
             softmax = sm90.OnlineSoftmax(num_rows, scale_log2)  # fresh row max / sum per query tile
             row_scale = cute.make_rmem_tensor(num_rows, Float32)
             pipeline_q.consumer_wait(q_consume)
+            mmas = (tiled_mma_qk, tiled_mma_pv, tSrQ[None, None, None, q_consume.index], tSrK, tOrVt, tOrP, acc_O,
+                    tScS)
             kv_consume = self.mainloop(m_block, seqlen, n_tiles, n_unmasked, kv_consume, pipelines, mmas, softmax,
                                        row_scale)
             # Every QK of this tile has retired: the producer may load the next tile's Q.
@@ -420,7 +423,7 @@ def default_config(p: Problem, overrides: dict) -> dict:
 
 def check_config(cfg: dict, name: str = "K5") -> None:
     """Refuse a configuration the kernel cannot run (rather than hang, mis-tile or spill)."""
-    for key in ("num_wg", "tile_n", "kv_stages"):
+    for key in ("num_wg", "tile_n", "kv_stages", "q_stages"):
         if not isinstance(cfg[key], int) or isinstance(cfg[key], bool):
             raise UnsupportedProblem(f"{name} config {cfg}: {key} must be an int")
     if cfg["num_wg"] not in REGISTERS:
@@ -431,8 +434,8 @@ def check_config(cfg: dict, name: str = "K5") -> None:
         raise UnsupportedProblem(
             f"{name} config {cfg}: tile_n must be a multiple of 16 in [16, 256] (the PV WGMMA's K step is 16 "
             f"keys, and a K/V tile is one TMA box of at most 256 rows)")
-    if cfg["kv_stages"] < 1:
-        raise UnsupportedProblem(f"{name} config {cfg}: kv_stages must be >= 1")
+    if cfg["kv_stages"] < 1 or cfg["q_stages"] < 1:
+        raise UnsupportedProblem(f"{name} config {cfg}: kv_stages and q_stages must be >= 1")
     if cfg["scheduler"] not in SCHEDULERS:
         raise UnsupportedProblem(f"{name} config {cfg}: scheduler must be one of {SCHEDULERS}")
 
@@ -465,7 +468,8 @@ def build(name: str, kernel_cls, p: Problem, cfg: dict, keep_ptx: bool) -> Compi
 
 
 def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_wg=None, tile_n=None, kv_stages=None,
-                   scheduler=None) -> CompiledAttention:
+                   q_stages=None, scheduler=None) -> CompiledAttention:
     CAPS.check(p)
-    cfg = default_config(p, dict(num_wg=num_wg, tile_n=tile_n, kv_stages=kv_stages, scheduler=scheduler))
+    cfg = default_config(p, dict(num_wg=num_wg, tile_n=tile_n, kv_stages=kv_stages, q_stages=q_stages,
+                                 scheduler=scheduler))
     return build("k5", K5FMHA, p, cfg, keep_ptx)

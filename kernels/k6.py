@@ -187,12 +187,13 @@ class K6FMHA(k5.K5FMHA):
 
 
 def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_wg=None, tile_n=None, kv_stages=None,
-                   scheduler=None, pingpong=None, overlap=None) -> CompiledAttention:
+                   q_stages=None, scheduler=None, pingpong=None, overlap=None) -> CompiledAttention:
     CAPS.check(p)
     overlap = p.head_dim >= OVERLAP_MIN_HEAD_DIM if overlap is None else overlap
     pingpong = (p.head_dim <= PINGPONG_MAX_HEAD_DIM or not overlap) if pingpong is None else pingpong
     if tile_n is None and overlap:
         tile_n = TILE_N_WITH_OVERLAP.get(p.head_dim)
-    cfg = k5.default_config(p, dict(num_wg=num_wg, tile_n=tile_n, kv_stages=kv_stages, scheduler=scheduler,
+    cfg = k5.default_config(p, dict(num_wg=num_wg, tile_n=tile_n, kv_stages=kv_stages, q_stages=q_stages,
+                                    scheduler=scheduler,
                                     pingpong=pingpong, overlap=overlap))
     return k5.build("k6", K6FMHA, p, cfg, keep_ptx)

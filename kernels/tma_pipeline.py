@@ -219,9 +219,10 @@ def release_and_refill(pipeline_kv: pipeline.PipelineTmaAsync, kv_consume: pipel
 # --------------------------------------------------------------------------------------
 
 
-def make_ws_pipelines(mbar_q, mbar_k, mbar_v, q_bytes: int, k_bytes: int, v_bytes: int, kv_stages: int,
-                      consumer_warps: int):
-    """Q (one stage), K and V (``kv_stages`` each, same stage index for the same KV tile).
+def make_ws_pipelines(mbar_q, mbar_k, mbar_v, q_bytes: int, k_bytes: int, v_bytes: int, q_stages: int,
+                      kv_stages: int, consumer_warps: int):
+    """Q (``q_stages``: a persistent CTA's next Q loads while this one is read), K and V
+    (``kv_stages`` each, same stage index for the same KV tile).
 
     K and V get barriers of their own so that a consumer can start QK as soon as K has landed
     (K6 issues the next QK before the current PV). Only the consumer warps release stages; the
@@ -229,7 +230,7 @@ def make_ws_pipelines(mbar_q, mbar_k, mbar_v, q_bytes: int, k_bytes: int, v_byte
     caller does it once, right before the role split (the last barrier all threads reach).
     """
     return tuple(_tma_pipeline(mbar, stages, consumer_warps, nbytes)
-                 for mbar, stages, nbytes in ((mbar_q, 1, q_bytes), (mbar_k, kv_stages, k_bytes),
+                 for mbar, stages, nbytes in ((mbar_q, q_stages, q_bytes), (mbar_k, kv_stages, k_bytes),
                                               (mbar_v, kv_stages, v_bytes)))
 
 
