@@ -181,6 +181,85 @@ def tune_table(tune):
             f"{tune['meta'].get('date', '')[:10]}.\n\n" + markdown_table(["d", "configuration", "TFLOP/s", "causal"], body))
 
 
+WS_STEPS = ("k4", "k5", "k6_pp", "k6")  # the stages the warp-specialized sweep times side by side
+
+
+def _geomean(xs):
+    import math
+
+    xs = [x for x in xs if x]
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
+
+
+def _vs_best(rows, kernel, n, d, c):
+    """(TFLOP/s, ratio to the faster of the BEST_OF peers in the same cell) or (None, None)."""
+    t = tflops_at(rows, kernel, n, d, c)
+    best = max((x for x in (tflops_at(rows, p, n, d, c) for p in BEST_OF) if x), default=None)
+    return t, (t / best if t and best else None)
+
+
+def ws_cells(sweep):
+    return sorted({(r["head_dim"], r["causal"], r["seqlen"]) for r in sweep["rows"]})
+
+
+def ws_steps_table(sweep):
+    """docs/k5.md, docs/k6.md: K4 -> K5 -> K6 step by step, every cell, beside the peers."""
+    rows = sweep_rows(sweep)
+    steps = [k for k in WS_STEPS if any(r["kernel"] == k for r in rows)]
+    header = ["d", "causal", "N"] + [f"`{k}`" for k in steps] + [f"*{p}*" for p in BEST_OF] + ["k6 / best peer"]
+    body = []
+    for d, c, n in ws_cells(sweep):
+        _, ratio = _vs_best(rows, "k6", n, d, c)
+        body.append([d, c, n] + [fmt(tflops_at(rows, k, n, d, c)) for k in steps + list(BEST_OF)]
+                    + [f"{ratio:.2f}×" if ratio else "—"])
+    summary = []
+    for k in steps:
+        ratios = [_vs_best(rows, k, n, d, c)[1] for d, c, n in ws_cells(sweep)]
+        g = _geomean(ratios)
+        known = [x for x in ratios if x]
+        summary.append([f"`{k}`", f"{g:.3f}×" if g else "—", f"{min(known):.2f}×" if known else "—",
+                        sum(x >= 1.0 for x in known), len(known)])
+    gpu = gpu_short_name(sweep["meta"].get("device", ""))
+    return (f"TFLOP/s on an {gpu}, bf16, batch = 16384/N, heads = 2048/d, every kernel and peer timed in one run: "
+            f"`{sweep['meta'].get('command', '')}`, {sweep['meta'].get('date', '')[:10]}, torch "
+            f"{sweep['meta'].get('torch', '?')}, nvidia-cutlass-dsl {sweep['meta'].get('nvidia-cutlass-dsl', '?')}.\n\n"
+            + markdown_table(header, body) + "\n\nAgainst the faster of cuDNN and flash-attn-4 in each cell:\n\n"
+            + markdown_table(["kernel", "geomean", "worst cell", "cells ≥ 1.0×", "cells"], summary))
+
+
+def ws_tune_table(tune):
+    """docs/k6.md: configurations from scripts/tune.py, each with its ratio to the best peer."""
+    gpu = gpu_short_name(tune["meta"].get("device", ""))
+    body = []
+    for r in tune["rows"]:
+        if r["kernel"] in BEST_OF:
+            continue
+        label = f"`{r['kernel']}`" + (" " + ", ".join(f"{k}={v}" for k, v in r["config"].items()) if r["config"]
+                                      else " (default)")
+        ratio = r.get("vs_best_peer")
+        body.append([r["head_dim"], r["causal"], r["seqlen"], label,
+                     fmt(r["tflops"]) if r.get("tflops") else r.get("status", "—")[:40],
+                     f"{ratio:.2f}×" if ratio else "—"])
+    return (f"On an {gpu}: `{tune['meta'].get('command', '')}`, {tune['meta'].get('date', '')[:10]}. Each "
+            "configuration was checked against SDPA on the same inputs before it was timed.\n\n"
+            + markdown_table(["d", "causal", "N", "configuration", "TFLOP/s", "× best peer"], body))
+
+
+def ws_readme_table(sweep):
+    """README: the warp-specialized stages against the best peer over the whole sweep."""
+    rows = sweep_rows(sweep)
+    gpu = gpu_short_name(sweep["meta"].get("device", ""))
+    body = []
+    for k in [k for k in WS_STEPS if any(r["kernel"] == k for r in rows)]:
+        ratios = [_vs_best(rows, k, n, d, c)[1] for d, c, n in ws_cells(sweep)]
+        known = [x for x in ratios if x]
+        body.append([f"`{k}`", get_kernel(k).title, f"{_geomean(ratios):.3f}×" if known else "—",
+                     f"{min(known):.2f}×" if known else "—", fmt(tflops_at(rows, k, 8192, 128, 0))])
+    return (f"{len(ws_cells(sweep))} cells (d 64/128/256 × causal × N 512…16k), {gpu}, one run "
+            f"(`{sweep['meta'].get('command', '')}`):\n\n"
+            + markdown_table(["kernel", "what it adds", "geomean × best peer", "worst cell", "d128 N=8k TFLOP/s"], body))
+
+
 def _label(r):
     cfg = r.get("config")
     return ", ".join(f"{k}={v}" for k, v in cfg.items()) if cfg else f"*{r['kernel']}*"
@@ -255,12 +334,26 @@ def main(argv=None):
         if refcheck and "<!-- table:refcheck -->" in text:
             text = replace_block(text, "refcheck", refcheck_table(refcheck, kernels))
         page.write_text(text)
+    ws_sweep, ws_tune = latest("ws-sweep*.json"), latest("ws-tune*.json")
+    if ws_sweep:
+        readme = ROOT / "README.md"
+        if "<!-- table:ws -->" in readme.read_text():
+            readme.write_text(replace_block(readme.read_text(), "ws", ws_readme_table(ws_sweep)))
+        for stem in ("k5", "k6"):
+            page = ROOT / "docs" / f"{stem}.md"
+            if page.exists() and "<!-- table:ws-steps -->" in page.read_text():
+                page.write_text(replace_block(page.read_text(), "ws-steps", ws_steps_table(ws_sweep)))
+    page = ROOT / "docs" / "k6.md"
+    if ws_tune and page.exists() and "<!-- table:ws-tune -->" in page.read_text():
+        page.write_text(replace_block(page.read_text(), "ws-tune", ws_tune_table(ws_tune)))
     tune = latest("k4-tune*.json")
     page = ROOT / "docs" / "k4.md"
     if tune and page.exists() and "<!-- table:tune -->" in page.read_text():
         page.write_text(replace_block(page.read_text(), "tune", tune_table(tune)))
     if args.plot and sweep:
         plot(sweep, ROOT / "docs" / "plots" / "tflops_vs_seqlen.png")
+    if args.plot and ws_sweep:
+        plot(ws_sweep, ROOT / "docs" / "plots" / "ws_vs_peers.png")
     print("tables regenerated" + (" and plot written" if args.plot and sweep else ""))
 
 
