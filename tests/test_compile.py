@@ -89,3 +89,35 @@ def test_k3_pipeline_depth_shows_in_mbarriers():
     counts = [len(re.findall(r"\bmbarrier\.init\.", get_kernel(n).compile(Problem(1, 1, 128, 64), keep_ptx=True).ptx))
               for n in ("k3_1", "k3_2", "k3_3")]
     assert counts[0] < counts[1] < counts[2], counts
+
+
+def test_smem_bytes_counts_the_shared_storage():
+    # One SMEM budget: tma_pipeline.smem_bytes (used by every stage's capabilities) must equal the
+    # size of the struct the launchers allocate, for K3's, K4.1's and K4's layouts.
+    import cutlass
+    import cutlass.cute as cute
+    import cutlass.utils.hopper_helpers as sm90_utils
+    from cutlass.tensor_utils import LayoutEnum
+
+    from kernels import tma_pipeline
+
+    sizes = []
+
+    @cute.jit
+    def probe():
+        dt, d = cutlass.BFloat16, 128
+        plain_q, plain_kv = tma_pipeline.row_major(64, d), tma_pipeline.row_major(64, d, 5)
+        sQ = cute.select(sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (128, 128, d), dt, 1), mode=[0, 1])
+        sK = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (128, 128, d), dt, 2)
+        sVt = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, (128, d, 128), dt, 2)
+        for struct, budget in (
+            (tma_pipeline.shared_storage(dt, plain_q, plain_kv, plain_kv, 5, swizzled="", score_tile=(64, 64)),
+             tma_pipeline.smem_bytes(64, 64, d, 2, 5, swizzled="", score_tile=True)),
+            (tma_pipeline.shared_storage(dt, sQ, sK, sVt, 2), tma_pipeline.smem_bytes(128, 128, d, 2, 2)),
+            (tma_pipeline.shared_storage(dt, sQ, sK, sVt, 2, kv_pipelines=2),
+             tma_pipeline.smem_bytes(128, 128, d, 2, 2, kv_pipelines=2)),
+        ):
+            sizes.append((struct.size_in_bytes(), budget))
+
+    probe()
+    assert len(sizes) == 3 and all(a == b for a, b in sizes), sizes
