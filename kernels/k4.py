@@ -12,8 +12,9 @@ New relative to K4.1 (same TMA loads, swizzled sQ/sK and QK WGMMA):
 * Pipeline positions are computed from the tile index (``tma_pipeline.pipe_state``), so warp 0
   refills a stage while QK runs: tile n_block + stages goes into that stage at iteration
   n_block + ``refill_lag``. K and V still share one full barrier per stage.
-* The tile shape is a configuration: ``k4`` runs ``DEFAULT_CONFIG``, tuned per head dim, where
-  each of num_wg warpgroups owns 64 rows of the query tile. No warp specialization yet (K5).
+* The tile shape is a configuration. ``k4_seed`` runs K4.1's (one warpgroup, 64-key tiles,
+  5 stages); ``k4`` runs ``DEFAULT_CONFIG``, tuned per head dim, where each of num_wg
+  warpgroups owns 64 rows of the query tile. No warp specialization yet (K5).
 * Unmasked KV tiles and the diagonal / seqlen-tail tiles run in separate loops
   (``kv_iteration(masked=...)``); causal CTAs launch heaviest-first.
 """
@@ -43,6 +44,9 @@ from .contract import (
 from .tiles import kv_tile_count, unmasked_kv_tile_count
 
 HEAD_DIMS = (64, 128, 256)
+
+# K4.1's shape on K4.2's code: the registry's k4_seed, the first row of scripts/k4_tune.py.
+SEED_CONFIG = dict(num_wg=1, tile_n=64, kv_stages=5, refill_lag=1)
 
 # Per head dim, timed on an H200 at seqlen 8192, bf16 (scripts/k4_tune.py, d=64 and d=128):
 # d=64 gains from a third warpgroup (more rows share each K/V tile, and three warpgroups hide
@@ -270,7 +274,8 @@ def check_config(cfg: dict) -> None:
 
 
 def capabilities(num_wg=None, tile_n=None, kv_stages=None, refill_lag=None) -> Capabilities:
-    """The head dims whose configuration fits in SMEM: DEFAULT_CONFIG's, with the overrides."""
+    """The head dims whose configuration fits in SMEM: DEFAULT_CONFIG's, with the overrides
+    (k4_seed's registry entry overrides all four; its 5 stages do not fit at d=256)."""
     overrides = dict(num_wg=num_wg, tile_n=tile_n, kv_stages=kv_stages, refill_lag=refill_lag)
     given = ", ".join(f"{k}={v}" for k, v in overrides.items() if v is not None)
     return tma_pipeline.smem_capabilities(HEAD_DIMS, lambda d: smem_bytes(d, **config(d, overrides)),
@@ -290,4 +295,5 @@ def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_wg=None, tile_n=No
     key = ("k4", p.head_dim, p.dtype, p.causal, tuple(sorted(cfg.items())))
     fn = jit_compile(key, lambda: (K4FMHA(p.head_dim, dt, p.causal, **cfg), fake_attention_args(dt, p.head_dim)),
                      keep_ptx)
-    return fused_attention("k4", p, fn, keep_ptx, dict(cfg, smem_bytes=smem_bytes(p.head_dim, **cfg)))
+    name = "k4_seed" if cfg == SEED_CONFIG else "k4"
+    return fused_attention(name, p, fn, keep_ptx, dict(cfg, smem_bytes=smem_bytes(p.head_dim, **cfg)))

@@ -10,7 +10,7 @@ import pytest
 
 from harness.inspect_ptx import count_instructions
 from kernels import get_kernel, kernel_names
-from kernels.contract import Problem
+from kernels.contract import Problem, UnsupportedProblem
 
 # The instructions each stage introduces, at least once, and what it must not contain yet.
 CLAIMS = {
@@ -22,6 +22,7 @@ CLAIMS = {
     "k4_qk": dict(has=["cp.async.bulk.tensor", "mbarrier", "wgmma.mma_async"], lacks=["setmaxnreg"]),
     "k4": dict(has=["cp.async.bulk.tensor", "mbarrier", "wgmma.mma_async"], lacks=["setmaxnreg"]),
 }
+CLAIMS["k4_seed"] = CLAIMS["k4"]  # the same kernel at K4.1's tile shape
 
 
 def claims_for(name):
@@ -73,14 +74,24 @@ def test_k4_qk_uses_wgmma_for_qk_only():
     assert len(_wgmma_shapes(ptx)) == 1
 
 
-@pytest.mark.skipif("k4" not in kernel_names(), reason="k4 not built yet")
-def test_k4_uses_wgmma_for_both_gemms():
+@pytest.mark.parametrize("name", ["k4_seed", "k4"])
+def test_k4_uses_wgmma_for_both_gemms(name):
     # PV's A operand comes from registers (P never touches SMEM): a register-A WGMMA must appear
     # beside the SMEM-A one used for QK^T.
-    ptx = get_kernel("k4").compile(Problem(1, 1, 128, 128), keep_ptx=True).ptx
+    ptx = get_kernel(name).compile(Problem(1, 1, 128, 128), keep_ptx=True).ptx
     wgmmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.(?:bf16|f16)\.(?:bf16|f16)\s+\{[^}]*\},\s*(\{|%rd)", ptx)
     assert "{" in wgmmas, "no WGMMA with A from registers (the PV GEMM)"
     assert "%rd" in wgmmas, "no WGMMA with A from SMEM (the QK GEMM)"
+
+
+def test_k4_seed_is_the_seed_config_and_refuses_d256_for_smem():
+    from kernels import k4
+
+    entry = get_kernel("k4_seed")
+    assert entry.variant == k4.SEED_CONFIG
+    assert entry.caps.head_dims == (64, 128)
+    with pytest.raises(UnsupportedProblem, match=r"d=256 needs \d+ KB of SMEM"):
+        entry.compile(Problem(1, 1, 128, 256))
 
 
 @pytest.mark.skipif("k3_3" not in kernel_names(), reason="k3 not built yet")
