@@ -50,13 +50,11 @@ SEED_CONFIG = dict(num_wg=1, tile_n=64, kv_stages=5, refill_lag=1)
 
 # Per head dim, timed on an H200 at seqlen 8192, bf16 (scripts/k4_tune.py, d=64 and d=128):
 # d=64 gains from a third warpgroup (more rows share each K/V tile, and three warpgroups hide
-# one another's softmax better). d=128 stays at 2 warpgroups: that kernel uses 194 registers
-# per thread; 3 warpgroups (384 threads) cap ptxas at 168, which it meets without spilling,
-# but the config is not in k4_tune.py's sweep, so 2 vs 3 at d=128 is untimed here. (Register
-# counts: ptxas -v via harness/inspect_ptx.ptxas_report on the CPU-compiled PTX, nvidia-cutlass-dsl
-# 4.8.1, sm_90a; d=64's 3-warpgroup default uses 155.) d=256 needs tile_n=64 to fit two stages
-# in SMEM (tile_n=128 would need 321 KB); its config comes from an earlier tuning run that
-# scripts/k4_tune.py does not reproduce.
+# one another's softmax better). d=128 stays at 2 warpgroups: 3 (384 threads) would cap ptxas
+# at 168 registers per thread (compare the count `python bench.py k4 --compile-only --headdim
+# 128` prints for 2), and 3 at d=128 is not in k4_tune.py's sweep, so it is untimed.
+# d=256 needs tile_n=64 to fit two stages in SMEM; its config comes from an earlier tuning run
+# that scripts/k4_tune.py does not reproduce.
 DEFAULT_CONFIG = {
     64: dict(num_wg=3, tile_n=128, kv_stages=3, refill_lag=2),
     128: dict(num_wg=2, tile_n=128, kv_stages=2, refill_lag=1),

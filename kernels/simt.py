@@ -17,8 +17,8 @@ warp holds 32 / threads_per_row row groups (8 in K2/K3, 16 in K4.1), one query r
 Every access indexed by the thread's own row -- ``sS[row, j]`` in the softmax,
 ``sQ[row, c]`` in QK, ``sP[row, j]`` in PV -- touches that many consecutive rows at once.
 With a 64-wide FP32 score row (256 B) or a bf16 Q row at d=64/128/256 (128/256/512 B) the
-row stride is a multiple of 128 B, so all the groups land on the same banks: an 8-way
-conflict (16-way in K4.1; d=32/96 rows give 4-way). Likewise ``sK[lane + threads_per_row*t,
+row stride is a multiple of 128 B, so all the row groups of a warp land on the same banks
+and the access is replayed once per group. Likewise ``sK[lane + threads_per_row*t,
 c]`` sends the lanes of a group to different K rows of the same column. Padding each row by
 a few words or an XOR swizzle would spread them over the banks; K4's swizzled WGMMA layouts
 (and its register-resident scores) are where this goes away.
