@@ -1,7 +1,8 @@
 """Registry of kernel stages. The harness finds every kernel through ``get_kernel(name)``.
 
 Each entry names the module implementing the contract in ``kernels/contract.py`` and the
-variant keyword arguments passed to its ``compile_kernel`` (K3's pipeline depth, say).
+variant keyword arguments passed to its ``compile_kernel`` (K3's pipeline depth, K4's seed
+configuration).
 """
 
 from __future__ import annotations
@@ -54,7 +55,10 @@ _ENTRIES = [
     KernelEntry("k3_2", "kernels.k3", "TMA loads, 2 KV stages", {"kv_stages": 2}),
     KernelEntry("k3_3", "kernels.k3", "TMA loads, 5 KV stages", {"kv_stages": 5}),
     KernelEntry("k4_qk", "kernels.k4_qk", "WGMMA for QK, scores laundered via SMEM, scalar PV"),
-    KernelEntry("k4", "kernels.k4", "WGMMA for QK and PV, softmax on the accumulator in registers"),
+    KernelEntry("k4_seed", "kernels.k4", "WGMMA for PV too, P handed over in registers; K4.1's 1 warpgroup, "
+                "64-key tiles, 5 KV stages", {"num_wg": 1, "tile_n": 64, "kv_stages": 5, "refill_lag": 1}),
+    KernelEntry("k4", "kernels.k4", "k4_seed tuned per head dim: 2-3 warpgroups, fewer KV stages, 128-key tiles "
+                "at d=64/128"),
     KernelEntry("k5", "kernels.k5", "warp specialization: a TMA producer warp, setmaxnreg, separate K/V pipelines"),
     KernelEntry("k6_pp", "kernels.k6", "ping-pong: consumer warpgroups take turns on the tensor cores",
                 {"pingpong": True, "overlap": False}),

@@ -92,7 +92,7 @@ class K2FMHA:
         simt.load_rows_zero_fill(cute.local_tile(mQ_bh, tile_q, (m_block, 0)), sQ, seqlen - m_block * TILE_M,
                                  tidx, NUM_THREADS)
 
-        row_max, row_sum, acc_o = simt.init_row_state(self.head_dim, THREADS_PER_ROW)
+        row_max, row_sum, acc_O = simt.init_row_state(self.head_dim, THREADS_PER_ROW)
 
         n_tiles = kv_tile_count(m_block, seqlen, TILE_M, TILE_N, self.causal)
         n_unmasked = unmasked_kv_tile_count(m_block, seqlen, TILE_M, TILE_N, self.causal)
@@ -106,16 +106,16 @@ class K2FMHA:
             simt.qk_scores_to_smem(sQ, sKV, sS, row, lane, scale_log2, THREADS_PER_ROW)
             if n_block >= n_unmasked:
                 simt.mask_scores(sS, row, lane, q_idx, kv_start, seqlen, THREADS_PER_ROW, self.causal)
-            row_max, row_sum = simt.online_softmax_step(sS, row, lane, row_max, row_sum, acc_o, THREADS_PER_ROW)
+            row_max, row_sum = simt.online_softmax_step(sS, row, lane, row_max, row_sum, acc_O, THREADS_PER_ROW)
             # V_j over K_j: everyone must be done reading K_j. The barrier also publishes
             # each row group's P to its neighbours in the group.
             cute.arch.sync_threads()
             simt.load_rows_zero_fill(cute.local_tile(mV_bh, tile_kv, (n_block, 0)), sKV, seqlen - kv_start,
                                      tidx, NUM_THREADS)
             cute.arch.sync_threads()
-            simt.pv_accumulate(sS, sKV, acc_o, row, lane, THREADS_PER_ROW)
+            simt.pv_accumulate(sS, sKV, acc_O, row, lane, THREADS_PER_ROW)
 
-        simt.store_output_and_lse(acc_o, row_max, row_sum, mO[batch, head, None, None], mLSE[batch, head, None],
+        simt.store_output_and_lse(acc_O, row_max, row_sum, mO[batch, head, None, None], mLSE[batch, head, None],
                                   q_idx, seqlen, lane, THREADS_PER_ROW)
 
 

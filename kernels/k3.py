@@ -35,7 +35,6 @@ from .contract import (
     LOG2_E,
     Capabilities,
     CompiledAttention,
-    SMEM_CAPACITY,
     Problem,
     cute_dtype,
     fake_attention_args,
@@ -45,41 +44,30 @@ from .contract import (
 )
 from .tiles import kv_tile_count, unmasked_kv_tile_count
 
-CAPS = Capabilities(head_dims=(32, 64, 96, 128, 256), sweep_max_seqlen=8192)
-
+HEAD_DIMS = (32, 64, 96, 128, 256)
 TILE_M = 64
 TILE_N = 64
 THREADS_PER_ROW = 4
 NUM_THREADS = TILE_M * THREADS_PER_ROW  # 256
 
 
-def smem_bytes(head_dim: int, dtype_bytes: int, kv_stages: int, qk_align: int = 128) -> int:
-    """SharedStorage bytes: mbarriers, then sQ and sK aligned to ``qk_align`` (128 B here; K4.1
-    swizzles them for WGMMA and passes 1024), then sV and the FP32 sS aligned to 128 B."""
-    tile_bytes = TILE_N * head_dim * dtype_bytes
-    return tma_pipeline.smem_footprint(kv_stages, [
-        (TILE_M * head_dim * dtype_bytes, qk_align),
-        (kv_stages * tile_bytes, qk_align),
-        (kv_stages * tile_bytes, 128),
-        (TILE_M * TILE_N * 4, 128),
-    ])
+def smem_bytes(head_dim: int, dtype_bytes: int, kv_stages: int) -> int:
+    """sQ, kv_stages-deep sK and sV, the FP32 sS, all plain row-major (128 B aligned)."""
+    return tma_pipeline.smem_bytes(TILE_M, TILE_N, head_dim, dtype_bytes, kv_stages, swizzled="", score_tile=True)
 
 
-def capabilities(kv_stages: int, head_dims=CAPS.head_dims, sweep_max_seqlen=CAPS.sweep_max_seqlen,
-                 qk_align: int = 128) -> Capabilities:
+def capabilities(kv_stages: int) -> Capabilities:
     """The head dims whose sQ + kv_stages * (sK + sV) + sS fit in one CTA's SMEM."""
-    fits = tuple(d for d in head_dims if smem_bytes(d, 2, kv_stages, qk_align) <= SMEM_CAPACITY)
-    too_big = [f"d={d} needs {smem_bytes(d, 2, kv_stages, qk_align) // 1024} KB" for d in head_dims
-               if d not in fits]
-    why = f"with {kv_stages} KV stages {', '.join(too_big)} of SMEM (max {SMEM_CAPACITY // 1024} KB)" if too_big else ""
-    return Capabilities(head_dims=fits, sweep_max_seqlen=sweep_max_seqlen, why=why)
+    return tma_pipeline.smem_capabilities(HEAD_DIMS, lambda d: smem_bytes(d, 2, kv_stages),
+                                          f"with {kv_stages} KV stages", sweep_max_seqlen=8192)
 
 
-def row_major(rows: int, cols: int, stages: int = 1) -> cute.Layout:
-    return cute.make_layout((rows, cols, stages), stride=(cols, 1, rows * cols))
+CAPS = capabilities(kv_stages=2)
 
 
 class K3FMHA:
+    tile_m, tile_n, num_threads = TILE_M, TILE_N, NUM_THREADS
+
     def __init__(self, head_dim: int, dtype, causal: bool, kv_stages: int):
         self.head_dim = head_dim
         self.dtype = dtype
@@ -89,82 +77,79 @@ class K3FMHA:
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
                  softmax_scale: Float32, stream):
-        d = self.head_dim
-        sQ_layout = row_major(TILE_M, d)
-        sKV_layout = row_major(TILE_N, d, self.kv_stages)
-        tma_q, mQ_tma = tma_pipeline.make_tma_load(tma_pipeline.seq_major_view(mQ), sQ_layout, (TILE_M, d))
-        tma_k, mK_tma = tma_pipeline.make_tma_load(tma_pipeline.seq_major_view(mK), sKV_layout, (TILE_N, d))
-        tma_v, mV_tma = tma_pipeline.make_tma_load(tma_pipeline.seq_major_view(mV), sKV_layout, (TILE_N, d))
-        batch, nheads, seqlen = mQ.shape[0], mQ.shape[1], mQ.shape[2]
-        grid = [cute.ceil_div(seqlen, TILE_M), nheads, batch]
-        self.kernel(tma_q, mQ_tma, tma_k, mK_tma, tma_v, mV_tma, mO, mLSE, softmax_scale * LOG2_E,
-                    sQ_layout, sKV_layout).launch(grid=grid, block=[NUM_THREADS, 1, 1], stream=stream)
+        d, dt = self.head_dim, self.dtype
+        # Plain row-major SMEM: CUDA-core code reads every buffer.
+        sQ_layout = tma_pipeline.row_major(self.tile_m, d)
+        sK_layout = tma_pipeline.row_major(self.tile_n, d, self.kv_stages)
+        sV_layout = tma_pipeline.row_major(self.tile_n, d, self.kv_stages)
+
+        tma_atom_Q, mQ_tma = tma_pipeline.make_tma_load(tma_pipeline.seq_major_view(mQ), sQ_layout, (self.tile_m, d))
+        tma_atom_K, mK_tma = tma_pipeline.make_tma_load(tma_pipeline.seq_major_view(mK), sK_layout, (self.tile_n, d))
+        tma_atom_V, mV_tma = tma_pipeline.make_tma_load(tma_pipeline.seq_major_view(mV), sV_layout, (self.tile_n, d))
+
+        SharedStorage = tma_pipeline.shared_storage(dt, sQ_layout, sK_layout, sV_layout, self.kv_stages, swizzled="",
+                                                    score_tile=(self.tile_m, self.tile_n))
+
+        scale_log2 = softmax_scale * LOG2_E
+        grid = (cute.ceil_div(mQ.shape[2], self.tile_m), mQ.shape[1], mQ.shape[0])
+        self.kernel(tma_atom_Q, mQ_tma, tma_atom_K, mK_tma, tma_atom_V, mV_tma, mO, mLSE, scale_log2,
+                    sQ_layout, sK_layout, sV_layout, SharedStorage).launch(
+            grid=grid, block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
 
     @cute.kernel
-    def kernel(self, tma_q: cute.CopyAtom, mQ_tma: cute.Tensor, tma_k: cute.CopyAtom, mK_tma: cute.Tensor,
-               tma_v: cute.CopyAtom, mV_tma: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, scale_log2: Float32,
-               sQ_layout: cute.Layout, sKV_layout: cute.Layout):
+    def kernel(self, tma_atom_Q: cute.CopyAtom, mQ_tma: cute.Tensor, tma_atom_K: cute.CopyAtom, mK_tma: cute.Tensor,
+               tma_atom_V: cute.CopyAtom, mV_tma: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+               scale_log2: Float32, sQ_layout: cute.Layout, sK_layout: cute.Layout, sV_layout: cute.Layout,
+               SharedStorage: cutlass.Constexpr):
+        tile_m, tile_n, d, stages = self.tile_m, self.tile_n, self.head_dim, self.kv_stages
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         seqlen = mO.shape[2]
+        # Row groups (kernels/simt.py): THREADS_PER_ROW threads own query row q_idx.
         row = tidx // THREADS_PER_ROW
         lane = tidx % THREADS_PER_ROW
-        q_idx = m_block * TILE_M + row
-        stages = self.kv_stages
+        q_idx = m_block * tile_m + row
 
         if warp_idx == 0:
-            tma_pipeline.prefetch_descriptors(tma_q, tma_k, tma_v)
-
-        @cute.struct
-        class SharedStorage:
-            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
-            mbar_kv: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 128]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 128]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 128]
-            sS: cute.struct.Align[cute.struct.MemRange[Float32, TILE_M * TILE_N], 128]
+            tma_pipeline.prefetch_descriptors(tma_atom_Q, tma_atom_K, tma_atom_V)
 
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
-        sQ = storage.sQ.get_tensor(sQ_layout)
-        sK = storage.sK.get_tensor(sKV_layout)
-        sV = storage.sV.get_tensor(sKV_layout)
-        sS = storage.sS.get_tensor(cute.make_layout((TILE_M, TILE_N), stride=(TILE_N, 1)))
+        sQ, sK, sV = tma_pipeline.smem_tensors(storage, sQ_layout, sK_layout, sV_layout)
+        sS = storage.sS.get_tensor(cute.make_layout((tile_m, tile_n), stride=(tile_n, 1)))
+        pipeline_q, pipeline_kv = tma_pipeline.make_pipelines(storage, self.dtype, sQ_layout, sK_layout, sV_layout,
+                                                              stages, self.num_threads)
 
-        q_bytes = tma_pipeline.stage_bytes(self.dtype, sQ_layout)
-        kv_bytes = 2 * tma_pipeline.stage_bytes(self.dtype, sKV_layout)
-        pipeline_q, pipeline_kv = tma_pipeline.make_pipelines(
-            storage.mbar_q.data_ptr(), storage.mbar_kv.data_ptr(), q_bytes, kv_bytes, stages, NUM_THREADS)
+        # ---- TMA partitions: one box per tile, indexed by SMEM stage and GMEM tile ----------
+        # Q: just this CTA's tile; K, V: every KV tile, indexed when loaded.
+        tQsQ, tQgQ = tma_pipeline.partition_for_tma(tma_atom_Q, mQ_tma, sQ, (tile_m, d), head, batch, (m_block, 0))
+        tKsK, tKgK = tma_pipeline.partition_for_tma(tma_atom_K, mK_tma, sK, (tile_n, d), head, batch)
+        tVsV, tVgV = tma_pipeline.partition_for_tma(tma_atom_V, mV_tma, sV, (tile_n, d), head, batch)
+        kv_loads = (tma_atom_K, tKgK, tKsK, tma_atom_V, tVgV, tVsV)
 
-        tQsQ, tQgQ = tma_pipeline.partition_for_tma(tma_q, mQ_tma, sQ, (TILE_M, self.head_dim), head, batch)
-        tKsK, tKgK = tma_pipeline.partition_for_tma(tma_k, mK_tma, sK, (TILE_N, self.head_dim), head, batch)
-        tVsV, tVgV = tma_pipeline.partition_for_tma(tma_v, mV_tma, sV, (TILE_N, self.head_dim), head, batch)
-        kv_loads = (tma_k, tKgK, tKsK, tma_v, tVgV, tVsV)
-
-        n_tiles = kv_tile_count(m_block, seqlen, TILE_M, TILE_N, self.causal)
-        n_unmasked = unmasked_kv_tile_count(m_block, seqlen, TILE_M, TILE_N, self.causal)
+        n_tiles = kv_tile_count(m_block, seqlen, tile_m, tile_n, self.causal)
+        n_unmasked = unmasked_kv_tile_count(m_block, seqlen, tile_m, tile_n, self.causal)
 
         # ---- prefetch: Q, then the first min(stages, n_tiles) K/V tiles --------------------
-        kv_produce = tma_pipeline.prefetch(pipeline_q, (tma_q, tQgQ[None, m_block], tQsQ[None, 0]), pipeline_kv,
-                                           kv_loads, stages, n_tiles, warp_idx)
+        kv_produce = tma_pipeline.prefetch(pipeline_q, (tma_atom_Q, tQgQ, tQsQ), pipeline_kv, kv_loads, stages,
+                                           n_tiles, warp_idx)
 
-        row_max, row_sum, acc_o = simt.init_row_state(self.head_dim, THREADS_PER_ROW)
-        sQ_tile = sQ[None, None, 0]
+        row_max, row_sum, acc_O = simt.init_row_state(d, THREADS_PER_ROW)
 
         tma_pipeline.wait_q(pipeline_q)
         kv_consume = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
         # ---- steady state ---------------------------------------------------------------
         for n_block in cutlass.range(n_tiles, unroll=1):
-            kv_start = n_block * TILE_N
+            kv_start = n_block * tile_n
             pipeline_kv.consumer_wait(kv_consume)
             sK_tile = sK[None, None, kv_consume.index]
             sV_tile = sV[None, None, kv_consume.index]
-            simt.qk_scores_to_smem(sQ_tile, sK_tile, sS, row, lane, scale_log2, THREADS_PER_ROW)
+            simt.qk_scores_to_smem(sQ, sK_tile, sS, row, lane, scale_log2, THREADS_PER_ROW)
             if n_block >= n_unmasked:
                 simt.mask_scores(sS, row, lane, q_idx, kv_start, seqlen, THREADS_PER_ROW, self.causal)
-            row_max, row_sum = simt.online_softmax_step(sS, row, lane, row_max, row_sum, acc_o, THREADS_PER_ROW)
+            row_max, row_sum = simt.online_softmax_step(sS, row, lane, row_max, row_sum, acc_O, THREADS_PER_ROW)
             cute.arch.sync_warp()  # the row group's P is complete
-            simt.pv_accumulate(sS, sV_tile, acc_o, row, lane, THREADS_PER_ROW)
+            simt.pv_accumulate(sS, sV_tile, acc_O, row, lane, THREADS_PER_ROW)
             # Every lane of the warp is done with this stage (and with its P row, which the
             # next iteration overwrites); lane 0 then releases the stage for the warp, and
             # warp 0 refills it with tile n_block + stages once all warps have released it.
@@ -172,7 +157,7 @@ class K3FMHA:
             kv_consume, kv_produce = tma_pipeline.release_and_refill(pipeline_kv, kv_consume, kv_produce, kv_loads,
                                                                      n_tiles, warp_idx)
 
-        simt.store_output_and_lse(acc_o, row_max, row_sum, mO[batch, head, None, None], mLSE[batch, head, None],
+        simt.store_output_and_lse(acc_O, row_max, row_sum, mO[batch, head, None, None], mLSE[batch, head, None],
                                   q_idx, seqlen, lane, THREADS_PER_ROW)
 
 

@@ -1,21 +1,15 @@
 """K4.1: QK^T on WGMMA, scores laundered through SMEM, PV still scalar.
 
 New relative to K3.3 (same 5-stage TMA pipeline, same online softmax and scalar PV):
-* One warpgroup (128 threads) per CTA: a WGMMA is issued by all 128 threads of a
-  warpgroup together. Row groups shrink from 4 to 2 threads per row, so each thread now
-  accumulates d/2 output columns.
-* S = Q K^T is one 64 x 64 x d WGMMA chain (d/16 instructions of 64x64x16) reading Q and
-  K straight from SMEM through descriptors. The tensor cores want swizzled operand tiles,
-  so sQ and sK use the layouts ``make_smem_layout_a/b`` pick (128B swizzle at d=64/128) and
-  the TMA descriptors write that swizzle. sV stays plain row-major: scalar code reads it.
-* The accumulator comes back as a per-thread register fragment in WGMMA's C layout.
-  An identity tensor partitioned exactly like the accumulator tells each thread the
-  (m, n) tile coordinate of every fragment slot; the thread writes each slot to sS[m, n].
-  After a barrier the K3 softmax runs on sS unchanged.
-
-Because fragment slots land in other threads' rows, sS is now shared across the whole
-CTA: two CTA barriers per iteration return (before overwriting the previous P and after
-the scatter).
+* One warpgroup (128 threads) per CTA, since a whole warpgroup issues each WGMMA; row groups
+  shrink from 4 to 2 threads per row.
+* S = Q K^T is one WGMMA chain (d/16 instructions of 64x64x16) reading Q and K from SMEM
+  through descriptors, so sQ and sK take the swizzled layouts WGMMA wants (TMA writes the
+  swizzle). sV stays plain row-major: scalar code reads it.
+* The accumulator is a register fragment in WGMMA's C layout. An identity tensor partitioned
+  like it (``tScS``) names each slot's (m, n); every thread scatters its slots to sS[m, n], and
+  K3's softmax and PV run on sS unchanged. The slots land in other threads' rows, so two CTA
+  barriers per tile come back (before overwriting the previous P, after the scatter).
 """
 
 from __future__ import annotations
@@ -39,29 +33,28 @@ from .contract import (
     jit_compile,
     run_kernel,  # noqa: F401  (the contract's launch-only entry)
 )
-from . import k3
-from .k3 import row_major
 from .tiles import kv_tile_count, unmasked_kv_tile_count
 
+HEAD_DIMS = (32, 64, 96, 128, 256)
 TILE_M = 64
 TILE_N = 64
 KV_STAGES = 5
 THREADS_PER_ROW = 2
 NUM_THREADS = 128  # one warpgroup
-# sQ and sK are 128B-swizzled WGMMA operands: their buffers start on 1024-byte boundaries.
-SWIZZLE_ALIGN = 1024
-
-# K3's SMEM budget with the swizzled buffers' alignment: every K3 head dim that fits
-# (d=256 with 5 KV stages does not; the refusal says how many KB it would need).
-CAPS = k3.capabilities(KV_STAGES, head_dims=(32, 64, 96, 128, 256), sweep_max_seqlen=16384,
-                       qk_align=SWIZZLE_ALIGN)
 
 
 def smem_bytes(head_dim: int, dtype_bytes: int = 2, kv_stages: int = KV_STAGES) -> int:
-    return k3.smem_bytes(head_dim, dtype_bytes, kv_stages, qk_align=SWIZZLE_ALIGN)
+    """K3's SharedStorage with sQ and sK swizzled for WGMMA (sV and sS stay plain)."""
+    return tma_pipeline.smem_bytes(TILE_M, TILE_N, head_dim, dtype_bytes, kv_stages, swizzled="QK", score_tile=True)
+
+
+# Every K3 head dim whose SMEM fits (d=256 with 5 KV stages does not; the refusal says how many KB).
+CAPS = tma_pipeline.smem_capabilities(HEAD_DIMS, smem_bytes, f"with {KV_STAGES} KV stages", sweep_max_seqlen=16384)
 
 
 class K4QKFMHA:
+    tile_m, tile_n, num_threads = TILE_M, TILE_N, NUM_THREADS
+
     def __init__(self, head_dim: int, dtype, causal: bool, kv_stages: int = KV_STAGES):
         self.head_dim = head_dim
         self.dtype = dtype
@@ -71,113 +64,113 @@ class K4QKFMHA:
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
                  softmax_scale: Float32, stream):
-        d = self.head_dim
-        # S = Q K^T: M = Br, N = Bc, K = d. Q and K are both d-contiguous: K-major operands.
-        tiled_mma = sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K,
-                                                      Float32, (1, 1, 1), (TILE_M, TILE_N))
-        mma_tiler = (TILE_M, TILE_N, d)
-        sQ_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, mma_tiler, self.dtype, 1)
-        sK_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, mma_tiler, self.dtype, self.kv_stages)
-        sV_layout = row_major(TILE_N, d, self.kv_stages)
-        tma_q, mQ_tma = tma_pipeline.make_tma_load(tma_pipeline.seq_major_view(mQ), sQ_layout, (TILE_M, d))
-        tma_k, mK_tma = tma_pipeline.make_tma_load(tma_pipeline.seq_major_view(mK), sK_layout, (TILE_N, d))
-        tma_v, mV_tma = tma_pipeline.make_tma_load(tma_pipeline.seq_major_view(mV), sV_layout, (TILE_N, d))
-        batch, nheads, seqlen = mQ.shape[0], mQ.shape[1], mQ.shape[2]
-        grid = [cute.ceil_div(seqlen, TILE_M), nheads, batch]
-        self.kernel(tma_q, mQ_tma, tma_k, mK_tma, tma_v, mV_tma, mO, mLSE, softmax_scale * LOG2_E, tiled_mma,
-                    sQ_layout, sK_layout, sV_layout).launch(grid=grid, block=[NUM_THREADS, 1, 1], stream=stream)
+        d, dt = self.head_dim, self.dtype
+        # GEMM-I  S(tile_m, tile_n) = Q(tile_m, d) . K(tile_n, d)^T, both K-major (d contiguous).
+        tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, OperandMajorMode.K, OperandMajorMode.K, Float32,
+            atom_layout_mnk=(1, 1, 1), tiler_mn=(64, self.tile_n))
+
+        # Swizzled SMEM for the WGMMA operands: the layout atom (128B swizzle for 64 bf16 along
+        # the contiguous axis) is what lets WGMMA read 8x8 core matrices without bank conflicts.
+        # sV stays plain row-major: scalar code reads it.
+        sQ_layout = cute.select(
+            sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (self.tile_m, self.tile_n, d), dt, 1),
+            mode=[0, 1])
+        sK_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (self.tile_m, self.tile_n, d), dt,
+                                                  self.kv_stages)
+        sV_layout = tma_pipeline.row_major(self.tile_n, d, self.kv_stages)
+
+        tma_atom_Q, mQ_tma = tma_pipeline.make_tma_load(tma_pipeline.seq_major_view(mQ), sQ_layout, (self.tile_m, d))
+        tma_atom_K, mK_tma = tma_pipeline.make_tma_load(tma_pipeline.seq_major_view(mK), sK_layout, (self.tile_n, d))
+        tma_atom_V, mV_tma = tma_pipeline.make_tma_load(tma_pipeline.seq_major_view(mV), sV_layout, (self.tile_n, d))
+
+        SharedStorage = tma_pipeline.shared_storage(dt, sQ_layout, sK_layout, sV_layout, self.kv_stages, swizzled="QK",
+                                                    score_tile=(self.tile_m, self.tile_n))
+
+        scale_log2 = softmax_scale * LOG2_E
+        grid = (cute.ceil_div(mQ.shape[2], self.tile_m), mQ.shape[1], mQ.shape[0])
+        self.kernel(tma_atom_Q, mQ_tma, tma_atom_K, mK_tma, tma_atom_V, mV_tma, mO, mLSE, scale_log2,
+                    sQ_layout, sK_layout, sV_layout, tiled_mma_qk, SharedStorage).launch(
+            grid=grid, block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
 
     @cute.kernel
-    def kernel(self, tma_q: cute.CopyAtom, mQ_tma: cute.Tensor, tma_k: cute.CopyAtom, mK_tma: cute.Tensor,
-               tma_v: cute.CopyAtom, mV_tma: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, scale_log2: Float32,
-               tiled_mma: cute.TiledMma, sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
-               sV_layout: cute.Layout):
+    def kernel(self, tma_atom_Q: cute.CopyAtom, mQ_tma: cute.Tensor, tma_atom_K: cute.CopyAtom, mK_tma: cute.Tensor,
+               tma_atom_V: cute.CopyAtom, mV_tma: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+               scale_log2: Float32, sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+               sV_layout: cute.Layout, tiled_mma_qk: cute.TiledMma, SharedStorage: cutlass.Constexpr):
+        tile_m, tile_n, d, stages = self.tile_m, self.tile_n, self.head_dim, self.kv_stages
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         seqlen = mO.shape[2]
+        # Row groups (kernels/simt.py): THREADS_PER_ROW threads own query row q_idx.
         row = tidx // THREADS_PER_ROW
         lane = tidx % THREADS_PER_ROW
-        q_idx = m_block * TILE_M + row
-        stages = self.kv_stages
+        q_idx = m_block * tile_m + row
 
         if warp_idx == 0:
-            tma_pipeline.prefetch_descriptors(tma_q, tma_k, tma_v)
-
-        @cute.struct
-        class SharedStorage:
-            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
-            mbar_kv: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-            # 1024-byte alignment: the 128B swizzle pattern repeats every 8 rows of 128 B.
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], SWIZZLE_ALIGN]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], SWIZZLE_ALIGN]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 128]
-            sS: cute.struct.Align[cute.struct.MemRange[Float32, TILE_M * TILE_N], 128]
+            tma_pipeline.prefetch_descriptors(tma_atom_Q, tma_atom_K, tma_atom_V)
 
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
-        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        sV = storage.sV.get_tensor(sV_layout)
-        sS = storage.sS.get_tensor(cute.make_layout((TILE_M, TILE_N), stride=(TILE_N, 1)))
+        sQ, sK, sV = tma_pipeline.smem_tensors(storage, sQ_layout, sK_layout, sV_layout)
+        sS = storage.sS.get_tensor(cute.make_layout((tile_m, tile_n), stride=(tile_n, 1)))
+        pipeline_q, pipeline_kv = tma_pipeline.make_pipelines(storage, self.dtype, sQ_layout, sK_layout, sV_layout,
+                                                              stages, self.num_threads)
 
-        q_bytes = tma_pipeline.stage_bytes(self.dtype, sQ_layout)
-        kv_bytes = tma_pipeline.stage_bytes(self.dtype, sK_layout) + tma_pipeline.stage_bytes(self.dtype, sV_layout)
-        pipeline_q, pipeline_kv = tma_pipeline.make_pipelines(
-            storage.mbar_q.data_ptr(), storage.mbar_kv.data_ptr(), q_bytes, kv_bytes, stages, NUM_THREADS)
+        # ---- TMA partitions: one box per tile, indexed by SMEM stage and GMEM tile ----------
+        # Q: just this CTA's tile; K, V: every KV tile, indexed when loaded.
+        tQsQ, tQgQ = tma_pipeline.partition_for_tma(tma_atom_Q, mQ_tma, sQ, (tile_m, d), head, batch, (m_block, 0))
+        tKsK, tKgK = tma_pipeline.partition_for_tma(tma_atom_K, mK_tma, sK, (tile_n, d), head, batch)
+        tVsV, tVgV = tma_pipeline.partition_for_tma(tma_atom_V, mV_tma, sV, (tile_n, d), head, batch)
+        kv_loads = (tma_atom_K, tKgK, tKsK, tma_atom_V, tVgV, tVsV)
 
-        tQsQ, tQgQ = tma_pipeline.partition_for_tma(tma_q, mQ_tma, sQ, (TILE_M, self.head_dim), head, batch)
-        tKsK, tKgK = tma_pipeline.partition_for_tma(tma_k, mK_tma, sK, (TILE_N, self.head_dim), head, batch)
-        tVsV, tVgV = tma_pipeline.partition_for_tma(tma_v, mV_tma, sV, (TILE_N, self.head_dim), head, batch)
-        kv_loads = (tma_k, tKgK, tKsK, tma_v, tVgV, tVsV)
+        # ---- MMA partitions -------------------------------------------------------------
+        # WGMMA operands as SMEM descriptors; the accumulator is a per-thread fragment.
+        thr_mma_qk = tiled_mma_qk.get_slice(tidx)
+        tSrQ = thr_mma_qk.make_fragment_A(thr_mma_qk.partition_A(sQ))
+        tSrK = thr_mma_qk.make_fragment_B(thr_mma_qk.partition_B(sK))          # (.., stage)
+        acc_S = cute.make_rmem_tensor(tiled_mma_qk.partition_shape_C((tile_m, tile_n)), Float32)
+        # Coordinate probe: the identity tensor partitioned like acc_S says which (row, col)
+        # of the tile each accumulator register holds.
+        tScS = thr_mma_qk.partition_C(cute.make_identity_tensor((tile_m, tile_n)))
 
-        # WGMMA operands as SMEM descriptors; tSrQ (MMA, 1, d/16, 1), tSrK (MMA, 1, d/16, stages).
-        thr_mma = tiled_mma.get_slice(tidx)
-        tSrQ = tiled_mma.make_fragment_A(thr_mma.partition_A(sQ))
-        tSrK = tiled_mma.make_fragment_B(thr_mma.partition_B(sK))
-        acc_s = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_M, TILE_N)), Float32)
-        # The coordinate probe: slot i of acc_s holds S[tScS[i]].
-        tScS = thr_mma.partition_C(cute.make_identity_tensor((TILE_M, TILE_N)))
+        n_tiles = kv_tile_count(m_block, seqlen, tile_m, tile_n, self.causal)
+        n_unmasked = unmasked_kv_tile_count(m_block, seqlen, tile_m, tile_n, self.causal)
 
-        n_tiles = kv_tile_count(m_block, seqlen, TILE_M, TILE_N, self.causal)
-        n_unmasked = unmasked_kv_tile_count(m_block, seqlen, TILE_M, TILE_N, self.causal)
+        # ---- prefetch: Q, then the first min(stages, n_tiles) K/V tiles (as K3) ------------
+        kv_produce = tma_pipeline.prefetch(pipeline_q, (tma_atom_Q, tQgQ, tQsQ), pipeline_kv, kv_loads, stages,
+                                           n_tiles, warp_idx)
 
-        # ---- prefetch (as K3) ------------------------------------------------------------
-        kv_produce = tma_pipeline.prefetch(pipeline_q, (tma_q, tQgQ[None, m_block], tQsQ[None, 0]), pipeline_kv,
-                                           kv_loads, stages, n_tiles, warp_idx)
-
-        row_max, row_sum, acc_o = simt.init_row_state(self.head_dim, THREADS_PER_ROW)
+        row_max, row_sum, acc_O = simt.init_row_state(d, THREADS_PER_ROW)
 
         tma_pipeline.wait_q(pipeline_q)
         kv_consume = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
         # ---- steady state ------------------------------------------------------------------
         for n_block in cutlass.range(n_tiles, unroll=1):
-            kv_start = n_block * TILE_N
+            kv_start = n_block * tile_n
             pipeline_kv.consumer_wait(kv_consume)
-            stage = kv_consume.index
+            # S = Q K^T on the tensor cores, FP32 accumulate, then wait for it.
+            sm90.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_consume.index], zero_init=True, wg_wait=0)
 
-            # S = Q K_j^T on the tensor cores, FP32 accumulate, then wait for it (K4 issues
-            # both of its GEMMs through the same helper).
-            sm90.gemm(tiled_mma, acc_s, tSrQ[None, None, None, 0], tSrK[None, None, None, stage], zero_init=True,
-                      wg_wait=0)
-
-            # Scatter the fragment into the plain (Br, Bc) tile; the first barrier keeps us
-            # from overwriting P_{j-1} while another row group still reads it in PV.
+            # Scatter the fragment into the plain (tile_m, tile_n) tile; the first barrier keeps
+            # us from overwriting the previous P while another row group still reads it in PV.
             cute.arch.sync_threads()
-            for i in cutlass.range_constexpr(cute.size(acc_s)):
+            for i in cutlass.range_constexpr(cute.size(acc_S)):
                 m, n = tScS[i]
-                sS[m, n] = acc_s[i] * scale_log2
+                sS[m, n] = acc_S[i] * scale_log2
             cute.arch.sync_threads()
 
+            # From here on, K3's loop body.
             if n_block >= n_unmasked:
                 simt.mask_scores(sS, row, lane, q_idx, kv_start, seqlen, THREADS_PER_ROW, self.causal)
-            row_max, row_sum = simt.online_softmax_step(sS, row, lane, row_max, row_sum, acc_o, THREADS_PER_ROW)
+            row_max, row_sum = simt.online_softmax_step(sS, row, lane, row_max, row_sum, acc_O, THREADS_PER_ROW)
             cute.arch.sync_warp()  # the row group's P is complete
-            simt.pv_accumulate(sS, sV[None, None, stage], acc_o, row, lane, THREADS_PER_ROW)
+            simt.pv_accumulate(sS, sV[None, None, kv_consume.index], acc_O, row, lane, THREADS_PER_ROW)
             cute.arch.sync_warp()  # as K3: the warp is done with this stage
             kv_consume, kv_produce = tma_pipeline.release_and_refill(pipeline_kv, kv_consume, kv_produce, kv_loads,
                                                                      n_tiles, warp_idx)
 
-        simt.store_output_and_lse(acc_o, row_max, row_sum, mO[batch, head, None, None], mLSE[batch, head, None],
+        simt.store_output_and_lse(acc_O, row_max, row_sum, mO[batch, head, None, None], mLSE[batch, head, None],
                                   q_idx, seqlen, lane, THREADS_PER_ROW)
 
 
@@ -186,5 +179,4 @@ def compile_kernel(p: Problem, *, keep_ptx: bool = False) -> CompiledAttention:
     dt = cute_dtype(p.dtype)
     fn = jit_compile(("k4_qk", p.head_dim, p.dtype, p.causal),
                      lambda: (K4QKFMHA(p.head_dim, dt, p.causal), fake_attention_args(dt, p.head_dim)), keep_ptx)
-    return fused_attention("k4_qk", p, fn, keep_ptx,
-                           {"kv_stages": KV_STAGES, "smem_bytes": smem_bytes(p.head_dim, 2, KV_STAGES)})
+    return fused_attention("k4_qk", p, fn, keep_ptx, {"kv_stages": KV_STAGES, "smem_bytes": smem_bytes(p.head_dim)})

@@ -106,15 +106,12 @@ class K5FMHA:
         self.producer_regs, self.consumer_regs = REGISTERS[num_wg]
 
     def smem_bytes(self) -> int:
-        """SharedStorage bytes: Q, K, V and tile-index mbarrier pairs, the tile-index slots, then sQ,
-        sK, sV on 1024-byte boundaries."""
-        tile_bytes = self.dtype.width // 8 * self.head_dim
-        return tma_pipeline.smem_footprint(self.q_stages - 1 + 2 * self.kv_stages + TILE_STAGES, [
-            (4 * TILE_STAGES, 4),
-            (self.q_stages * self.tile_m * tile_bytes, 1024),
-            (self.kv_stages * self.tile_n * tile_bytes, 1024),
-            (self.kv_stages * self.tile_n * tile_bytes, 1024),
-        ])
+        return tma_pipeline.smem_bytes(self.tile_m, self.tile_n, self.head_dim, self.dtype.width // 8, self.kv_stages,
+                                       **self.storage_options())
+
+    def storage_options(self) -> dict:
+        """K5's SharedStorage beyond K4's: separate K and V barriers, q_stages Q buffers, tile slots."""
+        return dict(kv_pipelines=2, q_stages=self.q_stages, tile_slots=TILE_STAGES)
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
@@ -143,16 +140,8 @@ class K5FMHA:
         tma_atom_K, mK_tma = tma_pipeline.make_tma_load(mKt, sK_layout, (self.tile_n, d))
         tma_atom_V, mV_tma = tma_pipeline.make_tma_load(mVt, sVt_layout, (d, self.tile_n))
 
-        @cute.struct
-        class SharedStorage:
-            mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * self.q_stages]
-            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.kv_stages]
-            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.kv_stages]
-            mbar_tile: cute.struct.MemRange[cutlass.Int64, 2 * TILE_STAGES]
-            tile_idx: cute.struct.MemRange[Int32, TILE_STAGES]
-            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sVt_layout)], 1024]
+        SharedStorage = tma_pipeline.shared_storage(dt, sQ_layout, sK_layout, sVt_layout, self.kv_stages,
+                                                    **self.storage_options())
 
         scale_log2 = softmax_scale * LOG2_E
         # One linear index per (m_block, head, batch) tile; schedule.tile_coords decodes it.
@@ -186,9 +175,7 @@ class K5FMHA:
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128 * self.num_wg), defer_sync=True)
         tile_slots = (pipeline_tile, storage.tile_idx.get_tensor(cute.make_layout(TILE_STAGES)), mTileCounter)
-        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        sVt = storage.sV.get_tensor(sVt_layout.outer, swizzle=sVt_layout.inner)
+        sQ, sK, sVt = tma_pipeline.smem_tensors(storage, sQ_layout, sK_layout, sVt_layout)
         # The mbarrier inits must be visible to the TMA unit and to every thread: the last
         # CTA-wide barrier of the kernel.
         cute.arch.mbarrier_init_fence()

@@ -17,8 +17,8 @@ warp holds 32 / threads_per_row row groups (8 in K2/K3, 16 in K4.1), one query r
 Every access indexed by the thread's own row -- ``sS[row, j]`` in the softmax,
 ``sQ[row, c]`` in QK, ``sP[row, j]`` in PV -- touches that many consecutive rows at once.
 With a 64-wide FP32 score row (256 B) or a bf16 Q row at d=64/128/256 (128/256/512 B) the
-row stride is a multiple of 128 B, so all the groups land on the same banks: an 8-way
-conflict (16-way in K4.1; d=32/96 rows give 4-way). Likewise ``sK[lane + threads_per_row*t,
+row stride is a multiple of 128 B, so all the row groups of a warp land on the same banks
+and the access is replayed once per group. Likewise ``sK[lane + threads_per_row*t,
 c]`` sends the lanes of a group to different K rows of the same column. Padding each row by
 a few words or an XOR swizzle would spread them over the banks; K4's swizzled WGMMA layouts
 (and its register-resident scores) are where this goes away.
@@ -77,14 +77,14 @@ def qk_scores_to_smem(sQ: cute.Tensor, sK: cute.Tensor, sS: cute.Tensor, row: In
     """
     head_dim = cute.size(sQ, mode=[1])
     n_cols = cute.size(sS, mode=[1]) // threads_per_row
-    acc_s = cute.make_rmem_tensor((n_cols,), Float32)
-    acc_s.fill(0.0)
+    acc_S = cute.make_rmem_tensor((n_cols,), Float32)
+    acc_S.fill(0.0)
     for c in cutlass.range(head_dim, unroll=8):
         q = sQ[row, c].to(Float32)
         for t in cutlass.range_constexpr(n_cols):
-            acc_s[t] += q * sK[lane + threads_per_row * t, c].to(Float32)
+            acc_S[t] += q * sK[lane + threads_per_row * t, c].to(Float32)
     for t in cutlass.range_constexpr(n_cols):
-        sS[row, lane + threads_per_row * t] = acc_s[t] * scale_log2
+        sS[row, lane + threads_per_row * t] = acc_S[t] * scale_log2
 
 
 @cute.jit
@@ -116,16 +116,16 @@ def row_group_reduce(val: Float32, op: cutlass.Constexpr, threads_per_row: cutla
 def init_row_state(head_dim: int, threads_per_row: int):
     """The FA2 running state of one row group before its first KV tile: row max -inf, row sum
     0, and this thread's d / threads_per_row unnormalized output columns at 0.
-    Returns (row_max, row_sum, acc_o)."""
-    acc_o = cute.make_rmem_tensor((head_dim // threads_per_row,), Float32)
-    acc_o.fill(0.0)
-    return -Float32.inf, Float32(0.0), acc_o
+    Returns (row_max, row_sum, acc_O)."""
+    acc_O = cute.make_rmem_tensor((head_dim // threads_per_row,), Float32)
+    acc_O.fill(0.0)
+    return -Float32.inf, Float32(0.0), acc_O
 
 
 @cute.jit
 def online_softmax_step(sS: cute.Tensor, row: Int32, lane: Int32, row_max: Float32, row_sum: Float32,
-                        acc_o: cute.Tensor, threads_per_row: cutlass.Constexpr):
-    """One FA2 row update: fold the score tile in sS into (row_max, row_sum, acc_o).
+                        acc_O: cute.Tensor, threads_per_row: cutlass.Constexpr):
+    """One FA2 row update: fold the score tile in sS into (row_max, row_sum, acc_O).
 
     Overwrites this thread's scores with P = exp2(S - m_new) in place and rescales the
     unnormalized output accumulator by exp2(m_old - m_new). Returns (m_new, l_new), both
@@ -150,27 +150,27 @@ def online_softmax_step(sS: cute.Tensor, row: Int32, lane: Int32, row_max: Float
         sS[row, j] = p
         tile_sum += p
     tile_sum = row_group_reduce(tile_sum, lambda a, b: a + b, threads_per_row)
-    for i in cutlass.range_constexpr(cute.size(acc_o)):
-        acc_o[i] = acc_o[i] * correction
+    for i in cutlass.range_constexpr(cute.size(acc_O)):
+        acc_O[i] = acc_O[i] * correction
     return new_max, row_sum * correction + tile_sum
 
 
 @cute.jit
-def pv_accumulate(sP: cute.Tensor, sV: cute.Tensor, acc_o: cute.Tensor, row: Int32, lane: Int32,
+def pv_accumulate(sP: cute.Tensor, sV: cute.Tensor, acc_O: cute.Tensor, row: Int32, lane: Int32,
                   threads_per_row: cutlass.Constexpr):
-    """acc_o[i] += sum_j P[row, j] * V[j, lane + threads_per_row * i] over the whole KV tile."""
+    """acc_O[i] += sum_j P[row, j] * V[j, lane + threads_per_row * i] over the whole KV tile."""
     tile_n = cute.size(sP, mode=[1])
     for j in cutlass.range(tile_n, unroll=4):
         p = sP[row, j]
-        for i in cutlass.range_constexpr(cute.size(acc_o)):
-            acc_o[i] += p * sV[j, lane + threads_per_row * i].to(Float32)
+        for i in cutlass.range_constexpr(cute.size(acc_O)):
+            acc_O[i] += p * sV[j, lane + threads_per_row * i].to(Float32)
 
 
 @cute.jit
-def store_output_and_lse(acc_o: cute.Tensor, row_max: Float32, row_sum: Float32, mO_bh: cute.Tensor,
+def store_output_and_lse(acc_O: cute.Tensor, row_max: Float32, row_sum: Float32, mO_bh: cute.Tensor,
                          mLSE_bh: cute.Tensor, q_idx: Int32, seqlen: Int32, lane: Int32,
                          threads_per_row: cutlass.Constexpr):
-    """Deferred normalization: O = acc_o / l, written with LSE = m*ln2 + ln(l) for valid rows.
+    """Deferred normalization: O = acc_O / l, written with LSE = m*ln2 + ln(l) for valid rows.
 
     A row with l == 0 saw no unmasked key; dividing by 1 keeps its O at 0 instead of NaN.
     """
@@ -178,7 +178,7 @@ def store_output_and_lse(acc_o: cute.Tensor, row_max: Float32, row_sum: Float32,
     if row_sum != 0.0:
         inv_sum = 1.0 / row_sum
     if q_idx < seqlen:
-        for i in cutlass.range_constexpr(cute.size(acc_o)):
-            mO_bh[q_idx, lane + threads_per_row * i] = (acc_o[i] * inv_sum).to(mO_bh.element_type)
+        for i in cutlass.range_constexpr(cute.size(acc_O)):
+            mO_bh[q_idx, lane + threads_per_row * i] = (acc_O[i] * inv_sum).to(mO_bh.element_type)
         if lane == 0:
             mLSE_bh[q_idx] = row_max * LN_2 + cute.math.log(row_sum, fastmath=True)

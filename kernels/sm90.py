@@ -7,7 +7,8 @@ helpers below name that pattern so kernels can work on it without an SMEM round 
 * ``acc_mn_view``        the accumulator re-viewed as (rows, cols) of the tile this thread owns
 * ``acc_as_operand_a``   the C fragment of GEMM-I re-viewed as the A operand of GEMM-II
   (the QK -> PV register handoff), plus ``convert_to`` to narrow it to bf16/fp16
-* ``quad_allreduce_*``   a row is split over 4 sibling lanes: reduce over them with shuffles
+* ``row_reduce``         max or sum over the columns of one row this thread owns
+* ``quad_allreduce``     a row is split over 4 sibling lanes: reduce over them with shuffles
 * ``OnlineSoftmax``      the FA2 online softmax, run directly on a C fragment
 * ``mask_tile``          seqlen / causal masking via an identity-tensor coordinate probe
 * ``gemm``               issue one tile's WGMMAs (fence, k-loop, commit, optional wait)
@@ -16,6 +17,8 @@ TMA descriptors, views and mbarrier pipelines live in ``kernels/tma_pipeline.py`
 """
 
 from __future__ import annotations
+
+import operator
 
 import cutlass
 import cutlass.cute as cute
@@ -107,42 +110,27 @@ def convert_to(src: cute.Tensor, dst: cute.Tensor):
 # --------------------------------------------------------------------------------------
 
 @cute.jit
-def quad_allreduce_max(x: Float32) -> Float32:
+def quad_allreduce(x: Float32, op: cutlass.Constexpr) -> Float32:
     """The 4 lanes 4k..4k+3 own the same two rows: butterfly over lane bits 0 and 1."""
-    x = cute.arch.fmax(x, cute.arch.shuffle_sync_bfly(x, offset=1))
-    x = cute.arch.fmax(x, cute.arch.shuffle_sync_bfly(x, offset=2))
+    x = op(x, cute.arch.shuffle_sync_bfly(x, offset=1))
+    x = op(x, cute.arch.shuffle_sync_bfly(x, offset=2))
     return x
 
 
 @cute.jit
-def quad_allreduce_sum(x: Float32) -> Float32:
-    x = x + cute.arch.shuffle_sync_bfly(x, offset=1)
-    x = x + cute.arch.shuffle_sync_bfly(x, offset=2)
-    return x
-
-
-@cute.jit
-def row_max(row: cute.Tensor, init: Float32) -> Float32:
-    """Max over one row of a fragment with 4 independent chains (ILP), seeded with ``init``."""
+def row_reduce(row: cute.Tensor, op: cutlass.Constexpr, init=None) -> Float32:
+    """``op`` over one row of a fragment with 4 independent chains (ILP); ``init``, if given,
+    is folded in last."""
     n = cute.size(row)
-    assert n % 4 == 0, f"row_max: row length {n} is not a multiple of 4 (the 4 ILP chains would skip columns)"
+    assert n % 4 == 0, f"row_reduce: row length {n} is not a multiple of 4 (the 4 ILP chains would skip columns)"
     acc = [row[0], row[1], row[2], row[3]]
     for i in cutlass.range_constexpr(4, n, 4):
         for j in cutlass.range_constexpr(4):
-            acc[j] = cute.arch.fmax(acc[j], row[i + j])
-    return cute.arch.fmax(cute.arch.fmax(cute.arch.fmax(acc[0], acc[1]), cute.arch.fmax(acc[2], acc[3])), init)
-
-
-@cute.jit
-def row_sum(row: cute.Tensor) -> Float32:
-    """Sum over one row of a fragment with 4 independent chains (ILP)."""
-    n = cute.size(row)
-    assert n % 4 == 0, f"row_sum: row length {n} is not a multiple of 4 (the 4 ILP chains would skip columns)"
-    acc = [row[0], row[1], row[2], row[3]]
-    for i in cutlass.range_constexpr(4, n, 4):
-        for j in cutlass.range_constexpr(4):
-            acc[j] = acc[j] + row[i + j]
-    return (acc[0] + acc[1]) + (acc[2] + acc[3])
+            acc[j] = op(acc[j], row[i + j])
+    total = op(op(acc[0], acc[1]), op(acc[2], acc[3]))
+    if const_expr(init is not None):
+        total = op(total, init)
+    return total
 
 
 # --------------------------------------------------------------------------------------
@@ -174,7 +162,7 @@ class OnlineSoftmax:
         for r in cutlass.range_constexpr(self.num_rows):
             row = acc_S_mn[r, None]
             m_prev = self.row_max[r]
-            m_new = quad_allreduce_max(row_max(row, m_prev))
+            m_new = quad_allreduce(row_reduce(row, cute.arch.fmax, m_prev), cute.arch.fmax)
             self.row_max[r] = m_new
             if const_expr(check_inf):
                 # A row fully masked so far has max -inf: subtract 0 instead so that
@@ -184,7 +172,7 @@ class OnlineSoftmax:
             row_scale[r] = cute.math.exp2(m_prev * self.scale_log2 - m_scaled, fastmath=True)
             p = cute.math.exp2(row.load() * self.scale_log2 - m_scaled, fastmath=True)
             row.store(p)
-            self.row_sum[r] = self.row_sum[r] * row_scale[r] + row_sum(row)
+            self.row_sum[r] = self.row_sum[r] * row_scale[r] + row_reduce(row, operator.add)
 
     @cute.jit
     def rescale(self, acc_O: cute.Tensor, row_scale: cute.Tensor):
@@ -197,7 +185,7 @@ class OnlineSoftmax:
         """Deferred normalization: O /= rowsum once, and lse = ln(sum) + max*scale."""
         acc_O_mn = acc_mn_view(acc_O)
         for r in cutlass.range_constexpr(self.num_rows):
-            total = quad_allreduce_sum(self.row_sum[r])
+            total = quad_allreduce(self.row_sum[r], operator.add)
             # Only a zero sum means "no unmasked key" (cannot happen for a valid row). A NaN
             # sum is a bug upstream: let it reach O and LSE so the checks catch it.
             empty = total == 0.0

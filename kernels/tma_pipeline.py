@@ -2,7 +2,10 @@
 
 Host side (inside the @cute.jit launcher): re-view an SDPA-layout tensor with the tile modes
 first (``seq_major_view``, or ``head_dim_major_view`` for a V read as an MN-major WGMMA
-operand) and build one TMA descriptor per operand (``make_tma_load``).
+operand), lay out the SMEM it lands in (``row_major`` for CUDA-core readers, the swizzled
+WGMMA layouts otherwise) and build one TMA descriptor per operand (``make_tma_load``).
+``smem_bytes`` is every stage's SMEM budget; ``smem_capabilities`` turns it into the head dims
+a stage accepts.
 
 Device side: pair a (batch, head)'s GMEM tiles with the staged SMEM buffer
 (``partition_for_tma``), build the Q and K+V ``PipelineTmaAsync`` objects (``make_pipelines``:
@@ -22,6 +25,8 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass import Int32
 from cutlass.cute.nvgpu import cpasync
+
+from .contract import SMEM_CAPACITY, Capabilities
 
 # --------------------------------------------------------------------------------------
 # Host: views and descriptors
@@ -47,6 +52,15 @@ def head_dim_major_view(mX: cute.Tensor) -> cute.Tensor:
     return cute.make_tensor(mX.iterator, cute.select(mX.layout, mode=[3, 2, 1, 0]))
 
 
+def row_major(rows: int, cols: int, stages=None) -> cute.Layout:
+    """A plain (rows, cols[, stages]) SMEM tile, cols contiguous: what TMA writes for a buffer that
+    CUDA-core code reads (K3's sQ/sK/sV, K4.1's sV). WGMMA operands use the swizzled layouts of
+    ``cutlass.utils.hopper_helpers.make_smem_layout_a/b`` instead."""
+    if stages is None:
+        return cute.make_layout((rows, cols), stride=(cols, 1))
+    return cute.make_layout((rows, cols, stages), stride=(cols, 1, rows * cols))
+
+
 def make_tma_load(mX_view: cute.Tensor, smem_layout, tile: tuple):
     """Host-built descriptor that copies one ``tile`` box into one stage of ``smem_layout``.
 
@@ -63,20 +77,77 @@ def stage_layout(smem_layout):
     return cute.select(smem_layout, mode=[0, 1])
 
 
-def smem_footprint(kv_stages: int, buffers) -> int:
-    """Bytes of a SharedStorage laid out as the K3/K4.1/K4 structs are: the Q mbarrier pair and
-    ``kv_stages`` K+V pairs (8 B each) first, then each buffer of ``buffers`` = [(bytes,
-    alignment), ...] at the next multiple of its alignment (128 B for plain row-major tiles,
-    1024 B for a 128B-swizzled WGMMA operand, whose swizzle pattern repeats every 1024 B)."""
-    offset = 8 * 2 * (1 + kv_stages)
-    for size, align in buffers:
+def stage_bytes(dtype, *smem_layouts) -> int:
+    """Bytes one TMA of each buffer delivers, summed: what a stage's full barrier expects."""
+    return sum(cute.size_in_bytes(dtype, stage_layout(layout)) for layout in smem_layouts)
+
+
+# --------------------------------------------------------------------------------------
+# Host: the SMEM budget
+# --------------------------------------------------------------------------------------
+
+
+def _alignment(operand: str, swizzled: str) -> int:
+    """1024 B for a 128B-swizzled WGMMA operand (the swizzle pattern repeats every 1024 B), else 128 B."""
+    return 1024 if operand in swizzled else 128
+
+
+def smem_bytes(tile_m: int, tile_n: int, head_dim: int, dtype_bytes: int, kv_stages: int, *,
+               swizzled: str = "QKV", score_tile: bool = False, kv_pipelines: int = 1, q_stages: int = 1,
+               tile_slots: int = 0) -> int:
+    """Bytes of the ``shared_storage`` struct, the SMEM budget of every TMA stage.
+
+    First the mbarriers, 8 B each: a full/empty pair for Q's one stage and for each of the
+    ``kv_stages`` stages of each K/V pipeline (``kv_pipelines`` = 1 where K and V share one
+    barrier per stage, 2 where each has a pipeline of its own). Then sQ (tile_m, d) and
+    kv_stages-deep sK and sV (tile_n, d), each 1024-byte aligned if its operand letter is in
+    ``swizzled``, else 128-byte; last, where the stage keeps one (``score_tile``: K3, K4.1), the
+    FP32 (tile_m, tile_n) score tile sS. K5 onward: ``q_stages`` Q buffers (each with its barrier
+    pair), and ``tile_slots`` int32 slots with a barrier pair each, through which a persistent
+    CTA's producer passes claimed tile indices to its consumers (right after the mbarriers).
+    """
+    tile_bytes = head_dim * dtype_bytes
+    buffers = [("Q", q_stages * tile_m * tile_bytes), ("K", kv_stages * tile_n * tile_bytes),
+               ("V", kv_stages * tile_n * tile_bytes)]
+    if score_tile:
+        buffers.append(("S", tile_m * tile_n * 4))
+    offset = 8 * 2 * (q_stages + kv_pipelines * kv_stages + tile_slots) + 4 * tile_slots
+    for operand, size in buffers:
+        align = _alignment(operand, swizzled)
         offset = -(-offset // align) * align + size
     return offset
 
 
-def stage_bytes(dtype, smem_layout) -> int:
-    """Bytes one TMA of this buffer delivers: what a stage's full barrier expects."""
-    return cute.size_in_bytes(dtype, stage_layout(smem_layout))
+def shared_storage(dtype, sQ_layout, sK_layout, sV_layout, kv_stages: int, *, swizzled: str = "QKV",
+                   score_tile=None, kv_pipelines: int = 1, q_stages: int = 1, tile_slots: int = 0):
+    """The SharedStorage struct ``smem_bytes`` counts, field for field: ``mbar_q``, ``mbar_kv``
+    (``mbar_k`` and ``mbar_v`` for two K/V pipelines), ``mbar_tile`` and ``tile_idx`` given
+    ``tile_slots``, ``sQ``, ``sK``, ``sV`` and, given
+    ``score_tile`` = (tile_m, tile_n), the FP32 ``sS``. Built on the host, next to the layouts."""
+    def buffer(operand, elem_type, cosize):
+        return cute.struct.Align[cute.struct.MemRange[elem_type, cosize], _alignment(operand, swizzled)]
+
+    mbar_stages = cute.struct.MemRange[cutlass.Int64, 2 * kv_stages]
+    fields = {"mbar_q": cute.struct.MemRange[cutlass.Int64, 2 * q_stages]}
+    fields.update({"mbar_kv": mbar_stages} if kv_pipelines == 1 else {"mbar_k": mbar_stages, "mbar_v": mbar_stages})
+    if tile_slots:
+        fields.update(mbar_tile=cute.struct.MemRange[cutlass.Int64, 2 * tile_slots],
+                      tile_idx=cute.struct.MemRange[cutlass.Int32, tile_slots])
+    fields.update(sQ=buffer("Q", dtype, cute.cosize(sQ_layout)), sK=buffer("K", dtype, cute.cosize(sK_layout)),
+                  sV=buffer("V", dtype, cute.cosize(sV_layout)))
+    if score_tile is not None:
+        fields["sS"] = buffer("S", cutlass.Float32, score_tile[0] * score_tile[1])
+    return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+
+
+def smem_capabilities(head_dims, smem_bytes_of, setting: str, **caps) -> Capabilities:
+    """Capabilities for the head dims whose SharedStorage (``smem_bytes_of(d)`` bytes) fits in one
+    CTA's SMEM; a refusal names the KB each other head dim would need under ``setting``."""
+    need = {d: smem_bytes_of(d) for d in head_dims}
+    fits = tuple(d for d in head_dims if need[d] <= SMEM_CAPACITY)
+    too_big = ", ".join(f"d={d} needs {need[d] // 1024} KB" for d in head_dims if d not in fits)
+    why = f"{setting}: {too_big} of SMEM (max {SMEM_CAPACITY // 1024} KB)" if too_big else ""
+    return Capabilities(head_dims=fits, why=why, **caps)
 
 
 # --------------------------------------------------------------------------------------
@@ -89,6 +160,14 @@ def prefetch_descriptors(*tma_atoms: cute.CopyAtom):
     descriptor cache before the first copy needs them. One warp is enough."""
     for atom in tma_atoms:
         cpasync.prefetch_descriptor(atom)
+
+
+def smem_tensors(storage, *smem_layouts) -> tuple:
+    """sQ, sK, sV (in that order) of an allocated ``shared_storage``; a swizzled layout
+    (a ComposedLayout) keeps its swizzle."""
+    buffers = (storage.sQ, storage.sK, storage.sV)
+    return tuple(buf.get_tensor(layout.outer, swizzle=layout.inner) if isinstance(layout, cute.ComposedLayout)
+                 else buf.get_tensor(layout) for buf, layout in zip(buffers, smem_layouts))
 
 
 @cute.jit
@@ -116,16 +195,18 @@ def _tma_pipeline(barriers, num_stages: int, consumer_warps: int, tx_bytes: int)
         tx_count=tx_bytes, defer_sync=True)
 
 
-def make_pipelines(mbar_q, mbar_kv, q_bytes: int, kv_bytes: int, kv_stages: int, num_threads: int):
+def make_pipelines(storage, dtype, sQ_layout, sK_layout, sV_layout, kv_stages: int, num_threads: int):
     """Q: one stage, one TMA. K/V: kv_stages stages; one barrier per stage expects K+V bytes,
-    so it completes only when both tiles of the stage have landed.
+    so it completes only when both tiles of the stage have landed. The mbarriers are those of
+    an allocated ``shared_storage``.
 
     Producer: one elected thread of warp 0. Consumers: every warp; one lane per warp
     arrives on the empty barrier when the warp is done with a stage.
     """
     consumer_warps = num_threads // cute.arch.WARP_SIZE
-    pipeline_q = _tma_pipeline(mbar_q, 1, consumer_warps, q_bytes)
-    pipeline_kv = _tma_pipeline(mbar_kv, kv_stages, consumer_warps, kv_bytes)
+    pipeline_q = _tma_pipeline(storage.mbar_q.data_ptr(), 1, consumer_warps, stage_bytes(dtype, sQ_layout))
+    pipeline_kv = _tma_pipeline(storage.mbar_kv.data_ptr(), kv_stages, consumer_warps,
+                                stage_bytes(dtype, sK_layout, sV_layout))
     # Barrier init must be visible to the async (TMA) proxy and to every thread before use:
     # one fence and one CTA barrier for both pipelines.
     cute.arch.mbarrier_init_fence()
@@ -145,12 +226,12 @@ def pipe_state(stages: int, t: Int32, producer: bool) -> pipeline.PipelineState:
 
 
 @cute.jit
-def load_q(pipeline_q: pipeline.PipelineTmaAsync, tma_q: cute.CopyAtom, tQgQ_tile: cute.Tensor,
+def load_q(pipeline_q: pipeline.PipelineTmaAsync, tma_atom_Q: cute.CopyAtom, tQgQ_tile: cute.Tensor,
            tQsQ_stage: cute.Tensor):
     """Producer: Q's single stage, loaded once per CTA (never released, so never refilled)."""
     state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
     pipeline_q.producer_acquire(state)
-    cute.copy(tma_q, tQgQ_tile, tQsQ_stage, tma_bar_ptr=pipeline_q.producer_get_barrier(state))
+    cute.copy(tma_atom_Q, tQgQ_tile, tQsQ_stage, tma_bar_ptr=pipeline_q.producer_get_barrier(state))
 
 
 def wait_q(pipeline_q: pipeline.PipelineTmaAsync):
@@ -160,8 +241,8 @@ def wait_q(pipeline_q: pipeline.PipelineTmaAsync):
 
 @cute.jit
 def load_kv_stage(pipeline_kv: pipeline.PipelineTmaAsync, state: pipeline.PipelineState, n_block: Int32,
-                  tma_k: cute.CopyAtom, tKgK: cute.Tensor, tKsK: cute.Tensor,
-                  tma_v: cute.CopyAtom, tVgV: cute.Tensor, tVsV: cute.Tensor):
+                  tma_atom_K: cute.CopyAtom, tKgK: cute.Tensor, tKsK: cute.Tensor,
+                  tma_atom_V: cute.CopyAtom, tVgV: cute.Tensor, tVsV: cute.Tensor):
     """Producer: KV tile ``n_block`` into stage ``state.index``.
 
     producer_acquire waits until every consumer warp has released the stage, then arms its
@@ -169,8 +250,8 @@ def load_kv_stage(pipeline_kv: pipeline.PipelineTmaAsync, state: pipeline.Pipeli
     """
     pipeline_kv.producer_acquire(state)
     barrier = pipeline_kv.producer_get_barrier(state)
-    cute.copy(tma_k, tKgK[None, n_block], tKsK[None, state.index], tma_bar_ptr=barrier)
-    cute.copy(tma_v, tVgV[None, n_block], tVsV[None, state.index], tma_bar_ptr=barrier)
+    cute.copy(tma_atom_K, tKgK[None, n_block], tKsK[None, state.index], tma_bar_ptr=barrier)
+    cute.copy(tma_atom_V, tVgV[None, n_block], tVsV[None, state.index], tma_bar_ptr=barrier)
 
 
 # --------------------------------------------------------------------------------------

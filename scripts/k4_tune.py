@@ -27,7 +27,7 @@ from harness.timing import benchmark, tflops  # noqa: E402
 from kernels import k4  # noqa: E402
 from kernels.contract import Problem, UnsupportedProblem  # noqa: E402
 
-SEED = dict(num_wg=1, tile_n=64, kv_stages=5, refill_lag=1)  # the worklog's K4: one warpgroup, 5 stages
+SEED = k4.SEED_CONFIG  # the registry's k4_seed: one warpgroup, 64-key tiles, 5 stages
 CONFIGS = {
     64: [SEED, dict(num_wg=2, tile_n=128, kv_stages=4, refill_lag=2), dict(num_wg=3, tile_n=128, kv_stages=3, refill_lag=2)],
     128: [SEED, dict(num_wg=1, tile_n=64, kv_stages=3, refill_lag=1), dict(num_wg=2, tile_n=64, kv_stages=5, refill_lag=2),

@@ -10,7 +10,7 @@ import pytest
 
 from harness.inspect_ptx import count_instructions
 from kernels import get_kernel, kernel_names
-from kernels.contract import Problem
+from kernels.contract import Problem, UnsupportedProblem
 
 # The instructions each stage introduces, at least once, and what it must not contain yet.
 CLAIMS = {
@@ -25,6 +25,7 @@ CLAIMS = {
     "k6_pp": dict(has=["cp.async.bulk.tensor", "mbarrier", "wgmma.mma_async", "setmaxnreg"], lacks=["e4m3 wgmma"]),
     "k6": dict(has=["cp.async.bulk.tensor", "mbarrier", "wgmma.mma_async", "setmaxnreg"], lacks=["e4m3 wgmma"]),
 }
+CLAIMS["k4_seed"] = CLAIMS["k4"]  # the same kernel at K4.1's tile shape
 
 
 def claims_for(name):
@@ -76,14 +77,24 @@ def test_k4_qk_uses_wgmma_for_qk_only():
     assert len(_wgmma_shapes(ptx)) == 1
 
 
-@pytest.mark.skipif("k4" not in kernel_names(), reason="k4 not built yet")
-def test_k4_uses_wgmma_for_both_gemms():
+@pytest.mark.parametrize("name", ["k4_seed", "k4"])
+def test_k4_uses_wgmma_for_both_gemms(name):
     # PV's A operand comes from registers (P never touches SMEM): a register-A WGMMA must appear
     # beside the SMEM-A one used for QK^T.
-    ptx = get_kernel("k4").compile(Problem(1, 1, 128, 128), keep_ptx=True).ptx
+    ptx = get_kernel(name).compile(Problem(1, 1, 128, 128), keep_ptx=True).ptx
     wgmmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.(?:bf16|f16)\.(?:bf16|f16)\s+\{[^}]*\},\s*(\{|%rd)", ptx)
     assert "{" in wgmmas, "no WGMMA with A from registers (the PV GEMM)"
     assert "%rd" in wgmmas, "no WGMMA with A from SMEM (the QK GEMM)"
+
+
+def test_k4_seed_is_the_seed_config_and_refuses_d256_for_smem():
+    from kernels import k4
+
+    entry = get_kernel("k4_seed")
+    assert entry.variant == k4.SEED_CONFIG
+    assert entry.caps.head_dims == (64, 128)
+    with pytest.raises(UnsupportedProblem, match=r"d=256 needs \d+ KB of SMEM"):
+        entry.compile(Problem(1, 1, 128, 256))
 
 
 @pytest.mark.skipif("k3_3" not in kernel_names(), reason="k3 not built yet")
@@ -104,3 +115,38 @@ def test_keep_ptx_leaves_no_folder_behind(tmp_path, monkeypatch):
     ptx = get_kernel("k2").compile(Problem(1, 1, 64, 64), keep_ptx=True).ptx
     assert ".target sm_90a" in ptx  # read into memory before the folder went
     assert list(tmp_path.iterdir()) == []
+
+
+def test_smem_bytes_counts_the_shared_storage():
+    # One SMEM budget: tma_pipeline.smem_bytes (used by every stage's capabilities) must equal the
+    # size of the struct the launchers allocate, for K3's, K4.1's and K4's layouts.
+    import cutlass
+    import cutlass.cute as cute
+    import cutlass.utils.hopper_helpers as sm90_utils
+    from cutlass.tensor_utils import LayoutEnum
+
+    from kernels import tma_pipeline
+
+    sizes = []
+
+    @cute.jit
+    def probe():
+        dt, d = cutlass.BFloat16, 128
+        plain_q, plain_kv = tma_pipeline.row_major(64, d), tma_pipeline.row_major(64, d, 5)
+        sQ = cute.select(sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (128, 128, d), dt, 1), mode=[0, 1])
+        sK = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (128, 128, d), dt, 2)
+        sQ2 = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (128, 128, d), dt, 2)  # K5: two Q stages
+        sVt = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, (128, d, 128), dt, 2)
+        for struct, budget in (
+            (tma_pipeline.shared_storage(dt, plain_q, plain_kv, plain_kv, 5, swizzled="", score_tile=(64, 64)),
+             tma_pipeline.smem_bytes(64, 64, d, 2, 5, swizzled="", score_tile=True)),
+            (tma_pipeline.shared_storage(dt, sQ, sK, sVt, 2), tma_pipeline.smem_bytes(128, 128, d, 2, 2)),
+            (tma_pipeline.shared_storage(dt, sQ, sK, sVt, 2, kv_pipelines=2),
+             tma_pipeline.smem_bytes(128, 128, d, 2, 2, kv_pipelines=2)),
+            (tma_pipeline.shared_storage(dt, sQ2, sK, sVt, 2, kv_pipelines=2, q_stages=2, tile_slots=2),
+             tma_pipeline.smem_bytes(128, 128, d, 2, 2, kv_pipelines=2, q_stages=2, tile_slots=2)),
+        ):
+            sizes.append((struct.size_in_bytes(), budget))
+
+    probe()
+    assert len(sizes) == 4 and all(a == b for a, b in sizes), sizes
