@@ -299,6 +299,23 @@ def finished(pattern) -> list:
     return [f for f in found if f["meta"].get("complete", True)]
 
 
+def latest_with(pattern, kernels):
+    """The newest finished result file matching ``pattern`` that has rows of any of ``kernels``:
+    a run of some stages only (the warp-specialized ones, say) leaves the others' tables be."""
+    found = [f for f in finished(pattern) if any(r["kernel"] in kernels for r in f["rows"])]
+    return max(found, key=lambda r: r["meta"].get("date", "")) if found else None
+
+
+def merged_refcheck():
+    """Every kernel's rows from the newest refcheck file that has it (for the README summary)."""
+    merged = {"meta": {}, "rows": []}
+    for name in kernel_names():
+        f = latest_with("refcheck*.json", [name])
+        if f:
+            merged["rows"] += [r for r in f["rows"] if r["kernel"] == name]
+    return merged
+
+
 def latest(pattern):
     """The finished result file matching ``pattern`` with the newest ``meta.date``."""
     found = finished(pattern)
@@ -316,7 +333,7 @@ def main(argv=None):
             raise SystemExit("error: --plot needs matplotlib: pip install -e \".[plot]\" (nothing was written)")
     sweep, refcheck = latest("sweep*.json"), latest("refcheck*.json")
     readme = ROOT / "README.md"
-    text = replace_block(readme.read_text(), "kernels", readme_table(sweep, refcheck))
+    text = replace_block(readme.read_text(), "kernels", readme_table(sweep, merged_refcheck()))
     text = replace_block(text, "caps", caps_table())
     bench_files = finished("bench-*.json")
     if bench_files and "<!-- table:headline -->" in text:
@@ -331,8 +348,15 @@ def main(argv=None):
             text = replace_block(text, "sweep", family_table(sweep, kernels))
         if sweep and "<!-- table:k3depths -->" in text:
             text = replace_block(text, "k3depths", k3_depth_table(sweep))
-        if refcheck and "<!-- table:refcheck -->" in text:
-            text = replace_block(text, "refcheck", refcheck_table(refcheck, kernels))
+        # Each kernel from the newest refcheck file that has it: one table per file used.
+        sources = {}
+        for name in kernels:
+            f = latest_with("refcheck*.json", [name])
+            if f:
+                sources.setdefault(f["meta"].get("date", ""), (f, []))[1].append(name)
+        if sources and "<!-- table:refcheck -->" in text:
+            text = replace_block(text, "refcheck", "\n\n".join(
+                refcheck_table(f, names) for _, (f, names) in sorted(sources.items(), reverse=True)))
         page.write_text(text)
     ws_sweep, ws_tune = latest("ws-sweep*.json"), latest("ws-tune*.json")
     if ws_sweep:
