@@ -39,6 +39,11 @@ PINGPONG_MAX_HEAD_DIM = 128
 # but measured slower on an H100 than ping-pong alone at 128 keys (docs/k6.md).
 OVERLAP_MIN_HEAD_DIM = 128
 TILE_N_WITH_OVERLAP = {64: 112}
+# ... and d=128 non-causal up to 2k keys: with 16 or fewer KV tiles per query tile, the overlap's
+# unhidden prologue (first QK + softmax) and epilogue (last PV) cost more than it hides (H100
+# sweep, docs/k6.md). The seqlen is known when a problem is compiled, so short and long
+# sequences simply get two compiled variants.
+NO_OVERLAP_UP_TO_SEQLEN = {(128, False): 2048}
 
 
 class K6FMHA(k5.K5FMHA):
@@ -189,7 +194,8 @@ class K6FMHA(k5.K5FMHA):
 def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_wg=None, tile_n=None, kv_stages=None,
                    q_stages=None, scheduler=None, pingpong=None, overlap=None) -> CompiledAttention:
     CAPS.check(p)
-    overlap = p.head_dim >= OVERLAP_MIN_HEAD_DIM if overlap is None else overlap
+    if overlap is None:
+        overlap = p.head_dim >= OVERLAP_MIN_HEAD_DIM and p.seqlen > NO_OVERLAP_UP_TO_SEQLEN.get((p.head_dim, p.causal), 0)
     pingpong = (p.head_dim <= PINGPONG_MAX_HEAD_DIM or not overlap) if pingpong is None else pingpong
     if tile_n is None and overlap:
         tile_n = TILE_N_WITH_OVERLAP.get(p.head_dim)
