@@ -82,3 +82,15 @@ def test_schedulers():
     assert re.search(r"\batom\.[\w.]*add", dynamic)
     single = _compile("k6", 128, causal=True, scheduler="single").ptx
     assert not re.search(r"\batom\.", single)
+
+
+def test_k6_picks_the_overlap_by_seqlen_at_d128_non_causal():
+    # Short non-causal sequences at d=128 run without the overlap (measured faster), long ones with
+    # it; both compile without spills.
+    entry = get_kernel("k6")
+    short = entry.compile(Problem(1, 1, 2048, 128), keep_ptx=True)
+    long = entry.compile(Problem(1, 1, 4096, 128), keep_ptx=True)
+    assert not short.info["overlap"] and long.info["overlap"]
+    assert re.search(r"wgmma\.wait_group\.sync\.aligned\s+1;", long.ptx)
+    report = ptxas_report(long.ptx)
+    assert all(spill == 0 for _, _, _, spill in report), report
