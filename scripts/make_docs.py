@@ -245,6 +245,41 @@ def ws_tune_table(tune):
             + markdown_table(["d", "causal", "N", "configuration", "TFLOP/s", "× best peer"], body))
 
 
+def ws_compile_table(files):
+    """docs/k5.md: per kernel, head dim and causal flag, the configuration, SMEM, ptxas registers
+    (the launch budget once setmaxnreg is in play) and spill bytes, from --compile-only runs."""
+    body = []
+    for f in sorted(files, key=lambda f: (f["rows"][0]["head_dim"], f["rows"][0]["causal"]) if f["rows"] else (0, 0)):
+        for r in f["rows"]:
+            if r.get("status") != "ok":
+                continue
+            cfg = dict(r.get("config") or {})
+            smem = cfg.pop("smem_bytes", None)
+            ptxas = r.get("ptxas") or [{}]
+            body.append([r["head_dim"], r["causal"], f"`{r['kernel']}`", ", ".join(f"{k}={v}" for k, v in cfg.items()),
+                         f"{smem // 1024} KB" if smem else "—", ptxas[0].get("registers", "—"),
+                         ptxas[0].get("spill_bytes", "—"), r["instructions"].get("setmaxnreg", 0),
+                         r["instructions"].get("wgmma.mma_async", 0)])
+    commands = sorted({f["meta"].get("command", "") for f in files})
+    return ("From " + "; ".join(f"`{c}`" for c in commands) + ".\n\n"
+            + markdown_table(["d", "causal", "kernel", "configuration", "SMEM", "registers (ptxas)", "spill bytes",
+                              "setmaxnreg", "wgmma"], body))
+
+
+def ncu_table(path):
+    """docs/k5.md, docs/k6.md: scripts/ncu_tensor_util.sh output as a table."""
+    lines = path.read_text().splitlines()
+    values = {}
+    for line in lines[1:]:
+        kernel, metric, value = line.split(maxsplit=2)
+        values.setdefault(kernel, {})[metric.split(".")[0]] = value.replace(",", "")
+    body = [[f"`{k}`", v.get("sm__pipe_tensor_op_hmma_cycles_active", "—"),
+             f"{int(v['gpu__time_duration']) / 1e6:.2f}" if "gpu__time_duration" in v else "—"]
+            for k, v in values.items()]
+    return (f"`{path.relative_to(ROOT)}`: {lines[0]}\n\n"
+            + markdown_table(["kernel", "tensor pipe active (% of peak)", "duration under ncu (ms)"], body))
+
+
 def ws_readme_table(sweep):
     """README: the warp-specialized stages against the best peer over the whole sweep."""
     rows = sweep_rows(sweep)
@@ -358,18 +393,29 @@ def main(argv=None):
             text = replace_block(text, "refcheck", "\n\n".join(
                 refcheck_table(f, names) for _, (f, names) in sorted(sources.items(), reverse=True)))
         page.write_text(text)
-    ws_sweep, ws_tune = latest("ws-sweep*.json"), latest("ws-tune*.json")
+    ws_sweep = latest("ws-sweep*.json")
     if ws_sweep:
         readme = ROOT / "README.md"
         if "<!-- table:ws -->" in readme.read_text():
             readme.write_text(replace_block(readme.read_text(), "ws", ws_readme_table(ws_sweep)))
-        for stem in ("k5", "k6"):
-            page = ROOT / "docs" / f"{stem}.md"
-            if page.exists() and "<!-- table:ws-steps -->" in page.read_text():
-                page.write_text(replace_block(page.read_text(), "ws-steps", ws_steps_table(ws_sweep)))
+    compile_files = finished("compile-ws-*.json")
+    ncu_files = sorted(ROOT.glob("results/ncu-tensor-util-*.txt"))
+    for stem in ("k5", "k6"):
+        page = ROOT / "docs" / f"{stem}.md"
+        if not page.exists():
+            continue
+        text = page.read_text()
+        if ws_sweep and "<!-- table:ws-steps -->" in text:
+            text = replace_block(text, "ws-steps", ws_steps_table(ws_sweep))
+        if compile_files and "<!-- table:ws-compile -->" in text:
+            text = replace_block(text, "ws-compile", ws_compile_table(compile_files))
+        if ncu_files and "<!-- table:ncu -->" in text:
+            text = replace_block(text, "ncu", "\n\n".join(ncu_table(f) for f in ncu_files))
+        page.write_text(text)
     page = ROOT / "docs" / "k6.md"
-    if ws_tune and page.exists() and "<!-- table:ws-tune -->" in page.read_text():
-        page.write_text(replace_block(page.read_text(), "ws-tune", ws_tune_table(ws_tune)))
+    ws_tunes = finished("ws-tune*.json")
+    if ws_tunes and page.exists() and "<!-- table:ws-tune -->" in page.read_text():
+        page.write_text(replace_block(page.read_text(), "ws-tune", "\n\n".join(ws_tune_table(t) for t in ws_tunes)))
     tune = latest("k4-tune*.json")
     page = ROOT / "docs" / "k4.md"
     if tune and page.exists() and "<!-- table:tune -->" in page.read_text():

@@ -3,6 +3,7 @@
 #   bash scripts/reproduce.sh check results    # ref_check grid (all head dims) + GPU tests
 #   bash scripts/reproduce.sh perf  results    # CHECK=1 headline runs, the sweep, K4 tuning
 #   bash scripts/reproduce.sh headline results # the CHECK=1 headline runs alone (a second GPU, say)
+#   bash scripts/reproduce.sh ws results       # K5/K6: ref_check, sanitizers, sweep beside K4, ncu, tuning
 # Each file records the command that wrote it; then, anywhere: python scripts/make_docs.py --plot
 set -euo pipefail
 part=${1:?check or perf}
@@ -27,5 +28,25 @@ case "$part" in
       $py scripts/k4_tune.py --out "$dir/k4-tune-$gpu.json"
     fi
     ;;
-  *) echo "usage: $0 check|perf|headline [dir]" >&2; exit 2 ;;
+  ws)  # the warp-specialized stages; a hang ends at its timeout with a message, never blocks the rest
+    rc=0
+    timeout 420 $py ref_check.py k4_seed k5 k6_pp k6 --all-head-dims --out "$dir/refcheck-ws-$gpu.json" \
+      > "$dir/refcheck-ws-$gpu.log" || { echo "ref_check failed or timed out (exit $?)"; rc=1; }
+    for k in k5 k6; do  # racecheck: hazards on SMEM; synccheck: barrier misuse. Small shapes, our kernels only.
+      for args in "--causal 0" "--causal 1" "--headdim 256 --causal 0"; do
+        timeout 120 compute-sanitizer --tool racecheck --kernel-name kns=FMHA $py scripts/sanitize_case.py $k $args \
+          2>&1 | grep "SUMMARY\|: ok\|FAIL" || { echo "racecheck $k $args: timed out or failed"; rc=1; }
+      done
+      timeout 120 compute-sanitizer --tool synccheck --kernel-name kns=FMHA $py scripts/sanitize_case.py $k --causal 1 \
+        2>&1 | grep "SUMMARY\|: ok\|FAIL" || { echo "synccheck $k: timed out or failed"; rc=1; }
+    done | tee "$dir/sanitizer-$gpu.txt"
+    timeout 300 $py bench.py k4 k5 k6_pp k6 --sweep --out "$dir/ws-sweep-$gpu.json" > "$dir/ws-sweep-$gpu.log" || rc=1
+    timeout 150 bash scripts/ncu_tensor_util.sh 8192 128 0 > "$dir/ncu-tensor-util-$gpu.txt" || rc=1
+    timeout 330 $py scripts/tune.py --kernels k6 --seqlen 512 2048 8192 16384 --causal 1 \
+      --configs '[{}, {"scheduler": "single"}, {"scheduler": "static"}]' --out "$dir/ws-tune-$gpu-scheduler.json" || rc=1
+    timeout 300 $py scripts/tune.py --kernels k6 --headdim 64 128 --seqlen 512 1024 4096 \
+      --configs '[{}, {"q_stages": 1}]' --out "$dir/ws-tune-$gpu-qstages.json" || rc=1
+    exit $rc
+    ;;
+  *) echo "usage: $0 check|perf|headline|ws [dir]" >&2; exit 2 ;;
 esac
