@@ -195,24 +195,7 @@ class K4FMHA:
                               masked=True)
 
         # ---- Epilogue: normalize once, write O and LSE straight from registers ------------
-        lse = cute.make_rmem_tensor(softmax.num_rows, Float32)
-        softmax.finalize(acc_O, lse)
-        rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
-        sm90.convert_to(acc_O, rO)
-
-        thr_mma_pv = tiled_mma_pv.get_slice(tidx)
-        gO = cute.local_tile(mO[batch, head, None, None], (tile_m, d), (m_block, 0))
-        tOgO_mn = sm90.acc_mn_view(thr_mma_pv.partition_C(gO))
-        tOcO_mn = sm90.acc_mn_view(thr_mma_pv.partition_C(cute.make_identity_tensor((tile_m, d))))
-        rO_mn = sm90.acc_mn_view(rO)
-        rows_left = seqlen - m_block * tile_m
-        for r in cutlass.range_constexpr(softmax.num_rows):
-            row = tOcO_mn[r, 0][0]
-            if row < rows_left:
-                # Each row segment is (2 adjacent columns) x (pairs 8 apart): 4-byte stores.
-                cute.autovec_copy(rO_mn[r, None], tOgO_mn[r, None])
-                if tOcO_mn[r, 0][1] == 0:  # lane 0 of the quad owns column 0: it writes LSE
-                    mLSE[batch, head, m_block * tile_m + row] = lse[r]
+        sm90.store_o_and_lse(acc_O, softmax, tiled_mma_pv, tidx, mO, mLSE, m_block, head, batch, tile_m, self.dtype)
 
     @cute.jit
     def kv_iteration(self, n_block: Int32, n_tiles: Int32, m_block: Int32, seqlen: Int32, warp_idx: Int32,

@@ -34,6 +34,7 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+from cutlass.cute.runtime import make_fake_tensor
 from cutlass.tensor_utils import LayoutEnum
 
 from . import schedule, sm90, tma_pipeline
@@ -51,7 +52,6 @@ from .contract import (
     run_kernel,  # noqa: F401  (the contract's launch-only entry)
 )
 from .tiles import kv_tile_count, unmasked_kv_tile_count
-from cutlass.cute.runtime import make_fake_tensor
 
 CAPS = Capabilities(head_dims=(64, 128, 256))
 
@@ -104,6 +104,8 @@ class K5FMHA:
         self.sm_count = sm_count
         self.num_threads = 128 * (num_wg + 1)
         self.producer_regs, self.consumer_regs = REGISTERS[num_wg]
+        # K6 turns this on (ping-pong); in K5 its sync/arrive calls compile to nothing.
+        self.warp_scheduler = sm90.WarpScheduler(num_wg, enabled=False)
 
     def smem_bytes(self) -> int:
         return tma_pipeline.smem_bytes(self.tile_m, self.tile_n, self.head_dim, self.dtype.width // 8, self.kv_stages,
@@ -336,7 +338,9 @@ class K5FMHA:
             # Every QK of this tile has retired: the producer may load the next tile's Q.
             pipeline_q.consumer_release(q_consume)
             q_consume.advance()
-            self.epilogue(acc_O, softmax, tiled_mma_pv, tidx, mO, mLSE, m_block, head, batch)
+            # K4's epilogue: normalize once, O and LSE straight from registers.
+            sm90.store_o_and_lse(acc_O, softmax, tiled_mma_pv, tidx, mO, mLSE, m_block, head, batch, tile_m,
+                                 self.dtype)
             tile_idx = self.next_tile(tile_idx, step, tile_slots, tile_consume)
             tile_consume.advance()
 
@@ -359,12 +363,15 @@ class K5FMHA:
                      pipelines: tuple, mmas: tuple, softmax: sm90.OnlineSoftmax, row_scale: cute.Tensor,
                      masked: cutlass.Constexpr[bool]) -> pipeline.PipelineState:
         """K4's iteration with separate K and V waits, and no loads: S = QK^T, (mask), softmax,
-        O = O*scale + P V. Each stage is released right after the WGMMA that read it retired."""
+        O = O*scale + P V. Each stage is released right after the WGMMA that read it retired.
+        (K6's ping-pong: arrive once QK is issued, sync before PV; no-ops here.)"""
         _, pipeline_k, pipeline_v = pipelines
         tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O, tScS = mmas
         pipeline_k.consumer_wait(kv_consume)
         acc_S = cute.make_rmem_tensor(tiled_mma_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
-        sm90.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_consume.index], zero_init=True, wg_wait=0)
+        sm90.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_consume.index], zero_init=True, wg_wait=-1)
+        self.warp_scheduler.arrive()
+        warpgroup.wait_group(0)
         pipeline_k.consumer_release(kv_consume)
         if const_expr(masked):
             sm90.mask_tile(acc_S, tScS, m_block, n_block, seqlen, self.tile_m, self.tile_n, self.causal)
@@ -372,32 +379,11 @@ class K5FMHA:
         softmax.rescale(acc_O, row_scale)
         sm90.convert_to(sm90.acc_as_operand_a(acc_S), tOrP)
         pipeline_v.consumer_wait(kv_consume)
+        self.warp_scheduler.sync()
         sm90.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_consume.index], zero_init=False, wg_wait=0)
         pipeline_v.consumer_release(kv_consume)
         kv_consume.advance()
         return kv_consume
-
-    @cute.jit
-    def epilogue(self, acc_O: cute.Tensor, softmax: sm90.OnlineSoftmax, tiled_mma_pv: cute.TiledMma, tidx: Int32,
-                 mO: cute.Tensor, mLSE: cute.Tensor, m_block: Int32, head: Int32, batch: Int32):
-        """K4's epilogue: normalize once, write O and LSE straight from registers, rows predicated."""
-        tile_m, d = self.tile_m, self.head_dim
-        lse = cute.make_rmem_tensor(softmax.num_rows, Float32)
-        softmax.finalize(acc_O, lse)
-        rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
-        sm90.convert_to(acc_O, rO)
-        thr_mma_pv = tiled_mma_pv.get_slice(tidx)
-        gO = cute.local_tile(mO[batch, head, None, None], (tile_m, d), (m_block, 0))
-        tOgO_mn = sm90.acc_mn_view(thr_mma_pv.partition_C(gO))
-        tOcO_mn = sm90.acc_mn_view(thr_mma_pv.partition_C(cute.make_identity_tensor((tile_m, d))))
-        rO_mn = sm90.acc_mn_view(rO)
-        rows_left = mO.shape[2] - m_block * tile_m
-        for r in cutlass.range_constexpr(softmax.num_rows):
-            row = tOcO_mn[r, 0][0]
-            if row < rows_left:
-                cute.autovec_copy(rO_mn[r, None], tOgO_mn[r, None])
-                if tOcO_mn[r, 0][1] == 0:
-                    mLSE[batch, head, m_block * tile_m + row] = lse[r]
 
 
 def default_config(p: Problem, overrides: dict) -> dict:

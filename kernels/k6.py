@@ -49,7 +49,7 @@ NO_OVERLAP_UP_TO_SEQLEN = {(128, False): 2048}
 class K6FMHA(k5.K5FMHA):
     def __init__(self, *args, pingpong: bool, overlap: bool, **kw):
         super().__init__(*args, **kw)
-        self.warp_scheduler = sm90.WarpScheduler(self.num_wg, pingpong)
+        self.warp_scheduler = sm90.WarpScheduler(self.num_wg, pingpong)  # K5's no-op calls come alive
         self.overlap = overlap
         self.rescale_o_before_gemm = overlap and self.head_dim > 128
 
@@ -64,7 +64,7 @@ class K6FMHA(k5.K5FMHA):
                  row_scale: cute.Tensor) -> pipeline.PipelineState:
         if const_expr(not self.overlap):
             # K5's loop with the token around each batch of GEMMs: sync before the first QK,
-            # then (inside kv_iteration) arrive after QK j, sync before PV j; arrive after the last.
+            # then (inside K5's kv_iteration) arrive after QK j, sync before PV j; arrive after the last.
             self.warp_scheduler.sync()
             kv_consume = k5.K5FMHA.mainloop(self, m_block, seqlen, n_tiles, n_unmasked, kv_consume, pipelines,
                                             mmas, softmax, row_scale)
@@ -104,32 +104,6 @@ class K6FMHA(k5.K5FMHA):
             tma_pipeline.load_stage(pipeline_v, kv_produce, tma_atom_V, tVgV[None, 0], tVsV[None, kv_produce.index])
             kv_produce.advance()
         return kv_produce
-
-    @cute.jit
-    def kv_iteration(self, n_block: Int32, m_block: Int32, seqlen: Int32, kv_consume: pipeline.PipelineState,
-                     pipelines: tuple, mmas: tuple, softmax: sm90.OnlineSoftmax, row_scale: cute.Tensor,
-                     masked: cutlass.Constexpr[bool]) -> pipeline.PipelineState:
-        """K5's iteration with the ping-pong token: the other warpgroup's GEMMs run during this
-        one's softmax."""
-        _, pipeline_k, pipeline_v = pipelines
-        tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O, tScS = mmas
-        pipeline_k.consumer_wait(kv_consume)
-        acc_S = cute.make_rmem_tensor(tiled_mma_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
-        sm90.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_consume.index], zero_init=True, wg_wait=-1)
-        self.warp_scheduler.arrive()
-        warpgroup.wait_group(0)
-        pipeline_k.consumer_release(kv_consume)
-        if const_expr(masked):
-            sm90.mask_tile(acc_S, tScS, m_block, n_block, seqlen, self.tile_m, self.tile_n, self.causal)
-        softmax.step(acc_S, row_scale, check_inf=masked)
-        softmax.rescale(acc_O, row_scale)
-        sm90.convert_to(sm90.acc_as_operand_a(acc_S), tOrP)
-        pipeline_v.consumer_wait(kv_consume)
-        self.warp_scheduler.sync()
-        sm90.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_consume.index], zero_init=False, wg_wait=0)
-        pipeline_v.consumer_release(kv_consume)
-        kv_consume.advance()
-        return kv_consume
 
     @cute.jit
     def first_qk_softmax(self, n_block: Int32, m_block: Int32, seqlen: Int32, kv_consume: pipeline.PipelineState,

@@ -196,6 +196,38 @@ class OnlineSoftmax:
 
 
 # --------------------------------------------------------------------------------------
+# Epilogue: O and LSE straight from the accumulator
+# --------------------------------------------------------------------------------------
+
+@cute.jit
+def store_o_and_lse(acc_O: cute.Tensor, softmax: OnlineSoftmax, tiled_mma_pv: cute.TiledMma, tidx: Int32,
+                    mO: cute.Tensor, mLSE: cute.Tensor, m_block: Int32, head: Int32, batch: Int32,
+                    tile_m: cutlass.Constexpr, dtype: cutlass.Constexpr):
+    """Normalize once, narrow O to ``dtype`` and write O and LSE from registers, rows predicated.
+
+    Each row segment of the C fragment is (2 adjacent columns) x (pairs 8 apart): 4-byte stores.
+    Lane 0 of each quad owns column 0 and writes that row's LSE.
+    """
+    d = cute.size(mO, mode=[3])
+    lse = cute.make_rmem_tensor(softmax.num_rows, Float32)
+    softmax.finalize(acc_O, lse)
+    rO = cute.make_rmem_tensor_like(acc_O, dtype)
+    convert_to(acc_O, rO)
+    thr_mma_pv = tiled_mma_pv.get_slice(tidx)
+    gO = cute.local_tile(mO[batch, head, None, None], (tile_m, d), (m_block, 0))
+    tOgO_mn = acc_mn_view(thr_mma_pv.partition_C(gO))
+    tOcO_mn = acc_mn_view(thr_mma_pv.partition_C(cute.make_identity_tensor((tile_m, d))))
+    rO_mn = acc_mn_view(rO)
+    rows_left = mO.shape[2] - m_block * tile_m
+    for r in cutlass.range_constexpr(softmax.num_rows):
+        row = tOcO_mn[r, 0][0]
+        if row < rows_left:
+            cute.autovec_copy(rO_mn[r, None], tOgO_mn[r, None])
+            if tOcO_mn[r, 0][1] == 0:
+                mLSE[batch, head, m_block * tile_m + row] = lse[r]
+
+
+# --------------------------------------------------------------------------------------
 # Masking through an identity-tensor coordinate probe
 # --------------------------------------------------------------------------------------
 
