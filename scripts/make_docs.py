@@ -366,7 +366,7 @@ def main(argv=None):
             import matplotlib  # noqa: F401
         except ImportError:
             raise SystemExit("error: --plot needs matplotlib: pip install -e \".[plot]\" (nothing was written)")
-    sweep, refcheck = latest("sweep*.json"), latest("refcheck*.json")
+    sweep = latest("sweep*.json")
     readme = ROOT / "README.md"
     text = replace_block(readme.read_text(), "kernels", readme_table(sweep, merged_refcheck()))
     text = replace_block(text, "caps", caps_table())
