@@ -295,6 +295,31 @@ def ws_readme_table(sweep):
             + markdown_table(["kernel", "what it adds", "geomean × best peer", "worst cell", "d128 N=8k TFLOP/s"], body))
 
 
+def k4_steps_table(sweep, tune):
+    """docs/k4.md: K4.1 -> K4.2 seed -> K4.2 tuned at the tuning run's seqlen. k4_qk from the
+    sweep file, k4_seed and k4 from the tuning run's seed and default rows, peers from the tuning
+    run: two runs, named in the caption."""
+    rows = sweep_rows(sweep) if sweep else []
+    n = tune["rows"][0]["seqlen"]
+    body = []
+    for d in sorted({r["head_dim"] for r in tune["rows"]}):
+        for c in (0, 1):
+            here = [r for r in tune["rows"] if r["head_dim"] == d and r["causal"] == c]
+            seed = next((r["tflops"] for r in here if r.get("seed")), None)
+            tuned = next((r["tflops"] for r in here if r.get("default")), None)
+            qk = tflops_at(rows, "k4_qk", n, d, c)
+            peers = {r["kernel"]: r["tflops"] for r in here if r["kernel"] in BEST_OF}
+            ratio = lambda a, b: f"{a / b:.1f}×" if a and b else "—"  # noqa: E731
+            body.append([d, c, fmt(qk), fmt(seed), fmt(tuned), ratio(seed, qk), ratio(tuned, seed)]
+                        + [fmt(peers.get(p)) for p in BEST_OF])
+    return (f"TFLOP/s at seqlen {n}, batch 2, heads 2048/d, bf16: `k4_qk` from `{sweep['meta'].get('command', '')}` "
+            f"({gpu_short_name(sweep['meta'].get('device', ''))}, {sweep['meta'].get('date', '')[:10]}); `k4_seed`, "
+            f"`k4` and the peers from `{tune['meta'].get('command', '')}` ({gpu_short_name(tune['meta'].get('device', ''))}, "
+            f"{tune['meta'].get('date', '')[:10]}).\n\n"
+            + markdown_table(["d", "causal", "`k4_qk`", "`k4_seed`", "`k4`", "seed / k4_qk", "k4 / seed"]
+                             + [f"*{p}*" for p in BEST_OF], body))
+
+
 def _label(r):
     cfg = r.get("config")
     return ", ".join(f"{k}={v}" for k, v in cfg.items()) if cfg else f"*{r['kernel']}*"
@@ -420,6 +445,9 @@ def main(argv=None):
     page = ROOT / "docs" / "k4.md"
     if tune and page.exists() and "<!-- table:tune -->" in page.read_text():
         page.write_text(replace_block(page.read_text(), "tune", tune_table(tune)))
+    if tune and page.exists() and "<!-- table:k4-steps -->" in page.read_text():
+        k4_sweep = latest_with("sweep*.json", ["k4_qk"])
+        page.write_text(replace_block(page.read_text(), "k4-steps", k4_steps_table(k4_sweep, tune)))
     if args.plot and sweep:
         plot(sweep, ROOT / "docs" / "plots" / "tflops_vs_seqlen.png")
     if args.plot and ws_sweep:
