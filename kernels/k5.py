@@ -53,7 +53,9 @@ from .contract import (
 )
 from .tiles import kv_tile_count, unmasked_kv_tile_count
 
-CAPS = Capabilities(head_dims=(64, 128, 256))
+# GQA and keys outnumbering queries (bottom-right causal) come with K5's tile loop: K/V heads
+# are indexed as head // group, and the KV walk takes its length from K.
+CAPS = Capabilities(head_dims=(64, 128, 256), gqa=True, unequal_lengths=True)
 
 # The anchors' tiles (flash-attention's FA3 and flash-attn-4 sm90): three consumer warpgroups at
 # d=64 (192-row tiles: more rows share each K/V tile), two at d=128/256; d=256 takes 80-key tiles,
@@ -149,17 +151,20 @@ class K5FMHA:
         # One linear index per (m_block, head, batch) tile; schedule.tile_coords decodes it.
         num_tiles = cute.ceil_div(mQ.shape[2], self.tile_m) * mQ.shape[1] * mQ.shape[0]
         grid_x = num_tiles if const_expr(self.scheduler == "single") else cutlass.min(num_tiles, self.sm_count)
-        self.kernel(mQ_tma, mK_tma, mV_tma, mO, mLSE, mTileCounter, tma_atom_Q, tma_atom_K, tma_atom_V, scale_log2,
-                    sQ_layout, sK_layout, sVt_layout, tiled_mma_qk, tiled_mma_pv, SharedStorage).launch(
+        # K/V may have fewer heads (GQA: query head h reads K/V head h // group) and more rows
+        # than Q (chunked prefill): the kernel takes both from K's shape.
+        kv_shape = (mK.shape[2], mQ.shape[1] // mK.shape[1])
+        self.kernel(mQ_tma, mK_tma, mV_tma, mO, mLSE, mTileCounter, kv_shape, tma_atom_Q, tma_atom_K, tma_atom_V,
+                    scale_log2, sQ_layout, sK_layout, sVt_layout, tiled_mma_qk, tiled_mma_pv, SharedStorage).launch(
             grid=(grid_x, 1, 1), block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(),
             stream=stream, min_blocks_per_mp=1)
 
     @cute.kernel
     def kernel(self, mQ_tma: cute.Tensor, mK_tma: cute.Tensor, mV_tma: cute.Tensor, mO: cute.Tensor,
-               mLSE: cute.Tensor, mTileCounter: cute.Tensor, tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
-               scale_log2: Float32, sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
-               sVt_layout: cute.ComposedLayout, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
-               SharedStorage: cutlass.Constexpr):
+               mLSE: cute.Tensor, mTileCounter: cute.Tensor, kv_shape: tuple, tma_atom_Q: cute.CopyAtom,
+               tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom, scale_log2: Float32,
+               sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sVt_layout: cute.ComposedLayout,
+               tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, SharedStorage: cutlass.Constexpr):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
             tma_pipeline.prefetch_descriptors(tma_atom_Q, tma_atom_K, tma_atom_V)
@@ -186,20 +191,22 @@ class K5FMHA:
         if warp_idx < PRODUCER_WARPS:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
-                self.load(mQ_tma, mK_tma, mV_tma, mO, tma_atom_Q, tma_atom_K, tma_atom_V, sQ, sK, sVt, pipelines,
-                          tile_slots)
+                self.load(mQ_tma, mK_tma, mV_tma, mO, kv_shape, tma_atom_Q, tma_atom_K, tma_atom_V, sQ, sK, sVt,
+                          pipelines, tile_slots)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
-            self.consume(mO, mLSE, sQ, sK, sVt, tiled_mma_qk, tiled_mma_pv, scale_log2, pipelines, tile_slots)
+            self.consume(mO, mLSE, kv_shape, sQ, sK, sVt, tiled_mma_qk, tiled_mma_pv, scale_log2, pipelines,
+                         tile_slots)
 
     @cute.jit
-    def tiles(self, mO: cute.Tensor):
+    def tiles(self, mO: cute.Tensor, kv_shape: tuple):
         """(first tile index, step, number of tiles, decode args) of this CTA's tile loop."""
         seqlen, nheads, batch = mO.shape[2], mO.shape[1], mO.shape[0]
+        seqlen_k, group = kv_shape
         num_m_blocks = cute.ceil_div(seqlen, self.tile_m)
         # Non-causal tiles all cost the same: m fastest inside one head (K4's order) keeps just a
         # head or two of K/V in flight. Causal: L2 sections, heaviest m first.
-        section = (schedule.l2_section_heads(seqlen, self.head_dim, self.dtype.width // 8, nheads * batch)
+        section = (schedule.l2_section_heads(seqlen_k, self.head_dim, self.dtype.width // 8, nheads * batch, group)
                    if const_expr(self.causal) else Int32(1))
         bx, _, _ = cute.arch.block_idx()
         gdx, _, _ = cute.arch.grid_dim()
@@ -248,7 +255,7 @@ class K5FMHA:
     # ---- Producer: one warp, TMA only ---------------------------------------------------------
 
     @cute.jit
-    def load(self, mQ_tma: cute.Tensor, mK_tma: cute.Tensor, mV_tma: cute.Tensor, mO: cute.Tensor,
+    def load(self, mQ_tma: cute.Tensor, mK_tma: cute.Tensor, mV_tma: cute.Tensor, mO: cute.Tensor, kv_shape: tuple,
              tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom, sQ: cute.Tensor,
              sK: cute.Tensor, sVt: cute.Tensor, pipelines: tuple, tile_slots: tuple):
         pipeline_q, pipeline_k, pipeline_v = pipelines
@@ -257,15 +264,16 @@ class K5FMHA:
         q_produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
         kv_produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
         tile_produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, TILE_STAGES)
-        tile_idx, step, num_tiles, decode = self.tiles(mO)
+        tile_idx, step, num_tiles, decode = self.tiles(mO, kv_shape)
         while tile_idx < num_tiles:
             m_block, head, batch = schedule.tile_coords(tile_idx, *decode, self.causal)
             tQsQ, tQgQ = tma_pipeline.partition_for_tma(tma_atom_Q, mQ_tma, sQ, (tile_m, d), head, batch,
                                                         coord=(m_block, 0))
-            tKsK, tKgK = tma_pipeline.partition_for_tma(tma_atom_K, mK_tma, sK, (tile_n, d), head, batch)
-            tVsV, tVgV = tma_pipeline.partition_for_tma(tma_atom_V, mV_tma, sVt, (d, tile_n), head, batch,
+            seqlen_k, group = kv_shape
+            tKsK, tKgK = tma_pipeline.partition_for_tma(tma_atom_K, mK_tma, sK, (tile_n, d), head // group, batch)
+            tVsV, tVgV = tma_pipeline.partition_for_tma(tma_atom_V, mV_tma, sVt, (d, tile_n), head // group, batch,
                                                         coord=(0, None))
-            n_tiles = kv_tile_count(m_block, seqlen, tile_m, tile_n, self.causal)
+            n_tiles = kv_tile_count(m_block, seqlen, tile_m, tile_n, self.causal, seqlen_k)
             kv_loads = (pipeline_k, tma_atom_K, tKgK, tKsK, pipeline_v, tma_atom_V, tVgV, tVsV)
             # Q goes right after the first K: in a persistent CTA it waits for the consumers to
             # release sQ, and that K need not wait with it.
@@ -289,19 +297,21 @@ class K5FMHA:
         pipeline_k, tma_atom_K, tKgK, tKsK, pipeline_v, tma_atom_V, tVgV, tVsV = kv_loads
         for i in cutlass.range(n_tiles, unroll=1):
             n_block = n_tiles - 1 - i
-            tma_pipeline.load_stage(pipeline_k, kv_produce, tma_atom_K, tKgK[None, n_block], tKsK[None, kv_produce.index])
+            tma_pipeline.load_stage(pipeline_k, kv_produce, tma_atom_K, tKgK[None, n_block],
+                                    tKsK[None, kv_produce.index])
             if i == 0:
                 tma_pipeline.load_stage(*q_load)
-            tma_pipeline.load_stage(pipeline_v, kv_produce, tma_atom_V, tVgV[None, n_block], tVsV[None, kv_produce.index])
+            tma_pipeline.load_stage(pipeline_v, kv_produce, tma_atom_V, tVgV[None, n_block],
+                                    tVsV[None, kv_produce.index])
             kv_produce.advance()
         return kv_produce
 
     # ---- Consumers: WGMMA + softmax only ------------------------------------------------------
 
     @cute.jit
-    def consume(self, mO: cute.Tensor, mLSE: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor, sVt: cute.Tensor,
-                tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, scale_log2: Float32, pipelines: tuple,
-                tile_slots: tuple):
+    def consume(self, mO: cute.Tensor, mLSE: cute.Tensor, kv_shape: tuple, sQ: cute.Tensor, sK: cute.Tensor,
+                sVt: cute.Tensor, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, scale_log2: Float32,
+                pipelines: tuple, tile_slots: tuple):
         pipeline_q, pipeline_k, pipeline_v = pipelines
         tile_m, tile_n, d = self.tile_m, self.tile_n, self.head_dim
         tidx = cute.arch.thread_idx()[0] - 128 * (PRODUCER_WARPS // 4)  # thread index among the consumers
@@ -322,18 +332,20 @@ class K5FMHA:
         q_consume = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
         kv_consume = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
         tile_consume = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, TILE_STAGES)
-        tile_idx, step, num_tiles, decode = self.tiles(mO)
+        tile_idx, step, num_tiles, decode = self.tiles(mO, kv_shape)
         while tile_idx < num_tiles:
             m_block, head, batch = schedule.tile_coords(tile_idx, *decode, self.causal)
-            n_tiles = kv_tile_count(m_block, seqlen, tile_m, tile_n, self.causal)
-            n_unmasked = unmasked_kv_tile_count(m_block, seqlen, tile_m, tile_n, self.causal)
+            seqlen_k, _ = kv_shape
+            n_tiles = kv_tile_count(m_block, seqlen, tile_m, tile_n, self.causal, seqlen_k)
+            n_unmasked = unmasked_kv_tile_count(m_block, seqlen, tile_m, tile_n, self.causal, seqlen_k)
+            mask_lens = (seqlen_k, seqlen_k - seqlen)  # key length, causal diagonal offset
             acc_O.fill(0.0)
             softmax = sm90.OnlineSoftmax(num_rows, scale_log2)  # fresh row max / sum per query tile
             row_scale = cute.make_rmem_tensor(num_rows, Float32)
             pipeline_q.consumer_wait(q_consume)
             mmas = (tiled_mma_qk, tiled_mma_pv, tSrQ[None, None, None, q_consume.index], tSrK, tOrVt, tOrP, acc_O,
                     tScS)
-            kv_consume = self.mainloop(m_block, seqlen, n_tiles, n_unmasked, kv_consume, pipelines, mmas, softmax,
+            kv_consume = self.mainloop(m_block, mask_lens, n_tiles, n_unmasked, kv_consume, pipelines, mmas, softmax,
                                        row_scale)
             # Every QK of this tile has retired: the producer may load the next tile's Q.
             pipeline_q.consumer_release(q_consume)
@@ -345,21 +357,21 @@ class K5FMHA:
             tile_consume.advance()
 
     @cute.jit
-    def mainloop(self, m_block: Int32, seqlen: Int32, n_tiles: Int32, n_unmasked: Int32,
+    def mainloop(self, m_block: Int32, mask_lens: tuple, n_tiles: Int32, n_unmasked: Int32,
                  kv_consume: pipeline.PipelineState, pipelines: tuple, mmas: tuple, softmax: sm90.OnlineSoftmax,
                  row_scale: cute.Tensor) -> pipeline.PipelineState:
         """One query tile's KV loop, descending: the masked diagonal / seqlen-tail tiles first,
         then the mask-free rest."""
         for i in cutlass.range(n_tiles - n_unmasked, unroll=1):
-            kv_consume = self.kv_iteration(n_tiles - 1 - i, m_block, seqlen, kv_consume, pipelines, mmas, softmax,
+            kv_consume = self.kv_iteration(n_tiles - 1 - i, m_block, mask_lens, kv_consume, pipelines, mmas, softmax,
                                            row_scale, masked=True)
         for i in cutlass.range(n_unmasked, unroll=1):
-            kv_consume = self.kv_iteration(n_unmasked - 1 - i, m_block, seqlen, kv_consume, pipelines, mmas,
+            kv_consume = self.kv_iteration(n_unmasked - 1 - i, m_block, mask_lens, kv_consume, pipelines, mmas,
                                            softmax, row_scale, masked=False)
         return kv_consume
 
     @cute.jit
-    def kv_iteration(self, n_block: Int32, m_block: Int32, seqlen: Int32, kv_consume: pipeline.PipelineState,
+    def kv_iteration(self, n_block: Int32, m_block: Int32, mask_lens: tuple, kv_consume: pipeline.PipelineState,
                      pipelines: tuple, mmas: tuple, softmax: sm90.OnlineSoftmax, row_scale: cute.Tensor,
                      masked: cutlass.Constexpr[bool]) -> pipeline.PipelineState:
         """K4's iteration with separate K and V waits, and no loads: S = QK^T, (mask), softmax,
@@ -374,7 +386,8 @@ class K5FMHA:
         warpgroup.wait_group(0)
         pipeline_k.consumer_release(kv_consume)
         if const_expr(masked):
-            sm90.mask_tile(acc_S, tScS, m_block, n_block, seqlen, self.tile_m, self.tile_n, self.causal)
+            sm90.mask_tile(acc_S, tScS, m_block, n_block, mask_lens[0], self.tile_m, self.tile_n, self.causal,
+                           mask_lens[1])
         softmax.step(acc_S, row_scale, check_inf=masked)
         softmax.rescale(acc_O, row_scale)
         sm90.convert_to(sm90.acc_as_operand_a(acc_S), tOrP)
@@ -430,7 +443,7 @@ def build(name: str, kernel_cls, p: Problem, cfg: dict, keep_ptx: bool) -> Compi
     key = (name, p.head_dim, p.dtype, p.causal, sm_count, tuple(sorted(cfg.items())))
 
     def args():
-        q, k, v, o, lse, scale, stream = fake_attention_args(dt, p.head_dim)
+        q, k, v, o, lse, scale, stream = fake_attention_args(dt, p.head_dim, separate_kv=True)
         return kernel, (q, k, v, o, lse, scale, make_fake_tensor(Int32, (2,), stride=(1,)), stream)
 
     fn = jit_compile(key, args, keep_ptx)

@@ -59,25 +59,25 @@ class K6FMHA(k5.K5FMHA):
         k5.K5FMHA.consume(self, *args)
 
     @cute.jit
-    def mainloop(self, m_block: Int32, seqlen: Int32, n_tiles: Int32, n_unmasked: Int32,
+    def mainloop(self, m_block: Int32, mask_lens: tuple, n_tiles: Int32, n_unmasked: Int32,
                  kv_consume: pipeline.PipelineState, pipelines: tuple, mmas: tuple, softmax: sm90.OnlineSoftmax,
                  row_scale: cute.Tensor) -> pipeline.PipelineState:
         if const_expr(not self.overlap):
             # K5's loop with the token around each batch of GEMMs: sync before the first QK,
             # then (inside K5's kv_iteration) arrive after QK j, sync before PV j; arrive after the last.
             self.warp_scheduler.sync()
-            kv_consume = k5.K5FMHA.mainloop(self, m_block, seqlen, n_tiles, n_unmasked, kv_consume, pipelines,
+            kv_consume = k5.K5FMHA.mainloop(self, m_block, mask_lens, n_tiles, n_unmasked, kv_consume, pipelines,
                                             mmas, softmax, row_scale)
             self.warp_scheduler.arrive()
         else:
             # Prologue: QK and softmax of the first (masked) tile; its PV runs in the first step.
-            self.first_qk_softmax(n_tiles - 1, m_block, seqlen, kv_consume, pipelines, mmas, softmax, row_scale)
+            self.first_qk_softmax(n_tiles - 1, m_block, mask_lens, kv_consume, pipelines, mmas, softmax, row_scale)
             n_masked = cutlass.max(n_tiles - 1 - n_unmasked, 0)
             for i in cutlass.range(n_masked, unroll=1):
-                kv_consume = self.overlapped_step(n_tiles - 2 - i, m_block, seqlen, kv_consume, pipelines, mmas,
+                kv_consume = self.overlapped_step(n_tiles - 2 - i, m_block, mask_lens, kv_consume, pipelines, mmas,
                                                   softmax, row_scale, masked=True)
             for i in cutlass.range(n_tiles - 1 - n_masked, unroll=1):
-                kv_consume = self.overlapped_step(n_tiles - 2 - n_masked - i, m_block, seqlen, kv_consume, pipelines,
+                kv_consume = self.overlapped_step(n_tiles - 2 - n_masked - i, m_block, mask_lens, kv_consume, pipelines,
                                                   mmas, softmax, row_scale, masked=False)
             kv_consume = self.last_pv(kv_consume, pipelines, mmas, softmax, row_scale)
         return kv_consume
@@ -106,7 +106,7 @@ class K6FMHA(k5.K5FMHA):
         return kv_produce
 
     @cute.jit
-    def first_qk_softmax(self, n_block: Int32, m_block: Int32, seqlen: Int32, kv_consume: pipeline.PipelineState,
+    def first_qk_softmax(self, n_block: Int32, m_block: Int32, mask_lens: tuple, kv_consume: pipeline.PipelineState,
                          pipelines: tuple, mmas: tuple, softmax: sm90.OnlineSoftmax, row_scale: cute.Tensor):
         """S = QK^T of the first tile, masked (the first tile is the only one that may hold the
         seqlen tail, and, causal, the diagonal), softmax, P into registers. No PV yet."""
@@ -116,12 +116,13 @@ class K6FMHA(k5.K5FMHA):
         acc_S = cute.make_rmem_tensor(tiled_mma_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
         sm90.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_consume.index], zero_init=True, wg_wait=0)
         pipeline_k.consumer_release(kv_consume)
-        sm90.mask_tile(acc_S, tScS, m_block, n_block, seqlen, self.tile_m, self.tile_n, self.causal)
+        sm90.mask_tile(acc_S, tScS, m_block, n_block, mask_lens[0], self.tile_m, self.tile_n, self.causal,
+                       mask_lens[1])
         softmax.step(acc_S, row_scale, check_inf=True)  # O is still zero: no rescale needed
         sm90.convert_to(sm90.acc_as_operand_a(acc_S), tOrP)
 
     @cute.jit
-    def overlapped_step(self, n_block: Int32, m_block: Int32, seqlen: Int32, kv_consume: pipeline.PipelineState,
+    def overlapped_step(self, n_block: Int32, m_block: Int32, mask_lens: tuple, kv_consume: pipeline.PipelineState,
                         pipelines: tuple, mmas: tuple, softmax: sm90.OnlineSoftmax, row_scale: cute.Tensor,
                         masked: cutlass.Constexpr[bool]) -> pipeline.PipelineState:
         """QK of tile ``n_block`` and PV of the previous tile in flight together; the softmax of
@@ -142,7 +143,8 @@ class K6FMHA(k5.K5FMHA):
         warpgroup.wait_group(1)  # QK done; PV may still run
         pipeline_k.consumer_release(kv_consume)
         if const_expr(masked):
-            sm90.mask_tile(acc_S, tScS, m_block, n_block, seqlen, self.tile_m, self.tile_n, self.causal)
+            sm90.mask_tile(acc_S, tScS, m_block, n_block, mask_lens[0], self.tile_m, self.tile_n, self.causal,
+                       mask_lens[1])
         softmax.step(acc_S, row_scale, check_inf=masked)
         warpgroup.wait_group(0)  # PV done: its P and V may be overwritten, O may be touched
         pipeline_v.consumer_release(kv_prev)
@@ -169,7 +171,8 @@ def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_wg=None, tile_n=No
                    q_stages=None, scheduler=None, pingpong=None, overlap=None) -> CompiledAttention:
     CAPS.check(p)
     if overlap is None:
-        overlap = p.head_dim >= OVERLAP_MIN_HEAD_DIM and p.seqlen > NO_OVERLAP_UP_TO_SEQLEN.get((p.head_dim, p.causal), 0)
+        short = NO_OVERLAP_UP_TO_SEQLEN.get((p.head_dim, p.causal), 0)
+        overlap = p.head_dim >= OVERLAP_MIN_HEAD_DIM and p.kv_len > short
     pingpong = (p.head_dim <= PINGPONG_MAX_HEAD_DIM or not overlap) if pingpong is None else pingpong
     if tile_n is None and overlap:
         tile_n = TILE_N_WITH_OVERLAP.get(p.head_dim)

@@ -25,10 +25,11 @@ L2_BYTES = 50 * 1024 * 1024  # H100 (50 MB) and H200 (60 MB): size sections for 
 
 
 @cute.jit
-def l2_section_heads(seqlen: Int32, head_dim: cutlass.Constexpr, elem_bytes: cutlass.Constexpr,
-                     num_heads: Int32) -> Int32:
-    """How many (batch, head) pairs share one L2 section: as many whose K+V fit in L2, at least 1."""
-    kv_bytes_per_head = seqlen * (2 * head_dim * elem_bytes)
+def l2_section_heads(seqlen_k: Int32, head_dim: cutlass.Constexpr, elem_bytes: cutlass.Constexpr,
+                     num_heads: Int32, group: Int32) -> Int32:
+    """How many (batch, query head) pairs share one L2 section: as many whose K+V fit in L2, at
+    least 1. With GQA, ``group`` query heads share one K/V head."""
+    kv_bytes_per_head = seqlen_k * (2 * head_dim * elem_bytes) // group
     return cutlass.max(cutlass.min(Int32(L2_BYTES) // cutlass.max(kv_bytes_per_head, 1), num_heads), 1)
 
 

@@ -233,8 +233,9 @@ def store_o_and_lse(acc_O: cute.Tensor, softmax: OnlineSoftmax, tiled_mma_pv: cu
 
 @cute.jit
 def mask_tile(acc_S: cute.Tensor, tScS: cute.Tensor, m_block: Int32, n_block: Int32, seqlen: Int32,
-              tile_m: cutlass.Constexpr, tile_n: cutlass.Constexpr, causal: cutlass.Constexpr):
-    """Set scores to -inf where key >= seqlen or (causal) key > query.
+              tile_m: cutlass.Constexpr, tile_n: cutlass.Constexpr, causal: cutlass.Constexpr, causal_offset=None):
+    """Set scores to -inf where key >= seqlen (the key length) or (causal) key > query +
+    ``causal_offset`` (seqlen_k - seqlen_q when keys outnumber queries: bottom-right alignment).
 
     ``tScS`` is the thread's partition of an identity tensor over the (tile_m, tile_n) tile:
     the same C-fragment layout as acc_S, but each slot holds its (row, col) coordinate.
@@ -247,6 +248,8 @@ def mask_tile(acc_S: cute.Tensor, tScS: cute.Tensor, m_block: Int32, n_block: In
         col_limit = col_limit_seqlen
         if const_expr(causal):
             q_idx = m_block * tile_m + tScS_mn[r, 0][0]
+            if const_expr(causal_offset is not None):
+                q_idx = q_idx + causal_offset
             col_limit = cutlass.min(col_limit, q_idx + 1 - n_block * tile_n)
         for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
             if tScS_mn[0, c][1] >= col_limit:

@@ -5,6 +5,10 @@ tile_n keys. Non-causal it visits all ceil(N / tile_n) of them; causal it stops 
 holding the last query row's diagonal, so tiles entirely above the diagonal are never
 touched. Only the last visited tiles need element masks: the one holding the diagonal
 (causal) and the one running past seqlen (any N that is not a multiple of tile_n).
+
+From K5 on, keys may outnumber queries (``seqlen_k``; chunked prefill): the causal diagonal is
+then aligned bottom-right, query row i seeing keys j <= i + (seqlen_k - seqlen), as flash-attn
+does. Without ``seqlen_k`` (K2-K4) the code is what it was.
 """
 
 import cutlass
@@ -14,21 +18,32 @@ from cutlass import Int32
 
 @cute.jit
 def kv_tile_count(m_block: Int32, seqlen: Int32, tile_m: cutlass.Constexpr, tile_n: cutlass.Constexpr,
-                  causal: cutlass.Constexpr) -> Int32:
+                  causal: cutlass.Constexpr, seqlen_k=None) -> Int32:
     """Number of KV tiles query tile ``m_block`` must visit (always >= 1 for a valid tile)."""
-    n_tiles = cute.ceil_div(seqlen, tile_n)
-    if cutlass.const_expr(causal):
-        last_row_tiles = cute.ceil_div((m_block + 1) * tile_m, tile_n)
-        n_tiles = cutlass.min(n_tiles, last_row_tiles)
+    if cutlass.const_expr(seqlen_k is None):
+        n_tiles = cute.ceil_div(seqlen, tile_n)
+        if cutlass.const_expr(causal):
+            last_row_tiles = cute.ceil_div((m_block + 1) * tile_m, tile_n)
+            n_tiles = cutlass.min(n_tiles, last_row_tiles)
+    else:
+        n_tiles = cute.ceil_div(seqlen_k, tile_n)
+        if cutlass.const_expr(causal):
+            last_row_tiles = cute.ceil_div((m_block + 1) * tile_m + seqlen_k - seqlen, tile_n)
+            n_tiles = cutlass.min(n_tiles, last_row_tiles)
     return n_tiles
 
 
 @cute.jit
 def unmasked_kv_tile_count(m_block: Int32, seqlen: Int32, tile_m: cutlass.Constexpr, tile_n: cutlass.Constexpr,
-                           causal: cutlass.Constexpr) -> Int32:
+                           causal: cutlass.Constexpr, seqlen_k=None) -> Int32:
     """Leading KV tiles that need no mask at all: fully inside seqlen and, causal, fully
     at or below the diagonal for every row of the query tile."""
-    n_full = seqlen // tile_n
-    if cutlass.const_expr(causal):
-        n_full = cutlass.min(n_full, (m_block * tile_m + 1) // tile_n)
+    if cutlass.const_expr(seqlen_k is None):
+        n_full = seqlen // tile_n
+        if cutlass.const_expr(causal):
+            n_full = cutlass.min(n_full, (m_block * tile_m + 1) // tile_n)
+    else:
+        n_full = seqlen_k // tile_n
+        if cutlass.const_expr(causal):
+            n_full = cutlass.min(n_full, (m_block * tile_m + 1 + seqlen_k - seqlen) // tile_n)
     return n_full

@@ -54,6 +54,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seqlen", type=int, nargs="+", default=[512, 2048, 8192])
     ap.add_argument("--configs", default="[{}]",
                     help='JSON list of configurations tried for every kernel, or {"kernel": [configs], ...}')
+    ap.add_argument("--kv-group", type=int, default=1,
+                    help="query heads per K/V head (GQA); >1 times the kernels only (the peers take MHA here)")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     import torch
@@ -65,11 +67,12 @@ def main(argv=None) -> int:
         for causal in args.causal:
             for n in args.seqlen:
                 b, h = default_batch_heads(n, d)
-                p = Problem(b, h, n, d, causal=bool(causal))
+                p = Problem(b, h, n, d, causal=bool(causal), nheads_kv=h // args.kv_group if args.kv_group > 1 else None)
                 q, k, v = random_inputs(p)
                 ref, ref_lse = reference(q, k, v, p.causal, p.scale)
-                sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=p.causal, scale=p.scale)
-                base = dict(batch=b, nheads=h, seqlen=n, head_dim=d, causal=causal, dtype=p.dtype)
+                sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=p.causal, scale=p.scale,
+                                                                        enable_gqa=args.kv_group > 1)
+                base = dict(batch=b, nheads=h, nheads_kv=p.kv_heads, seqlen=n, head_dim=d, causal=causal, dtype=p.dtype)
                 here = []
                 for name in args.kernels:
                     for cfg in (configs.get(name, [{}]) if isinstance(configs, dict) else configs):
@@ -77,7 +80,8 @@ def main(argv=None) -> int:
                                          **time_config(name, cfg, p, q, k, v, ref, ref_lse, sdpa)))
                         print(f"d={d} causal={causal} N={n} {name} {cfg}: {here[-1]['status']} "
                               f"{here[-1]['tflops'] or 0:.1f}", flush=True)
-                for name, fn in peer_callables(q, k, v, p.causal, p.scale).items():
+                peers = peer_callables(q, k, v, p.causal, p.scale) if args.kv_group == 1 else {}
+                for name, fn in peers.items():
                     if name in BEST_OF and callable(fn):
                         ms = benchmark(fn)
                         here.append(dict(base, kernel=name, config=None, ms=ms, tflops=tflops(p.flops, ms),
