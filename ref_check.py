@@ -41,12 +41,29 @@ def cases(name: str, seqlens, all_head_dims: bool):
         for causal in ((False, True) if caps.causal else (False,)):
             yield Problem(1, 4, 1000, head_dims[0], dtype="float16", causal=causal)
     yield Problem(8, 1024, 80, head_dims[0], causal=True)  # many CTAs along heads and batch
+    for d in head_dims:  # grouped-query attention and keys outnumbering queries, where the kernel takes them
+        for causal in ((False, True) if caps.causal else (False,)):
+            if caps.gqa:
+                for nheads, nheads_kv in GQA_HEADS:
+                    yield Problem(2, nheads, 1000, d, causal=causal, nheads_kv=nheads_kv)
+            if caps.unequal_lengths:
+                for seqlen_q, seqlen_k in UNEQUAL_LENGTHS:
+                    yield Problem(2, 4, seqlen_q, d, causal=causal, seqlen_k=seqlen_k,
+                                  nheads_kv=2 if caps.gqa else None)
+
+
+# (query heads, K/V heads): group 4, MQA, group 8.
+GQA_HEADS = ((8, 2), (4, 1), (16, 2))
+# (seqlen_q, seqlen_k): decode-like, short and long chunks of a longer context, a 3x ratio.
+UNEQUAL_LENGTHS = ((1, 4097), (17, 1000), (1000, 4097), (128, 384))
 
 
 def describe_grid(seqlens, all_head_dims: bool) -> str:
     dims = "every head dim it supports" if all_head_dims else f"the head dims it supports among {HEAD_DIMS}"
     return (f"grid per kernel: {dims} x causal 0/1 x seqlen {', '.join(map(str, seqlens))}, batch 2 x heads 3, "
-            "bf16; plus fp16 at seqlen 1000 (batch 1 x heads 4) and batch 8 x heads 1024 at seqlen 80")
+            "bf16; plus fp16 at seqlen 1000 (batch 1 x heads 4) and batch 8 x heads 1024 at seqlen 80; kernels that "
+            f"take them: GQA (heads q/kv {', '.join(f'{a}/{b}' for a, b in GQA_HEADS)}) at seqlen 1000, and "
+            f"(seqlen_q, seqlen_k) in {', '.join(map(str, UNEQUAL_LENGTHS))} with 4/2 heads, causal bottom-right")
 
 
 def _e(x) -> str:
@@ -81,7 +98,7 @@ def main(argv=None) -> int:
     rows, failures = [], 0
     print(f"device: {torch.cuda.get_device_name()}")
     print(describe_grid(seqlens, args.all_head_dims))
-    print(f"{'kernel':<8}{'dtype':<10}{'b':>3}{'h':>5}{'seqlen':>7}{'d':>5}{'causal':>7}"
+    print(f"{'kernel':<8}{'dtype':<10}{'b':>3}{'h':>5}{'seqlen':>7}{'d':>5}{'causal':>7}{'kv h/len':>11}"
           f"{'max_abs':>11}{'sdpa_err':>11}{'rel_l2':>11}{'lse_err':>11}  result")
     for name in names:
         try:
@@ -97,13 +114,14 @@ def main(argv=None) -> int:
             except Exception as e:  # a crash is a failure of this case, not of the whole grid
                 row = dict(kernel=name, ok=False, status="crashed", reason=f"{type(e).__name__}: {e}"[:200],
                            max_abs=None, rel_l2=None, lse_max_abs=None, peer_max_abs=None, batch=p.batch,
-                           nheads=p.nheads, seqlen=p.seqlen, head_dim=p.head_dim, dtype=p.dtype, causal=int(p.causal))
+                           nheads=p.nheads, seqlen=p.seqlen, head_dim=p.head_dim, dtype=p.dtype, causal=int(p.causal),
+                           nheads_kv=p.kv_heads, seqlen_k=p.kv_len)
             rows.append(row)
             if out:
                 out.append(row)
             failures += not row["ok"]
             print(f"{name:<8}{p.dtype:<10}{p.batch:>3}{p.nheads:>5}{p.seqlen:>7}{p.head_dim:>5}{int(p.causal):>7}"
-                  f"{_e(row['max_abs'])}{_e(row['peer_max_abs'])}{_e(row['rel_l2'])}{_e(row['lse_max_abs'])}  "
+                  f"{f'{p.kv_heads}/{p.kv_len}':>11}{_e(row['max_abs'])}{_e(row['peer_max_abs'])}{_e(row['rel_l2'])}{_e(row['lse_max_abs'])}  "
                   f"{'ok' if row['ok'] else 'FAIL ' + row['reason']}", flush=True)
     if out:
         out.close()

@@ -68,7 +68,9 @@ def _attention_fake(name, q, k, v, causal, softmax_scale, return_lse):
 def attention(name: str, q, k, v, causal: bool = False, softmax_scale=None, return_lse: bool = False):
     """softmax(q k^T * scale) v with kernel stage ``name``.
 
-    q, k, v: CUDA tensors (batch, heads, seqlen, head_dim), bf16 or fp16, last dim contiguous.
+    q: CUDA tensor (batch, heads, seqlen, head_dim), bf16 or fp16, last dim contiguous; k, v: one
+    shape (batch, heads_kv, seqlen_k, head_dim). heads_kv < heads (GQA) or seqlen_k != seqlen only
+    for kernels whose capabilities take them; causal is then aligned bottom-right.
     ``causal`` is a bool; ``softmax_scale`` any positive real number (default 1/sqrt(head_dim)).
     Returns O in the same layout (contiguous), and the float32 (batch, heads, seqlen)
     log-sum-exp of the scaled scores when ``return_lse``. Unsupported inputs raise

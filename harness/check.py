@@ -35,7 +35,8 @@ class CheckResult:
         p = self.problem
         return dict(kernel=self.kernel, batch=p.batch, nheads=p.nheads, seqlen=p.seqlen, head_dim=p.head_dim,
                     dtype=p.dtype, causal=int(p.causal), max_abs=self.max_abs, rel_l2=self.rel_l2,
-                    lse_max_abs=self.lse_max_abs, peer_max_abs=self.peer_max_abs, ok=self.ok, reason=self.reason)
+                    lse_max_abs=self.lse_max_abs, peer_max_abs=self.peer_max_abs, ok=self.ok, reason=self.reason,
+                    nheads_kv=p.kv_heads, seqlen_k=p.kv_len)
 
 
 class Comparison(NamedTuple):
@@ -90,7 +91,7 @@ def check_kernel(name: str, p: Problem, seed=None) -> CheckResult:
 
     from .api import compiled_for
     from .inputs import poisoned_outputs, random_inputs
-    from .reference import reference
+    from .reference import reference, sdpa
 
     entry = get_kernel(name)
     compiled = compiled_for(name, p)
@@ -99,6 +100,6 @@ def check_kernel(name: str, p: Problem, seed=None) -> CheckResult:
     entry.run(compiled, q, k, v, out, lse, p.scale)
     torch.cuda.synchronize()
     ref, ref_lse = reference(q, k, v, p.causal, p.scale)
-    peer = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=p.causal, scale=p.scale)
+    peer = sdpa(q, k, v, p.causal, p.scale)
     c = compare(out, ref, lse, ref_lse, p.dtype, peer)
     return CheckResult(name, p, c.max_abs, c.rel_l2, c.lse_max_abs, not c.verdict, c.verdict, c.peer_max_abs)

@@ -30,13 +30,17 @@ def problem_from_tensors(q, k, v, causal: bool, softmax_scale=None) -> Problem:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
             raise UnsupportedProblem(f"{name} must be 4-D (batch, heads, seqlen, head_dim), got shape {tuple(t.shape)}")
-    if not (q.shape == k.shape == v.shape):
+    if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
         raise UnsupportedProblem(
-            "q, k, v must have the same shape (self-attention, equal seqlens and heads): "
-            f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+            "k and v must have one shape (batch, nheads_kv, seqlen_k, head_dim) with q's batch and head_dim: "
+            f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
-    if min(q.shape) < 1:
-        raise UnsupportedProblem(f"batch, heads, seqlen and head_dim must all be positive, got shape {tuple(q.shape)}")
+    if min(q.shape) < 1 or min(k.shape) < 1:
+        raise UnsupportedProblem(f"batch, heads, seqlen and head_dim must all be positive, got shapes "
+                                 f"{tuple(q.shape)}, {tuple(k.shape)}")
+    if q.shape[1] % k.shape[1]:
+        raise UnsupportedProblem(f"q's heads must be a multiple of k/v's (grouped-query attention), got "
+                                 f"{q.shape[1]} and {k.shape[1]}")
     if q.shape[-1] % 8:  # before the stride check, which would otherwise blame the layout
         raise UnsupportedProblem(f"head_dim must be a multiple of 8 (rows are moved in 16-byte pieces), "
                                  f"got {q.shape[-1]}")
@@ -59,7 +63,8 @@ def problem_from_tensors(q, k, v, causal: bool, softmax_scale=None) -> Problem:
     if not (q.device == k.device == v.device):
         raise UnsupportedProblem(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     b, h, n, d = q.shape
-    return Problem(b, h, n, d, dtype=dtype, causal=causal, softmax_scale=softmax_scale)
+    return Problem(b, h, n, d, dtype=dtype, causal=causal, softmax_scale=softmax_scale, seqlen_k=k.shape[2],
+                   nheads_kv=k.shape[1])
 
 
 def require_cuda(q, k, v) -> None:
@@ -74,8 +79,8 @@ def random_inputs(p: Problem, device="cuda", seed=None):
 
     gen = torch.Generator(device=device)
     gen.manual_seed(seed if seed is not None else torch.seed() % (2**63))
-    shape = (p.batch, p.nheads, p.seqlen, p.head_dim)
-    return tuple(torch.randn(shape, generator=gen, device=device, dtype=torch_dtype(p.dtype)) for _ in range(3))
+    shapes = ((p.batch, p.nheads, p.seqlen, p.head_dim),) + ((p.batch, p.kv_heads, p.kv_len, p.head_dim),) * 2
+    return tuple(torch.randn(shape, generator=gen, device=device, dtype=torch_dtype(p.dtype)) for shape in shapes)
 
 
 def empty_outputs(p: Problem, device="cuda"):

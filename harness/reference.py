@@ -1,10 +1,36 @@
-"""Reference attention: PyTorch SDPA on float32 copies of the inputs."""
+"""Reference attention: PyTorch SDPA on float32 copies of the inputs.
+
+The kernels' semantics, which SDPA needs two things spelled out for: grouped-query attention
+(query head h reads K/V head h // group: ``enable_gqa``), and causal masking aligned bottom-right
+when there are more keys than queries (query row i sees keys j <= i + seqlen_k - seqlen_q, as
+flash-attn does; SDPA's ``is_causal`` is top-left, so those get an explicit mask).
+"""
 
 from __future__ import annotations
 
 import math
 
 SCORE_CHUNK_BYTES = 1 << 29  # explicit scores for the LSE, at most 512 MiB at a time
+
+
+def causal_keep(seqlen_q: int, seqlen_k: int, device):
+    """(seqlen_q, seqlen_k) bool mask, True where query i may see key j (bottom-right diagonal)."""
+    import torch
+
+    i = torch.arange(seqlen_q, device=device)[:, None]
+    j = torch.arange(seqlen_k, device=device)[None, :]
+    return j <= i + (seqlen_k - seqlen_q)
+
+
+def sdpa(q, k, v, causal: bool, scale: float):
+    """SDPA computing what the kernels compute (GQA; bottom-right causal), in the inputs' dtype."""
+    import torch.nn.functional as F
+
+    gqa = q.shape[1] != k.shape[1]
+    if causal and q.shape[2] != k.shape[2]:
+        mask = causal_keep(q.shape[2], k.shape[2], q.device)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa)
 
 
 def reference(q, k, v, causal: bool, scale: float):
@@ -14,18 +40,19 @@ def reference(q, k, v, causal: bool, scale: float):
     of heads at a time so that long sequences and many heads both stay within memory.
     """
     import torch
-    import torch.nn.functional as F
 
     qf, kf, vf = (t.float() for t in (q, k, v))
-    o = F.scaled_dot_product_attention(qf, kf, vf, is_causal=causal, scale=scale)
+    o = sdpa(qf, kf, vf, causal, scale)
     b, h, n, _ = q.shape
+    nk, group = k.shape[2], h // k.shape[1]
     lse = torch.empty((b, h, n), dtype=torch.float32, device=q.device)
-    mask = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1) if causal else None
-    chunk = max(1, SCORE_CHUNK_BYTES // (4 * n * n))
+    masked = ~causal_keep(n, nk, q.device) if causal else None
+    chunk = max(1, SCORE_CHUNK_BYTES // (4 * n * nk))
     for bi in range(b):
         for h0 in range(0, h, chunk):
-            s = (qf[bi, h0:h0 + chunk] @ kf[bi, h0:h0 + chunk].transpose(-1, -2)) * scale
-            if mask is not None:
-                s.masked_fill_(mask, -math.inf)
+            heads = torch.arange(h0, min(h0 + chunk, h), device=q.device) // group
+            s = (qf[bi, h0:h0 + chunk] @ kf[bi, heads].transpose(-1, -2)) * scale
+            if masked is not None:
+                s.masked_fill_(masked, -math.inf)
             lse[bi, h0:h0 + chunk] = torch.logsumexp(s, dim=-1)
     return o, lse

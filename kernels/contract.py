@@ -76,12 +76,25 @@ class Problem:
     dtype: str = "bfloat16"
     causal: bool = False
     softmax_scale: Optional[float] = None
+    # K/V may have their own length (more keys than queries: chunked prefill) and fewer heads
+    # (grouped-query attention: query head h reads K/V head h // group). None: as Q.
+    seqlen_k: Optional[int] = None
+    nheads_kv: Optional[int] = None
 
     def __post_init__(self):
-        for name in ("batch", "nheads", "seqlen", "head_dim"):
+        for name in ("batch", "nheads", "seqlen", "head_dim", "seqlen_k", "nheads_kv"):
             value = getattr(self, name)
+            if value is None and name in ("seqlen_k", "nheads_kv"):
+                continue
             if not isinstance(value, int) or value < 1:
                 raise UnsupportedProblem(f"{name} must be a positive integer, got {value!r}")
+        # Equal to Q's is the same problem as unset (one cache key, one result row).
+        for name, same in (("seqlen_k", self.seqlen), ("nheads_kv", self.nheads)):
+            if getattr(self, name) == same:
+                object.__setattr__(self, name, None)
+        if self.nheads % self.kv_heads:
+            raise UnsupportedProblem(f"nheads (of q) must be a multiple of nheads_kv (of k, v) for grouped-query "
+                                     f"attention, got {self.nheads} and {self.kv_heads}")
         if self.dtype not in DTYPES:
             raise UnsupportedProblem(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         # Frozen: normalize through object.__setattr__, so equal problems hash equal (cache keys).
@@ -94,10 +107,24 @@ class Problem:
         return self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
 
     @property
+    def kv_len(self) -> int:
+        return self.seqlen if self.seqlen_k is None else self.seqlen_k
+
+    @property
+    def kv_heads(self) -> int:
+        return self.nheads if self.nheads_kv is None else self.nheads_kv
+
+    @property
+    def group(self) -> int:
+        """Query heads per K/V head (1 without GQA)."""
+        return self.nheads // self.kv_heads
+
+    @property
     def flops(self) -> float:
-        """Standard count: two GEMMs of 2*N*N*d each per head; causal does half the work."""
-        f = 4.0 * self.batch * self.nheads * self.seqlen * self.seqlen * self.head_dim
-        return f / 2 if self.causal else f
+        """Standard count: two GEMMs of 2*Nq*Nk*d each per head. Causal (bottom-right) keeps
+        Nq*Nk - Nq^2/2 of the score pairs: half of them when Nq == Nk, the convention."""
+        pairs = self.seqlen * self.kv_len - (self.seqlen * self.seqlen / 2 if self.causal else 0)
+        return 4.0 * self.batch * self.nheads * pairs * self.head_dim
 
     def with_(self, **kw) -> "Problem":
         return replace(self, **kw)
@@ -118,6 +145,9 @@ class Capabilities:
     why: str = ""
     # K1 folds batch*heads into one grid dimension; the fused kernels use one each.
     folds_batch_heads: bool = False
+    # Grouped-query attention (fewer K/V heads than Q heads), and K/V longer than Q (K5 on).
+    gqa: bool = False
+    unequal_lengths: bool = False
     # Compute capabilities the kernel's instructions exist on (TMA, WGMMA: Hopper only).
     archs: tuple = HOPPER
 
@@ -131,8 +161,17 @@ class Capabilities:
             raise UnsupportedProblem("causal masking not supported by this kernel")
         if want_lse and not self.lse:
             raise UnsupportedProblem("this kernel does not produce the log-sum-exp (LSE)")
-        if self.max_seqlen is not None and p.seqlen > self.max_seqlen:
-            raise UnsupportedProblem(f"seqlen {p.seqlen} exceeds this kernel's limit of {self.max_seqlen}")
+        if p.kv_heads != p.nheads and not self.gqa:
+            raise UnsupportedProblem(f"this kernel needs as many K/V heads as query heads (no grouped-query "
+                                     f"attention), got nheads {p.nheads} and nheads_kv {p.kv_heads}")
+        if p.kv_len != p.seqlen and not self.unequal_lengths:
+            raise UnsupportedProblem(f"this kernel needs seqlen_k == seqlen_q (self-attention shapes), got "
+                                     f"seqlen_q {p.seqlen} and seqlen_k {p.kv_len}")
+        if p.causal and p.seqlen > p.kv_len:
+            raise UnsupportedProblem(f"causal with more queries than keys (seqlen_q {p.seqlen} > seqlen_k {p.kv_len}) "
+                                     "is not supported: aligned bottom-right, the first query rows would see no key")
+        if self.max_seqlen is not None and max(p.seqlen, p.kv_len) > self.max_seqlen:
+            raise UnsupportedProblem(f"seqlen {max(p.seqlen, p.kv_len)} exceeds this kernel's limit of {self.max_seqlen}")
         if self.folds_batch_heads and p.batch * p.nheads > GRID_YZ_LIMIT:
             raise UnsupportedProblem(f"batch*heads = {p.batch * p.nheads} exceeds the grid limit {GRID_YZ_LIMIT}")
         for name in ("batch", "nheads"):
@@ -190,8 +229,10 @@ class FakeShapes:
         import cutlass.cute as cute
 
         self.batch, self.nheads, self.seqlen = cute.sym_int(), cute.sym_int(), cute.sym_int()
+        # K and V's own heads and length, for kernels that take GQA / seqlen_k != seqlen_q.
+        self.nheads_kv, self.seqlen_k = cute.sym_int(), cute.sym_int()
 
-    def tensor(self, dtype, trailing, align_elems: int = 8):
+    def tensor(self, dtype, trailing, align_elems: int = 8, kv: bool = False):
         """A (batch, heads, seqlen, *trailing) tensor: last stride 1, others symbolic.
 
         ``trailing`` is a tuple of extra dims (``(d,)`` for Q/K/V/O, ``()`` for LSE,
@@ -203,7 +244,8 @@ class FakeShapes:
         import cutlass.cute as cute
         from cutlass.cute.runtime import make_fake_tensor
 
-        shape = (self.batch, self.nheads, self.seqlen) + tuple(trailing)
+        heads, rows = (self.nheads_kv, self.seqlen_k) if kv else (self.nheads, self.seqlen)
+        shape = (self.batch, heads, rows) + tuple(trailing)
         row = math.prod(trailing) if all(isinstance(t, int) for t in trailing) else None
         div = align_elems if row is not None and row % align_elems == 0 and len(trailing) > 0 else 1
         stride = tuple(cute.sym_int64(divisibility=div) for _ in shape[:-1]) + (1,)
@@ -244,13 +286,15 @@ def fake_stream():
     return make_fake_stream(use_tvm_ffi_env_stream=True)
 
 
-def fake_attention_args(dtype, head_dim: int) -> tuple:
-    """Placeholders for one fused-kernel compile: (q, k, v, o, lse, softmax_scale, stream)."""
+def fake_attention_args(dtype, head_dim: int, separate_kv: bool = False) -> tuple:
+    """Placeholders for one fused-kernel compile: (q, k, v, o, lse, softmax_scale, stream).
+    With ``separate_kv`` K and V get heads and a length of their own (GQA, seqlen_k)."""
     import cutlass
 
     f = FakeShapes()
-    qkvo = [f.tensor(dtype, (head_dim,)) for _ in range(4)]
-    return (*qkvo, f.tensor(cutlass.Float32, ()), cutlass.Float32(1.0), fake_stream())
+    q, o = (f.tensor(dtype, (head_dim,)) for _ in range(2))
+    k, v = (f.tensor(dtype, (head_dim,), kv=separate_kv) for _ in range(2))
+    return (q, k, v, o, f.tensor(cutlass.Float32, ()), cutlass.Float32(1.0), fake_stream())
 
 
 def fused_attention(name: str, p: Problem, fn, keep_ptx: bool, info: Optional[dict] = None) -> CompiledAttention:

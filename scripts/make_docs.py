@@ -43,7 +43,8 @@ def _archs(archs) -> str:
 def caps_table() -> str:
     """README: what each registered kernel runs, from its Capabilities."""
     short = {"bfloat16": "bf16", "float16": "fp16"}
-    header = ["kernel", "file", "head dims", "dtypes", "causal", "LSE", "GPUs", "limits"]
+    header = ["kernel", "file", "head dims", "dtypes", "causal", "LSE", "GQA", "seqlen_k ≠ seqlen_q", "GPUs",
+              "limits"]
     body = []
     for name in kernel_names():
         entry = get_kernel(name)
@@ -53,7 +54,8 @@ def caps_table() -> str:
         variant = ", ".join(f"{k}={v}" for k, v in entry.variant.items())
         body.append([f"`{name}`", f"`{entry.module.replace('.', '/')}.py`" + (f" ({variant})" if variant else ""),
                      ", ".join(map(str, caps.head_dims)), ", ".join(short.get(d, d) for d in caps.dtypes),
-                     "yes" if caps.causal else "no", "yes" if caps.lse else "no", _archs(caps.archs),
+                     "yes" if caps.causal else "no", "yes" if caps.lse else "no", "yes" if caps.gqa else "no",
+                     "yes" if caps.unequal_lengths else "no", _archs(caps.archs),
                      "; ".join(limits)])
     return markdown_table(header, body)
 

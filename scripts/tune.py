@@ -26,12 +26,12 @@ from harness.check import compare  # noqa: E402
 from harness.config import default_batch_heads  # noqa: E402
 from harness.inputs import poisoned_outputs, random_inputs  # noqa: E402
 from harness.peers import BEST_OF, peer_callables  # noqa: E402
-from harness.reference import reference  # noqa: E402
+from harness.reference import reference, sdpa  # noqa: E402
 from harness.timing import benchmark, tflops  # noqa: E402
 from kernels import get_kernel  # noqa: E402
 from kernels.contract import Problem, UnsupportedProblem  # noqa: E402
 
-def time_config(name, cfg, p, q, k, v, ref, ref_lse, sdpa) -> dict:
+def time_config(name, cfg, p, q, k, v, ref, ref_lse, peer) -> dict:
     entry = get_kernel(name)
     try:
         compiled = entry.compile(p, **cfg)
@@ -39,7 +39,7 @@ def time_config(name, cfg, p, q, k, v, ref, ref_lse, sdpa) -> dict:
         return dict(ms=None, tflops=None, status=f"refused: {e}")
     out, lse = poisoned_outputs(p)
     entry.run(compiled, q, k, v, out, lse)
-    verdict = compare(out, ref, lse, ref_lse, p.dtype, sdpa).verdict
+    verdict = compare(out, ref, lse, ref_lse, p.dtype, peer).verdict
     if verdict:
         return dict(ms=None, tflops=None, status=f"check failed: {verdict}")
     ms = benchmark(lambda: entry.run(compiled, q, k, v, out, lse))
@@ -54,6 +54,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seqlen", type=int, nargs="+", default=[512, 2048, 8192])
     ap.add_argument("--configs", default="[{}]",
                     help='JSON list of configurations tried for every kernel, or {"kernel": [configs], ...}')
+    ap.add_argument("--nheads", type=int, help="query heads (default 2048/d; batch stays 16384/N)")
     ap.add_argument("--kv-group", type=int, default=1,
                     help="query heads per K/V head (GQA); >1 times the kernels only (the peers take MHA here)")
     ap.add_argument("--out")
@@ -67,17 +68,17 @@ def main(argv=None) -> int:
         for causal in args.causal:
             for n in args.seqlen:
                 b, h = default_batch_heads(n, d)
+                h = args.nheads or h
                 p = Problem(b, h, n, d, causal=bool(causal), nheads_kv=h // args.kv_group if args.kv_group > 1 else None)
                 q, k, v = random_inputs(p)
                 ref, ref_lse = reference(q, k, v, p.causal, p.scale)
-                sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=p.causal, scale=p.scale,
-                                                                        enable_gqa=args.kv_group > 1)
+                peer = sdpa(q, k, v, p.causal, p.scale)
                 base = dict(batch=b, nheads=h, nheads_kv=p.kv_heads, seqlen=n, head_dim=d, causal=causal, dtype=p.dtype)
                 here = []
                 for name in args.kernels:
                     for cfg in (configs.get(name, [{}]) if isinstance(configs, dict) else configs):
                         here.append(dict(base, kernel=name, config=cfg,
-                                         **time_config(name, cfg, p, q, k, v, ref, ref_lse, sdpa)))
+                                         **time_config(name, cfg, p, q, k, v, ref, ref_lse, peer)))
                         print(f"d={d} causal={causal} N={n} {name} {cfg}: {here[-1]['status']} "
                               f"{here[-1]['tflops'] or 0:.1f}", flush=True)
                 peers = peer_callables(q, k, v, p.causal, p.scale) if args.kv_group == 1 else {}
@@ -92,7 +93,7 @@ def main(argv=None) -> int:
                 rows += here
                 for r in here if result_file else ():  # as they come: an interrupted run keeps what it measured
                     result_file.append(r)
-                del q, k, v, ref, sdpa
+                del q, k, v, ref, peer
                 torch.cuda.empty_cache()
     if result_file:
         result_file.close()
