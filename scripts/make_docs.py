@@ -154,9 +154,10 @@ def _e(x) -> str:
 
 def refcheck_table(refcheck, kernels):
     gpu = gpu_short_name(refcheck["meta"].get("device", ""))
-    header = ["kernel", "dtype", "batch×heads", "d", "causal", "seqlen", "max_abs", "SDPA's", "rel_l2", "lse err",
-              "result"]
+    header = ["kernel", "dtype", "batch×heads", "d", "causal", "seqlen", "K/V heads, len", "max_abs", "SDPA's",
+              "rel_l2", "lse err", "result"]
     body = [[r["kernel"], r["dtype"], f"{r['batch']}×{r['nheads']}", r["head_dim"], r["causal"], r["seqlen"],
+             f"{r.get('nheads_kv', r['nheads'])}, {r.get('seqlen_k', r['seqlen'])}",
              _e(r["max_abs"]), _e(r.get("peer_max_abs")), _e(r["rel_l2"]), _e(r["lse_max_abs"]),
              "ok" if r["ok"] else "FAIL"]
             for r in refcheck["rows"] if r["kernel"] in kernels]
@@ -282,6 +283,20 @@ def ncu_table(path):
             + markdown_table(["kernel", "tensor pipe active (% of peak)", "duration under ncu (ms)"], body))
 
 
+def gqa_table(mha, gqa):
+    """docs/k6.md: the same kernel on the same query shapes with all K/V heads and with grouped ones."""
+    def tf(f):
+        return {(r["causal"], r["seqlen"]): r["tflops"] for r in f["rows"] if r["kernel"] == "k6" and r.get("tflops")}
+    a, b = tf(mha), tf(gqa)
+    r0, g0 = mha["rows"][0], gqa["rows"][0]
+    body = [[c, n, fmt(a[(c, n)]), fmt(b.get((c, n))), f"{b[(c, n)] / a[(c, n)]:.2f}×" if (c, n) in b else "—"]
+            for c, n in sorted(a)]
+    return (f"d={r0['head_dim']}, {r0['nheads']} query heads, batch 16384/N, bf16, {gpu_short_name(mha['meta'].get('device', ''))}: "
+            f"`{mha['meta'].get('command', '')}` and `{gqa['meta'].get('command', '')}`.\n\n"
+            + markdown_table(["causal", "N", f"k6, {r0['nheads_kv']} K/V heads", f"k6, {g0['nheads_kv']} K/V heads (GQA)",
+                              "GQA / MHA"], body))
+
+
 def ws_readme_table(sweep):
     """README: the warp-specialized stages against the best peer over the whole sweep."""
     rows = sweep_rows(sweep)
@@ -369,13 +384,9 @@ def latest_with(pattern, kernels):
 
 
 def merged_refcheck():
-    """Every kernel's rows from the newest refcheck file that has it (for the README summary)."""
-    merged = {"meta": {}, "rows": []}
-    for name in kernel_names():
-        f = latest_with("refcheck*.json", [name])
-        if f:
-            merged["rows"] += [r for r in f["rows"] if r["kernel"] == name]
-    return merged
+    """Every case of every finished refcheck run, for the README summary (a kernel's count adds up
+    its runs: the full grid and, say, a later GQA run)."""
+    return {"meta": {}, "rows": [r for f in finished("refcheck*.json") for r in f["rows"]]}
 
 
 def latest(pattern):
@@ -410,15 +421,11 @@ def main(argv=None):
             text = replace_block(text, "sweep", family_table(sweep, kernels))
         if sweep and "<!-- table:k3depths -->" in text:
             text = replace_block(text, "k3depths", k3_depth_table(sweep))
-        # Each kernel from the newest refcheck file that has it: one table per file used.
-        sources = {}
-        for name in kernels:
-            f = latest_with("refcheck*.json", [name])
-            if f:
-                sources.setdefault(f["meta"].get("date", ""), (f, []))[1].append(name)
-        if sources and "<!-- table:refcheck -->" in text:
-            text = replace_block(text, "refcheck", "\n\n".join(
-                refcheck_table(f, names) for _, (f, names) in sorted(sources.items(), reverse=True)))
+        # Every refcheck run of the family's kernels, newest first, one table each.
+        runs = sorted((f for f in finished("refcheck*.json") if any(r["kernel"] in kernels for r in f["rows"])),
+                      key=lambda f: f["meta"].get("date", ""), reverse=True)
+        if runs and "<!-- table:refcheck -->" in text:
+            text = replace_block(text, "refcheck", "\n\n".join(refcheck_table(f, kernels) for f in runs))
         page.write_text(text)
     ws_sweep = latest("ws-sweep*.json")
     if ws_sweep:
@@ -440,6 +447,9 @@ def main(argv=None):
             text = replace_block(text, "ncu", "\n\n".join(ncu_table(f) for f in ncu_files))
         page.write_text(text)
     page = ROOT / "docs" / "k6.md"
+    mha, gqa = latest("ws-gqa-g1-*.json"), latest("ws-gqa-g4-*.json")
+    if mha and gqa and page.exists() and "<!-- table:gqa -->" in page.read_text():
+        page.write_text(replace_block(page.read_text(), "gqa", gqa_table(mha, gqa)))
     ws_tunes = finished("ws-tune*.json")
     if ws_tunes and page.exists() and "<!-- table:ws-tune -->" in page.read_text():
         page.write_text(replace_block(page.read_text(), "ws-tune", "\n\n".join(ws_tune_table(t) for t in ws_tunes)))
