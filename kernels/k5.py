@@ -33,7 +33,7 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
-from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.cute.runtime import make_fake_tensor
 from cutlass.tensor_utils import LayoutEnum
 
@@ -61,12 +61,15 @@ CAPS = Capabilities(head_dims=(64, 128, 256), gqa=True, unequal_lengths=True)
 # d=64 (192-row tiles: more rows share each K/V tile), two at d=128/256; d=256 takes 80-key tiles,
 # the most that fit two K/V stages beside a 128x256 Q tile in SMEM.
 DEFAULT_CONFIG = {
-    64: dict(num_wg=3, tile_n=128, kv_stages=2, q_stages=2),
-    128: dict(num_wg=2, tile_n=128, kv_stages=2, q_stages=2),
-    256: dict(num_wg=2, tile_n=80, kv_stages=2, q_stages=1),
+    64: dict(num_wg=3, tile_n=128, kv_stages=2, q_stages=2, tma_store=True),
+    128: dict(num_wg=2, tile_n=128, kv_stages=2, q_stages=2, tma_store=True),
+    256: dict(num_wg=2, tile_n=80, kv_stages=2, q_stages=1, tma_store=False),
 }
 # q_stages=2: a persistent CTA's producer loads the next tile's Q while the consumers still read
 # this one's (one stage would expose a Q load at every tile boundary). d=256 has no SMEM left.
+# tma_store: O leaves through SMEM (the Q buffer of the tile, free once its QKs are done) and one
+# TMA store instead of predicated register stores; that holds the Q buffer until the store has
+# read it, which only a second Q stage hides.
 # Persistent (one CTA per SM looping over tiles) pays where every tile costs the same: with a
 # static round-robin, causal tiles of unequal cost leave some SMs idle at the end (measured on an
 # H100: docs/k5.md), so causal keeps one CTA per tile, launched heaviest first.
@@ -93,7 +96,7 @@ def num_sms() -> int:
 
 class K5FMHA:
     def __init__(self, head_dim: int, dtype, causal: bool, num_wg: int, tile_n: int, kv_stages: int,
-                 q_stages: int, scheduler: str, sm_count: int = 132):
+                 q_stages: int, scheduler: str, tma_store: bool = False, sm_count: int = 132):
         self.head_dim = head_dim
         self.dtype = dtype
         self.causal = causal
@@ -102,6 +105,7 @@ class K5FMHA:
         self.tile_n = tile_n
         self.kv_stages = kv_stages
         self.q_stages = q_stages
+        self.tma_store = tma_store
         self.scheduler = scheduler
         self.sm_count = sm_count
         self.num_threads = 128 * (num_wg + 1)
@@ -143,6 +147,11 @@ class K5FMHA:
         tma_atom_Q, mQ_tma = tma_pipeline.make_tma_load(mQt, sQ_layout, (self.tile_m, d))
         tma_atom_K, mK_tma = tma_pipeline.make_tma_load(mKt, sK_layout, (self.tile_n, d))
         tma_atom_V, mV_tma = tma_pipeline.make_tma_load(mVt, sVt_layout, (d, self.tile_n))
+        tma_atom_O, mO_tma = None, None
+        if const_expr(self.tma_store):  # O in the swizzled layout of one Q stage
+            tma_atom_O, mO_tma = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), tma_pipeline.seq_major_view(mO),
+                tma_pipeline.stage_layout(sQ_layout), (self.tile_m, d))
 
         SharedStorage = tma_pipeline.shared_storage(dt, sQ_layout, sK_layout, sVt_layout, self.kv_stages,
                                                     **self.storage_options())
@@ -155,14 +164,14 @@ class K5FMHA:
         # than Q (chunked prefill): the kernel takes both from K's shape.
         kv_shape = (mK.shape[2], mQ.shape[1] // mK.shape[1])
         self.kernel(mQ_tma, mK_tma, mV_tma, mO, mLSE, mTileCounter, kv_shape, tma_atom_Q, tma_atom_K, tma_atom_V,
-                    scale_log2, sQ_layout, sK_layout, sVt_layout, tiled_mma_qk, tiled_mma_pv, SharedStorage).launch(
+                    (tma_atom_O, mO_tma), scale_log2, sQ_layout, sK_layout, sVt_layout, tiled_mma_qk, tiled_mma_pv, SharedStorage).launch(
             grid=(grid_x, 1, 1), block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(),
             stream=stream, min_blocks_per_mp=1)
 
     @cute.kernel
     def kernel(self, mQ_tma: cute.Tensor, mK_tma: cute.Tensor, mV_tma: cute.Tensor, mO: cute.Tensor,
                mLSE: cute.Tensor, mTileCounter: cute.Tensor, kv_shape: tuple, tma_atom_Q: cute.CopyAtom,
-               tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom, scale_log2: Float32,
+               tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom, o_store: tuple, scale_log2: Float32,
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sVt_layout: cute.ComposedLayout,
                tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, SharedStorage: cutlass.Constexpr):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -196,7 +205,7 @@ class K5FMHA:
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume(mO, mLSE, kv_shape, sQ, sK, sVt, tiled_mma_qk, tiled_mma_pv, scale_log2, pipelines,
-                         tile_slots)
+                         tile_slots, o_store)
 
     @cute.jit
     def tiles(self, mO: cute.Tensor, kv_shape: tuple):
@@ -311,7 +320,7 @@ class K5FMHA:
     @cute.jit
     def consume(self, mO: cute.Tensor, mLSE: cute.Tensor, kv_shape: tuple, sQ: cute.Tensor, sK: cute.Tensor,
                 sVt: cute.Tensor, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, scale_log2: Float32,
-                pipelines: tuple, tile_slots: tuple):
+                pipelines: tuple, tile_slots: tuple, o_store: tuple):
         pipeline_q, pipeline_k, pipeline_v = pipelines
         tile_m, tile_n, d = self.tile_m, self.tile_n, self.head_dim
         tidx = cute.arch.thread_idx()[0] - 128 * (PRODUCER_WARPS // 4)  # thread index among the consumers
@@ -347,12 +356,21 @@ class K5FMHA:
                     tScS)
             kv_consume = self.mainloop(m_block, mask_lens, n_tiles, n_unmasked, kv_consume, pipelines, mmas, softmax,
                                        row_scale)
-            # Every QK of this tile has retired: the producer may load the next tile's Q.
-            pipeline_q.consumer_release(q_consume)
+            if const_expr(self.tma_store):
+                tma_atom_O, mO_tma = o_store
+                sO = sQ[None, None, q_consume.index]
+                tOsO, tOgO = tma_pipeline.partition_for_tma(tma_atom_O, mO_tma, sO, (tile_m, d), head, batch,
+                                                            coord=(m_block, 0))
+                sm90.store_o_tma_and_lse(acc_O, softmax, tiled_mma_pv, tidx, sO, tOsO, tOgO, tma_atom_O, mLSE,
+                                         m_block, head, batch, seqlen, tile_m, self.dtype, 128 * self.num_wg)
+                pipeline_q.consumer_release(q_consume)  # the store has read sO: Q's buffer is free
+            else:
+                # Every QK of this tile has retired: the producer may load the next tile's Q.
+                pipeline_q.consumer_release(q_consume)
+                # K4's epilogue: normalize once, O and LSE straight from registers.
+                sm90.store_o_and_lse(acc_O, softmax, tiled_mma_pv, tidx, mO, mLSE, m_block, head, batch, tile_m,
+                                     self.dtype)
             q_consume.advance()
-            # K4's epilogue: normalize once, O and LSE straight from registers.
-            sm90.store_o_and_lse(acc_O, softmax, tiled_mma_pv, tidx, mO, mLSE, m_block, head, batch, tile_m,
-                                 self.dtype)
             tile_idx = self.next_tile(tile_idx, step, tile_slots, tile_consume)
             tile_consume.advance()
 
@@ -454,8 +472,8 @@ def build(name: str, kernel_cls, p: Problem, cfg: dict, keep_ptx: bool) -> Compi
 
 
 def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_wg=None, tile_n=None, kv_stages=None,
-                   q_stages=None, scheduler=None) -> CompiledAttention:
+                   q_stages=None, scheduler=None, tma_store=None) -> CompiledAttention:
     CAPS.check(p)
     cfg = default_config(p, dict(num_wg=num_wg, tile_n=tile_n, kv_stages=kv_stages, q_stages=q_stages,
-                                 scheduler=scheduler))
+                                 scheduler=scheduler, tma_store=tma_store))
     return build("k5", K5FMHA, p, cfg, keep_ptx)

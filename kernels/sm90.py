@@ -29,6 +29,12 @@ from cutlass._mlir.dialects import llvm
 
 from .contract import LN_2
 
+# Named-barrier ids (0 is sync_threads). One table for the whole kernel: a barrier id used for
+# two purposes at once deadlocks or releases the wrong threads.
+EPILOGUE_BARRIER = 1  # every consumer is done reading the buffer sO aliases
+# 2, 3, 4: WARP_SCHEDULER_BARRIER (ping-pong), below
+EPILOGUE_STORE_BARRIER = 5  # sO is written and fenced: the storing warp may issue the TMA store
+
 
 # --------------------------------------------------------------------------------------
 # Fragment layouts
@@ -209,10 +215,7 @@ def store_o_and_lse(acc_O: cute.Tensor, softmax: OnlineSoftmax, tiled_mma_pv: cu
     Lane 0 of each quad owns column 0 and writes that row's LSE.
     """
     d = cute.size(mO, mode=[3])
-    lse = cute.make_rmem_tensor(softmax.num_rows, Float32)
-    softmax.finalize(acc_O, lse)
-    rO = cute.make_rmem_tensor_like(acc_O, dtype)
-    convert_to(acc_O, rO)
+    lse, rO = finalize_o(acc_O, softmax, dtype)
     thr_mma_pv = tiled_mma_pv.get_slice(tidx)
     gO = cute.local_tile(mO[batch, head, None, None], (tile_m, d), (m_block, 0))
     tOgO_mn = acc_mn_view(thr_mma_pv.partition_C(gO))
@@ -225,6 +228,50 @@ def store_o_and_lse(acc_O: cute.Tensor, softmax: OnlineSoftmax, tiled_mma_pv: cu
             cute.autovec_copy(rO_mn[r, None], tOgO_mn[r, None])
             if tOcO_mn[r, 0][1] == 0:
                 mLSE[batch, head, m_block * tile_m + row] = lse[r]
+
+
+@cute.jit
+def finalize_o(acc_O: cute.Tensor, softmax: OnlineSoftmax, dtype: cutlass.Constexpr):
+    """(LSE per row, O normalized and narrowed to ``dtype``), both in registers."""
+    lse = cute.make_rmem_tensor(softmax.num_rows, Float32)
+    softmax.finalize(acc_O, lse)
+    rO = cute.make_rmem_tensor_like(acc_O, dtype)
+    convert_to(acc_O, rO)
+    return lse, rO
+
+
+@cute.jit
+def store_o_tma_and_lse(acc_O: cute.Tensor, softmax: OnlineSoftmax, tiled_mma_pv: cute.TiledMma, tidx: Int32,
+                        sO: cute.Tensor, tOsO: cute.Tensor, tOgO: cute.Tensor, tma_atom_O: cute.CopyAtom,
+                        mLSE: cute.Tensor, m_block: Int32, head: Int32, batch: Int32, seqlen: Int32,
+                        tile_m: cutlass.Constexpr, dtype: cutlass.Constexpr, num_threads: cutlass.Constexpr):
+    """O through SMEM and one TMA store; LSE from registers as before.
+
+    ``sO`` aliases the Q buffer of this tile, so every consumer must be done with its QK first
+    (barrier 1). ``stmatrix`` writes the swizzled tile; each thread fences its writes for the
+    async proxy and arrives on barrier 5; the first consumer warp syncs there (the +32) and
+    issues the TMA store, which clips the rows past seqlen, and waits until the store has *read*
+    sO: only then may the Q buffer be reloaded (the caller releases it after this returns).
+    """
+    lse, rO = finalize_o(acc_O, softmax, dtype)
+    cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=num_threads)
+    store_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), dtype)
+    thr_store = cute.make_tiled_copy_C(store_atom, tiled_mma_pv).get_slice(tidx)
+    cute.copy(store_atom, thr_store.retile(rO), thr_store.partition_D(sO))
+    cute.arch.fence_view_async_shared()
+    cute.arch.barrier_arrive(barrier_id=EPILOGUE_STORE_BARRIER, number_of_threads=num_threads + 32)
+    thr_mma_pv = tiled_mma_pv.get_slice(tidx)
+    tOcO_mn = acc_mn_view(thr_mma_pv.partition_C(cute.make_identity_tensor((tile_m, cute.size(sO, mode=[1])))))
+    rows_left = seqlen - m_block * tile_m
+    for r in cutlass.range_constexpr(softmax.num_rows):
+        row = tOcO_mn[r, 0][0]
+        if row < rows_left and tOcO_mn[r, 0][1] == 0:
+            mLSE[batch, head, m_block * tile_m + row] = lse[r]
+    if cute.arch.make_warp_uniform(tidx // 32) == 0:
+        cute.arch.barrier(barrier_id=EPILOGUE_STORE_BARRIER, number_of_threads=num_threads + 32)
+        cute.copy(tma_atom_O, tOsO, tOgO)
+        cute.arch.cp_async_bulk_commit_group()
+        cute.arch.cp_async_bulk_wait_group(0, read=True)
 
 
 # --------------------------------------------------------------------------------------
@@ -284,10 +331,7 @@ def gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cu
 # Ping-pong between consumer warpgroups (K6): named barriers pass a token
 # --------------------------------------------------------------------------------------
 
-# Named-barrier ids (0 is sync_threads). One table for the whole kernel: a barrier id used for
-# two purposes at once deadlocks or releases the wrong threads.
-EPILOGUE_BARRIER = 1
-WARP_SCHEDULER_BARRIER = 2  # 2, 3, 4: one per consumer warpgroup
+WARP_SCHEDULER_BARRIER = 2  # 2, 3, 4: one per consumer warpgroup (named-barrier ids: see the top)
 
 
 class WarpScheduler:
