@@ -61,7 +61,7 @@ CAPS = Capabilities(head_dims=(64, 128, 256), gqa=True, unequal_lengths=True)
 # d=64 (192-row tiles: more rows share each K/V tile), two at d=128/256; d=256 takes 80-key tiles,
 # the most that fit two K/V stages beside a 128x256 Q tile in SMEM.
 DEFAULT_CONFIG = {
-    64: dict(num_wg=3, tile_n=128, kv_stages=2, q_stages=2, tma_store=True),
+    64: dict(num_wg=3, tile_n=128, kv_stages=2, q_stages=2, tma_store=False),
     128: dict(num_wg=2, tile_n=128, kv_stages=2, q_stages=2, tma_store=True),
     256: dict(num_wg=2, tile_n=80, kv_stages=2, q_stages=1, tma_store=False),
 }
@@ -69,7 +69,9 @@ DEFAULT_CONFIG = {
 # this one's (one stage would expose a Q load at every tile boundary). d=256 has no SMEM left.
 # tma_store: O leaves through SMEM (the Q buffer of the tile, free once its QKs are done) and one
 # TMA store instead of predicated register stores; that holds the Q buffer until the store has
-# read it, which only a second Q stage hides.
+# read it, which only a second Q stage hides (d<=128). Measured on an H100 (docs/k6.md), it pays
+# at d=128 (causal short sequences most) and not at d=64, where three warpgroups' register
+# stores are already small.
 # Persistent (one CTA per SM looping over tiles) pays where every tile costs the same: with a
 # static round-robin, causal tiles of unequal cost leave some SMs idle at the end (measured on an
 # H100: docs/k5.md), so causal keeps one CTA per tile, launched heaviest first.
