@@ -36,7 +36,8 @@ CAPS = k5.CAPS
 PINGPONG_MAX_HEAD_DIM = 128
 # d=64 runs without the overlap: with it, S of the next tile lives beside P and O, three consumer
 # warpgroups get 160 registers each, and 128-key tiles spill (12 bytes, ptxas); 112-key tiles fit
-# but measured slower on an H100 than ping-pong alone at 128 keys (docs/k6.md).
+# but measured slower on an H100 than ping-pong alone at 128 keys (results/ws-tune-h100-early.json,
+# the first tuning run in docs/k6.md: "k6" there is the overlap at 112 keys, "k6_pp" ping-pong alone).
 OVERLAP_MIN_HEAD_DIM = 128
 TILE_N_WITH_OVERLAP = {64: 112}
 # ... and d=128 non-causal up to 2k keys: with 16 or fewer KV tiles per query tile, the overlap's
