@@ -13,6 +13,7 @@ from harness.inspect_ptx import count_instructions, ptxas_report
 from kernels import get_kernel
 from kernels.contract import Problem
 from kernels.k5 import REGISTERS
+from kernels.sm90 import EPILOGUE_BARRIER, EPILOGUE_STORE_BARRIER, WARP_SCHEDULER_BARRIER
 
 WS_KERNELS = ("k5", "k6_pp", "k6")
 CASES = [(n, d, dt, c) for n in WS_KERNELS for d in (64, 128, 256) for dt in ("bfloat16", "float16")
@@ -47,12 +48,31 @@ def _named_barriers(ptx):
     return re.findall(r"\bbar\.(sync|arrive)\s+([^,;]+),\s*(\d+);", ptx)
 
 
-def test_k5_has_separate_k_and_v_pipelines_and_no_named_barriers():
+def _ping_pong_barriers(ptx):
+    ids = {str(WARP_SCHEDULER_BARRIER + i) for i in range(3)}
+    return [b for b in _named_barriers(ptx) if b[1].strip() in ids or b[1].strip().startswith("%r")]
+
+
+def test_k5_has_separate_k_and_v_pipelines_and_no_ping_pong():
     ptx = _compile("k5", 128).ptx
     # Q's pair plus a full/empty pair per stage for K and for V (2 stages): 2 + 4 + 4; K4 shares
     # one pair per stage between K and V.
     assert len(re.findall(r"\bmbarrier\.init\.", ptx)) >= 10
-    assert not [b for b in _named_barriers(ptx) if b[1].strip() != "0"]
+    assert not _ping_pong_barriers(ptx)
+
+
+def test_tma_store_epilogue():
+    # d=128: stmatrix into the Q buffer, fence, all consumers sync on barrier 1 (256 threads),
+    # arrive on 5 and one warp syncs there too (288), then the TMA store and its read-wait.
+    ptx = _compile("k6", 128).ptx
+    assert "stmatrix.sync.aligned" in ptx and "fence.proxy.async.shared::cta" in ptx
+    assert re.search(r"cp\.async\.bulk\.tensor\.\w+\.global\.shared::cta", ptx)
+    assert re.search(r"cp\.async\.bulk\.wait_group\.read\s+0;", ptx)
+    barriers = set(_named_barriers(ptx))
+    assert {("sync", str(EPILOGUE_BARRIER), "256"), ("arrive", str(EPILOGUE_STORE_BARRIER), "288"),
+            ("sync", str(EPILOGUE_STORE_BARRIER), "288")} <= barriers, barriers
+    # d=64 keeps the register stores (measured faster there).
+    assert "stmatrix" not in _compile("k6", 64).ptx
 
 
 @pytest.mark.parametrize("name", ["k6_pp", "k6"])
@@ -70,7 +90,7 @@ def test_k6_overlaps_qk_with_pv():
 
 
 def test_k6_at_d256_has_no_ping_pong():
-    assert not [b for b in _named_barriers(_compile("k6", 256).ptx) if b[1].strip() != "0"]
+    assert not _ping_pong_barriers(_compile("k6", 256).ptx)
 
 
 def test_schedulers():
