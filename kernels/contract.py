@@ -127,7 +127,9 @@ class Problem:
         return 4.0 * self.batch * self.nheads * pairs * self.head_dim
 
     def with_(self, **kw) -> "Problem":
-        return replace(self, **kw)
+        # K/V's length and heads are carried explicitly: an unset (equal-to-Q) seqlen_k must not
+        # follow a new seqlen.
+        return replace(self, **{"seqlen_k": self.kv_len, "nheads_kv": self.kv_heads, **kw})
 
 
 @dataclass(frozen=True)

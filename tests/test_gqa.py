@@ -22,6 +22,10 @@ def test_problem_from_gqa_and_longer_kv():
     q = _t(1, 4, 32, 64)
     assert problem_from_tensors(q, q, q, False) == Problem(1, 4, 32, 64)
     assert Problem(1, 4, 32, 64, seqlen_k=32, nheads_kv=4) == Problem(1, 4, 32, 64)
+    # Changing the query length keeps the keys where they were, equal to Q's before or not.
+    assert Problem(1, 4, 16, 64).with_(seqlen=8).kv_len == 16
+    assert Problem(1, 4, 16, 64, nheads_kv=2).with_(nheads=8).kv_heads == 2
+    assert Problem(1, 4, 16, 64, seqlen_k=64).with_(causal=True).kv_len == 64
 
 
 @pytest.mark.parametrize("k_shape,v_shape,match", [
