@@ -20,16 +20,12 @@ from cutlass import Int32
 def kv_tile_count(m_block: Int32, seqlen: Int32, tile_m: cutlass.Constexpr, tile_n: cutlass.Constexpr,
                   causal: cutlass.Constexpr, seqlen_k=None) -> Int32:
     """Number of KV tiles query tile ``m_block`` must visit (always >= 1 for a valid tile)."""
-    if cutlass.const_expr(seqlen_k is None):
-        n_tiles = cute.ceil_div(seqlen, tile_n)
-        if cutlass.const_expr(causal):
-            last_row_tiles = cute.ceil_div((m_block + 1) * tile_m, tile_n)
-            n_tiles = cutlass.min(n_tiles, last_row_tiles)
-    else:
-        n_tiles = cute.ceil_div(seqlen_k, tile_n)
-        if cutlass.const_expr(causal):
-            last_row_tiles = cute.ceil_div((m_block + 1) * tile_m + seqlen_k - seqlen, tile_n)
-            n_tiles = cutlass.min(n_tiles, last_row_tiles)
+    n_tiles = cute.ceil_div(seqlen if cutlass.const_expr(seqlen_k is None) else seqlen_k, tile_n)
+    if cutlass.const_expr(causal):
+        last_row_key = (m_block + 1) * tile_m  # one past the last key the tile's last row sees
+        if cutlass.const_expr(seqlen_k is not None):
+            last_row_key = last_row_key + seqlen_k - seqlen
+        n_tiles = cutlass.min(n_tiles, cute.ceil_div(last_row_key, tile_n))
     return n_tiles
 
 
@@ -38,12 +34,10 @@ def unmasked_kv_tile_count(m_block: Int32, seqlen: Int32, tile_m: cutlass.Conste
                            causal: cutlass.Constexpr, seqlen_k=None) -> Int32:
     """Leading KV tiles that need no mask at all: fully inside seqlen and, causal, fully
     at or below the diagonal for every row of the query tile."""
-    if cutlass.const_expr(seqlen_k is None):
-        n_full = seqlen // tile_n
-        if cutlass.const_expr(causal):
-            n_full = cutlass.min(n_full, (m_block * tile_m + 1) // tile_n)
-    else:
-        n_full = seqlen_k // tile_n
-        if cutlass.const_expr(causal):
-            n_full = cutlass.min(n_full, (m_block * tile_m + 1 + seqlen_k - seqlen) // tile_n)
+    n_full = (seqlen if cutlass.const_expr(seqlen_k is None) else seqlen_k) // tile_n
+    if cutlass.const_expr(causal):
+        first_row_key = m_block * tile_m + 1  # one past the last key the tile's first row sees
+        if cutlass.const_expr(seqlen_k is not None):
+            first_row_key = first_row_key + seqlen_k - seqlen
+        n_full = cutlass.min(n_full, first_row_key // tile_n)
     return n_full
