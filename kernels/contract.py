@@ -150,6 +150,8 @@ class Capabilities:
     # Grouped-query attention (fewer K/V heads than Q heads), and K/V longer than Q (K5 on).
     gqa: bool = False
     unequal_lengths: bool = False
+    # Most query heads per K/V head (decode packs a group into one 64-row query tile).
+    max_group: Optional[int] = None
     # Compute capabilities the kernel's instructions exist on (TMA, WGMMA: Hopper only).
     archs: tuple = HOPPER
 
@@ -166,6 +168,9 @@ class Capabilities:
         if p.kv_heads != p.nheads and not self.gqa:
             raise UnsupportedProblem(f"this kernel needs as many K/V heads as query heads (no grouped-query "
                                      f"attention), got nheads {p.nheads} and nheads_kv {p.kv_heads}")
+        if self.max_group is not None and p.group > self.max_group:
+            raise UnsupportedProblem(f"at most {self.max_group} query heads per K/V head (nheads {p.nheads} / nheads_kv "
+                                     f"{p.kv_heads} = {p.group}): the heads of a group share one query tile")
         if p.kv_len != p.seqlen and not self.unequal_lengths:
             raise UnsupportedProblem(f"this kernel needs seqlen_k == seqlen_q (self-attention shapes), got "
                                      f"seqlen_q {p.seqlen} and seqlen_k {p.kv_len}")

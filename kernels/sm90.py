@@ -232,9 +232,12 @@ def store_o_and_lse(acc_O: cute.Tensor, softmax: OnlineSoftmax, tiled_mma_pv: cu
 
 @cute.jit
 def finalize_o(acc_O: cute.Tensor, softmax: OnlineSoftmax, dtype: cutlass.Constexpr):
-    """(LSE per row, O normalized and narrowed to ``dtype``), both in registers."""
+    """(LSE per row, O normalized and narrowed to ``dtype``), both in registers. Float32 (split-KV
+    partials) stays as it is."""
     lse = cute.make_rmem_tensor(softmax.num_rows, Float32)
     softmax.finalize(acc_O, lse)
+    if const_expr(dtype is Float32):
+        return lse, acc_O
     rO = cute.make_rmem_tensor_like(acc_O, dtype)
     convert_to(acc_O, rO)
     return lse, rO
@@ -280,9 +283,11 @@ def store_o_tma_and_lse(acc_O: cute.Tensor, softmax: OnlineSoftmax, tiled_mma_pv
 
 @cute.jit
 def mask_tile(acc_S: cute.Tensor, tScS: cute.Tensor, m_block: Int32, n_block: Int32, seqlen: Int32,
-              tile_m: cutlass.Constexpr, tile_n: cutlass.Constexpr, causal: cutlass.Constexpr, causal_offset=None):
+              tile_m: cutlass.Constexpr, tile_n: cutlass.Constexpr, causal: cutlass.Constexpr, causal_offset=None,
+              rows_per_query: cutlass.Constexpr = 1):
     """Set scores to -inf where key >= seqlen (the key length) or (causal) key > query +
     ``causal_offset`` (seqlen_k - seqlen_q when keys outnumber queries: bottom-right alignment).
+    With GQA packing (decode) ``rows_per_query`` rows hold one query position.
 
     ``tScS`` is the thread's partition of an identity tensor over the (tile_m, tile_n) tile:
     the same C-fragment layout as acc_S, but each slot holds its (row, col) coordinate.
@@ -295,6 +300,8 @@ def mask_tile(acc_S: cute.Tensor, tScS: cute.Tensor, m_block: Int32, n_block: In
         col_limit = col_limit_seqlen
         if const_expr(causal):
             q_idx = m_block * tile_m + tScS_mn[r, 0][0]
+            if const_expr(rows_per_query > 1):
+                q_idx = q_idx // rows_per_query
             if const_expr(causal_offset is not None):
                 q_idx = q_idx + causal_offset
             col_limit = cutlass.min(col_limit, q_idx + 1 - n_block * tile_n)

@@ -214,6 +214,16 @@ def make_pipelines(storage, dtype, sQ_layout, sK_layout, sV_layout, kv_stages: i
     return pipeline_q, pipeline_kv
 
 
+def make_kv_pipeline(storage, dtype, sK_layout, sV_layout, kv_stages: int, num_threads: int):
+    """``make_pipelines`` without Q's (decode loads Q with the threads): K+V only, then the same
+    fence and CTA barrier."""
+    pipeline_kv = _tma_pipeline(storage.mbar_kv.data_ptr(), kv_stages, num_threads // cute.arch.WARP_SIZE,
+                                stage_bytes(dtype, sK_layout, sV_layout))
+    cute.arch.mbarrier_init_fence()
+    cute.arch.sync_threads()
+    return pipeline_kv
+
+
 def pipe_state(stages: int, t: Int32, producer: bool) -> pipeline.PipelineState:
     """Pipeline position of the t-th tile, computed instead of carried through the loop.
 

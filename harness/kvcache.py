@@ -1,0 +1,264 @@
+"""Attention over a KV cache, in flash-attn's ``flash_attn_with_kvcache`` layout.
+
+    out = attention_with_kvcache(q, k_cache, v_cache, cache_seqlens)      # one call
+    plan = decode_plan(batch, nheads, nheads_kv, head_dim, max_seqlen_k)  # a serving loop:
+    out, lse = plan.run(q, k_cache, v_cache, cache_seqlens)               #   validate once, then launch
+
+q is (batch, q_len, nheads, head_dim); the caches (batch, s_cache, nheads_kv, head_dim); query head
+h reads K/V head h // (nheads // nheads_kv). ``cache_seqlens`` gives each sequence's length: None
+(all s_cache rows), an int, or an int32 CUDA tensor (batch,). Rows past a sequence's length are
+never read into the result, whatever they hold. Causal is aligned bottom-right: query i sees keys
+j <= i + cache_seqlens[b] - q_len; a row that sees no key gives O = 0 and LSE = -inf.
+
+``plan.run`` returns buffers the plan owns and reuses on every call, and does no host work beyond a
+shape comparison and two launches, so a warmed-up call can be captured in a CUDA graph; the
+lengths then change in ``cache_seqlens``, never in shapes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from kernels import get_kernel
+from kernels.contract import DTYPES, Problem, UnsupportedProblem, as_causal, as_scale
+
+DECODE_KERNELS = ("decode", "decode_nosplit")
+
+
+def _check_kernel(kernel: str):
+    if kernel not in DECODE_KERNELS:
+        raise UnsupportedProblem(f"kernel must be one of {DECODE_KERNELS} for a KV cache, got {kernel!r}")
+    return get_kernel(kernel)
+
+
+def _check_layout(name: str, t, rank_names: str):
+    if not isinstance(t, torch.Tensor):
+        raise UnsupportedProblem(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 4:
+        raise UnsupportedProblem(f"{name} must be 4-D {rank_names}, got shape {tuple(t.shape)}")
+    if t.stride(-1) != 1 or any(s % 8 for s in t.stride()[:-1]) or t.data_ptr() % 16:
+        raise UnsupportedProblem(f"{name} must have a contiguous last dim, 16-byte alignment and strides that are "
+                                 f"multiples of 8 elements (TMA rows), got strides {t.stride()}")
+    if t.requires_grad:
+        raise UnsupportedProblem(f"{name} requires grad: these kernels are forward-only")
+
+
+def problem_from_cache(q, k_cache, v_cache, causal: bool, softmax_scale=None) -> Problem:
+    """Check q and the caches (shapes, dtypes, layout; nothing that needs a GPU) and describe them
+    as a Problem whose seqlen is q_len and whose seqlen_k is the cache capacity."""
+    _check_layout("q", q, "(batch, q_len, nheads, head_dim)")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_layout(name, t, "(batch, s_cache, nheads_kv, head_dim)")
+    if k_cache.shape != v_cache.shape:
+        raise UnsupportedProblem(f"k_cache and v_cache must have one shape, got {tuple(k_cache.shape)} and "
+                                 f"{tuple(v_cache.shape)}")
+    b, q_len, h, d = q.shape
+    if k_cache.shape[0] != b or k_cache.shape[3] != d:
+        raise UnsupportedProblem(f"the caches must have q's batch and head_dim: q {tuple(q.shape)}, caches "
+                                 f"{tuple(k_cache.shape)} (layout (batch, s_cache, nheads_kv, head_dim))")
+    if min(q.shape) < 1 or min(k_cache.shape) < 1:
+        raise UnsupportedProblem(f"every dimension must be positive, got q {tuple(q.shape)}, caches "
+                                 f"{tuple(k_cache.shape)}")
+    h_kv = k_cache.shape[2]
+    if h_kv > h or h % h_kv:
+        raise UnsupportedProblem(f"q's nheads must be a multiple of the caches' nheads_kv (grouped-query attention), "
+                                 f"got {h} and {h_kv}")
+    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+        raise UnsupportedProblem(f"q and the caches must share a dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    dtype = str(q.dtype).replace("torch.", "")
+    if dtype not in DTYPES:
+        raise UnsupportedProblem(f"dtype must be bfloat16 or float16, got {q.dtype}")
+    if not (q.device == k_cache.device == v_cache.device):
+        raise UnsupportedProblem(f"q and the caches must be on one device, got {q.device}, {k_cache.device}, "
+                                 f"{v_cache.device}")
+    return Problem(b, h, q_len, d, dtype=dtype, causal=causal, softmax_scale=softmax_scale,
+                   seqlen_k=k_cache.shape[1], nheads_kv=h_kv)
+
+
+def check_seqlens(cache_seqlens, batch: int, device) -> None:
+    """An int32 tensor (batch,) on q's device: the kernel reads it there (checking its values
+    against s_cache would cost a sync: the kernel clamps them instead)."""
+    if not isinstance(cache_seqlens, torch.Tensor):
+        raise UnsupportedProblem(f"cache_seqlens must be None, an int or an int32 tensor, got "
+                                 f"{type(cache_seqlens).__name__}")
+    if cache_seqlens.dtype != torch.int32:
+        raise UnsupportedProblem(f"cache_seqlens must be int32, got {cache_seqlens.dtype}")
+    if tuple(cache_seqlens.shape) != (batch,) or cache_seqlens.stride(0) != 1:
+        raise UnsupportedProblem(f"cache_seqlens must be a contiguous ({batch},) tensor, one length per sequence, "
+                                 f"got shape {tuple(cache_seqlens.shape)}")
+    if cache_seqlens.device != device:
+        raise UnsupportedProblem(f"cache_seqlens must be on q's device ({device}), got {cache_seqlens.device}")
+
+
+def _num_splits(num_splits, kernel: str) -> int:
+    if kernel == "decode_nosplit":
+        return 1
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 0 <= num_splits <= 128:
+        raise UnsupportedProblem(f"num_splits must be an int in [0, 128] (0: automatic, 1: no split), got {num_splits!r}")
+    return num_splits
+
+
+_SPLITS: dict = {}
+_CAPABILITIES: dict = {}
+
+
+def _capability(device) -> tuple:
+    if device not in _CAPABILITIES:
+        _CAPABILITIES[device] = torch.cuda.get_device_capability(device)
+    return _CAPABILITIES[device]
+
+_LAUNCHERS: dict = {}
+
+
+def resolve_splits(p: Problem, num_splits: int, max_seqlen_k: Optional[int] = None) -> int:
+    """``num_splits``, or for 0 the heuristic's choice for this shape on the current GPU (memoized:
+    the heuristic is a Python loop, and a decode call has microseconds to spare)."""
+    if num_splits:
+        return num_splits
+    key = (p.batch, p.kv_heads, p.group, p.seqlen, max_seqlen_k or p.kv_len, p.head_dim, torch.cuda.current_device())
+    if key not in _SPLITS:
+        from kernels import decode
+
+        _SPLITS[key] = decode.choose_num_splits(p.batch, p.kv_heads, p.group, p.seqlen, key[4], decode.sm_count(),
+                                                decode.config(p.head_dim)["tile_n"])
+    return _SPLITS[key]
+
+
+def launcher_for(p: Problem, num_splits: int, seqlens: bool):
+    """The compiled kernel(s) for a resolved split count; lengths and scale are launch arguments."""
+    from kernels import decode
+
+    key = (p.head_dim, p.dtype, p.causal, p.group, num_splits, seqlens)
+    if key not in _LAUNCHERS:
+        _LAUNCHERS[key] = decode.make_launcher(p.head_dim, p.dtype, p.causal, p.group, num_splits, seqlens)
+    return _LAUNCHERS[key]
+
+
+def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, causal: bool = False, softmax_scale=None,
+                           num_splits: int = 0, return_lse: bool = False, kernel: str = "decode"):
+    """softmax(q k^T * scale) v over each sequence's first cache_seqlens[b] cache rows.
+
+    Returns O (batch, q_len, nheads, head_dim) in q's dtype, and with ``return_lse`` the float32
+    (batch, nheads, q_len) log-sum-exp. ``num_splits``: 0 picks a split count that fills the GPU,
+    1 turns the split off. Unsupported inputs raise ``kernels.UnsupportedProblem`` naming the
+    constraint, before anything is launched.
+    """
+    entry = _check_kernel(kernel)
+    causal = as_causal(causal)
+    scale = None if softmax_scale is None else as_scale(softmax_scale)
+    p = problem_from_cache(q, k_cache, v_cache, causal, scale)
+    # Causal with q_len > a cache length is fine here: those query rows see no key (O = 0, LSE = -inf).
+    entry.caps.check(p.with_(causal=False), want_lse=return_lse)
+    splits = _num_splits(num_splits, kernel)
+    if isinstance(cache_seqlens, bool) or (cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor)
+                                           and not isinstance(cache_seqlens, int)):
+        raise UnsupportedProblem(f"cache_seqlens must be None, an int or an int32 tensor, got {cache_seqlens!r}")
+    if isinstance(cache_seqlens, int):
+        if not 0 <= cache_seqlens <= p.kv_len:
+            raise UnsupportedProblem(f"cache_seqlens {cache_seqlens} must be in [0, s_cache = {p.kv_len}]")
+    elif cache_seqlens is not None:
+        check_seqlens(cache_seqlens, p.batch, q.device)
+    if not q.is_cuda:
+        raise UnsupportedProblem(f"q and the caches must be CUDA tensors, got device {q.device}")
+    entry.caps.check_device(_capability(q.device))
+
+    b, q_len, h, d = q.shape
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty((b, h, q_len), device=q.device, dtype=torch.float32)
+    if isinstance(cache_seqlens, int):
+        if cache_seqlens == 0:  # no keys: nothing to launch
+            return (out.zero_(), lse.fill_(-math.inf)) if return_lse else out.zero_()
+        # One length for all: the caches' first rows are the whole problem (a view, no copy).
+        k_cache, v_cache, cache_seqlens = k_cache[:, :cache_seqlens], v_cache[:, :cache_seqlens], None
+        p = p.with_(seqlen_k=k_cache.shape[1])
+    with torch.cuda.device(q.device):
+        launcher = launcher_for(p, resolve_splits(p, splits), cache_seqlens is not None)
+        launcher(q, k_cache, v_cache, out, lse, cache_seqlens, p.scale)
+    return (out, lse) if return_lse else out
+
+
+class DecodePlan:
+    """A decode step compiled, sized and validated once; ``run`` only launches."""
+
+    def __init__(self, problem: Problem, kernel: str, num_splits: int, device, max_seqlen_k: int):
+        from kernels import decode
+
+        self.problem = problem
+        self.scale = problem.scale
+        self.launcher = launcher_for(problem, resolve_splits(problem, num_splits, max_seqlen_k), True)
+        self.num_splits = self.launcher.num_splits
+        b, q_len, h, d = problem.batch, problem.seqlen, problem.nheads, problem.head_dim
+        self.q_shape = (b, q_len, h, d)
+        self.out = torch.empty(self.q_shape, device=device, dtype=q_dtype(problem))
+        self.lse = torch.empty((b, h, q_len), device=device, dtype=torch.float32)
+        self.partials = self.launcher.partials(b, q_len, h, device) if self.num_splits > 1 else (None, None)
+        self.device = torch.device(device)
+        self._checked = None  # the (q, cache, lengths) signature last validated in full
+        self.info = dict(decode.config(d), num_splits=self.num_splits)
+
+    def _signature(self, q, k_cache, v_cache, cache_seqlens):
+        return (q.shape, q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(), v_cache.shape,
+                v_cache.stride(), k_cache.dtype, v_cache.dtype, k_cache.device, v_cache.device,
+                getattr(cache_seqlens, "dtype", None), getattr(cache_seqlens, "shape", None),
+                getattr(cache_seqlens, "device", None))
+
+    def _validate(self, q, k_cache, v_cache, cache_seqlens):
+        p = problem_from_cache(q, k_cache, v_cache, self.problem.causal, self.problem.softmax_scale)
+        want = self.problem
+        if (p.batch, p.seqlen, p.nheads, p.head_dim, p.kv_heads, p.dtype) != (
+                want.batch, want.seqlen, want.nheads, want.head_dim, want.kv_heads, want.dtype):
+            raise UnsupportedProblem(
+                f"this plan was made for q {self.q_shape} {want.dtype} with {want.kv_heads} K/V heads; got q "
+                f"{tuple(q.shape)} {p.dtype} and caches {tuple(k_cache.shape)}: make a plan for this shape")
+        if q.device != self.device:
+            raise UnsupportedProblem(f"this plan's buffers are on {self.device}; got tensors on {q.device}")
+        check_seqlens(cache_seqlens, p.batch, q.device)
+
+    def run(self, q, k_cache, v_cache, cache_seqlens):
+        """(out, lse) for this step, in the plan's own buffers (overwritten by the next run)."""
+        signature = self._signature(q, k_cache, v_cache, cache_seqlens)
+        if signature != self._checked:
+            self._validate(q, k_cache, v_cache, cache_seqlens)
+            self._checked = signature
+        launcher, (o_partial, lse_partial) = self.launcher, self.partials
+        if self.num_splits == 1:
+            launcher.main(q, k_cache, v_cache, self.out, self.lse, cache_seqlens, None, None, self.scale, 1)
+        else:
+            launcher.main(q, k_cache, v_cache, self.out, self.lse, cache_seqlens, o_partial, lse_partial, self.scale,
+                          self.num_splits)
+            launcher.combine(o_partial, lse_partial, self.out, self.lse, self.num_splits)
+        return self.out, self.lse
+
+
+def q_dtype(p: Problem):
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16}[p.dtype]
+
+
+def decode_plan(batch: int, nheads: int, nheads_kv: int, head_dim: int, max_seqlen_k: int, *, q_len: int = 1,
+                dtype: str = "bfloat16", causal: bool = False, softmax_scale=None, num_splits: int = 0, device=None,
+                kernel: str = "decode") -> DecodePlan:
+    """Compile and size a decode step: ``max_seqlen_k`` (the longest cache length expected) and
+    the GPU's SM count choose the split count (``num_splits`` 0), which the plan then keeps."""
+    entry = _check_kernel(kernel)
+    if not isinstance(max_seqlen_k, int) or isinstance(max_seqlen_k, bool) or max_seqlen_k < 1:
+        raise UnsupportedProblem(f"max_seqlen_k must be a positive int, got {max_seqlen_k!r}")
+    dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(str(dtype).replace("torch.", ""),
+                                                          str(dtype).replace("torch.", ""))
+    p = Problem(batch, nheads, q_len, head_dim, dtype=dtype, causal=as_causal(causal),
+                softmax_scale=None if softmax_scale is None else as_scale(softmax_scale), seqlen_k=max_seqlen_k,
+                nheads_kv=nheads_kv)
+    if nheads_kv > nheads:
+        raise UnsupportedProblem(f"nheads_kv ({nheads_kv}) cannot exceed nheads ({nheads})")
+    entry.caps.check(p.with_(causal=False))  # causal with q_len > a length is allowed here: those rows see nothing
+    splits = _num_splits(num_splits, kernel)
+    device = torch.device(device if device is not None else "cuda")
+    if device.type != "cuda":
+        raise UnsupportedProblem(f"a decode plan needs a CUDA device, got {device}")
+    if device.index is None:  # tensors report cuda:N; compare like with like
+        device = torch.device("cuda", torch.cuda.current_device())
+    entry.caps.check_device(torch.cuda.get_device_capability(device))
+    with torch.cuda.device(device):
+        return DecodePlan(p, kernel, splits, device, max_seqlen_k)

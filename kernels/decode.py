@@ -1,0 +1,570 @@
+"""Flash decode: K4's loop at one warpgroup, GQA heads packed into the query tile, the KV walk
+split across CTAs, and a combine kernel that merges the splits by their log-sum-exp.
+
+Decode is a stream, not a GEMM: a query of a few rows reads the whole KV cache once, so the
+kernel is judged in bytes per second, and what limits it is how many SMs are pulling bytes.
+New relative to K4:
+* **GQA packing.** The ``group`` query heads that share a K/V head are rows of one query tile
+  (packed row r = query position r // group, head kv_head * group + r % group): each K/V tile is
+  loaded once for the whole group instead of once per query head. One warpgroup (64 rows) holds
+  any q_len * group <= 64; more rows take more query tiles (m_block). Q is tiny and its packed
+  rows are not one box, so it is loaded by the threads, not by TMA.
+* **Split-KV.** A CTA runs (query tile, split, K/V head, batch): split s of S walks only its share
+  of the KV tiles (``split_range``). S = 1 writes O and LSE as K4 does. Otherwise each split
+  writes an fp32 partial O (normalized by its own sum) and its LSE, and ``Combine`` merges them:
+  LSE = log sum_s exp(LSE_s), O = sum_s exp(LSE_s - LSE) O_s. ``choose_num_splits`` picks S so the
+  CTAs fill the SMs (FA3's rule) without the partials' extra traffic growing past 5%.
+* **The KV cache.** Each sequence has its own length (``cache_seqlens``, read on the device) in a
+  cache of s_cache rows. The tail tile's rows past the length are masked in S, and zeroed in V
+  before the PV GEMM: the cache may hold anything there, and P = 0 times a NaN is still NaN.
+* Causal with fewer queries than keys is aligned bottom-right (query i sees key j iff
+  j <= i + kv_len - q_len); a row that sees no key gives O = 0 and LSE = -inf.
+
+Tensors are in flash-attn's decode layout: q and O (batch, q_len, heads, d), the caches
+(batch, s_cache, heads_kv, d), LSE (batch, heads, q_len). Strides are symbolic, so the SDPA
+layout of the ordinary contract runs on the same compiled kernel through transposed views.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import Optional
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+from cutlass.tensor_utils import LayoutEnum
+
+from . import sm90, tma_pipeline
+from .contract import (
+    LOG2_E,
+    Capabilities,
+    CompiledAttention,
+    Problem,
+    UnsupportedProblem,
+    compiled_ptx,
+    cute_dtype,
+    fake_stream,
+    jit_compile,
+)
+
+HEAD_DIMS = (64, 128, 256)
+TILE_M = 64  # one warpgroup: enough rows for group * q_len of any decode step up to 16 tokens at group 4
+NUM_THREADS = 128
+MAX_GROUP = TILE_M  # query heads per K/V head: one tile must hold a query position's group
+# Per head dim: 128-key tiles where three K+V stages fit beside Q; 64 at d=256. Two stages are
+# in flight while the third is read: 128 KB per SM, more than HBM's latency needs.
+DEFAULT_CONFIG = {64: dict(tile_n=128, kv_stages=4), 128: dict(tile_n=128, kv_stages=3),
+                  256: dict(tile_n=64, kv_stages=3)}
+MAX_SPLITS = 128
+MAX_SPLIT_TRAFFIC = 0.05  # partials may add at most 5% to the bytes of K and V
+
+
+# --------------------------------------------------------------------------------------
+# Host: how many splits (pure functions, tested on the CPU)
+# --------------------------------------------------------------------------------------
+
+def num_splits_heuristic(work_tiles: int, n_tiles: int, num_sms: int, max_splits: int = MAX_SPLITS) -> int:
+    """FA3's rule (hopper/heuristics.h): split only when the ``work_tiles`` CTAs (batch x K/V heads
+    x query tiles) leave SMs idle, and then take the smallest S whose wave efficiency is within
+    85% of the best S's."""
+    if work_tiles >= 0.8 * num_sms or n_tiles <= 4:
+        return 1
+    candidates = range(1, min(max_splits, num_sms, n_tiles) + 1)
+    efficiency = {s: (w := work_tiles * s / num_sms) / math.ceil(w) for s in candidates}
+    best = max(efficiency.values())
+    return next(s for s in candidates if efficiency[s] >= 0.85 * best)
+
+
+def split_traffic_cap(group: int, q_len: int, kv_len: int, max_ratio: float = MAX_SPLIT_TRAFFIC) -> int:
+    """Most splits whose fp32 partials (written, then read: 2 x S x group x q_len x d x 4 bytes per
+    K/V head) stay within ``max_ratio`` of the K+V bytes (2 x kv_len x d x 2): S <= max_ratio x
+    kv_len / (2 x group x q_len). At least 1."""
+    return max(1, int(max_ratio * kv_len / (2 * group * q_len)))
+
+
+def choose_num_splits(batch: int, nheads_kv: int, group: int, q_len: int, kv_len: int, num_sms: int,
+                      tile_n: int, tile_m: int = TILE_M) -> int:
+    m_blocks = -(-q_len // (tile_m // group))  # query tiles of whole query positions (packed_rows)
+    n_tiles = -(-kv_len // tile_n)
+    splits = num_splits_heuristic(batch * nheads_kv * m_blocks, n_tiles, num_sms)
+    return max(1, min(splits, split_traffic_cap(group, q_len, kv_len)))
+
+
+def split_range(n_tiles: int, num_splits: int, split: int) -> tuple:
+    """KV tiles [lo, hi) of ``split`` (the kernel's ``tile_range``, in Python): ceil(n/S) tiles
+    each, so the trailing splits may be empty."""
+    per = -(-n_tiles // num_splits)
+    lo = min(split * per, n_tiles)
+    return lo, min(lo + per, n_tiles)
+
+
+def merge_partials(o_parts, lse_parts):
+    """The combine in torch (the oracle for ``Combine``): o_parts (S, ..., d) partial outputs each
+    normalized by its own sum, lse_parts (S, ...) their natural-log LSEs. Empty splits carry
+    LSE = -inf; a row whose splits are all empty gives O = 0 and LSE = -inf, never NaN."""
+    import torch
+
+    m = lse_parts.max(dim=0).values
+    m = torch.where(torch.isinf(m) & (m < 0), torch.zeros_like(m), m)
+    total = torch.exp(lse_parts - m).sum(dim=0)
+    lse = m + torch.log(total)  # log(0) = -inf for an all-empty row
+    weights = torch.exp(lse_parts - lse)  # exp(-inf - x) = 0; an all-empty row: exp(-inf + inf) = NaN...
+    weights = torch.nan_to_num(weights, nan=0.0)  # ...which carries no weight
+    o = (weights.unsqueeze(-1) * torch.nan_to_num(o_parts)).sum(dim=0)
+    return o, lse
+
+
+# --------------------------------------------------------------------------------------
+# Host: views
+# --------------------------------------------------------------------------------------
+
+def cache_seq_major_view(mX: cute.Tensor) -> cute.Tensor:
+    """(batch, s_cache, heads_kv, d) -> (s_cache, d, heads_kv, batch): K's TMA view (K4's
+    ``seq_major_view`` for the cache layout)."""
+    return cute.make_tensor(mX.iterator, cute.select(mX.layout, mode=[1, 3, 2, 0]))
+
+
+def cache_head_dim_major_view(mX: cute.Tensor) -> cute.Tensor:
+    """(batch, s_cache, heads_kv, d) -> (d, s_cache, heads_kv, batch): V read MN-major, as in K4."""
+    return cute.make_tensor(mX.iterator, cute.select(mX.layout, mode=[3, 1, 2, 0]))
+
+
+# --------------------------------------------------------------------------------------
+# The split-KV kernel
+# --------------------------------------------------------------------------------------
+
+class DecodeFMHA:
+    def __init__(self, head_dim: int, dtype, causal: bool, group: int, tile_n: int, kv_stages: int, split: bool):
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.causal = causal
+        self.group = group
+        self.tile_m = TILE_M
+        self.tile_n = tile_n
+        self.kv_stages = kv_stages
+        self.split = split  # write fp32 partials for Combine (S > 1), or O and LSE directly
+        # A tile packs (group, q_per_tile) rows: whole query positions, so a group that does not
+        # divide 64 (7: Qwen2-7B's 28/4) leaves 64 % group rows idle.
+        self.q_per_tile = TILE_M // group
+        self.packed_rows = group * self.q_per_tile
+        self.num_threads = NUM_THREADS
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+                 mSeqlens: Optional[cute.Tensor], mO_partial: Optional[cute.Tensor],
+                 mLSE_partial: Optional[cute.Tensor], softmax_scale: Float32, num_splits: Int32, stream):
+        d, dt = self.head_dim, self.dtype
+        mVt = cache_head_dim_major_view(mV)
+        v_major = LayoutEnum.from_tensor(mVt)
+        # K4's two GEMMs at one warpgroup: S(64, tile_n) = Q K^T, O(64, d) += P V^T, P in registers.
+        tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, OperandMajorMode.K, OperandMajorMode.K, Float32, atom_layout_mnk=(1, 1, 1),
+            tiler_mn=(64, self.tile_n))
+        tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, OperandMajorMode.K, v_major.sm90_mma_major_mode(), Float32, atom_layout_mnk=(1, 1, 1),
+            tiler_mn=(64, d), a_source=warpgroup.OperandSource.RMEM)
+        sQ_layout = cute.select(
+            sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (self.tile_m, self.tile_n, d), dt, 1), mode=[0, 1])
+        sK_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (self.tile_m, self.tile_n, d), dt,
+                                                  self.kv_stages)
+        sVt_layout = sm90_utils.make_smem_layout_b(v_major, (self.tile_m, d, self.tile_n), dt, self.kv_stages)
+        tma_atom_K, mK_tma = tma_pipeline.make_tma_load(cache_seq_major_view(mK), sK_layout, (self.tile_n, d))
+        tma_atom_V, mV_tma = tma_pipeline.make_tma_load(mVt, sVt_layout, (d, self.tile_n))
+        SharedStorage = tma_pipeline.shared_storage(dt, sQ_layout, sK_layout, sVt_layout, self.kv_stages)
+
+        # One CTA per (query tile, split), K/V head, batch.
+        m_blocks = cute.ceil_div(mQ.shape[1], self.q_per_tile)
+        grid = (m_blocks * num_splits, mK.shape[2], mK.shape[0])
+        self.kernel(mQ, mK_tma, mV_tma, mO, mLSE, mSeqlens, mO_partial, mLSE_partial, tma_atom_K, tma_atom_V,
+                    softmax_scale * LOG2_E, num_splits, sQ_layout, sK_layout, sVt_layout, tiled_mma_qk, tiled_mma_pv,
+                    SharedStorage).launch(grid=grid, block=[self.num_threads, 1, 1],
+                                          smem=SharedStorage.size_in_bytes(), stream=stream, min_blocks_per_mp=1)
+
+    @cute.kernel
+    def kernel(self, mQ: cute.Tensor, mK_tma: cute.Tensor, mV_tma: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+               mSeqlens: Optional[cute.Tensor], mO_partial: Optional[cute.Tensor],
+               mLSE_partial: Optional[cute.Tensor], tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
+               scale_log2: Float32, num_splits: Int32, sQ_layout: cute.ComposedLayout,
+               sK_layout: cute.ComposedLayout, sVt_layout: cute.ComposedLayout, tiled_mma_qk: cute.TiledMma,
+               tiled_mma_pv: cute.TiledMma, SharedStorage: cutlass.Constexpr):
+        tile_m, tile_n, d, stages, group = self.tile_m, self.tile_n, self.head_dim, self.kv_stages, self.group
+        tidx, _, _ = cute.arch.thread_idx()
+        bx, kv_head, batch = cute.arch.block_idx()
+        m_block, split = bx // num_splits, bx % num_splits
+        q_len = mQ.shape[1]
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            tma_pipeline.prefetch_descriptors(tma_atom_K, tma_atom_V)
+
+        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
+        sQ, sK, sVt = tma_pipeline.smem_tensors(storage, sQ_layout, sK_layout, sVt_layout)
+        pipeline_kv = tma_pipeline.make_kv_pipeline(storage, self.dtype, sK_layout, sVt_layout, stages,
+                                                    self.num_threads)
+
+        # ---- this CTA's keys: the sequence's cache length, then its split's share of the tiles ----
+        kv_len = mK_tma.shape[0]
+        if const_expr(mSeqlens is not None):  # clamped: TMA reads nothing past s_cache anyway
+            kv_len = cutlass.max(cutlass.min(mSeqlens[batch], kv_len), 0)
+        causal_offset = kv_len - q_len  # bottom-right: query i sees keys j <= i + causal_offset
+        n_tiles = cute.ceil_div(kv_len, tile_n)
+        n_lo, n_hi = tile_range(n_tiles, num_splits, split)
+        # Tiles from n_full on need the element mask: the tail past kv_len and, causal, the tiles
+        # past the first packed row's diagonal.
+        n_full = kv_len // tile_n
+        if const_expr(self.causal):
+            first_query = m_block * self.q_per_tile
+            n_full = cutlass.min(n_full, cutlass.max(first_query + causal_offset + 1, 0) // tile_n)
+
+        tKsK, tKgK = tma_pipeline.partition_for_tma(tma_atom_K, mK_tma, sK, (tile_n, d), kv_head, batch, (None, 0))
+        tVsV, tVgV = tma_pipeline.partition_for_tma(tma_atom_V, mV_tma, sVt, (d, tile_n), kv_head, batch, (0, None))
+        kv_loads = (tma_atom_K, tKgK, tKsK, tma_atom_V, tVgV, tVsV)
+        # Pipeline positions count from the split's first tile: t = n_block - n_lo.
+        if warp_idx == 0:
+            for t in cutlass.range(cutlass.min(stages, n_hi - n_lo), unroll=1):
+                tma_pipeline.load_kv_stage(pipeline_kv, tma_pipeline.pipe_state(stages, t, producer=True),
+                                           n_lo + t, *kv_loads)
+
+        # ---- Q: the packed rows, by the threads, while the first K/V tiles are in flight -------
+        rows = packed_rows(m_block, kv_head, self.group, self.q_per_tile, q_len)
+        self.load_q(mQ, sQ, rows, batch, tidx)
+
+        wg_mma_qk = tiled_mma_qk.get_slice(0)
+        wg_mma_pv = tiled_mma_pv.get_slice(0)
+        tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))
+        tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK))
+        tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(sVt))
+        tOrP = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((tile_m, tile_n)))
+        acc_O = cute.make_rmem_tensor(tiled_mma_pv.partition_shape_C((tile_m, d)), Float32)
+        acc_O.fill(0.0)
+        tScS = tiled_mma_qk.get_slice(tidx).partition_C(cute.make_identity_tensor((tile_m, tile_n)))
+        softmax = sm90.OnlineSoftmax(cute.size(sm90.acc_mn_view(acc_O), mode=[0]), scale_log2)
+        row_scale = cute.make_rmem_tensor(softmax.num_rows, Float32)
+
+        loads = (pipeline_kv, *kv_loads)
+        mmas = (tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, sVt, tOrVt, tOrP, acc_O, tScS)
+        lens = (kv_len, causal_offset, n_lo, n_hi)
+        for n_block in cutlass.range(n_lo, cutlass.min(n_hi, n_full), unroll=1):
+            self.kv_iteration(n_block, m_block, lens, tidx, warp_idx, loads, mmas, softmax, row_scale, masked=False)
+        for n_block in cutlass.range(cutlass.max(n_lo, n_full), n_hi, unroll=1):
+            self.kv_iteration(n_block, m_block, lens, tidx, warp_idx, loads, mmas, softmax, row_scale, masked=True)
+
+        # ---- Epilogue: K4's, into O or into this split's fp32 partial ------------------------
+        # An empty split (or a row that saw no key) writes O = 0 and LSE = -inf.
+        if const_expr(self.split):
+            mO_out, mLSE_out = mO_partial[split, None, None, None, None], mLSE_partial[split, None, None, None]
+        else:
+            mO_out, mLSE_out = mO, mLSE
+        lse, rO = sm90.finalize_o(acc_O, softmax, mO_out.element_type)
+        self.store_packed(rO, lse, tiled_mma_pv, tidx, mO_out, mLSE_out, rows, batch)
+
+    @cute.jit
+    def load_q(self, mQ: cute.Tensor, sQ: cute.Tensor, rows: tuple, batch: Int32, tidx: Int32):
+        """Each thread copies 16-byte pieces of the packed Q rows into the swizzled sQ (zeros in
+        the idle rows), then fences: WGMMA reads sQ through the async proxy."""
+        chunks = self.head_dim // 8
+        for i in cutlass.range_constexpr(self.tile_m * chunks // self.num_threads):
+            idx = tidx + i * self.num_threads
+            row, c = idx // chunks, idx % chunks
+            dst = cute.local_tile(sQ[row, None], (8,), (c,))
+            q_idx, head = row_coords(rows, row, self.group)
+            if row < rows[2]:
+                cute.autovec_copy(cute.local_tile(mQ[batch, q_idx, head, None], (8,), (c,)), dst)
+            else:
+                dst.fill(0.0)
+        cute.arch.fence_view_async_shared()
+        cute.arch.sync_threads()
+
+    @cute.jit
+    def kv_iteration(self, n_block: Int32, m_block: Int32, lens: tuple, tidx: Int32, warp_idx: Int32, loads: tuple,
+                     mmas: tuple, softmax: sm90.OnlineSoftmax, row_scale: cute.Tensor,
+                     masked: cutlass.Constexpr[bool]):
+        """K4's iteration, its pipeline position counted from the split's first tile, and on the
+        tail tile V's rows past the cache length zeroed before PV."""
+        pipeline_kv, *kv_loads = loads
+        tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, sVt, tOrVt, tOrP, acc_O, tScS = mmas
+        kv_len, causal_offset, n_lo, n_hi = lens
+        t = n_block - n_lo
+        kv_consume = tma_pipeline.pipe_state(self.kv_stages, t, producer=False)
+        pipeline_kv.consumer_wait(kv_consume)
+        acc_S = cute.make_rmem_tensor(tiled_mma_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
+        sm90.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_consume.index], zero_init=True, wg_wait=-1)
+        if warp_idx == 0:  # refill the stage released last iteration
+            t_refill = t - 1 + self.kv_stages
+            if t >= 1 and n_lo + t_refill < n_hi:
+                tma_pipeline.load_kv_stage(pipeline_kv, tma_pipeline.pipe_state(self.kv_stages, t_refill, producer=True),
+                                           n_lo + t_refill, *kv_loads)
+        warpgroup.wait_group(0)
+        if const_expr(masked):
+            # Row r of query tile m_block is query position (m_block * packed_rows + r) // group.
+            sm90.mask_tile(acc_S, tScS, m_block, n_block, kv_len, self.packed_rows, self.tile_n, self.causal,
+                           causal_offset, rows_per_query=self.group)
+            self.zero_v_tail(sVt[None, None, kv_consume.index], kv_len - n_block * self.tile_n, tidx)
+        softmax.step(acc_S, row_scale, check_inf=masked)
+        softmax.rescale(acc_O, row_scale)
+        sm90.convert_to(sm90.acc_as_operand_a(acc_S), tOrP)
+        sm90.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_consume.index], zero_init=False, wg_wait=0)
+        pipeline_kv.consumer_release(kv_consume)
+
+    @cute.jit
+    def zero_v_tail(self, sVt_stage: cute.Tensor, keys_left: Int32, tidx: Int32):
+        """Zero the keys >= keys_left of one (d, tile_n) V stage, if the tile has any. Masking made
+        P = 0 there, but the cache rows past a sequence's length may hold NaN, and 0 * NaN = NaN."""
+        if keys_left < self.tile_n:
+            chunks = self.head_dim // 8
+            for i in cutlass.range_constexpr(self.tile_n * chunks // self.num_threads):
+                idx = tidx + i * self.num_threads
+                key, c = idx // chunks, idx % chunks
+                if key >= keys_left:
+                    cute.local_tile(sVt_stage[None, key], (8,), (c,)).fill(0.0)
+            cute.arch.fence_view_async_shared()
+            cute.arch.sync_threads()
+
+
+    @cute.jit
+    def store_packed(self, rO: cute.Tensor, lse: cute.Tensor, tiled_mma_pv: cute.TiledMma, tidx: Int32,
+                     mO: cute.Tensor, mLSE: cute.Tensor, rows: tuple, batch: Int32):
+        """K4's register epilogue, each packed row sent to its own (query position, head): the
+        thread's columns are those of a (64, d) tile whose every row is that one GMEM row."""
+        thr_mma_pv = tiled_mma_pv.get_slice(tidx)
+        tOcO_mn = sm90.acc_mn_view(thr_mma_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim))))
+        rO_mn = sm90.acc_mn_view(rO)
+        for r in cutlass.range_constexpr(cute.size(rO_mn, mode=[0])):
+            row = tOcO_mn[r, 0][0]
+            if row < rows[2]:
+                q_idx, head = row_coords(rows, row, self.group)
+                gO_row = cute.make_tensor(mO[batch, q_idx, head, None].iterator,
+                                          cute.make_layout((self.tile_m, self.head_dim), stride=(0, 1)))
+                cute.autovec_copy(rO_mn[r, None], sm90.acc_mn_view(thr_mma_pv.partition_C(gO_row))[r, None])
+                if tOcO_mn[r, 0][1] == 0:
+                    mLSE[batch, head, q_idx] = lse[r]
+
+
+def packed_rows(m_block: Int32, kv_head: Int32, group: int, q_per_tile: int, q_len: Int32) -> tuple:
+    """GQA packing of one query tile: row r holds query position first_q + r // group of head
+    first_head + r % group (the group's heads adjacent: at q_len 1 the rows are ``group``
+    neighbouring heads of q). Returns (first_q, first_head, live_rows): rows past group * q_per_tile
+    or past q_len are idle."""
+    first_q = m_block * q_per_tile
+    return first_q, kv_head * group, cutlass.min((q_len - first_q) * group, group * q_per_tile)
+
+
+def row_coords(rows: tuple, row, group: int) -> tuple:
+    """(query position, head) of packed ``row``."""
+    return rows[0] + row // group, rows[1] + row % group
+
+
+@cute.jit
+def tile_range(n_tiles: Int32, num_splits: Int32, split: Int32):
+    """KV tiles [lo, hi) of ``split``: ``split_range`` on the device."""
+    per = cute.ceil_div(n_tiles, num_splits)
+    lo = cutlass.min(split * per, n_tiles)
+    return lo, cutlass.min(lo + per, n_tiles)
+
+
+# --------------------------------------------------------------------------------------
+# The combine kernel: one warp per output row
+# --------------------------------------------------------------------------------------
+
+class Combine:
+    """O[b, i, h] = sum_s exp(LSE_s - LSE) O_s with LSE = log sum_s exp(LSE_s), per row (b, i, h).
+
+    A warp owns a row; its lanes own d/32 adjacent columns. Two passes over the splits' LSEs
+    (max, then the sum of exponentials), one over the partial rows, skipping weight-0 splits:
+    an empty split's partial is never read, so neither is anything it might hold.
+    """
+
+    ROWS_PER_CTA = 4
+
+    def __init__(self, head_dim: int, dtype):
+        self.head_dim = head_dim
+        self.dtype = dtype
+
+    @cute.jit
+    def __call__(self, mO_partial: cute.Tensor, mLSE_partial: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+                 num_splits: Int32, stream):
+        rows = mO.shape[0] * mO.shape[1] * mO.shape[2]
+        self.kernel(mO_partial, mLSE_partial, mO, mLSE, num_splits).launch(
+            grid=(cute.ceil_div(rows, self.ROWS_PER_CTA), 1, 1), block=[32 * self.ROWS_PER_CTA, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mO_partial: cute.Tensor, mLSE_partial: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+               num_splits: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bx, _, _ = cute.arch.block_idx()
+        lane = tidx % 32
+        row = bx * self.ROWS_PER_CTA + cute.arch.make_warp_uniform(tidx // 32)
+        batch_size, q_len, nheads = mO.shape[0], mO.shape[1], mO.shape[2]
+        if row < batch_size * q_len * nheads:
+            head, q_idx, batch = row % nheads, (row // nheads) % q_len, row // (nheads * q_len)
+            lse_max = -Float32.inf
+            for s in cutlass.range(lane, num_splits, 32, unroll=1):
+                lse_max = cute.arch.fmax(lse_max, mLSE_partial[s, batch, head, q_idx])
+            lse_max = warp_allreduce(lse_max, cute.arch.fmax)
+            shift = Float32(0.0) if lse_max == -Float32.inf else lse_max  # every split empty
+            total = Float32(0.0)
+            for s in cutlass.range(lane, num_splits, 32, unroll=1):
+                total += cute.math.exp(mLSE_partial[s, batch, head, q_idx] - shift, fastmath=True)
+            lse = shift + cute.math.log(warp_allreduce(total, operator.add), fastmath=True)  # log 0 = -inf
+
+            cols = self.head_dim // 32
+            acc = cute.make_rmem_tensor(cols, Float32)
+            acc.fill(0.0)
+            for s in cutlass.range(num_splits, unroll=1):
+                weight = cute.math.exp(mLSE_partial[s, batch, head, q_idx] - lse, fastmath=True)
+                if weight > 0.0:  # false for empty splits, and for NaN (an all-empty row: -inf + inf)
+                    part = cute.local_tile(mO_partial[s, batch, q_idx, head, None], (cols,), (lane,))
+                    acc.store(acc.load() + weight * part.load())
+            out = cute.local_tile(mO[batch, q_idx, head, None], (cols,), (lane,))
+            out.store(acc.load().to(self.dtype))
+            if lane == 0:
+                mLSE[batch, head, q_idx] = lse
+
+
+@cute.jit
+def warp_allreduce(x: Float32, op: cutlass.Constexpr) -> Float32:
+    for i in cutlass.range_constexpr(5):
+        x = op(x, cute.arch.shuffle_sync_bfly(x, offset=16 >> i))
+    return x
+
+
+# --------------------------------------------------------------------------------------
+# Host: compile and launch
+# --------------------------------------------------------------------------------------
+
+def smem_bytes(head_dim: int, tile_n: int, kv_stages: int, dtype_bytes: int = 2) -> int:
+    return tma_pipeline.smem_bytes(TILE_M, tile_n, head_dim, dtype_bytes, kv_stages)
+
+
+CAPS = tma_pipeline.smem_capabilities(HEAD_DIMS, lambda d: smem_bytes(d, **DEFAULT_CONFIG[d]), "DEFAULT_CONFIG",
+                                      gqa=True, unequal_lengths=True, max_group=MAX_GROUP)
+
+
+def _fake_decode_args(dtype, head_dim: int, seqlens: bool, split: bool) -> tuple:
+    """Placeholders in the decode layout: q/O (b, q_len, h, d), caches (b, s_cache, h_kv, d),
+    LSE (b, h, q_len), cache_seqlens (b,), partials (S, b, q_len, h, d) and (S, b, h, q_len)."""
+    from cutlass.cute.runtime import make_fake_tensor
+
+    b, q_len, h, h_kv, s_cache, splits = (cute.sym_int() for _ in range(6))
+
+    def tensor(elem, shape, rows_aligned=True):
+        div = 8 if rows_aligned else 1
+        stride = tuple(cute.sym_int64(divisibility=div) for _ in shape[:-1]) + (1,)
+        return make_fake_tensor(elem, shape, stride=stride, assumed_align=16 if rows_aligned else 4)
+
+    q, o = (tensor(dtype, (b, q_len, h, head_dim)) for _ in range(2))
+    k, v = (tensor(dtype, (b, s_cache, h_kv, head_dim)) for _ in range(2))
+    lse = tensor(Float32, (b, h, q_len), rows_aligned=False)
+    lens = make_fake_tensor(Int32, (b,), stride=(1,), assumed_align=4) if seqlens else None
+    o_partial = tensor(Float32, (splits, b, q_len, h, head_dim)) if split else None
+    lse_partial = tensor(Float32, (splits, b, h, q_len), rows_aligned=False) if split else None
+    return q, k, v, o, lse, lens, o_partial, lse_partial, Float32(1.0), Int32(1), fake_stream()
+
+
+def compile_decode(head_dim: int, dtype: str, causal: bool, group: int, split: bool, seqlens: bool,
+                   tile_n: int, kv_stages: int, keep_ptx: bool = False):
+    dt = cute_dtype(dtype)
+    key = ("decode", head_dim, dtype, causal, group, split, seqlens, tile_n, kv_stages)
+    return jit_compile(key, lambda: (DecodeFMHA(head_dim, dt, causal, group, tile_n, kv_stages, split),
+                                     _fake_decode_args(dt, head_dim, seqlens, split)), keep_ptx)
+
+
+def compile_combine(head_dim: int, dtype: str, keep_ptx: bool = False):
+    from cutlass.cute.runtime import make_fake_tensor
+
+    dt = cute_dtype(dtype)
+
+    def build():
+        _, _, _, o, lse, _, o_partial, lse_partial, _, splits, stream = _fake_decode_args(dt, head_dim, False, True)
+        return Combine(head_dim, dt), (o_partial, lse_partial, o, lse, splits, stream)
+
+    return jit_compile(("decode_combine", head_dim, dtype), build, keep_ptx)
+
+
+def sm_count() -> int:
+    """SMs of the current GPU (132 on H100/H200 SXM, the CPU-compile default)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return 132
+    return _sm_count(torch.cuda.current_device())
+
+
+_SM_COUNTS: dict = {}
+
+
+def _sm_count(device: int) -> int:
+    if device not in _SM_COUNTS:
+        import torch
+
+        _SM_COUNTS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SM_COUNTS[device]
+
+
+class DecodeLauncher:
+    """The main kernel and (with S > 1) the combine, bound to a split count. Called with tensors
+    in the decode layout, it allocates the fp32 partials per call (the caching allocator makes
+    that cheap and safe across streams); a caller that replays launches (a CUDA graph, a
+    decode plan) allocates them once with ``partials`` and calls ``main`` and ``combine`` itself."""
+
+    def __init__(self, main, combine, num_splits: int, head_dim: int):
+        self.main, self.combine, self.num_splits, self.head_dim = main, combine, num_splits, head_dim
+
+    def partials(self, batch: int, q_len: int, nheads: int, device) -> tuple:
+        import torch
+
+        s = self.num_splits
+        return (torch.empty((s, batch, q_len, nheads, self.head_dim), device=device, dtype=torch.float32),
+                torch.empty((s, batch, nheads, q_len), device=device, dtype=torch.float32))
+
+    def __call__(self, q, k_cache, v_cache, out, lse, cache_seqlens, scale: float):
+        if self.num_splits == 1:
+            self.main(q, k_cache, v_cache, out, lse, cache_seqlens, None, None, scale, 1)
+            return
+        o_partial, lse_partial = self.partials(q.shape[0], q.shape[1], q.shape[2], q.device)
+        self.main(q, k_cache, v_cache, out, lse, cache_seqlens, o_partial, lse_partial, scale, self.num_splits)
+        self.combine(o_partial, lse_partial, out, lse, self.num_splits)
+
+
+def config(head_dim: int, tile_n=None, kv_stages=None) -> dict:
+    cfg = dict(DEFAULT_CONFIG[head_dim])
+    cfg.update({k: v for k, v in dict(tile_n=tile_n, kv_stages=kv_stages).items() if v is not None})
+    return cfg
+
+
+def make_launcher(head_dim: int, dtype: str, causal: bool, group: int, num_splits: int, seqlens: bool,
+                  keep_ptx: bool = False, **cfg) -> DecodeLauncher:
+    split = num_splits > 1
+    main = compile_decode(head_dim, dtype, causal, group, split, seqlens, keep_ptx=keep_ptx,
+                          **config(head_dim, **cfg))
+    combine = compile_combine(head_dim, dtype, keep_ptx) if split else None
+    return DecodeLauncher(main, combine, num_splits, head_dim)
+
+
+def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_splits: int = 0, tile_n=None,
+                   kv_stages=None) -> CompiledAttention:
+    """The ordinary contract (SDPA layout, K/V of the full seqlen_k): the decode kernel with no
+    cache lengths. ``num_splits`` 0 picks S for this problem on the current GPU."""
+    CAPS.check(p)
+    cfg = config(p.head_dim, tile_n, kv_stages)
+    if not isinstance(num_splits, int) or not 0 <= num_splits <= MAX_SPLITS:
+        raise UnsupportedProblem(f"num_splits must be an int in [0, {MAX_SPLITS}] (0: automatic), got {num_splits!r}")
+    splits = num_splits or choose_num_splits(p.batch, p.kv_heads, p.group, p.seqlen, p.kv_len, sm_count(),
+                                             cfg["tile_n"])
+    launcher = make_launcher(p.head_dim, p.dtype, p.causal, p.group, splits, False, keep_ptx, **cfg)
+    ptx = None
+    if keep_ptx:
+        ptx = "\n".join(filter(None, (compiled_ptx(launcher.main), compiled_ptx(launcher.combine))))
+    name = "decode_nosplit" if num_splits == 1 else "decode"
+    info = dict(cfg, num_splits=splits, smem_bytes=smem_bytes(p.head_dim, **cfg))
+    return CompiledAttention(name, p, launcher, {}, ptx, info)
+
+
+def run_kernel(compiled: CompiledAttention, q, k, v, out, lse, softmax_scale: Optional[float] = None) -> None:
+    """SDPA-layout tensors, seen in the decode layout through transposed views (no copies)."""
+    scale = compiled.problem.scale if softmax_scale is None else softmax_scale
+    q, k, v, out = (t.transpose(1, 2) for t in (q, k, v, out))
+    compiled.launch(q, k, v, out, lse, None, scale)
