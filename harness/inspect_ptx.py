@@ -22,6 +22,7 @@ INSTRUCTIONS = {
     "mbarrier": r"\bmbarrier\.",  # K3: async completion
     "wgmma.mma_async": r"\bwgmma\.mma_async\.",  # K4: warpgroup MMA
     "setmaxnreg": r"\bsetmaxnreg\.",  # K5: register reallocation
+    "griddepcontrol": r"\bgriddepcontrol\.",  # decode: the combine launched as a dependent grid (PDL)
     "e4m3 wgmma": r"\bwgmma\.mma_async\.[^\n]*e4m3",  # K7: FP8
     "ld/st.local": r"\b(?:ld|st)\.local\.",  # spills: should stay 0
 }

@@ -55,10 +55,12 @@ HEAD_DIMS = (64, 128, 256)
 TILE_M = 64  # one warpgroup: enough rows for group * q_len of any decode step up to 16 tokens at group 4
 NUM_THREADS = 128
 MAX_GROUP = TILE_M  # query heads per K/V head: one tile must hold a query position's group
-# Per head dim: 128-key tiles where three K+V stages fit beside Q; 64 at d=256. Two stages are
-# in flight while the third is read: 128 KB per SM, more than HBM's latency needs.
-DEFAULT_CONFIG = {64: dict(tile_n=128, kv_stages=4), 128: dict(tile_n=128, kv_stages=3),
-                  256: dict(tile_n=64, kv_stages=3)}
+# Per head dim, from a first tuning pass on an H100 (32 query / 8 K/V heads, 32k keys, batch 1
+# and 8; docs/decode.md): two stages beat three or four at d=128 and d=256 (3.09 vs 3.03 TB/s at
+# d=128, batch 8), and at d=64 256-key tiles beat 128 (2.94 vs 2.84). The largest tile that
+# fits twice: a deeper ring did not buy bandwidth.
+DEFAULT_CONFIG = {64: dict(tile_n=256, kv_stages=2), 128: dict(tile_n=128, kv_stages=2),
+                  256: dict(tile_n=64, kv_stages=2)}
 MAX_SPLITS = 128
 MAX_SPLIT_TRAFFIC = 0.05  # partials may add at most 5% to the bytes of K and V
 
@@ -204,6 +206,8 @@ class DecodeFMHA:
         sQ, sK, sVt = tma_pipeline.smem_tensors(storage, sQ_layout, sK_layout, sVt_layout)
         pipeline_kv = tma_pipeline.make_kv_pipeline(storage, self.dtype, sK_layout, sVt_layout, stages,
                                                     self.num_threads)
+        if const_expr(self.split):  # Combine may launch now (PDL); it waits for this grid to finish
+            cute.arch.griddepcontrol_launch_dependents()
 
         # ---- this CTA's keys: the sequence's cache length, then its split's share of the tiles ----
         kv_len = mK_tma.shape[0]
@@ -373,8 +377,9 @@ class Combine:
     """O[b, i, h] = sum_s exp(LSE_s - LSE) O_s with LSE = log sum_s exp(LSE_s), per row (b, i, h).
 
     A warp owns a row; its lanes own d/32 adjacent columns. Two passes over the splits' LSEs
-    (max, then the sum of exponentials), one over the partial rows, skipping weight-0 splits:
-    an empty split's partial is never read, so neither is anything it might hold.
+    (max, then the sum of exponentials), one over the partial rows. Launched with programmatic
+    dependent launch (PDL): its CTAs start while the main kernel's last ones run, and wait in
+    ``griddepcontrol_wait`` until its writes are visible, so the launch gap is hidden.
     """
 
     ROWS_PER_CTA = 4
@@ -388,7 +393,8 @@ class Combine:
                  num_splits: Int32, stream):
         rows = mO.shape[0] * mO.shape[1] * mO.shape[2]
         self.kernel(mO_partial, mLSE_partial, mO, mLSE, num_splits).launch(
-            grid=(cute.ceil_div(rows, self.ROWS_PER_CTA), 1, 1), block=[32 * self.ROWS_PER_CTA, 1, 1], stream=stream)
+            grid=(cute.ceil_div(rows, self.ROWS_PER_CTA), 1, 1), block=[32 * self.ROWS_PER_CTA, 1, 1], stream=stream,
+            use_pdl=True)
 
     @cute.kernel
     def kernel(self, mO_partial: cute.Tensor, mLSE_partial: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
@@ -396,6 +402,7 @@ class Combine:
         tidx, _, _ = cute.arch.thread_idx()
         bx, _, _ = cute.arch.block_idx()
         lane = tidx % 32
+        cute.arch.griddepcontrol_wait()  # the main kernel has finished and its partials are visible
         row = bx * self.ROWS_PER_CTA + cute.arch.make_warp_uniform(tidx // 32)
         batch_size, q_len, nheads = mO.shape[0], mO.shape[1], mO.shape[2]
         if row < batch_size * q_len * nheads:
@@ -410,14 +417,16 @@ class Combine:
                 total += cute.math.exp(mLSE_partial[s, batch, head, q_idx] - shift, fastmath=True)
             lse = shift + cute.math.log(warp_allreduce(total, operator.add), fastmath=True)  # log 0 = -inf
 
+            # Every split wrote its partial (an empty one O = 0, LSE = -inf: weight 0), so the sum
+            # needs no branch, and unrolled, the loads of several splits are in flight at once.
+            lse_safe = Float32(0.0) if lse == -Float32.inf else lse  # all empty: weights exp(-inf) = 0
             cols = self.head_dim // 32
             acc = cute.make_rmem_tensor(cols, Float32)
             acc.fill(0.0)
-            for s in cutlass.range(num_splits, unroll=1):
-                weight = cute.math.exp(mLSE_partial[s, batch, head, q_idx] - lse, fastmath=True)
-                if weight > 0.0:  # false for empty splits, and for NaN (an all-empty row: -inf + inf)
-                    part = cute.local_tile(mO_partial[s, batch, q_idx, head, None], (cols,), (lane,))
-                    acc.store(acc.load() + weight * part.load())
+            for s in cutlass.range(num_splits, unroll=4):
+                weight = cute.math.exp(mLSE_partial[s, batch, head, q_idx] - lse_safe, fastmath=True)
+                part = cute.local_tile(mO_partial[s, batch, q_idx, head, None], (cols,), (lane,))
+                acc.store(acc.load() + weight * part.load())
             out = cute.local_tile(mO[batch, q_idx, head, None], (cols,), (lane,))
             out.store(acc.load().to(self.dtype))
             if lane == 0:

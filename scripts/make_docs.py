@@ -31,7 +31,7 @@ def families() -> dict:
     """docs page stem -> its kernels, in registry order."""
     out = {}
     for name in kernel_names():
-        out.setdefault(re.match(r"k\d+", name).group(0), []).append(name)
+        out.setdefault(re.match(r"k\d+|[a-z]+", name).group(0), []).append(name)  # k3_2 -> k3, decode_nosplit -> decode
     return out
 
 

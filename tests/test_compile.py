@@ -26,6 +26,11 @@ CLAIMS = {
     "k6": dict(has=["cp.async.bulk.tensor", "mbarrier", "wgmma.mma_async", "setmaxnreg"], lacks=["e4m3 wgmma"]),
 }
 CLAIMS["k4_seed"] = CLAIMS["k4"]  # the same kernel at K4.1's tile shape
+# Flash decode: K4's loads and GEMMs at one warpgroup (these small problems need no split; the
+# split's combine kernel is checked below).
+CLAIMS["decode"] = dict(has=["cp.async.bulk.tensor", "mbarrier", "wgmma.mma_async"], lacks=["setmaxnreg"])
+CLAIMS["decode_nosplit"] = dict(has=["cp.async.bulk.tensor", "mbarrier", "wgmma.mma_async"],
+                                lacks=["setmaxnreg", "griddepcontrol"])
 
 
 def claims_for(name):
@@ -150,3 +155,19 @@ def test_smem_bytes_counts_the_shared_storage():
 
     probe()
     assert len(sizes) == 4 and all(a == b for a, b in sizes), sizes
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_decode_split_has_a_pdl_combine(head_dim):
+    # A forced split compiles the partial-writing kernel and the combine: two modules, each with
+    # its griddepcontrol (launch_dependents in the main kernel, wait in the combine), no spills.
+    from harness.inspect_ptx import split_modules
+
+    p = Problem(1, 32, 1, head_dim, nheads_kv=8, seqlen_k=32768)
+    compiled = get_kernel("decode").compile(p, keep_ptx=True, num_splits=4)
+    modules = split_modules(compiled.ptx)
+    assert compiled.info["num_splits"] == 4 and len(modules) == 2
+    for module in modules:
+        counts = count_instructions(module)
+        assert counts["griddepcontrol"] == 1 and counts["ld/st.local"] == 0
+    assert count_instructions(modules[0])["wgmma.mma_async"] > 0
