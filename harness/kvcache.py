@@ -144,8 +144,55 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, causal: b
     Returns O (batch, q_len, nheads, head_dim) in q's dtype, and with ``return_lse`` the float32
     (batch, nheads, q_len) log-sum-exp. ``num_splits``: 0 picks a split count that fills the GPU,
     1 turns the split off. Unsupported inputs raise ``kernels.UnsupportedProblem`` naming the
-    constraint, before anything is launched.
+    constraint, before anything is launched. A call whose arguments look like an earlier one's
+    (shapes, strides, dtypes, devices, flags) skips the checks that call passed.
     """
+    try:
+        key = _call_signature(q, k_cache, v_cache, cache_seqlens, causal, softmax_scale, num_splits, return_lse, kernel)
+        prepared = _PREPARED.get(key)
+    except (TypeError, AttributeError):  # unhashable flags or non-tensors: the full checks will say what
+        key, prepared = None, None
+    if prepared is None:
+        prepared = _prepare(q, k_cache, v_cache, cache_seqlens, causal, softmax_scale, num_splits, return_lse, kernel)
+        if key is not None:
+            if len(_PREPARED) >= 256:  # many shapes (a varying batch): start over rather than grow
+                _PREPARED.clear()
+            _PREPARED[key] = prepared
+    launcher, scale, kv_rows = prepared
+    b, q_len, h, _ = q.shape
+    out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    lse = torch.empty((b, h, q_len), device=q.device, dtype=torch.float32)
+    if launcher is None:  # an int length of 0: no keys, nothing to launch
+        return (out.zero_(), lse.fill_(-math.inf)) if return_lse else out.zero_()
+    if kv_rows is not None:  # one int length for all: the caches' first rows are the whole problem (views)
+        k_cache, v_cache, cache_seqlens = k_cache[:, :kv_rows], v_cache[:, :kv_rows], None
+    if q.device.index == torch.cuda.current_device():
+        launcher(q, k_cache, v_cache, out, lse, cache_seqlens, scale)
+    else:
+        with torch.cuda.device(q.device):  # the launch goes to the current device's stream
+            launcher(q, k_cache, v_cache, out, lse, cache_seqlens, scale)
+    return (out, lse) if return_lse else out
+
+
+_PREPARED: dict = {}
+
+
+def _tensor_signature(t) -> tuple:
+    return (t.shape, t.stride(), t.dtype, t.device, t.requires_grad, t.data_ptr() % 16)
+
+
+def _call_signature(q, k_cache, v_cache, cache_seqlens, causal, softmax_scale, num_splits, return_lse, kernel):
+    """Everything the checks look at, cheaply: equal signatures pass or fail the checks alike."""
+    if isinstance(cache_seqlens, torch.Tensor):
+        lens = _tensor_signature(cache_seqlens)
+    else:
+        lens = (type(cache_seqlens), cache_seqlens)
+    return (kernel, type(causal), causal, type(softmax_scale), softmax_scale, type(num_splits), num_splits,
+            bool(return_lse), _tensor_signature(q), _tensor_signature(k_cache), _tensor_signature(v_cache), lens)
+
+
+def _prepare(q, k_cache, v_cache, cache_seqlens, causal, softmax_scale, num_splits, return_lse, kernel):
+    """Every check, then (launcher or None for no keys, scale, rows of the caches to use or None)."""
     entry = _check_kernel(kernel)
     causal = as_causal(causal)
     scale = None if softmax_scale is None else as_scale(softmax_scale)
@@ -156,28 +203,23 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, causal: b
     if isinstance(cache_seqlens, bool) or (cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor)
                                            and not isinstance(cache_seqlens, int)):
         raise UnsupportedProblem(f"cache_seqlens must be None, an int or an int32 tensor, got {cache_seqlens!r}")
+    kv_rows = None
     if isinstance(cache_seqlens, int):
         if not 0 <= cache_seqlens <= p.kv_len:
             raise UnsupportedProblem(f"cache_seqlens {cache_seqlens} must be in [0, s_cache = {p.kv_len}]")
+        kv_rows = cache_seqlens
     elif cache_seqlens is not None:
         check_seqlens(cache_seqlens, p.batch, q.device)
     if not q.is_cuda:
         raise UnsupportedProblem(f"q and the caches must be CUDA tensors, got device {q.device}")
     entry.caps.check_device(_capability(q.device))
-
-    b, q_len, h, d = q.shape
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse = torch.empty((b, h, q_len), device=q.device, dtype=torch.float32)
-    if isinstance(cache_seqlens, int):
-        if cache_seqlens == 0:  # no keys: nothing to launch
-            return (out.zero_(), lse.fill_(-math.inf)) if return_lse else out.zero_()
-        # One length for all: the caches' first rows are the whole problem (a view, no copy).
-        k_cache, v_cache, cache_seqlens = k_cache[:, :cache_seqlens], v_cache[:, :cache_seqlens], None
-        p = p.with_(seqlen_k=k_cache.shape[1])
+    if kv_rows == 0:
+        return None, p.scale, None
+    if kv_rows is not None:
+        p = p.with_(seqlen_k=kv_rows)
     with torch.cuda.device(q.device):
-        launcher = launcher_for(p, resolve_splits(p, splits), cache_seqlens is not None)
-        launcher(q, k_cache, v_cache, out, lse, cache_seqlens, p.scale)
-    return (out, lse) if return_lse else out
+        launcher = launcher_for(p, resolve_splits(p, splits), cache_seqlens is not None and kv_rows is None)
+    return launcher, p.scale, kv_rows
 
 
 class DecodePlan:
