@@ -37,3 +37,30 @@ def benchmark(fn, warmup_ms: float = 50.0, rep_ms: float = 300.0, min_reps: int 
 
 def tflops(flops: float, ms: float) -> float:
     return flops / (ms * 1e-3) / 1e12
+
+
+def graph_ms(step, calls: int = 20, replays: int = 10) -> float:
+    """Median milliseconds per call of ``step(i)`` with no host time inside: ``calls`` calls
+    (i = 0..calls-1, so a caller can rotate through input copies and keep caches cold in L2) are
+    captured in one CUDA graph, and each replay is timed by an event pair. For decode-sized
+    kernels, where a Python call costs more than the kernel, per-call events would time the host.
+    """
+    import torch
+
+    step(0)  # compile and warm up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            step(i)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return statistics.median(times)

@@ -297,6 +297,26 @@ def gqa_table(mha, gqa):
                               "GQA / MHA"], body))
 
 
+def decode_tune_table(tune):
+    """docs/decode.md: scripts/tune_decode.py rows (tile configuration x split count), the main
+    kernel alone beside main + combine."""
+    gpu = gpu_short_name(tune["meta"].get("device", ""))
+    body = []
+    for r in tune["rows"]:
+        split = f"{r['num_splits']}" + (" (auto)" if r.get("auto_splits") else "")
+        if r.get("status") != "ok":
+            body.append([r["head_dim"], r["batch"], r["nheads_kv"], r["seqlen_k"], f"{r['tile_n']}:{r['kv_stages']}",
+                         split, r.get("status", "—")[:40], "—", "—"])
+            continue
+        main = f"{r['main_ms'] * 1e3:.1f}" if r.get("main_ms") else "—"
+        body.append([r["head_dim"], r["batch"], r["nheads_kv"], r["seqlen_k"], f"{r['tile_n']}:{r['kv_stages']}",
+                     split, f"{r['ms'] * 1e3:.1f}", main, f"{r['tbps']:.2f}"])
+    return (f"On an {gpu}: `{tune['meta'].get('command', '')}`, {tune['meta'].get('date', '')[:10]}; 32 query "
+            "heads, q_len 1, bf16.\n\n"
+            + markdown_table(["d", "batch", "K/V heads", "keys", "tile_n:stages", "splits", "µs (main + combine)",
+                              "µs (main alone)", "TB/s"], body))
+
+
 def ws_readme_table(sweep):
     """README: the warp-specialized stages against the best peer over the whole sweep."""
     rows = sweep_rows(sweep)
@@ -460,6 +480,10 @@ def main(argv=None):
     if tune and page.exists() and "<!-- table:k4-steps -->" in page.read_text():
         k4_sweep = latest_with("sweep*.json", ["k4_qk"])
         page.write_text(replace_block(page.read_text(), "k4-steps", k4_steps_table(k4_sweep, tune)))
+    page = ROOT / "docs" / "decode.md"
+    decode_tune = latest("decode-tune*.json")
+    if decode_tune and page.exists() and "<!-- table:decode-tune -->" in page.read_text():
+        page.write_text(replace_block(page.read_text(), "decode-tune", decode_tune_table(decode_tune)))
     if args.plot and sweep:
         plot(sweep, ROOT / "docs" / "plots" / "tflops_vs_seqlen.png")
     if args.plot and ws_sweep:

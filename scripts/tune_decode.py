@@ -1,0 +1,130 @@
+"""Time the decode kernel's tile configurations and split counts (GPU).
+
+    python scripts/tune_decode.py --out results/decode-tune-h100.json
+    python scripts/tune_decode.py --headdim 128 --configs 128:2,128:3 --splits 0,16
+
+Each row: one (head dim, batch, K/V heads, cache length, tile_n:kv_stages, num_splits), 32 query
+heads, q_len 1, bf16, checked against an explicit float64 reference before it is timed, then
+timed by CUDA-graph replay over enough cache copies that every replay reads several times the
+50 MB L2 (``harness.timing.graph_ms``); with a split, the main kernel is also timed alone, so the
+combine's share shows. TB/s counts K and V read once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+NHEADS = 32
+SHAPES = {  # head dim -> (batch, nheads_kv, cache length) rows
+    128: ((1, 8, 4096), (1, 8, 32768), (1, 32, 32768), (8, 8, 32768)),
+    64: ((1, 8, 32768), (8, 8, 32768)),
+    256: ((1, 8, 32768), (8, 8, 32768)),
+}
+CONFIGS = {128: ((128, 2), (128, 3), (192, 2)), 64: ((128, 2), (128, 4), (256, 2)), 256: ((64, 2), (64, 3), (96, 2))}
+L2_BYTES = 50e6
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--headdim", type=int, choices=sorted(SHAPES), help="one head dim (default: all)")
+    ap.add_argument("--configs", help="tile_n:kv_stages list, e.g. 128:2,128:3 (default: per head dim)")
+    ap.add_argument("--splits", default="0", help="num_splits list; 0 is the heuristic's choice (default: 0)")
+    ap.add_argument("--out", help="write the rows as JSON here, each as it is done")
+    return ap.parse_args(argv)
+
+
+def cache_copies(kv_bytes: int) -> int:
+    """Copies of the caches so that one graph replay reads at least 4x the L2."""
+    return max(1, math.ceil(4 * L2_BYTES / kv_bytes))
+
+
+def check_once(launcher, q, k, v, lens, num_splits, scale) -> float:
+    """Max |O - reference| of one launch on NaN-poisoned outputs (float64 reference, no split)."""
+    import torch
+
+    from harness.reference import reference_kvcache
+
+    b, q_len, h, d = q.shape
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((b, h, q_len), float("nan"), device=q.device)
+    launcher(q, k, v, out, lse, lens, scale)
+    o_ref, _ = reference_kvcache(q, k, v, lens, False, scale)
+    return (out.double() - o_ref.double()).abs().max().item()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    from harness import results
+    from harness.timing import graph_ms
+    from kernels import decode
+
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU (H100/H200)", file=sys.stderr)
+        return 2
+    out = results.open_result_file(args.out, results.command_line("scripts/tune_decode.py", argv))
+    splits_list = [int(s) for s in args.splits.split(",")]
+    device = torch.cuda.get_device_name()
+    for d in ([args.headdim] if args.headdim else sorted(SHAPES)):
+        configs = ([tuple(int(x) for x in c.split(":")) for c in args.configs.split(",")] if args.configs
+                   else CONFIGS[d])
+        for b, h_kv, kv_len in SHAPES[d]:
+            kv_bytes = 2 * b * h_kv * kv_len * d * 2
+            copies = cache_copies(kv_bytes)
+            caches = [(torch.randn(b, kv_len, h_kv, d, device="cuda", dtype=torch.bfloat16),
+                       torch.randn(b, kv_len, h_kv, d, device="cuda", dtype=torch.bfloat16)) for _ in range(copies)]
+            q = torch.randn(b, 1, NHEADS, d, device="cuda", dtype=torch.bfloat16)
+            lens = torch.full((b,), kv_len, dtype=torch.int32, device="cuda")
+            o = torch.empty_like(q)
+            lse = torch.empty((b, NHEADS, 1), device="cuda")
+            for tile_n, stages in configs:
+                for asked in splits_list:
+                    splits = asked or decode.choose_num_splits(b, h_kv, NHEADS // h_kv, 1, kv_len,
+                                                               decode.sm_count(), tile_n)
+                    row = dict(device=device, head_dim=d, batch=b, nheads=NHEADS, nheads_kv=h_kv, seqlen_k=kv_len,
+                               tile_n=tile_n, kv_stages=stages, num_splits=splits, auto_splits=asked == 0)
+                    try:
+                        la = decode.make_launcher(d, "bfloat16", False, NHEADS // h_kv, splits, True, tile_n=tile_n,
+                                                  kv_stages=stages)
+                    except Exception as e:  # a configuration that does not fit: a row that says so
+                        row.update(status=f"refused: {e}")
+                        print(row)
+                        if out:
+                            out.append(row)
+                        continue
+                    err = check_once(la, q, *caches[0], lens, splits, d ** -0.5)
+                    row["max_abs_err"] = err
+                    if not err < 2e-2:
+                        row.update(status=f"failed check: max |O - ref| = {err}")
+                    else:
+                        parts = la.partials(b, 1, NHEADS, "cuda") if splits > 1 else (None, None)
+
+                        def step(i, main_only=False):
+                            k, v = caches[i % copies]
+                            la.main(q, k, v, o, lse, lens, *parts, d ** -0.5, splits)
+                            if splits > 1 and not main_only:
+                                la.combine(*parts, o, lse, splits)
+
+                        ms = graph_ms(step)
+                        row.update(status="ok", ms=ms, tbps=kv_bytes / (ms * 1e-3) / 1e12)
+                        if splits > 1:
+                            row["main_ms"] = graph_ms(lambda i: step(i, main_only=True))
+                    print(f"d={d} b={b} h_kv={h_kv} kv_len={kv_len} tile_n={tile_n} stages={stages} S={splits}: "
+                          + (f"{row['ms'] * 1e3:.1f} us {row['tbps']:.2f} TB/s" if row.get("ms") else row["status"]),
+                          flush=True)
+                    if out:
+                        out.append(row)
+            del caches
+    if out:
+        print(f"wrote {out.close()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
