@@ -25,7 +25,9 @@ import torch
 from kernels import get_kernel
 from kernels.contract import DTYPES, Problem, UnsupportedProblem, as_causal, as_scale
 
-DECODE_KERNELS = ("decode", "decode_nosplit")
+# Registered decode steps and how each merges its splits (kernels/decode.py).
+MERGE = {"decode": "last_cta", "decode_combine": "combine", "decode_nosplit": "combine"}
+DECODE_KERNELS = tuple(MERGE)
 
 
 def _check_kernel(kernel: str):
@@ -127,13 +129,14 @@ def resolve_splits(p: Problem, num_splits: int, max_seqlen_k: Optional[int] = No
     return _SPLITS[key]
 
 
-def launcher_for(p: Problem, num_splits: int, seqlens: bool):
+def launcher_for(p: Problem, num_splits: int, seqlens: bool, kernel: str):
     """The compiled kernel(s) for a resolved split count; lengths and scale are launch arguments."""
     from kernels import decode
 
-    key = (p.head_dim, p.dtype, p.causal, p.group, num_splits, seqlens)
+    key = (p.head_dim, p.dtype, p.causal, p.group, num_splits, seqlens, MERGE[kernel])
     if key not in _LAUNCHERS:
-        _LAUNCHERS[key] = decode.make_launcher(p.head_dim, p.dtype, p.causal, p.group, num_splits, seqlens)
+        _LAUNCHERS[key] = decode.make_launcher(p.head_dim, p.dtype, p.causal, p.group, num_splits, seqlens,
+                                               merge=MERGE[kernel])
     return _LAUNCHERS[key]
 
 
@@ -218,7 +221,7 @@ def _prepare(q, k_cache, v_cache, cache_seqlens, causal, softmax_scale, num_spli
     if kv_rows is not None:
         p = p.with_(seqlen_k=kv_rows)
     with torch.cuda.device(q.device):
-        launcher = launcher_for(p, resolve_splits(p, splits), cache_seqlens is not None and kv_rows is None)
+        launcher = launcher_for(p, resolve_splits(p, splits), cache_seqlens is not None and kv_rows is None, kernel)
     return launcher, p.scale, kv_rows
 
 
@@ -230,13 +233,13 @@ class DecodePlan:
 
         self.problem = problem
         self.scale = problem.scale
-        self.launcher = launcher_for(problem, resolve_splits(problem, num_splits, max_seqlen_k), True)
+        self.launcher = launcher_for(problem, resolve_splits(problem, num_splits, max_seqlen_k), True, kernel)
         self.num_splits = self.launcher.num_splits
         b, q_len, h, d = problem.batch, problem.seqlen, problem.nheads, problem.head_dim
         self.q_shape = (b, q_len, h, d)
         self.out = torch.empty(self.q_shape, device=device, dtype=q_dtype(problem))
         self.lse = torch.empty((b, h, q_len), device=device, dtype=torch.float32)
-        self.partials = self.launcher.partials(b, q_len, h, device) if self.num_splits > 1 else (None, None)
+        self.buffers = self.launcher.buffers(b, q_len, h, device)  # partials and zeroed merge counters
         self.device = torch.device(device)
         self._checked = None  # the (q, cache, lengths) signature last validated in full
         self.info = dict(decode.config(d), num_splits=self.num_splits)
@@ -265,13 +268,7 @@ class DecodePlan:
         if signature != self._checked:
             self._validate(q, k_cache, v_cache, cache_seqlens)
             self._checked = signature
-        launcher, (o_partial, lse_partial) = self.launcher, self.partials
-        if self.num_splits == 1:
-            launcher.main(q, k_cache, v_cache, self.out, self.lse, cache_seqlens, None, None, self.scale, 1)
-        else:
-            launcher.main(q, k_cache, v_cache, self.out, self.lse, cache_seqlens, o_partial, lse_partial, self.scale,
-                          self.num_splits)
-            launcher.combine(o_partial, lse_partial, self.out, self.lse, self.num_splits)
+        self.launcher.launch(q, k_cache, v_cache, self.out, self.lse, cache_seqlens, self.scale, self.buffers)
         return self.out, self.lse
 
 

@@ -140,7 +140,8 @@ def cache_head_dim_major_view(mX: cute.Tensor) -> cute.Tensor:
 # --------------------------------------------------------------------------------------
 
 class DecodeFMHA:
-    def __init__(self, head_dim: int, dtype, causal: bool, group: int, tile_n: int, kv_stages: int, split: bool):
+    def __init__(self, head_dim: int, dtype, causal: bool, group: int, tile_n: int, kv_stages: int, split: bool,
+                 last_cta_merge: bool = False):
         self.head_dim = head_dim
         self.dtype = dtype
         self.causal = causal
@@ -149,6 +150,9 @@ class DecodeFMHA:
         self.tile_n = tile_n
         self.kv_stages = kv_stages
         self.split = split  # write fp32 partials for Combine (S > 1), or O and LSE directly
+        # With a split: the last CTA of each (query tile, K/V head, batch) to finish merges the
+        # partials itself (``merge_if_last``), instead of a second kernel.
+        self.last_cta_merge = split and last_cta_merge
         # A tile packs (group, q_per_tile) rows: whole query positions, so a group that does not
         # divide 64 (7: Qwen2-7B's 28/4) leaves 64 % group rows idle.
         self.q_per_tile = TILE_M // group
@@ -158,7 +162,8 @@ class DecodeFMHA:
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
                  mSeqlens: Optional[cute.Tensor], mO_partial: Optional[cute.Tensor],
-                 mLSE_partial: Optional[cute.Tensor], softmax_scale: Float32, num_splits: Int32, stream):
+                 mLSE_partial: Optional[cute.Tensor], mCounters: Optional[cute.Tensor], softmax_scale: Float32,
+                 num_splits: Int32, stream):
         d, dt = self.head_dim, self.dtype
         mVt = cache_head_dim_major_view(mV)
         v_major = LayoutEnum.from_tensor(mVt)
@@ -176,12 +181,13 @@ class DecodeFMHA:
         sVt_layout = sm90_utils.make_smem_layout_b(v_major, (self.tile_m, d, self.tile_n), dt, self.kv_stages)
         tma_atom_K, mK_tma = tma_pipeline.make_tma_load(cache_seq_major_view(mK), sK_layout, (self.tile_n, d))
         tma_atom_V, mV_tma = tma_pipeline.make_tma_load(mVt, sVt_layout, (d, self.tile_n))
-        SharedStorage = tma_pipeline.shared_storage(dt, sQ_layout, sK_layout, sVt_layout, self.kv_stages)
+        SharedStorage = tma_pipeline.shared_storage(dt, sQ_layout, sK_layout, sVt_layout, self.kv_stages,
+                                                    tile_slots=int(self.last_cta_merge))
 
         # One CTA per (query tile, split), K/V head, batch.
         m_blocks = cute.ceil_div(mQ.shape[1], self.q_per_tile)
         grid = (m_blocks * num_splits, mK.shape[2], mK.shape[0])
-        self.kernel(mQ, mK_tma, mV_tma, mO, mLSE, mSeqlens, mO_partial, mLSE_partial, tma_atom_K, tma_atom_V,
+        self.kernel(mQ, mK_tma, mV_tma, mO, mLSE, mSeqlens, mO_partial, mLSE_partial, mCounters, tma_atom_K, tma_atom_V,
                     softmax_scale * LOG2_E, num_splits, sQ_layout, sK_layout, sVt_layout, tiled_mma_qk, tiled_mma_pv,
                     SharedStorage).launch(grid=grid, block=[self.num_threads, 1, 1],
                                           smem=SharedStorage.size_in_bytes(), stream=stream, min_blocks_per_mp=1)
@@ -189,7 +195,8 @@ class DecodeFMHA:
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK_tma: cute.Tensor, mV_tma: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
                mSeqlens: Optional[cute.Tensor], mO_partial: Optional[cute.Tensor],
-               mLSE_partial: Optional[cute.Tensor], tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
+               mLSE_partial: Optional[cute.Tensor], mCounters: Optional[cute.Tensor], tma_atom_K: cute.CopyAtom,
+               tma_atom_V: cute.CopyAtom,
                scale_log2: Float32, num_splits: Int32, sQ_layout: cute.ComposedLayout,
                sK_layout: cute.ComposedLayout, sVt_layout: cute.ComposedLayout, tiled_mma_qk: cute.TiledMma,
                tiled_mma_pv: cute.TiledMma, SharedStorage: cutlass.Constexpr):
@@ -206,8 +213,8 @@ class DecodeFMHA:
         sQ, sK, sVt = tma_pipeline.smem_tensors(storage, sQ_layout, sK_layout, sVt_layout)
         pipeline_kv = tma_pipeline.make_kv_pipeline(storage, self.dtype, sK_layout, sVt_layout, stages,
                                                     self.num_threads)
-        if const_expr(self.split):  # Combine may launch now (PDL); it waits for this grid to finish
-            cute.arch.griddepcontrol_launch_dependents()
+        if const_expr(self.split and not self.last_cta_merge):  # Combine may launch now (PDL); it
+            cute.arch.griddepcontrol_launch_dependents()              # waits for this grid to finish
 
         # ---- this CTA's keys: the sequence's cache length, then its split's share of the tiles ----
         kv_len = mK_tma.shape[0]
@@ -264,6 +271,35 @@ class DecodeFMHA:
             mO_out, mLSE_out = mO, mLSE
         lse, rO = sm90.finalize_o(acc_O, softmax, mO_out.element_type)
         self.store_packed(rO, lse, tiled_mma_pv, tidx, mO_out, mLSE_out, rows, batch)
+        if const_expr(self.last_cta_merge):
+            counter = (batch * cute.arch.grid_dim()[1] + kv_head) * (cute.arch.grid_dim()[0] // num_splits) + m_block
+            self.merge_if_last(mO_partial, mLSE_partial, mO, mLSE, mCounters, counter, storage.tile_idx.data_ptr(),
+                               num_splits, rows, batch, tidx)
+
+    @cute.jit
+    def merge_if_last(self, mO_partial: cute.Tensor, mLSE_partial: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+                      mCounters: cute.Tensor, counter: Int32, flag_ptr, num_splits: Int32, rows: tuple,
+                      batch: Int32, tidx: Int32):
+        """Count this split done; the CTA that counts the last one merges the tile's rows (a warp
+        per row, as ``Combine``) and zeroes the counter for the next launch. Each thread's fence
+        orders its partial stores before the count; the last CTA's fence after it orders its
+        reads after every other CTA's stores."""
+        cute.arch.fence_acq_rel_gpu()
+        cute.arch.sync_threads()
+        flag = cute.make_tensor(flag_ptr, cute.make_layout(1))
+        if tidx == 0:
+            done = cute.arch.atomic_add(mCounters.iterator + counter, Int32(1), sem="acq_rel", scope="gpu")
+            flag[0] = Int32(1) if done == num_splits - 1 else Int32(0)
+        cute.arch.sync_threads()
+        if flag[0] == 1:
+            cute.arch.fence_acq_rel_gpu()
+            lane = tidx % 32
+            for row in cutlass.range(cute.arch.make_warp_uniform(tidx // 32), rows[2], self.num_threads // 32,
+                                     unroll=1):
+                q_idx, head = row_coords(rows, row, self.group)
+                combine_row(mO_partial, mLSE_partial, mO, mLSE, num_splits, batch, q_idx, head, lane)
+            if tidx == 0:
+                mCounters[counter] = 0
 
     @cute.jit
     def load_q(self, mQ: cute.Tensor, sQ: cute.Tensor, rows: tuple, batch: Int32, tidx: Int32):
@@ -407,30 +443,37 @@ class Combine:
         batch_size, q_len, nheads = mO.shape[0], mO.shape[1], mO.shape[2]
         if row < batch_size * q_len * nheads:
             head, q_idx, batch = row % nheads, (row // nheads) % q_len, row // (nheads * q_len)
-            lse_max = -Float32.inf
-            for s in cutlass.range(lane, num_splits, 32, unroll=1):
-                lse_max = cute.arch.fmax(lse_max, mLSE_partial[s, batch, head, q_idx])
-            lse_max = warp_allreduce(lse_max, cute.arch.fmax)
-            shift = Float32(0.0) if lse_max == -Float32.inf else lse_max  # every split empty
-            total = Float32(0.0)
-            for s in cutlass.range(lane, num_splits, 32, unroll=1):
-                total += cute.math.exp(mLSE_partial[s, batch, head, q_idx] - shift, fastmath=True)
-            lse = shift + cute.math.log(warp_allreduce(total, operator.add), fastmath=True)  # log 0 = -inf
+            combine_row(mO_partial, mLSE_partial, mO, mLSE, num_splits, batch, q_idx, head, lane)
 
-            # Every split wrote its partial (an empty one O = 0, LSE = -inf: weight 0), so the sum
-            # needs no branch, and unrolled, the loads of several splits are in flight at once.
-            lse_safe = Float32(0.0) if lse == -Float32.inf else lse  # all empty: weights exp(-inf) = 0
-            cols = self.head_dim // 32
-            acc = cute.make_rmem_tensor(cols, Float32)
-            acc.fill(0.0)
-            for s in cutlass.range(num_splits, unroll=4):
-                weight = cute.math.exp(mLSE_partial[s, batch, head, q_idx] - lse_safe, fastmath=True)
-                part = cute.local_tile(mO_partial[s, batch, q_idx, head, None], (cols,), (lane,))
-                acc.store(acc.load() + weight * part.load())
-            out = cute.local_tile(mO[batch, q_idx, head, None], (cols,), (lane,))
-            out.store(acc.load().to(self.dtype))
-            if lane == 0:
-                mLSE[batch, head, q_idx] = lse
+
+@cute.jit
+def combine_row(mO_partial: cute.Tensor, mLSE_partial: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+                num_splits: Int32, batch: Int32, q_idx: Int32, head: Int32, lane: Int32):
+    """One warp merges the splits of output row (batch, q_idx, head); lanes own d/32 columns."""
+    lse_max = -Float32.inf
+    for s in cutlass.range(lane, num_splits, 32, unroll=1):
+        lse_max = cute.arch.fmax(lse_max, mLSE_partial[s, batch, head, q_idx])
+    lse_max = warp_allreduce(lse_max, cute.arch.fmax)
+    shift = Float32(0.0) if lse_max == -Float32.inf else lse_max  # every split empty
+    total = Float32(0.0)
+    for s in cutlass.range(lane, num_splits, 32, unroll=1):
+        total += cute.math.exp(mLSE_partial[s, batch, head, q_idx] - shift, fastmath=True)
+    lse = shift + cute.math.log(warp_allreduce(total, operator.add), fastmath=True)  # log 0 = -inf
+
+    # Every split wrote its partial (an empty one O = 0, LSE = -inf: weight 0), so the sum
+    # needs no branch, and unrolled, the loads of several splits are in flight at once.
+    lse_safe = Float32(0.0) if lse == -Float32.inf else lse  # all empty: weights exp(-inf) = 0
+    cols = cute.size(mO, mode=[3]) // 32
+    acc = cute.make_rmem_tensor(cols, Float32)
+    acc.fill(0.0)
+    for s in cutlass.range(num_splits, unroll=4):
+        weight = cute.math.exp(mLSE_partial[s, batch, head, q_idx] - lse_safe, fastmath=True)
+        part = cute.local_tile(mO_partial[s, batch, q_idx, head, None], (cols,), (lane,))
+        acc.store(acc.load() + weight * part.load())
+    out = cute.local_tile(mO[batch, q_idx, head, None], (cols,), (lane,))
+    out.store(acc.load().to(mO.element_type))
+    if lane == 0:
+        mLSE[batch, head, q_idx] = lse
 
 
 @cute.jit
@@ -444,20 +487,24 @@ def warp_allreduce(x: Float32, op: cutlass.Constexpr) -> Float32:
 # Host: compile and launch
 # --------------------------------------------------------------------------------------
 
-def smem_bytes(head_dim: int, tile_n: int, kv_stages: int, dtype_bytes: int = 2) -> int:
-    return tma_pipeline.smem_bytes(TILE_M, tile_n, head_dim, dtype_bytes, kv_stages)
+def smem_bytes(head_dim: int, tile_n: int, kv_stages: int, dtype_bytes: int = 2, merge: str = "combine") -> int:
+    # The last-CTA merge broadcasts "I am last" through one SMEM slot (tile_slots=1).
+    return tma_pipeline.smem_bytes(TILE_M, tile_n, head_dim, dtype_bytes, kv_stages,
+                                   tile_slots=int(merge == "last_cta"))
 
 
-CAPS = tma_pipeline.smem_capabilities(HEAD_DIMS, lambda d: smem_bytes(d, **DEFAULT_CONFIG[d]), "DEFAULT_CONFIG",
-                                      gqa=True, unequal_lengths=True, max_group=MAX_GROUP)
+CAPS = tma_pipeline.smem_capabilities(HEAD_DIMS, lambda d: smem_bytes(d, **DEFAULT_CONFIG[d], merge="last_cta"),
+                                      "DEFAULT_CONFIG", gqa=True, unequal_lengths=True, max_group=MAX_GROUP)
+MERGES = ("combine", "last_cta")
 
 
-def _fake_decode_args(dtype, head_dim: int, seqlens: bool, split: bool) -> tuple:
+def _fake_decode_args(dtype, head_dim: int, seqlens: bool, split: bool, counters: bool = False) -> tuple:
     """Placeholders in the decode layout: q/O (b, q_len, h, d), caches (b, s_cache, h_kv, d),
-    LSE (b, h, q_len), cache_seqlens (b,), partials (S, b, q_len, h, d) and (S, b, h, q_len)."""
+    LSE (b, h, q_len), cache_seqlens (b,), partials (S, b, q_len, h, d) and (S, b, h, q_len), the
+    last-CTA merge's counters (one per query tile, K/V head and batch, or more)."""
     from cutlass.cute.runtime import make_fake_tensor
 
-    b, q_len, h, h_kv, s_cache, splits = (cute.sym_int() for _ in range(6))
+    b, q_len, h, h_kv, s_cache, splits, n_counters = (cute.sym_int() for _ in range(7))
 
     def tensor(elem, shape, rows_aligned=True):
         div = 8 if rows_aligned else 1
@@ -470,24 +517,24 @@ def _fake_decode_args(dtype, head_dim: int, seqlens: bool, split: bool) -> tuple
     lens = make_fake_tensor(Int32, (b,), stride=(1,), assumed_align=4) if seqlens else None
     o_partial = tensor(Float32, (splits, b, q_len, h, head_dim)) if split else None
     lse_partial = tensor(Float32, (splits, b, h, q_len), rows_aligned=False) if split else None
-    return q, k, v, o, lse, lens, o_partial, lse_partial, Float32(1.0), Int32(1), fake_stream()
+    count = make_fake_tensor(Int32, (n_counters,), stride=(1,), assumed_align=4) if counters else None
+    return q, k, v, o, lse, lens, o_partial, lse_partial, count, Float32(1.0), Int32(1), fake_stream()
 
 
 def compile_decode(head_dim: int, dtype: str, causal: bool, group: int, split: bool, seqlens: bool,
-                   tile_n: int, kv_stages: int, keep_ptx: bool = False):
+                   tile_n: int, kv_stages: int, merge: str = "combine", keep_ptx: bool = False):
     dt = cute_dtype(dtype)
-    key = ("decode", head_dim, dtype, causal, group, split, seqlens, tile_n, kv_stages)
-    return jit_compile(key, lambda: (DecodeFMHA(head_dim, dt, causal, group, tile_n, kv_stages, split),
-                                     _fake_decode_args(dt, head_dim, seqlens, split)), keep_ptx)
+    last_cta = split and merge == "last_cta"
+    key = ("decode", head_dim, dtype, causal, group, split, seqlens, tile_n, kv_stages, last_cta)
+    return jit_compile(key, lambda: (DecodeFMHA(head_dim, dt, causal, group, tile_n, kv_stages, split, last_cta),
+                                     _fake_decode_args(dt, head_dim, seqlens, split, last_cta)), keep_ptx)
 
 
 def compile_combine(head_dim: int, dtype: str, keep_ptx: bool = False):
-    from cutlass.cute.runtime import make_fake_tensor
-
     dt = cute_dtype(dtype)
 
     def build():
-        _, _, _, o, lse, _, o_partial, lse_partial, _, splits, stream = _fake_decode_args(dt, head_dim, False, True)
+        _, _, _, o, lse, _, o_partial, lse_partial, _, _, splits, stream = _fake_decode_args(dt, head_dim, False, True)
         return Combine(head_dim, dt), (o_partial, lse_partial, o, lse, splits, stream)
 
     return jit_compile(("decode_combine", head_dim, dtype), build, keep_ptx)
@@ -513,29 +560,68 @@ def _sm_count(device: int) -> int:
     return _SM_COUNTS[device]
 
 
-class DecodeLauncher:
-    """The main kernel and (with S > 1) the combine, bound to a split count. Called with tensors
-    in the decode layout, it allocates the fp32 partials per call (the caching allocator makes
-    that cheap and safe across streams); a caller that replays launches (a CUDA graph, a
-    decode plan) allocates them once with ``partials`` and calls ``main`` and ``combine`` itself."""
+class MergeCounters:
+    """The last-CTA merge's counters for eager calls: one zeroed int32 buffer per (device, stream),
+    grown (zeroed) when a call needs more; each merge leaves its counter at 0 again, so no memset
+    per call. Launches on one stream run one after another; two streams get two buffers. A CUDA
+    graph must not capture these (a growth would free what it captured): a decode plan owns its own."""
 
-    def __init__(self, main, combine, num_splits: int, head_dim: int):
-        self.main, self.combine, self.num_splits, self.head_dim = main, combine, num_splits, head_dim
+    def __init__(self):
+        self._buffers = {}
 
-    def partials(self, batch: int, q_len: int, nheads: int, device) -> tuple:
+    def get(self, device, n: int):
         import torch
 
+        key = (device, torch.cuda.current_stream(device).cuda_stream)
+        buf = self._buffers.get(key)
+        if buf is None or buf.numel() < n:
+            buf = self._buffers[key] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+        return buf
+
+
+_COUNTERS = MergeCounters()
+
+
+class DecodeLauncher:
+    """The main kernel and (with S > 1) the merge, bound to a split count: a ``Combine`` launch,
+    or the main kernel's last-CTA merge. Called with tensors in the decode layout, it allocates the
+    fp32 partials per call (the caching allocator makes that cheap and safe across streams); a
+    caller that replays launches (a CUDA graph, a decode plan) makes its own ``buffers`` once and
+    calls ``launch``."""
+
+    def __init__(self, main, combine, num_splits: int, head_dim: int, group: int, merge: str):
+        self.main, self.combine, self.num_splits, self.head_dim = main, combine, num_splits, head_dim
+        self.group, self.merge = group, merge
+
+    def counters_needed(self, batch: int, q_len: int, nheads: int) -> int:
+        return batch * (nheads // self.group) * -(-q_len // (TILE_M // self.group))
+
+    def buffers(self, batch: int, q_len: int, nheads: int, device, counters=None) -> tuple:
+        """(partial O, partial LSE, counters) for a split launch; counters zeroed and owned by the
+        caller unless given."""
+        import torch
+
+        if self.num_splits == 1:
+            return None, None, None
         s = self.num_splits
+        if self.merge == "last_cta" and counters is None:
+            counters = torch.zeros(self.counters_needed(batch, q_len, nheads), dtype=torch.int32, device=device)
         return (torch.empty((s, batch, q_len, nheads, self.head_dim), device=device, dtype=torch.float32),
-                torch.empty((s, batch, nheads, q_len), device=device, dtype=torch.float32))
+                torch.empty((s, batch, nheads, q_len), device=device, dtype=torch.float32),
+                counters if self.merge == "last_cta" else None)
+
+    def launch(self, q, k_cache, v_cache, out, lse, cache_seqlens, scale: float, buffers: tuple):
+        o_partial, lse_partial, counters = buffers
+        self.main(q, k_cache, v_cache, out, lse, cache_seqlens, o_partial, lse_partial, counters, scale,
+                  self.num_splits)
+        if self.num_splits > 1 and self.merge == "combine":
+            self.combine(o_partial, lse_partial, out, lse, self.num_splits)
 
     def __call__(self, q, k_cache, v_cache, out, lse, cache_seqlens, scale: float):
-        if self.num_splits == 1:
-            self.main(q, k_cache, v_cache, out, lse, cache_seqlens, None, None, scale, 1)
-            return
-        o_partial, lse_partial = self.partials(q.shape[0], q.shape[1], q.shape[2], q.device)
-        self.main(q, k_cache, v_cache, out, lse, cache_seqlens, o_partial, lse_partial, scale, self.num_splits)
-        self.combine(o_partial, lse_partial, out, lse, self.num_splits)
+        b, q_len, h, _ = q.shape
+        counters = (_COUNTERS.get(q.device, self.counters_needed(b, q_len, h))
+                    if self.num_splits > 1 and self.merge == "last_cta" else None)
+        self.launch(q, k_cache, v_cache, out, lse, cache_seqlens, scale, self.buffers(b, q_len, h, q.device, counters))
 
 
 def config(head_dim: int, tile_n=None, kv_stages=None) -> dict:
@@ -545,15 +631,17 @@ def config(head_dim: int, tile_n=None, kv_stages=None) -> dict:
 
 
 def make_launcher(head_dim: int, dtype: str, causal: bool, group: int, num_splits: int, seqlens: bool,
-                  keep_ptx: bool = False, **cfg) -> DecodeLauncher:
+                  keep_ptx: bool = False, merge: str = "combine", **cfg) -> DecodeLauncher:
+    if merge not in MERGES:
+        raise UnsupportedProblem(f"merge must be one of {MERGES}, got {merge!r}")
     split = num_splits > 1
-    main = compile_decode(head_dim, dtype, causal, group, split, seqlens, keep_ptx=keep_ptx,
+    main = compile_decode(head_dim, dtype, causal, group, split, seqlens, merge=merge, keep_ptx=keep_ptx,
                           **config(head_dim, **cfg))
-    combine = compile_combine(head_dim, dtype, keep_ptx) if split else None
-    return DecodeLauncher(main, combine, num_splits, head_dim)
+    combine = compile_combine(head_dim, dtype, keep_ptx) if split and merge == "combine" else None
+    return DecodeLauncher(main, combine, num_splits, head_dim, group, merge)
 
 
-def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_splits: int = 0, tile_n=None,
+def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_splits: int = 0, merge: str = "combine", tile_n=None,
                    kv_stages=None) -> CompiledAttention:
     """The ordinary contract (SDPA layout, K/V of the full seqlen_k): the decode kernel with no
     cache lengths. ``num_splits`` 0 picks S for this problem on the current GPU."""
@@ -563,12 +651,12 @@ def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_splits: int = 0, t
         raise UnsupportedProblem(f"num_splits must be an int in [0, {MAX_SPLITS}] (0: automatic), got {num_splits!r}")
     splits = num_splits or choose_num_splits(p.batch, p.kv_heads, p.group, p.seqlen, p.kv_len, sm_count(),
                                              cfg["tile_n"])
-    launcher = make_launcher(p.head_dim, p.dtype, p.causal, p.group, splits, False, keep_ptx, **cfg)
+    launcher = make_launcher(p.head_dim, p.dtype, p.causal, p.group, splits, False, keep_ptx, merge, **cfg)
     ptx = None
     if keep_ptx:
         ptx = "\n".join(filter(None, (compiled_ptx(launcher.main), compiled_ptx(launcher.combine))))
-    name = "decode_nosplit" if num_splits == 1 else "decode"
-    info = dict(cfg, num_splits=splits, smem_bytes=smem_bytes(p.head_dim, **cfg))
+    name = "decode_nosplit" if num_splits == 1 else ("decode" if merge == "last_cta" else "decode_combine")
+    info = dict(cfg, num_splits=splits, merge=merge, smem_bytes=smem_bytes(p.head_dim, **cfg, merge=merge))
     return CompiledAttention(name, p, launcher, {}, ptx, info)
 
 

@@ -298,23 +298,18 @@ def gqa_table(mha, gqa):
 
 
 def decode_tune_table(tune):
-    """docs/decode.md: scripts/tune_decode.py rows (tile configuration x split count), the main
-    kernel alone beside main + combine."""
+    """docs/decode.md: scripts/tune_decode.py rows (tile configuration x split count)."""
     gpu = gpu_short_name(tune["meta"].get("device", ""))
     body = []
     for r in tune["rows"]:
         split = f"{r['num_splits']}" + (" (auto)" if r.get("auto_splits") else "")
-        if r.get("status") != "ok":
-            body.append([r["head_dim"], r["batch"], r["nheads_kv"], r["seqlen_k"], f"{r['tile_n']}:{r['kv_stages']}",
-                         split, r.get("status", "—")[:40], "—", "—"])
-            continue
-        main = f"{r['main_ms'] * 1e3:.1f}" if r.get("main_ms") else "—"
+        ok = r.get("status") == "ok"
         body.append([r["head_dim"], r["batch"], r["nheads_kv"], r["seqlen_k"], f"{r['tile_n']}:{r['kv_stages']}",
-                     split, f"{r['ms'] * 1e3:.1f}", main, f"{r['tbps']:.2f}"])
+                     split, f"{r['ms'] * 1e3:.1f}" if ok else r.get("status", "—")[:40],
+                     f"{r['tbps']:.2f}" if ok else "—"])
     return (f"On an {gpu}: `{tune['meta'].get('command', '')}`, {tune['meta'].get('date', '')[:10]}; 32 query "
             "heads, q_len 1, bf16.\n\n"
-            + markdown_table(["d", "batch", "K/V heads", "keys", "tile_n:stages", "splits", "µs (main + combine)",
-                              "µs (main alone)", "TB/s"], body))
+            + markdown_table(["d", "batch", "K/V heads", "keys", "tile_n:stages", "splits", "µs", "TB/s"], body))
 
 
 def ws_readme_table(sweep):

@@ -6,8 +6,7 @@
 Each row: one (head dim, batch, K/V heads, cache length, tile_n:kv_stages, num_splits), 32 query
 heads, q_len 1, bf16, checked against an explicit float64 reference before it is timed, then
 timed by CUDA-graph replay over enough cache copies that every replay reads several times the
-50 MB L2 (``harness.timing.graph_ms``); with a split, the main kernel is also timed alone, so the
-combine's share shows. TB/s counts K and V read once.
+50 MB L2 (``harness.timing.graph_ms``). TB/s counts K and V read once.
 """
 
 from __future__ import annotations
@@ -34,6 +33,8 @@ def parse_args(argv=None):
     ap.add_argument("--headdim", type=int, choices=sorted(SHAPES), help="one head dim (default: all)")
     ap.add_argument("--configs", help="tile_n:kv_stages list, e.g. 128:2,128:3 (default: per head dim)")
     ap.add_argument("--splits", default="0", help="num_splits list; 0 is the heuristic's choice (default: 0)")
+    ap.add_argument("--merge", default="last_cta", choices=("last_cta", "combine"),
+                    help="how splits merge: in the main kernel's last CTA (decode) or a Combine launch")
     ap.add_argument("--out", help="write the rows as JSON here, each as it is done")
     return ap.parse_args(argv)
 
@@ -91,7 +92,7 @@ def main(argv=None) -> int:
                                tile_n=tile_n, kv_stages=stages, num_splits=splits, auto_splits=asked == 0)
                     try:
                         la = decode.make_launcher(d, "bfloat16", False, NHEADS // h_kv, splits, True, tile_n=tile_n,
-                                                  kv_stages=stages)
+                                                  kv_stages=stages, merge=args.merge)
                     except Exception as e:  # a configuration that does not fit: a row that says so
                         row.update(status=f"refused: {e}")
                         print(row)
@@ -103,18 +104,13 @@ def main(argv=None) -> int:
                     if not err < 2e-2:
                         row.update(status=f"failed check: max |O - ref| = {err}")
                     else:
-                        parts = la.partials(b, 1, NHEADS, "cuda") if splits > 1 else (None, None)
+                        buffers = la.buffers(b, 1, NHEADS, "cuda")
 
-                        def step(i, main_only=False):
-                            k, v = caches[i % copies]
-                            la.main(q, k, v, o, lse, lens, *parts, d ** -0.5, splits)
-                            if splits > 1 and not main_only:
-                                la.combine(*parts, o, lse, splits)
+                        def step(i):
+                            la.launch(q, *caches[i % copies], o, lse, lens, d ** -0.5, buffers)
 
                         ms = graph_ms(step)
-                        row.update(status="ok", ms=ms, tbps=kv_bytes / (ms * 1e-3) / 1e12)
-                        if splits > 1:
-                            row["main_ms"] = graph_ms(lambda i: step(i, main_only=True))
+                        row.update(status="ok", merge=args.merge, ms=ms, tbps=kv_bytes / (ms * 1e-3) / 1e12)
                     print(f"d={d} b={b} h_kv={h_kv} kv_len={kv_len} tile_n={tile_n} stages={stages} S={splits}: "
                           + (f"{row['ms'] * 1e3:.1f} us {row['tbps']:.2f} TB/s" if row.get("ms") else row["status"]),
                           flush=True)
