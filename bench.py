@@ -5,6 +5,7 @@
     python bench.py all --out results/bench.json
     python bench.py --sweep --out results/sweep.json k2 k4
     python bench.py k4 --compile-only      # no GPU needed: compile for sm_90a and inspect
+    python bench.py --decode --out results/decode.json   # decode over a KV cache, TB/s, graph-timed
 
 Workload: SEQLEN, HEADDIM, CAUSAL, BATCH, NHEADS, DTYPE (env) or the equivalent flags (a flag
 wins). CHECK=1 (or --check) runs the correctness check on the same shape first and stops on
@@ -46,6 +47,12 @@ def parse_args(argv=None):
     ap.add_argument("--no-peers", action="store_true", help="skip SDPA / flash-attn-4")
     ap.add_argument("--compile-only", action="store_true", help="compile for sm_90a and report; no GPU needed")
     ap.add_argument("--out", help="write the rows as JSON here, each as it is done")
+    ap.add_argument("--decode", action="store_true",
+                    help="decode mode (harness/decode_bench.py): q_len 1, 32 query heads, d 128 over KV caches of "
+                         "batch 1/8/64 x 4k/32k/128k keys x 8/32 K/V heads, the split-count curve and host times")
+    ap.add_argument("--seqlen-k", type=int, help="decode: restrict the grid to this cache length")
+    ap.add_argument("--nheads-kv", type=int, help="decode: restrict the grid to this many K/V heads")
+    ap.add_argument("--grid-only", action="store_true", help="decode: skip the split curve and the host times")
     return ap.parse_args(argv)
 
 
@@ -172,8 +179,57 @@ def print_row(r) -> None:
         print(f"{r['kernel']:<11}{r['ms']:>10.3f}{r['tflops']:>10.1f}{vs}", flush=True)
 
 
+def decode_main(args, argv) -> int:
+    """``--decode``: the decode grid beside its peers, then the split curve and host times."""
+    other = [f for f in ("seqlen", "headdim", "causal", "nheads", "dtype", "sweep", "compile_only", "check")
+             if getattr(args, f) not in (None, False)]
+    if other or args.kernels:
+        print(f"error: --decode times its own grid (harness/decode_bench.py); it takes --batch, --seqlen-k, "
+              f"--nheads-kv, --no-peers, --grid-only and --out, not {other or args.kernels}", file=sys.stderr)
+        return 2
+    for flag in ("batch", "seqlen_k", "nheads_kv"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            print(f"error: --{flag.replace('_', '-')} must be positive", file=sys.stderr)
+            return 2
+    from harness import decode_bench, results
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print("No CUDA GPU is visible, so nothing can be timed here (decode needs an H100/H200).", file=sys.stderr)
+        return 2
+    out = results.open_result_file(args.out, results.command_line("bench.py", argv))
+    rows = []
+
+    def emit(row):
+        rows.append(row)
+        if out:
+            out.append(row)
+        value = (f"{row['tbps']:.2f} TB/s, {row['ms'] * 1e3:.1f} us" if row.get("tbps")
+                 else f"host {row['host_us']:.1f} us, per call {row['call_us']:.1f} us" if row.get("host_us")
+                 else row["status"])
+        shape = f"b={row['batch']} kv_len={row['seqlen_k']} kv_heads={row['nheads_kv']}"
+        splits = f" S={row['num_splits']}" if row.get("num_splits") else ""
+        print(f"{row['mode']:<7}{shape:<34}{row['kernel']:<31}{splits:<6}{value}", flush=True)
+
+    print(f"== {torch.cuda.get_device_name()}: decode, 32 query heads, d=128, q_len 1, bf16")
+    decode_bench.run_grid(decode_bench.grid(args.batch, args.seqlen_k, args.nheads_kv), emit, not args.no_peers)
+    if not args.grid_only:
+        decode_bench.run_splits(emit)
+        decode_bench.run_host(emit)
+    print("\n" + decode_bench.summary(rows))
+    if out:
+        print(f"\nwrote {out.close()}")
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.decode:
+        return decode_main(args, argv)
+    if args.seqlen_k is not None or args.nheads_kv is not None or args.grid_only:
+        print("error: --seqlen-k, --nheads-kv and --grid-only belong to --decode", file=sys.stderr)
+        return 2
     try:
         names = resolve_kernels(args.kernels)
         flags = dict(seqlen=args.seqlen, headdim=args.headdim, causal=args.causal, batch=args.batch,

@@ -56,3 +56,40 @@ def reference(q, k, v, causal: bool, scale: float):
                 s.masked_fill_(masked, -math.inf)
             lse[bi, h0:h0 + chunk] = torch.logsumexp(s, dim=-1)
     return o, lse
+
+
+def reference_kvcache(q, k_cache, v_cache, cache_seqlens, causal: bool, scale: float, dtype=None):
+    """O (batch, q_len, heads, d) and LSE (batch, heads, q_len) of attention over a KV cache, from
+    upcast copies (float64 by default), one sequence at a time.
+
+    q (batch, q_len, heads, d); caches (batch, s_cache, heads_kv, d); ``cache_seqlens`` None (all
+    rows), an int, or a tensor (batch,). Rows past a sequence's length are sliced away before
+    anything reads them (NaN planted there cannot reach the reference). Query head h reads K/V head
+    h // group; causal is bottom-right (query i sees key j <= i + length - q_len). A row that sees
+    no key gets O = 0 and LSE = -inf.
+    """
+    import torch
+
+    dtype = dtype or torch.float64
+    b, q_len, h, d = q.shape
+    s_cache, group = k_cache.shape[1], h // k_cache.shape[2]
+    if cache_seqlens is None or isinstance(cache_seqlens, int):
+        lengths = [s_cache if cache_seqlens is None else cache_seqlens] * b
+    else:
+        lengths = [int(x) for x in cache_seqlens.tolist()]
+    o = torch.zeros((b, q_len, h, d), dtype=dtype, device=q.device)
+    lse = torch.full((b, h, q_len), -math.inf, dtype=dtype, device=q.device)
+    for bi, n in enumerate(lengths):
+        n = max(0, min(n, s_cache))
+        if n == 0:
+            continue
+        k = k_cache[bi, :n].to(dtype).repeat_interleave(group, dim=1)  # (n, h, d)
+        v = v_cache[bi, :n].to(dtype).repeat_interleave(group, dim=1)
+        s = torch.einsum("qhd,khd->hqk", q[bi].to(dtype), k) * scale
+        if causal:
+            s.masked_fill_(~causal_keep(q_len, n, q.device), -math.inf)
+        row_lse = torch.logsumexp(s, dim=-1)  # -inf for a row that sees no key
+        p = torch.exp(s - row_lse[..., None]).nan_to_num(0.0)  # such a row: exp(-inf + inf) -> 0
+        o[bi] = torch.einsum("hqk,khd->qhd", p, v)
+        lse[bi] = row_lse
+    return o, lse

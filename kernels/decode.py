@@ -190,7 +190,8 @@ class DecodeFMHA:
         self.kernel(mQ, mK_tma, mV_tma, mO, mLSE, mSeqlens, mO_partial, mLSE_partial, mCounters, tma_atom_K, tma_atom_V,
                     softmax_scale * LOG2_E, num_splits, sQ_layout, sK_layout, sVt_layout, tiled_mma_qk, tiled_mma_pv,
                     SharedStorage).launch(grid=grid, block=[self.num_threads, 1, 1],
-                                          smem=SharedStorage.size_in_bytes(), stream=stream, min_blocks_per_mp=1)
+                                          smem=SharedStorage.size_in_bytes(), stream=stream, min_blocks_per_mp=1,
+                                          use_pdl=True)
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK_tma: cute.Tensor, mV_tma: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
@@ -213,8 +214,12 @@ class DecodeFMHA:
         sQ, sK, sVt = tma_pipeline.smem_tensors(storage, sQ_layout, sK_layout, sVt_layout)
         pipeline_kv = tma_pipeline.make_kv_pipeline(storage, self.dtype, sK_layout, sVt_layout, stages,
                                                     self.num_threads)
-        if const_expr(self.split and not self.last_cta_merge):  # Combine may launch now (PDL); it
-            cute.arch.griddepcontrol_launch_dependents()              # waits for this grid to finish
+        # Programmatic dependent launch (PDL) both ways: this grid may start while the previous
+        # kernel on the stream finishes (the setup above overlaps its tail; nothing in GMEM is
+        # touched before the wait), and the next one (Combine, or the next step) may launch now:
+        # it waits for this grid in turn.
+        cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()
 
         # ---- this CTA's keys: the sequence's cache length, then its split's share of the tiles ----
         kv_len = mK_tma.shape[0]

@@ -297,6 +297,62 @@ def gqa_table(mha, gqa):
                               "GQA / MHA"], body))
 
 
+def decode_table(bench):
+    """docs/decode.md: the decode grid, each kernel's TB/s, % of HBM peak and ratio to cuDNN,
+    with the peers' TB/s, from ``bench.py --decode``."""
+    gpu = gpu_short_name(bench["meta"].get("device", ""))
+    shapes = {}
+    for r in bench["rows"]:
+        if r.get("mode") == "grid":
+            shapes.setdefault((r["batch"], r["seqlen_k"], r["nheads_kv"]), {})[r["kernel"]] = r
+
+    def rate(r):
+        return f"{r['tbps']:.2f}" if r and r.get("tbps") else (r.get("status", "—")[:24] if r else "—")
+
+    body = []
+    for (b, n, hk), got in shapes.items():
+        cudnn = got.get("sdpa-cudnn")
+        for name in ("decode", "decode_combine"):
+            r = got.get(name)
+            if not r:
+                continue
+            ratio = f"{cudnn['ms'] / r['ms']:.2f}×" if r.get("ms") and cudnn and cudnn.get("ms") else "—"
+            pct = f"{r['pct_peak']:.0f}%" if r.get("pct_peak") else "—"
+            body.append([b, f"{n // 1024}k", hk, f"`{name}`", r.get("num_splits", "—"), rate(r), pct, ratio,
+                         rate(cudnn), rate(got.get("fa4")), rate(got.get("sdpa-flash"))])
+    return (f"On an {gpu}: `{bench['meta'].get('command', '')}`, {bench['meta'].get('date', '')[:10]}; TB/s of K+V "
+            "read, kernel time by CUDA-graph replay; every candidate checked against a float32 reference first.\n\n"
+            + markdown_table(["batch", "keys", "K/V heads", "kernel", "splits", "TB/s", "% of HBM peak", "× cuDNN",
+                              "cuDNN TB/s", "fa4 TB/s", "SDPA-flash TB/s"], body))
+
+
+def decode_splits_table(bench):
+    """docs/decode.md: TB/s against the split count (bench.py --decode's split curve)."""
+    body = [[r["num_splits"] if not r.get("auto") else f"{r['num_splits']} (auto)",
+             f"{r['ms'] * 1e3:.1f}" if r.get("ms") else r.get("status", "—")[:30],
+             f"{r['tbps']:.2f}" if r.get("tbps") else "—"]
+            for r in bench["rows"] if r.get("mode") == "splits"]
+    r0 = next((r for r in bench["rows"] if r.get("mode") == "splits"), None)
+    if not r0:
+        return "No split-curve rows in the newest decode result file."
+    return (f"`decode`, batch {r0['batch']}, {r0['nheads_kv']} K/V heads, {r0['seqlen_k'] // 1024}k keys, "
+            f"{gpu_short_name(bench['meta'].get('device', ''))}:\n\n" + markdown_table(["splits", "µs", "TB/s"], body))
+
+
+def decode_host_table(bench):
+    """docs/decode.md: host µs per call and the per-call time on the GPU clock (no graph)."""
+    body = [[f"`{r['kernel']}`", r["batch"], f"{r['seqlen_k'] // 1024}k", r["nheads_kv"],
+             f"{r['host_us']:.1f}" if r.get("host_us") else r.get("status", "—")[:30],
+             f"{r['call_us']:.1f}" if r.get("call_us") else "—"]
+            for r in bench["rows"] if r.get("mode") == "host"]
+    if not body:
+        return "No host-time rows in the newest decode result file."
+    return (f"{gpu_short_name(bench['meta'].get('device', ''))}; host: mean over 200 calls with no synchronization; "
+            "per call: an event pair around the same 200 calls (whichever of host and GPU is slower).\n\n"
+            + markdown_table(["call", "batch", "keys", "K/V heads", "host µs per call", "µs per call (GPU clock)"],
+                             body))
+
+
 def decode_tune_table(tune):
     """docs/decode.md: scripts/tune_decode.py rows (tile configuration x split count)."""
     gpu = gpu_short_name(tune["meta"].get("device", ""))
@@ -476,6 +532,14 @@ def main(argv=None):
         k4_sweep = latest_with("sweep*.json", ["k4_qk"])
         page.write_text(replace_block(page.read_text(), "k4-steps", k4_steps_table(k4_sweep, tune)))
     page = ROOT / "docs" / "decode.md"
+    decode_bench = latest("decode-h*.json")
+    if decode_bench and page.exists():
+        text = page.read_text()
+        for name, make in (("decode", decode_table), ("decode-splits", decode_splits_table),
+                           ("decode-host", decode_host_table)):
+            if f"<!-- table:{name} -->" in text:
+                text = replace_block(text, name, make(decode_bench))
+        page.write_text(text)
     decode_tune = latest("decode-tune*.json")
     if decode_tune and page.exists() and "<!-- table:decode-tune -->" in page.read_text():
         page.write_text(replace_block(page.read_text(), "decode-tune", decode_tune_table(decode_tune)))

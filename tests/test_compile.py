@@ -26,12 +26,12 @@ CLAIMS = {
     "k6": dict(has=["cp.async.bulk.tensor", "mbarrier", "wgmma.mma_async", "setmaxnreg"], lacks=["e4m3 wgmma"]),
 }
 CLAIMS["k4_seed"] = CLAIMS["k4"]  # the same kernel at K4.1's tile shape
-# Flash decode: K4's loads and GEMMs at one warpgroup (these small problems need no split; the
-# split's combine kernel is checked below).
-CLAIMS["decode"] = dict(has=["cp.async.bulk.tensor", "mbarrier", "wgmma.mma_async"], lacks=["setmaxnreg"])
+# Flash decode: K4's loads and GEMMs at one warpgroup, launched with PDL (griddepcontrol); these
+# small problems need no split, the split paths are checked below.
+CLAIMS["decode"] = dict(has=["cp.async.bulk.tensor", "mbarrier", "wgmma.mma_async", "griddepcontrol"],
+                        lacks=["setmaxnreg"])
 CLAIMS["decode_combine"] = CLAIMS["decode"]
-CLAIMS["decode_nosplit"] = dict(has=["cp.async.bulk.tensor", "mbarrier", "wgmma.mma_async"],
-                                lacks=["setmaxnreg", "griddepcontrol"])
+CLAIMS["decode_nosplit"] = CLAIMS["decode"]
 
 
 def claims_for(name):
@@ -161,7 +161,7 @@ def test_smem_bytes_counts_the_shared_storage():
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_decode_split_has_a_pdl_combine(head_dim):
     # A forced split compiles the partial-writing kernel and the combine: two modules, each with
-    # its griddepcontrol (launch_dependents in the main kernel, wait in the combine), no spills.
+    # its griddepcontrol (the combine waits for the main kernel), no spills.
     from harness.inspect_ptx import split_modules
 
     p = Problem(1, 32, 1, head_dim, nheads_kv=8, seqlen_k=32768)
@@ -170,14 +170,14 @@ def test_decode_split_has_a_pdl_combine(head_dim):
     assert compiled.info["num_splits"] == 4 and len(modules) == 2
     for module in modules:
         counts = count_instructions(module)
-        assert counts["griddepcontrol"] == 1 and counts["ld/st.local"] == 0
+        assert counts["griddepcontrol"] >= 1 and counts["ld/st.local"] == 0
     assert count_instructions(modules[0])["wgmma.mma_async"] > 0
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_decode_last_cta_merge_is_one_kernel(head_dim):
     # The registered decode merges in the main kernel: one module, the split counter bumped with
-    # an acq_rel atomic between gpu-scope fences, and no combine launch (no griddepcontrol).
+    # an acq_rel atomic between gpu-scope fences, no combine launch.
     from harness.inspect_ptx import split_modules
 
     p = Problem(1, 32, 1, head_dim, nheads_kv=8, seqlen_k=32768, causal=True)
@@ -186,4 +186,4 @@ def test_decode_last_cta_merge_is_one_kernel(head_dim):
     assert re.search(r"atom\.global\.acq_rel\.add", compiled.ptx)  # gpu scope is the default
     assert compiled.ptx.count("fence.acq_rel.gpu") == 2
     counts = count_instructions(compiled.ptx)
-    assert counts["griddepcontrol"] == 0 and counts["ld/st.local"] == 0
+    assert counts["ld/st.local"] == 0
