@@ -3,6 +3,7 @@
     python ref_check.py k2            # one kernel
     python ref_check.py all           # every registered kernel
     python ref_check.py k4 --quick    # a smaller grid
+    python ref_check.py --decode      # attention over a KV cache: decode_nosplit, decode, decode_lastcta
 
 For each kernel: causal and non-causal, every head dim it supports among 64 and 128 (all of
 them with --all-head-dims), seqlens that are and are not multiples of the tiles, batch*heads > 1
@@ -58,6 +59,57 @@ GQA_HEADS = ((8, 2), (4, 1), (16, 2))
 UNEQUAL_LENGTHS = ((1, 4097), (17, 1000), (1000, 4097), (128, 384))
 
 
+def decode_cases(quick: bool):
+    """The KV-cache grid (docs/decode.md): GQA / MQA / MHA shapes, q_len 1-17, cache lengths around
+    the tile and up to 128k, per-sequence lengths including 0, an int length, NaN/inf planted past
+    every length, causal bottom-right, forced split counts, fp16, graph replay."""
+    from harness.check import KVCacheCase as C
+
+    shapes = [(1, 32, 8, 1), (4, 32, 8, 1), (2, 32, 32, 1), (1, 32, 1, 1), (1, 64, 8, 1), (3, 32, 8, 4),
+              (1, 32, 8, 16), (1, 32, 8, 17), (2, 28, 4, 3)]
+    kernels = ("decode", "decode_lastcta")
+    for kernel in kernels:
+        for b, h, hk, q_len in (shapes[:3] + shapes[5:6] if quick else shapes):
+            for causal in (False, True):
+                yield C(kernel, b, h, hk, q_len, 1000, 128, causal, [1000 - 37 * i for i in range(b)])
+        for s_cache in ((1, 129, 8191) if quick else (1, 2, 127, 128, 129, 1000, 8191, 32768, 131072)):
+            yield C(kernel, 1, 32, 8, 1, s_cache, 128, False, [s_cache])
+        for d in (64, 256):
+            yield C(kernel, 2, 32, 8, 4, 3000, d, True, [3000, 1111])
+            yield C(kernel, 1, 32, 4, 1, 4097, d, False, [4097])
+        yield C(kernel, 4, 32, 8, 1, 8192, 128, False, [0, 1, 127, 8192], graph=True)
+        yield C(kernel, 3, 32, 8, 1, 4096, 128, False, [0, 0, 0])
+        yield C(kernel, 2, 32, 8, 1, 5000, 128, False, 4321)  # an int length: the caches sliced, no tensor
+        yield C(kernel, 2, 32, 8, 1, 5000, 128, False, None)
+        yield C(kernel, 1, 32, 8, 5, 2, 128, True, [2])  # 5 queries, 2 keys: three rows see nothing
+        yield C(kernel, 1, 32, 8, 4, 2000, 128, True, [2000], dtype="float16")
+        for splits in ((1, 3, 128) if quick else (1, 2, 3, 7, 40, 128)):  # 40 > the 32 tiles of 4000 keys
+            yield C(kernel, 2, 32, 8, 1, 4000, 128, False, [4000, 2500], num_splits=splits)
+    yield C("decode_nosplit", 2, 32, 8, 4, 3000, 128, True, [3000, 10])
+
+
+def run_decode(quick: bool, out) -> tuple:
+    from harness.check import check_kvcache
+
+    rows, failures = [], 0
+    print("decode grid: O vs a float64 reference within atol + rtol*|ref| (harness/check.py ELEMENTWISE) and "
+          "relative L2; LSE within 1e-4 (-inf where a row sees no key)")
+    for case in decode_cases(quick):
+        try:
+            row = check_kvcache(case)
+        except Exception as e:  # a crash is a failure of this case
+            row = dict(kernel=case.kernel, case=case.label(), ok=False, reason=f"{type(e).__name__}: {e}"[:300],
+                       max_abs=None, lse_max_abs=None)
+        row["status"] = "ok" if row["ok"] else "failed"
+        rows.append(row)
+        failures += not row["ok"]
+        if out:
+            out.append(row)
+        print(f"{row['case']:<100}{_e(row['max_abs'])}{_e(row['lse_max_abs'])}  "
+              f"{'ok' if row['ok'] else 'FAIL ' + row['reason']}", flush=True)
+    return rows, failures
+
+
 def describe_grid(seqlens, all_head_dims: bool) -> str:
     dims = "every head dim it supports" if all_head_dims else f"the head dims it supports among {HEAD_DIMS}"
     return (f"grid per kernel: {dims} x causal 0/1 x seqlen {', '.join(map(str, seqlens))}, batch 2 x heads 3, "
@@ -76,6 +128,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help=f"seqlens {QUICK_SEQLENS} only")
     ap.add_argument("--all-head-dims", action="store_true")
     ap.add_argument("--out", help="write the per-case rows as JSON here, each as it is done")
+    ap.add_argument("--decode", action="store_true", help="the KV-cache grid of the decode kernels instead")
     args = ap.parse_args(argv)
     # The grid is fixed: a workload variable meant for bench.py would be silently ignored here.
     ignored = [f"{var}={os.environ[var]}" for var in KNOBS.values() if var in os.environ]
@@ -95,8 +148,14 @@ def main(argv=None) -> int:
     names = kernel_names() if args.kernels in ([], ["all"]) else args.kernels
     seqlens = QUICK_SEQLENS if args.quick else SEQLENS
     out = results.open_result_file(args.out, results.command_line("ref_check.py", argv))
-    rows, failures = [], 0
     print(f"device: {torch.cuda.get_device_name()}")
+    if args.decode:
+        rows, failures = run_decode(args.quick, out)
+        if out:
+            out.close()
+        print(f"\n{len(rows) - failures}/{len(rows)} cases passed" + (f", {failures} FAILED" if failures else ""))
+        return 1 if failures else 0
+    rows, failures = [], 0
     print(describe_grid(seqlens, args.all_head_dims))
     print(f"{'kernel':<8}{'dtype':<10}{'b':>3}{'h':>5}{'seqlen':>7}{'d':>5}{'causal':>7}{'kv h/len':>11}"
           f"{'max_abs':>11}{'sdpa_err':>11}{'rel_l2':>11}{'lse_err':>11}  result")

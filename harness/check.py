@@ -76,7 +76,8 @@ def compare(out, ref, lse, ref_lse, dtype: str, peer=None) -> Comparison:
     lse_max_abs = float("nan")
     if lse is not None:
         l, rl = lse.float(), ref_lse.float()
-        ldiff = (l - rl).abs().nan_to_num(float("inf"))
+        # A row that sees no key has LSE -inf in both: equal, not NaN apart. NaN stays a failure.
+        ldiff = torch.where(l == rl, torch.zeros_like(l), (l - rl).abs()).nan_to_num(float("inf"))
         lse_max_abs = float(ldiff.max()) if ldiff.numel() else 0.0
         if not bool((ldiff <= LSE_ATOL + LSE_RTOL * rl.abs()).all()):
             reasons.append(f"lse max_abs {lse_max_abs:.3g} beyond {LSE_ATOL:g} + {LSE_RTOL:g}*|lse|")
@@ -103,3 +104,99 @@ def check_kernel(name: str, p: Problem, seed=None) -> CheckResult:
     peer = sdpa(q, k, v, p.causal, p.scale)
     c = compare(out, ref, lse, ref_lse, p.dtype, peer)
     return CheckResult(name, p, c.max_abs, c.rel_l2, c.lse_max_abs, not c.verdict, c.verdict, c.peer_max_abs)
+
+
+@dataclass
+class KVCacheCase:
+    """One attention_with_kvcache / decode_plan check (see ``check_kvcache``)."""
+
+    kernel: str
+    batch: int
+    nheads: int
+    nheads_kv: int
+    q_len: int
+    s_cache: int
+    head_dim: int
+    causal: bool = False
+    lengths: object = None  # None (all rows), an int, or a list (one per sequence)
+    num_splits: int = 0
+    dtype: str = "bfloat16"
+    graph: bool = False  # capture plan.run, change q and the lengths in place, replay
+
+    def label(self) -> str:
+        lens = self.lengths if not isinstance(self.lengths, list) or len(self.lengths) <= 4 else "per-batch"
+        return (f"{self.kernel} b={self.batch} h={self.nheads}/{self.nheads_kv} q_len={self.q_len} "
+                f"s_cache={self.s_cache} d={self.head_dim} causal={int(self.causal)} lens={lens} "
+                f"splits={self.num_splits or 'auto'} {self.dtype}" + (" graph" if self.graph else ""))
+
+
+def check_kvcache(case: KVCacheCase, seed=None) -> dict:
+    """Fresh inputs with NaN planted in every cache row past a sequence's length, then: the
+    public call, the plan (its outputs NaN-poisoned first) run twice (bitwise equal, so the
+    split merge is deterministic), optionally a CUDA-graph replay with new q and lengths; each
+    compared with the float64 reference (elementwise atol + rtol*|ref| for the dtype, relative L2,
+    LSE; -inf LSE where a row sees no key). Returns a result row."""
+    import torch
+
+    from .inputs import torch_dtype
+    from .kvcache import attention_with_kvcache, decode_plan
+    from .reference import reference_kvcache
+
+    c = case
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(seed if seed is not None else torch.seed() % (2**63))
+    dt = torch_dtype(c.dtype)
+    q = torch.randn((c.batch, c.q_len, c.nheads, c.head_dim), generator=gen, device="cuda", dtype=dt)
+    k, v = (torch.randn((c.batch, c.s_cache, c.nheads_kv, c.head_dim), generator=gen, device="cuda", dtype=dt)
+            for _ in range(2))
+    if isinstance(c.lengths, list):
+        lens = torch.tensor(c.lengths, dtype=torch.int32, device="cuda")
+    else:
+        lens = c.lengths
+    row_lens = c.lengths if isinstance(c.lengths, list) else [c.s_cache if c.lengths is None else c.lengths] * c.batch
+    for b, n in enumerate(row_lens):  # stale cache rows: must never reach the result
+        k[b, n:] = float("nan")
+        v[b, n:] = float("inf") if b % 2 else float("nan")
+    scale = c.head_dim ** -0.5
+    reasons, worst = [], {}
+
+    def judge(tag, out, lse, ref, ref_lse):
+        cmp = compare(out, ref, lse, ref_lse, c.dtype)
+        worst["max_abs"] = max(worst.get("max_abs", 0.0), cmp.max_abs)
+        worst["lse_max_abs"] = max(worst.get("lse_max_abs", 0.0), cmp.lse_max_abs if cmp.lse_max_abs == cmp.lse_max_abs
+                                   else float("inf"))
+        if cmp.verdict:
+            reasons.append(f"{tag}: {cmp.verdict}")
+
+    ref, ref_lse = reference_kvcache(q, k, v, lens, c.causal, scale)
+    out, lse = attention_with_kvcache(q, k, v, lens, causal=c.causal, num_splits=c.num_splits, return_lse=True,
+                                      kernel=c.kernel)
+    judge("attention_with_kvcache", out, lse, ref, ref_lse)
+    if isinstance(c.lengths, list):
+        plan = decode_plan(c.batch, c.nheads, c.nheads_kv, c.head_dim, c.s_cache, q_len=c.q_len, dtype=c.dtype,
+                           causal=c.causal, num_splits=c.num_splits, kernel=c.kernel)
+        runs = []
+        for _ in range(2):
+            plan.out.fill_(float("nan"))
+            plan.lse.fill_(float("nan"))
+            o, l = plan.run(q, k, v, lens)
+            runs.append((o.clone(), l.clone()))
+        judge("plan.run", *runs[0], ref, ref_lse)
+        if not (torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1].nan_to_num(), runs[1][1].nan_to_num())):
+            reasons.append("plan.run: two runs differ")
+        if c.graph:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                plan.run(q, k, v, lens)
+            q.copy_(torch.randn(q.shape, generator=gen, device="cuda", dtype=dt))
+            new = [max(0, n - 1 - b) for b, n in enumerate(row_lens)]  # shorter: the planted NaN stays past them
+            lens.copy_(torch.tensor(new, dtype=torch.int32))
+            plan.out.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            judge("graph replay", plan.out, plan.lse, *reference_kvcache(q, k, v, lens, c.causal, scale))
+    torch.cuda.synchronize()
+    return dict(kernel=c.kernel, case=c.label(), batch=c.batch, nheads=c.nheads, nheads_kv=c.nheads_kv, seqlen=c.q_len,
+                seqlen_k=c.s_cache, head_dim=c.head_dim, dtype=c.dtype, causal=int(c.causal), num_splits=c.num_splits,
+                max_abs=worst.get("max_abs"), lse_max_abs=worst.get("lse_max_abs"), rel_l2=None, peer_max_abs=None,
+                ok=not reasons, reason="; ".join(reasons)[:300])

@@ -27,7 +27,6 @@ layout of the ordinary contract runs on the same compiled kernel through transpo
 
 from __future__ import annotations
 
-import math
 import operator
 from typing import Optional
 
@@ -70,15 +69,16 @@ MAX_SPLIT_TRAFFIC = 0.05  # partials may add at most 5% to the bytes of K and V
 # --------------------------------------------------------------------------------------
 
 def num_splits_heuristic(work_tiles: int, n_tiles: int, num_sms: int, max_splits: int = MAX_SPLITS) -> int:
-    """FA3's rule (hopper/heuristics.h): split only when the ``work_tiles`` CTAs (batch x K/V heads
-    x query tiles) leave SMs idle, and then take the smallest S whose wave efficiency is within
-    85% of the best S's."""
-    if work_tiles >= 0.8 * num_sms or n_tiles <= 4:
+    """Split only when the ``work_tiles`` CTAs (batch x K/V heads x query tiles) leave SMs idle,
+    and then into as many splits as still fit one wave, one CTA per SM (at most one per KV tile).
+
+    FA3 (hopper/heuristics.h) splits under the same condition but takes the smallest S whose wave
+    efficiency is within 85% of the best: 15 at batch 1 with 8 K/V heads (120 CTAs). For a stream
+    every idle SM is bandwidth left on the table: 16 (128 CTAs) measured faster (docs/decode.md).
+    """
+    if work_tiles >= 0.8 * num_sms:
         return 1
-    candidates = range(1, min(max_splits, num_sms, n_tiles) + 1)
-    efficiency = {s: (w := work_tiles * s / num_sms) / math.ceil(w) for s in candidates}
-    best = max(efficiency.values())
-    return next(s for s in candidates if efficiency[s] >= 0.85 * best)
+    return max(1, min(num_sms // work_tiles, n_tiles, max_splits))
 
 
 def split_traffic_cap(group: int, q_len: int, kv_len: int, max_ratio: float = MAX_SPLIT_TRAFFIC) -> int:
@@ -660,7 +660,7 @@ def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_splits: int = 0, m
     ptx = None
     if keep_ptx:
         ptx = "\n".join(filter(None, (compiled_ptx(launcher.main), compiled_ptx(launcher.combine))))
-    name = "decode_nosplit" if num_splits == 1 else ("decode" if merge == "last_cta" else "decode_combine")
+    name = "decode_nosplit" if num_splits == 1 else ("decode_lastcta" if merge == "last_cta" else "decode")
     info = dict(cfg, num_splits=splits, merge=merge, smem_bytes=smem_bytes(p.head_dim, **cfg, merge=merge))
     return CompiledAttention(name, p, launcher, {}, ptx, info)
 

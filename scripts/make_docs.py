@@ -154,6 +154,13 @@ def _e(x) -> str:
 
 def refcheck_table(refcheck, kernels):
     gpu = gpu_short_name(refcheck["meta"].get("device", ""))
+    if any("case" in r for r in refcheck["rows"]):  # ref_check.py --decode: one labelled KV-cache case per row
+        body = [[r["case"], _e(r.get("max_abs")), _e(r.get("lse_max_abs")), "ok" if r["ok"] else "FAIL"]
+                for r in refcheck["rows"] if r["kernel"] in kernels]
+        return (f"`{refcheck['meta'].get('command', '')}` on an {gpu}, {refcheck['meta'].get('date', '')[:10]}: "
+                f"{sum(r['ok'] for r in refcheck['rows'])}/{len(refcheck['rows'])} cases pass. Against a float64 "
+                "reference; NaN and inf planted in every cache row past a sequence's length.\n\n"
+                + markdown_table(["case", "max_abs", "lse err", "result"], body))
     header = ["kernel", "dtype", "batch×heads", "d", "causal", "seqlen", "K/V heads, len", "max_abs", "SDPA's",
               "rel_l2", "lse err", "result"]
     body = [[r["kernel"], r["dtype"], f"{r['batch']}×{r['nheads']}", r["head_dim"], r["causal"], r["seqlen"],
@@ -312,7 +319,7 @@ def decode_table(bench):
     body = []
     for (b, n, hk), got in shapes.items():
         cudnn = got.get("sdpa-cudnn")
-        for name in ("decode", "decode_combine"):
+        for name in ("decode", "decode_lastcta"):
             r = got.get(name)
             if not r:
                 continue
