@@ -3,7 +3,7 @@
     python ref_check.py k2            # one kernel
     python ref_check.py all           # every registered kernel
     python ref_check.py k4 --quick    # a smaller grid
-    python ref_check.py --decode      # attention over a KV cache: decode_nosplit, decode, decode_lastcta
+    python ref_check.py --decode      # attention over a KV cache: decode_nosplit, decode_combine, decode
 
 For each kernel: causal and non-causal, every head dim it supports among 64 and 128 (all of
 them with --all-head-dims), seqlens that are and are not multiples of the tiles, batch*heads > 1
@@ -67,7 +67,7 @@ def decode_cases(quick: bool):
 
     shapes = [(1, 32, 8, 1), (4, 32, 8, 1), (2, 32, 32, 1), (1, 32, 1, 1), (1, 64, 8, 1), (3, 32, 8, 4),
               (1, 32, 8, 16), (1, 32, 8, 17), (2, 28, 4, 3)]
-    kernels = ("decode", "decode_lastcta")
+    kernels = ("decode", "decode_combine")
     for kernel in kernels:
         for b, h, hk, q_len in (shapes[:3] + shapes[5:6] if quick else shapes):
             for causal in (False, True):

@@ -18,7 +18,7 @@ NHEADS, HEAD_DIM, Q_LEN = 32, 128, 1
 # The grid: batch x kv_len x K/V heads (batch 64 with 4k keys only).
 GRID = [(b, n, hk) for b in (1, 8, 64) for n in (4096, 32768, 131072) for hk in (8, 32) if b < 64 or n == 4096]
 SPLITS_CURVE = (1, 2, 4, 8, 15, 16, 32, 64, 0)  # at batch 1, 8 K/V heads, 32k keys; 0 = the heuristic
-KERNELS = ("decode", "decode_lastcta")
+KERNELS = ("decode", "decode_combine")
 HBM_PEAK_TBPS = {"H100": 3.35, "H200": 4.8}
 L2_BYTES = 50e6
 TOLERANCE = 2e-2  # max |O - reference| for bf16 outputs of O(1) values

@@ -26,7 +26,7 @@ from kernels import get_kernel
 from kernels.contract import DTYPES, Problem, UnsupportedProblem, as_causal, as_scale
 
 # Registered decode steps and how each merges its splits (kernels/decode.py).
-MERGE = {"decode": "combine", "decode_lastcta": "last_cta", "decode_nosplit": "combine"}
+MERGE = {"decode": "last_cta", "decode_combine": "combine", "decode_nosplit": "combine"}
 DECODE_KERNELS = tuple(MERGE)
 
 

@@ -65,10 +65,10 @@ _ENTRIES = [
     KernelEntry("k6", "kernels.k6", "plus intra-warpgroup overlap: softmax of tile j+1 under PV of tile j"),
     KernelEntry("decode_nosplit", "kernels.decode", "flash decode without the split: K4 at 1 warpgroup, GQA heads "
                 "packed into the query tile", {"num_splits": 1}),
-    KernelEntry("decode", "kernels.decode", "flash decode: the KV walk split across CTAs to fill the SMs, "
+    KernelEntry("decode_combine", "kernels.decode", "flash decode: the KV walk split across CTAs to fill the SMs, "
                 "a combine kernel merges the splits by LSE", {"merge": "combine"}),
-    KernelEntry("decode_lastcta", "kernels.decode", "flash decode with the merge in the main kernel: the last CTA "
-                "of each split group combines (one launch)", {"merge": "last_cta"}),
+    KernelEntry("decode", "kernels.decode", "flash decode, the merge in the main kernel: the last CTA of each "
+                "split group combines (one launch)", {"merge": "last_cta"}),
 ]
 
 REGISTRY = {e.name: e for e in _ENTRIES}

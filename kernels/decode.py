@@ -646,7 +646,7 @@ def make_launcher(head_dim: int, dtype: str, causal: bool, group: int, num_split
     return DecodeLauncher(main, combine, num_splits, head_dim, group, merge)
 
 
-def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_splits: int = 0, merge: str = "combine", tile_n=None,
+def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_splits: int = 0, merge: str = "last_cta", tile_n=None,
                    kv_stages=None) -> CompiledAttention:
     """The ordinary contract (SDPA layout, K/V of the full seqlen_k): the decode kernel with no
     cache lengths. ``num_splits`` 0 picks S for this problem on the current GPU."""
@@ -660,7 +660,7 @@ def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_splits: int = 0, m
     ptx = None
     if keep_ptx:
         ptx = "\n".join(filter(None, (compiled_ptx(launcher.main), compiled_ptx(launcher.combine))))
-    name = "decode_nosplit" if num_splits == 1 else ("decode_lastcta" if merge == "last_cta" else "decode")
+    name = "decode_nosplit" if num_splits == 1 else ("decode" if merge == "last_cta" else "decode_combine")
     info = dict(cfg, num_splits=splits, merge=merge, smem_bytes=smem_bytes(p.head_dim, **cfg, merge=merge))
     return CompiledAttention(name, p, launcher, {}, ptx, info)
 

@@ -319,7 +319,7 @@ def decode_table(bench):
     body = []
     for (b, n, hk), got in shapes.items():
         cudnn = got.get("sdpa-cudnn")
-        for name in ("decode", "decode_lastcta"):
+        for name in ("decode", "decode_combine"):
             r = got.get(name)
             if not r:
                 continue

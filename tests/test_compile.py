@@ -30,7 +30,7 @@ CLAIMS["k4_seed"] = CLAIMS["k4"]  # the same kernel at K4.1's tile shape
 # small problems need no split, the split paths are checked below.
 CLAIMS["decode"] = dict(has=["cp.async.bulk.tensor", "mbarrier", "wgmma.mma_async", "griddepcontrol"],
                         lacks=["setmaxnreg"])
-CLAIMS["decode_lastcta"] = CLAIMS["decode"]
+CLAIMS["decode_combine"] = CLAIMS["decode"]
 CLAIMS["decode_nosplit"] = CLAIMS["decode"]
 
 
@@ -165,7 +165,7 @@ def test_decode_split_has_a_pdl_combine(head_dim):
     from harness.inspect_ptx import split_modules
 
     p = Problem(1, 32, 1, head_dim, nheads_kv=8, seqlen_k=32768)
-    compiled = get_kernel("decode").compile(p, keep_ptx=True, num_splits=4)
+    compiled = get_kernel("decode_combine").compile(p, keep_ptx=True, num_splits=4)
     modules = split_modules(compiled.ptx)
     assert compiled.info["num_splits"] == 4 and len(modules) == 2
     for module in modules:
@@ -176,12 +176,12 @@ def test_decode_split_has_a_pdl_combine(head_dim):
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_decode_last_cta_merge_is_one_kernel(head_dim):
-    # decode_lastcta merges in the main kernel: one module, the split counter bumped with
+    # decode merges in the main kernel: one module, the split counter bumped with
     # an acq_rel atomic between gpu-scope fences, no combine launch.
     from harness.inspect_ptx import split_modules
 
     p = Problem(1, 32, 1, head_dim, nheads_kv=8, seqlen_k=32768, causal=True)
-    compiled = get_kernel("decode_lastcta").compile(p, keep_ptx=True, num_splits=4)
+    compiled = get_kernel("decode").compile(p, keep_ptx=True, num_splits=4)
     assert compiled.info["merge"] == "last_cta" and len(split_modules(compiled.ptx)) == 1
     assert re.search(r"atom\.global\.acq_rel\.add", compiled.ptx)  # gpu scope is the default
     assert compiled.ptx.count("fence.acq_rel.gpu") == 2

@@ -172,7 +172,7 @@ def test_decode_plan_refuses_with_the_constraint(kw, match):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("kernel", ["decode", "decode_lastcta"])
+@pytest.mark.parametrize("kernel", ["decode", "decode_combine"])
 @pytest.mark.parametrize("shape,lengths,causal,splits", [
     ((4, 32, 8, 1, 8192), [0, 1, 127, 8192], False, 0),
     ((3, 32, 8, 4, 1000), [1000, 5, 2], True, 0),
