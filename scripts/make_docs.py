@@ -15,6 +15,7 @@ change here. Result files of every schema version are read (version 1 has no ``m
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import sys
 from pathlib import Path
@@ -333,6 +334,26 @@ def decode_table(bench):
                               "cuDNN TB/s", "fa4 TB/s", "SDPA-flash TB/s"], body))
 
 
+def decode_readme_table(bench):
+    """README: ``decode`` per grid row, TB/s and its ratio to cuDNN, with the geomean and worst row."""
+    shapes = {}
+    for r in bench["rows"]:
+        if r.get("mode") == "grid" and r.get("ms"):
+            shapes.setdefault((r["batch"], r["seqlen_k"], r["nheads_kv"]), {})[r["kernel"]] = r
+    body, ratios = [], []
+    for (b, n, hk), got in shapes.items():
+        mine, cudnn = got.get("decode"), got.get("sdpa-cudnn")
+        if mine and cudnn:
+            ratios.append(cudnn["ms"] / mine["ms"])
+            body.append([b, f"{n // 1024}k", hk, f"{mine['tbps']:.2f}", f"{cudnn['tbps']:.2f}", f"{ratios[-1]:.2f}×"])
+    if not ratios:
+        return "No decode grid rows with cuDNN beside them yet."
+    gm = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
+    return (f"{gpu_short_name(bench['meta'].get('device', ''))}, `{bench['meta'].get('command', '')}`: `decode` "
+            f"geomean {gm:.3f}× cuDNN, worst row {min(ratios):.3f}×.\n\n"
+            + markdown_table(["batch", "keys", "K/V heads", "decode TB/s", "cuDNN TB/s", "× cuDNN"], body))
+
+
 def decode_splits_table(bench):
     """docs/decode.md: TB/s against the split count (bench.py --decode's split curve)."""
     body = [[r["num_splits"] if not r.get("auto") else f"{r['num_splits']} (auto)",
@@ -547,6 +568,8 @@ def main(argv=None):
             if f"<!-- table:{name} -->" in text:
                 text = replace_block(text, name, make(decode_bench))
         page.write_text(text)
+    if decode_bench and "<!-- table:decode-readme -->" in readme.read_text():
+        readme.write_text(replace_block(readme.read_text(), "decode-readme", decode_readme_table(decode_bench)))
     decode_tune = latest("decode-tune*.json")
     if decode_tune and page.exists() and "<!-- table:decode-tune -->" in page.read_text():
         page.write_text(replace_block(page.read_text(), "decode-tune", decode_tune_table(decode_tune)))

@@ -4,6 +4,7 @@
 #   bash scripts/reproduce.sh perf  results    # CHECK=1 headline runs, the sweep, K4 tuning
 #   bash scripts/reproduce.sh headline results # the CHECK=1 headline runs alone (a second GPU, say)
 #   bash scripts/reproduce.sh ws results       # K5/K6: ref_check, sanitizers, sweep beside K4, ncu, tuning
+#   bash scripts/reproduce.sh decode results   # decode: KV-cache grid, contract grid, sanitizers, bench, tuning
 # Each file records the command that wrote it; then, anywhere: python scripts/make_docs.py --plot
 set -euo pipefail
 part=${1:?check or perf}
@@ -48,5 +49,22 @@ case "$part" in
       --configs '[{}, {"q_stages": 1}]' --out "$dir/ws-tune-$gpu-qstages.json" || rc=1
     exit $rc
     ;;
-  *) echo "usage: $0 check|perf|headline|ws [dir]" >&2; exit 2 ;;
+  decode)
+    rc=0
+    timeout 200 $py ref_check.py --decode --out "$dir/refcheck-decode-$gpu.json" > "$dir/refcheck-decode-$gpu.log" || rc=1
+    timeout 150 $py ref_check.py decode_nosplit decode_combine decode --quick \
+      --out "$dir/refcheck-decode-contract-$gpu.json" > "$dir/refcheck-decode-contract-$gpu.log" || rc=1
+    for k in decode decode_combine; do  # 4 queries x 8 K/V heads x 3000 keys: 16 splits, the merge runs
+      for tool in racecheck synccheck; do
+        timeout 120 compute-sanitizer --tool $tool --kernel-name kns=FMHA $py scripts/sanitize_case.py $k \
+          --seqlen 4 --seqlen-k 3000 --batch-heads 32 --nheads-kv 8 --causal 1 2>&1 | grep "SUMMARY\|: ok\|FAIL" \
+          || { echo "$tool $k: timed out or failed"; rc=1; }
+      done
+    done | tee "$dir/sanitizer-decode-$gpu.txt"
+    timeout 200 $py bench.py --decode --out "$dir/decode-$gpu.json" > "$dir/decode-$gpu.log" || rc=1
+    timeout 200 $py scripts/tune_decode.py --out "$dir/decode-tune-$gpu.json" > "$dir/decode-tune-$gpu.log" || rc=1
+    timeout 150 $py -m pytest -m gpu -q tests/test_decode.py 2>&1 | tail -3 || rc=1
+    exit $rc
+    ;;
+  *) echo "usage: $0 check|perf|headline|ws|decode [dir]" >&2; exit 2 ;;
 esac

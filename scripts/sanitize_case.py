@@ -27,8 +27,11 @@ def main(argv=None) -> int:
     ap.add_argument("--causal", type=int, default=0, choices=(0, 1))
     ap.add_argument("--seqlen", type=int, default=300)
     ap.add_argument("--batch-heads", type=int, default=140, help="(batch, head) pairs: > #SMs")
+    ap.add_argument("--seqlen-k", type=int, help="keys, when not --seqlen (decode: a few queries, many keys)")
+    ap.add_argument("--nheads-kv", type=int, help="K/V heads, when fewer than the query heads (GQA)")
     args = ap.parse_args(argv)
-    res = check_kernel(args.kernel, Problem(1, args.batch_heads, args.seqlen, args.headdim, causal=bool(args.causal)))
+    res = check_kernel(args.kernel, Problem(1, args.batch_heads, args.seqlen, args.headdim, causal=bool(args.causal),
+                                            seqlen_k=args.seqlen_k, nheads_kv=args.nheads_kv))
     print(f"{args.kernel} d={args.headdim} causal={args.causal} N={args.seqlen}: "
           f"{'ok' if res.ok else 'FAIL ' + res.reason} (max_abs {res.max_abs:.2e})")
     return 0 if res.ok else 1
