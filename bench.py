@@ -50,8 +50,10 @@ def parse_args(argv=None):
     ap.add_argument("--decode", action="store_true",
                     help="decode mode (harness/decode_bench.py): q_len 1, 32 query heads, d 128 over KV caches of "
                          "batch 1/8/64 x 4k/32k/128k keys x 8/32 K/V heads, the split-count curve and host times")
-    ap.add_argument("--seqlen-k", type=int, help="decode: restrict the grid to this cache length")
-    ap.add_argument("--nheads-kv", type=int, help="decode: restrict the grid to this many K/V heads")
+    ap.add_argument("--seqlen-k", type=int, help="decode: restrict the grid to this cache length; "
+                    "--compile-only: K/V's length")
+    ap.add_argument("--nheads-kv", type=int, help="decode: restrict the grid to this many K/V heads; "
+                    "--compile-only: K/V's heads")
     ap.add_argument("--grid-only", action="store_true", help="decode: skip the split curve and the host times")
     return ap.parse_args(argv)
 
@@ -227,14 +229,18 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.decode:
         return decode_main(args, argv)
-    if args.seqlen_k is not None or args.nheads_kv is not None or args.grid_only:
-        print("error: --seqlen-k, --nheads-kv and --grid-only belong to --decode", file=sys.stderr)
+    if (args.seqlen_k is not None or args.nheads_kv is not None) and not args.compile_only or args.grid_only:
+        print("error: --seqlen-k and --nheads-kv belong to --decode and --compile-only, --grid-only to --decode",
+              file=sys.stderr)
         return 2
     try:
         names = resolve_kernels(args.kernels)
         flags = dict(seqlen=args.seqlen, headdim=args.headdim, causal=args.causal, batch=args.batch,
                      nheads=args.nheads, dtype=args.dtype)
         problems = sweep_problems(**flags) if args.sweep else [problem_from(**flags)]
+        if args.seqlen_k or args.nheads_kv:  # --compile-only: K/V's own length and heads (decode's split path)
+            problems = [p.with_(seqlen_k=args.seqlen_k or p.kv_len, nheads_kv=args.nheads_kv or p.kv_heads)
+                        for p in problems]
         check = args.check or parse_bool(os.environ.get("CHECK", "0"), "CHECK")
     except UnsupportedProblem as e:
         print(f"error: {e}", file=sys.stderr)

@@ -661,7 +661,8 @@ def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_splits: int = 0, m
     if keep_ptx:
         ptx = "\n".join(filter(None, (compiled_ptx(launcher.main), compiled_ptx(launcher.combine))))
     name = "decode_nosplit" if num_splits == 1 else ("decode" if merge == "last_cta" else "decode_combine")
-    info = dict(cfg, num_splits=splits, merge=merge, smem_bytes=smem_bytes(p.head_dim, **cfg, merge=merge))
+    info = dict(cfg, num_splits=splits, merge=merge if splits > 1 else None,
+                smem_bytes=smem_bytes(p.head_dim, **cfg, merge=merge))
     return CompiledAttention(name, p, launcher, {}, ptx, info)
 
 

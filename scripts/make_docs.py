@@ -570,6 +570,9 @@ def main(argv=None):
         page.write_text(text)
     if decode_bench and "<!-- table:decode-readme -->" in readme.read_text():
         readme.write_text(replace_block(readme.read_text(), "decode-readme", decode_readme_table(decode_bench)))
+    decode_compiles = finished("compile-decode-*.json")
+    if decode_compiles and page.exists() and "<!-- table:decode-compile -->" in page.read_text():
+        page.write_text(replace_block(page.read_text(), "decode-compile", ws_compile_table(decode_compiles)))
     decode_tune = latest("decode-tune*.json")
     if decode_tune and page.exists() and "<!-- table:decode-tune -->" in page.read_text():
         page.write_text(replace_block(page.read_text(), "decode-tune", decode_tune_table(decode_tune)))
