@@ -10,6 +10,7 @@ Host time per call (no graph) is measured apart: for a decode step it can exceed
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import time
@@ -85,8 +86,6 @@ def kernel_step(name: str, inputs: Inputs, num_splits: int = 0):
 
 def peer_steps(inputs: Inputs) -> dict:
     """name -> (step(i), context manager factory) or a reason string."""
-    import contextlib
-
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -157,11 +156,10 @@ def run_grid(rows: list, emit, peers: bool = True) -> None:
         base = dict(mode="grid", batch=batch, nheads=NHEADS, nheads_kv=nheads_kv, seqlen_k=kv_len, q_len=Q_LEN,
                     head_dim=HEAD_DIM, dtype="bfloat16", kv_bytes=nbytes, cache_copies=inputs.copies)
         o_ref = inputs.reference()
-        timed = {}
         candidates = {}
         for name in KERNELS:
             plan, step = kernel_step(name, inputs)
-            candidates[name] = (step, __import__("contextlib").nullcontext, dict(num_splits=plan.num_splits))
+            candidates[name] = (step, contextlib.nullcontext, dict(num_splits=plan.num_splits))
         for name, entry in (peer_steps(inputs).items() if peers else ()):
             candidates[name] = entry if isinstance(entry, str) else (*entry, {})
         for name, entry in candidates.items():
@@ -174,7 +172,6 @@ def run_grid(rows: list, emit, peers: bool = True) -> None:
                        status=status, **extra)
             if ms and peak:
                 row["pct_peak"] = 100 * row["tbps"] / peak
-            timed[name] = ms
             emit(row)
         del inputs, o_ref
         torch.cuda.empty_cache()
@@ -188,7 +185,7 @@ def run_splits(emit) -> None:
     nbytes = kv_bytes(batch, nheads_kv, kv_len)
     for splits in SPLITS_CURVE:
         plan, step = kernel_step("decode", inputs, num_splits=splits)
-        ms, err, status = check_and_time(step, __import__("contextlib").nullcontext, o_ref)
+        ms, err, status = check_and_time(step, contextlib.nullcontext, o_ref)
         emit(dict(mode="splits", kernel="decode", batch=batch, nheads=NHEADS, nheads_kv=nheads_kv, seqlen_k=kv_len,
                   head_dim=HEAD_DIM, num_splits=plan.num_splits, auto=splits == 0, ms=ms,
                   tbps=tbps(nbytes, ms) if ms else None, max_abs_err=err, status=status))
@@ -197,8 +194,6 @@ def run_splits(emit) -> None:
 def run_host(emit) -> None:
     """Host microseconds per call (no graph, no sync inside the loop) at two shapes, and the same
     calls' per-call time on the GPU clock (event pair around 200 calls: max of host and kernel)."""
-    import contextlib
-
     import torch
     import torch.nn.functional as F
 
@@ -236,8 +231,6 @@ def run_host(emit) -> None:
             except Exception as e:
                 emit(dict(mode="host", kernel=name, batch=batch, nheads_kv=nheads_kv, seqlen_k=kv_len,
                           status=f"failed ({type(e).__name__}: {e})"[:120]))
-        with contextlib.suppress(Exception):
-            del inputs
         torch.cuda.empty_cache()
 
 

@@ -19,6 +19,16 @@ def require_tensors(q, k, v) -> None:
             raise UnsupportedProblem(f"{name} must be a torch.Tensor, got {type(t).__name__}")
 
 
+def shared_dtype(names: str, *tensors) -> str:
+    """The one dtype of ``tensors`` (named ``names`` in the message), as a contract dtype name."""
+    if any(t.dtype != tensors[0].dtype for t in tensors):
+        raise UnsupportedProblem(f"{names} must share a dtype, got {', '.join(str(t.dtype) for t in tensors)}")
+    dtype = str(tensors[0].dtype).replace("torch.", "")
+    if dtype not in DTYPES:
+        raise UnsupportedProblem(f"dtype must be bfloat16 or float16, got {tensors[0].dtype}")
+    return dtype
+
+
 def problem_from_tensors(q, k, v, causal: bool, softmax_scale=None) -> Problem:
     """Check q, k, v against the SDPA-layout contract and describe them as a Problem.
 
@@ -44,11 +54,7 @@ def problem_from_tensors(q, k, v, causal: bool, softmax_scale=None) -> Problem:
     if q.shape[-1] % 8:  # before the stride check, which would otherwise blame the layout
         raise UnsupportedProblem(f"head_dim must be a multiple of 8 (rows are moved in 16-byte pieces), "
                                  f"got {q.shape[-1]}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise UnsupportedProblem(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    dtype = str(q.dtype).replace("torch.", "")
-    if dtype not in DTYPES:
-        raise UnsupportedProblem(f"dtype must be bfloat16 or float16, got {q.dtype}")
+    dtype = shared_dtype("q, k, v", q, k, v)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.requires_grad:
             raise UnsupportedProblem(f"{name} requires grad: these kernels are forward-only (no autograd); "

@@ -23,7 +23,9 @@ from typing import Optional
 import torch
 
 from kernels import get_kernel
-from kernels.contract import DTYPES, Problem, UnsupportedProblem, as_causal, as_scale
+from kernels.contract import Problem, UnsupportedProblem, as_causal, as_scale
+
+from .inputs import shared_dtype
 
 # Registered decode steps and how each merges its splits (kernels/decode.py).
 MERGE = {"decode": "last_cta", "decode_combine": "combine", "decode_nosplit": "combine"}
@@ -68,11 +70,7 @@ def problem_from_cache(q, k_cache, v_cache, causal: bool, softmax_scale=None) ->
     if h_kv > h or h % h_kv:
         raise UnsupportedProblem(f"q's nheads must be a multiple of the caches' nheads_kv (grouped-query attention), "
                                  f"got {h} and {h_kv}")
-    if not (q.dtype == k_cache.dtype == v_cache.dtype):
-        raise UnsupportedProblem(f"q and the caches must share a dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
-    dtype = str(q.dtype).replace("torch.", "")
-    if dtype not in DTYPES:
-        raise UnsupportedProblem(f"dtype must be bfloat16 or float16, got {q.dtype}")
+    dtype = shared_dtype("q and the caches", q, k_cache, v_cache)
     if not (q.device == k_cache.device == v_cache.device):
         raise UnsupportedProblem(f"q and the caches must be on one device, got {q.device}, {k_cache.device}, "
                                  f"{v_cache.device}")

@@ -40,7 +40,6 @@ from cutlass.tensor_utils import LayoutEnum
 from . import sm90, tma_pipeline
 from .contract import (
     LOG2_E,
-    Capabilities,
     CompiledAttention,
     Problem,
     UnsupportedProblem,
@@ -201,7 +200,7 @@ class DecodeFMHA:
                scale_log2: Float32, num_splits: Int32, sQ_layout: cute.ComposedLayout,
                sK_layout: cute.ComposedLayout, sVt_layout: cute.ComposedLayout, tiled_mma_qk: cute.TiledMma,
                tiled_mma_pv: cute.TiledMma, SharedStorage: cutlass.Constexpr):
-        tile_m, tile_n, d, stages, group = self.tile_m, self.tile_n, self.head_dim, self.kv_stages, self.group
+        tile_m, tile_n, d, stages = self.tile_m, self.tile_n, self.head_dim, self.kv_stages
         tidx, _, _ = cute.arch.thread_idx()
         bx, kv_head, batch = cute.arch.block_idx()
         m_block, split = bx // num_splits, bx % num_splits

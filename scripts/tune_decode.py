@@ -116,7 +116,6 @@ def main(argv=None) -> int:
                           flush=True)
                     if out:
                         out.append(row)
-            del caches
     if out:
         print(f"wrote {out.close()}")
     return 0
