@@ -148,6 +148,15 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, causal: b
     constraint, before anything is launched. A call whose arguments look like an earlier one's
     (shapes, strides, dtypes, devices, flags) skips the checks that call passed.
     """
+    if torch.compiler.is_compiling():  # under torch.compile: the opaque custom op below
+        if isinstance(cache_seqlens, torch.Tensor):
+            lens, length = cache_seqlens, None
+        else:
+            lens, length = None, cache_seqlens
+        scale = None if softmax_scale is None else as_scale(softmax_scale)
+        out, lse = torch.ops.fa3_cute.attention_with_kvcache(q, k_cache, v_cache, lens, length, as_causal(causal),
+                                                             scale, num_splits, kernel)
+        return (out, lse) if return_lse else out
     try:
         key = _call_signature(q, k_cache, v_cache, cache_seqlens, causal, softmax_scale, num_splits, return_lse, kernel)
         prepared = _PREPARED.get(key)
@@ -176,6 +185,23 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, causal: b
 
 
 _PREPARED: dict = {}
+
+
+@torch.library.custom_op("fa3_cute::attention_with_kvcache", mutates_args=())
+def _kvcache_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: Optional[torch.Tensor],
+                cache_length: Optional[int], causal: bool, softmax_scale: Optional[float], num_splits: int,
+                kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """What torch.compile sees: (O, LSE) from the eager call (a custom op has a fixed number of
+    outputs; the length comes as a tensor or as an int, never both)."""
+    lens = cache_seqlens if cache_seqlens is not None else cache_length
+    return attention_with_kvcache(q, k_cache, v_cache, lens, causal=causal, softmax_scale=softmax_scale,
+                                  num_splits=num_splits, return_lse=True, kernel=kernel)
+
+
+@_kvcache_op.register_fake
+def _kvcache_fake(q, k_cache, v_cache, cache_seqlens, cache_length, causal, softmax_scale, num_splits, kernel):
+    b, q_len, h, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((b, h, q_len), dtype=torch.float32)
 
 
 def _tensor_signature(t) -> tuple:

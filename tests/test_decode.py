@@ -186,3 +186,21 @@ def test_kvcache_cases(kernel, shape, lengths, causal, splits):
     row = check_kvcache(KVCacheCase(kernel, *shape, 128, causal, lengths, splits, graph=True))
     assert row["ok"], row["reason"]
 
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_kvcache_call_under_torch_compile_matches_eager():
+    q = torch.randn(2, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 3000, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    lens = torch.tensor([3000, 1234], dtype=torch.int32, device="cuda")
+
+    def step(q, k, v, lens):
+        out, lse = attention_with_kvcache(q, k, v, lens, causal=True, return_lse=True)
+        return out * 2, lse
+
+    eager = step(q, k, v, lens)
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True)(q, k, v, lens)  # a graph break would be an error
+    for got, want in zip(compiled, eager):
+        assert torch.equal(got, want)
