@@ -1,19 +1,21 @@
 """Flash decode: K4's loop at one warpgroup, GQA heads packed into the query tile, the KV walk
-split across CTAs, and a combine kernel that merges the splits by their log-sum-exp.
+split across CTAs, and the splits merged by their log-sum-exp.
 
 Decode is a stream, not a GEMM: a query of a few rows reads the whole KV cache once, so the
 kernel is judged in bytes per second, and what limits it is how many SMs are pulling bytes.
 New relative to K4:
 * **GQA packing.** The ``group`` query heads that share a K/V head are rows of one query tile
   (packed row r = query position r // group, head kv_head * group + r % group): each K/V tile is
-  loaded once for the whole group instead of once per query head. One warpgroup (64 rows) holds
-  any q_len * group <= 64; more rows take more query tiles (m_block). Q is tiny and its packed
-  rows are not one box, so it is loaded by the threads, not by TMA.
+  loaded once for the whole group instead of once per query head. One warpgroup's 64 rows hold
+  64 // group whole query positions; more take more query tiles (m_block). Q is tiny and its
+  packed rows are not one box, so it is loaded by the threads, not by TMA.
 * **Split-KV.** A CTA runs (query tile, split, K/V head, batch): split s of S walks only its share
   of the KV tiles (``split_range``). S = 1 writes O and LSE as K4 does. Otherwise each split
-  writes an fp32 partial O (normalized by its own sum) and its LSE, and ``Combine`` merges them:
-  LSE = log sum_s exp(LSE_s), O = sum_s exp(LSE_s - LSE) O_s. ``choose_num_splits`` picks S so the
-  CTAs fill the SMs (FA3's rule) without the partials' extra traffic growing past 5%.
+  writes an fp32 partial O (normalized by its own sum) and its LSE, merged as
+  LSE = log sum_s exp(LSE_s), O = sum_s exp(LSE_s - LSE) O_s: by a second kernel (``Combine``,
+  registered as decode_combine), or by the last CTA of the group to finish (``merge_if_last``,
+  decode). ``choose_num_splits`` picks S so the CTAs fill one wave of SMs without the partials'
+  extra traffic growing past 5%.
 * **The KV cache.** Each sequence has its own length (``cache_seqlens``, read on the device) in a
   cache of s_cache rows. The tail tile's rows past the length are masked in S, and zeroed in V
   before the PV GEMM: the cache may hold anything there, and P = 0 times a NaN is still NaN.
@@ -113,9 +115,9 @@ def merge_partials(o_parts, lse_parts):
     m = torch.where(torch.isinf(m) & (m < 0), torch.zeros_like(m), m)
     total = torch.exp(lse_parts - m).sum(dim=0)
     lse = m + torch.log(total)  # log(0) = -inf for an all-empty row
-    weights = torch.exp(lse_parts - lse)  # exp(-inf - x) = 0; an all-empty row: exp(-inf + inf) = NaN...
-    weights = torch.nan_to_num(weights, nan=0.0)  # ...which carries no weight
-    o = (weights.unsqueeze(-1) * torch.nan_to_num(o_parts)).sum(dim=0)
+    weights = torch.exp(lse_parts - torch.where(torch.isinf(lse) & (lse < 0), torch.zeros_like(lse), lse))
+    weights = weights.unsqueeze(-1)  # empty splits (and every split of an all-empty row) weigh exp(-inf) = 0,
+    o = torch.where(weights > 0, weights * o_parts, 0.0).sum(dim=0)  # and what they hold is never added
     return o, lse
 
 
