@@ -88,6 +88,9 @@ def check_kernel(name: str, p: Problem, seed=None) -> CheckResult:
     """One case: fresh inputs, poisoned O/LSE, one launch, compare with the float32 reference."""
     import torch
 
+    if name.startswith("k7"):  # FP8: its own criterion (check_fp8_kernel)
+        return check_fp8_kernel(name, p, seed)
+
     from kernels import get_kernel
 
     from .api import compiled_for
@@ -200,3 +203,71 @@ def check_kvcache(case: KVCacheCase, seed=None) -> dict:
                 seqlen_k=c.s_cache, head_dim=c.head_dim, dtype=c.dtype, causal=int(c.causal), num_splits=c.num_splits,
                 max_abs=worst.get("max_abs"), lse_max_abs=worst.get("lse_max_abs"), rel_l2=None, peer_max_abs=None,
                 ok=not reasons, reason="; ".join(reasons)[:300])
+
+
+FP8_FACTOR, FP8_FLOOR = 1.5, 1e-3  # vs the emulation's error: same quantization points, slack for rounding order
+FP8_LSE_ATOL = 1e-3
+
+
+def emulate_fp8(q8, k8, v8, descale, causal: bool, scale: float, p_offset: float = 8.0):
+    """K7's arithmetic in float32 torch: scores of the e4m3 inputs, P = exp2(s - rowmax + offset)
+    rounded to e4m3, O = (P8 . V) / sum(P) with the unrounded sum (a row max over all keys, where
+    the kernel's is running: the same quantization points, up to where P's rounding falls)."""
+    import math
+
+    import torch
+
+    from .reference import causal_keep
+
+    dq, dk, dv = (float(x) for x in descale)
+    s = (q8.float() @ k8.float().transpose(-1, -2)) * (dq * dk * scale * math.log2(math.e))
+    if causal:
+        s = s.masked_fill(~causal_keep(q8.shape[2], k8.shape[2], q8.device), -math.inf)
+    p = torch.exp2(s - s.amax(dim=-1, keepdim=True) + p_offset)
+    p8 = p.clamp(max=448.0).to(torch.float8_e4m3fn).float()
+    return (p8 @ (v8.float() * dv)) / p.sum(dim=-1, keepdim=True)
+
+
+def check_fp8_kernel(name: str, p: Problem, seed=None) -> CheckResult:
+    """An FP8 stage (K7): fresh 16-bit inputs, poisoned outputs, one launch (quantization
+    included); the reference is exact attention of the *dequantized* inputs (input rounding is
+    the same for any FP8 kernel and not the kernel's doing). O passes within FP8_FACTOR x the
+    error of ``emulate_fp8`` against that reference (+ FP8_FLOOR) in max and relative L2; LSE,
+    from fp32 scores of the same e4m3 inputs, within FP8_LSE_ATOL."""
+    import torch
+
+    from kernels import get_kernel
+    from kernels.k7 import quantize_fp8
+
+    from .api import compiled_for
+    from .inputs import poisoned_outputs, random_inputs
+    from .reference import reference
+
+    entry = get_kernel(name)
+    compiled = compiled_for(name, p)
+    q, k, v = random_inputs(p, seed=seed)
+    out, lse = poisoned_outputs(p)
+    entry.run(compiled, q, k, v, out, lse, p.scale)
+    torch.cuda.synchronize()
+    (q8, dq), (k8, dk), (v8, dv) = (quantize_fp8(x) for x in (q, k, v))
+    deq = [x8.float() * d for x8, d in ((q8, dq), (k8, dk), (v8, dv))]
+    ref, ref_lse = reference(*deq, p.causal, p.scale)
+    emu = emulate_fp8(q8, k8, v8, (dq, dk, dv), p.causal, p.scale)
+    o, r = out.float(), ref.float()
+    reasons = []
+    if not torch.isfinite(o).all():
+        reasons.append(f"{int((~torch.isfinite(o)).sum())} non-finite outputs")
+    diff = (o - r).abs().nan_to_num(float("inf"))
+    emu_diff = (emu - r).abs()
+    max_abs, emu_max = float(diff.max()), float(emu_diff.max())
+    norm = torch.linalg.vector_norm(r).clamp_min(1e-30)
+    rel_l2, emu_l2 = float(torch.linalg.vector_norm(diff) / norm), float(torch.linalg.vector_norm(emu_diff) / norm)
+    if not max_abs <= FP8_FACTOR * emu_max + FP8_FLOOR:
+        reasons.append(f"max_abs {max_abs:.3g} > {FP8_FACTOR:g} x emulation's {emu_max:.3g} + {FP8_FLOOR:g}")
+    if not rel_l2 <= FP8_FACTOR * emu_l2 + FP8_FLOOR:
+        reasons.append(f"rel_l2 {rel_l2:.3g} > {FP8_FACTOR:g} x emulation's {emu_l2:.3g} + {FP8_FLOOR:g}")
+    ldiff = (lse.float() - ref_lse.float()).abs().nan_to_num(float("inf"))
+    lse_max = float(ldiff.max())
+    if not lse_max <= FP8_LSE_ATOL:
+        reasons.append(f"lse max_abs {lse_max:.3g} > {FP8_LSE_ATOL:g}")
+    return CheckResult(name, p, max_abs, rel_l2, lse_max, not reasons, "; ".join(reasons), emu_max)

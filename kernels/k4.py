@@ -220,10 +220,14 @@ class K4FMHA:
             sm90.mask_tile(acc_S, tScS, m_block, n_block, seqlen, self.tile_m, self.tile_n, self.causal)
         softmax.step(acc_S, row_scale, check_inf=masked)
         softmax.rescale(acc_O, row_scale)
-        # The register handoff: acc_S's C fragment re-read in A-operand order, narrowed.
-        sm90.convert_to(sm90.acc_as_operand_a(acc_S), tOrP)
+        self.convert_p(acc_S, tOrP)
         sm90.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_consume.index], zero_init=False, wg_wait=0)
         pipeline_kv.consumer_release(kv_consume)
+
+
+    def convert_p(self, acc_S: cute.Tensor, tOrP: cute.Tensor):
+        """The register handoff: acc_S's C fragment re-read in A-operand order, narrowed."""
+        sm90.convert_to(sm90.acc_as_operand_a(acc_S), tOrP)
 
 
 def config(head_dim: int, overrides: dict) -> dict:

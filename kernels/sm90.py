@@ -88,6 +88,37 @@ def acc_as_operand_a(acc: cute.Tensor) -> cute.Tensor:
     return cute.make_tensor(acc.iterator, acc_frg_a_layout(acc.layout))
 
 
+def acc_frg_a_layout_fp8(acc_layout: cute.Layout) -> cute.Layout:
+    """((2, 2, V), MMA_M, MMA_N) -> (((2, 2), 2, 2), MMA_M, (V/4, MMA_N)): an FP8 A fragment (K7).
+
+    An 8-bit WGMMA (K=32) wants lane q of a quad to hold keys 4q..4q+3 (and 16 more) of a row,
+    but the C fragment gives it keys {2q, 2q+1, 2q+8, 2q+9} of every 16. No re-indexing turns one
+    into the other, so this view pretends instead: A slot 4q + v (v < 4) of each 16 keys takes the
+    C value of key 8*(v // 2) + 2q + v % 2. Within every 16 keys P is then in the order
+    ``FP8_KEY_ORDER``, and V^T's keys must be stored in that same order (K7's V pre-pass) for P V to
+    be unchanged. No data moves.
+    """
+    s_col, s_row, s_group = acc_layout.stride[0]
+    shape = (((2, 2), 2, 2), acc_layout.shape[1], (acc_layout.shape[0][2] // 4, acc_layout.shape[2]))
+    stride = (((s_col, s_group), s_row, 2 * s_group), acc_layout.stride[1], (4 * s_group, acc_layout.stride[2]))
+    return cute.make_layout(shape, stride=stride)
+
+
+# Key order of P inside every 16 keys under ``acc_frg_a_layout_fp8``: slot p holds key FP8_KEY_ORDER[p].
+FP8_KEY_ORDER = (0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15)
+
+
+@cute.jit
+def convert_to_fp8(acc: cute.Tensor, dst: cute.Tensor):
+    """dst (an FP8 A fragment) = e4m3(acc) through the ``acc_frg_a_layout_fp8`` view, slot for slot
+    (the register copies are renamings; the conversions pair up as cvt...e4m3x2)."""
+    view = cute.make_tensor(acc.iterator, acc_frg_a_layout_fp8(acc.layout))
+    staged = cute.make_rmem_tensor(dst.shape, Float32)
+    for i in cutlass.range_constexpr(cute.size(staged)):
+        staged[i] = view[i]
+    dst.store(staged.load().to(dst.element_type))
+
+
 @dsl_user_op
 def cvt_pair(lo: Float32, hi: Float32, dtype, *, loc=None, ip=None) -> Int32:
     """Two FP32 -> one packed bf16x2/f16x2 register (lo in the low half), one instruction."""
@@ -152,9 +183,12 @@ class OnlineSoftmax:
     folded into one FFMA per element ahead of ``ex2``.
     """
 
-    def __init__(self, num_rows: int, scale_log2: Float32):
+    def __init__(self, num_rows: int, scale_log2: Float32, p_offset: float = 0.0):
         self.num_rows = num_rows
         self.scale_log2 = scale_log2
+        # K7: P = exp2(... + p_offset) lands in [0, 2^p_offset], away from e4m3's underflow; the
+        # row sum carries the same factor (O is unchanged) and the LSE takes it back out.
+        self.p_offset = p_offset
         self.row_max = cute.make_rmem_tensor(num_rows, Float32)
         self.row_sum = cute.make_rmem_tensor(num_rows, Float32)
         self.row_max.fill(-Float32.inf)
@@ -176,6 +210,8 @@ class OnlineSoftmax:
                 m_new = Float32(0.0) if m_new == -Float32.inf else m_new
             m_scaled = m_new * self.scale_log2
             row_scale[r] = cute.math.exp2(m_prev * self.scale_log2 - m_scaled, fastmath=True)
+            if const_expr(self.p_offset != 0.0):
+                m_scaled = m_scaled - self.p_offset
             p = cute.math.exp2(row.load() * self.scale_log2 - m_scaled, fastmath=True)
             row.store(p)
             self.row_sum[r] = self.row_sum[r] * row_scale[r] + row_reduce(row, operator.add)
@@ -197,7 +233,8 @@ class OnlineSoftmax:
             empty = total == 0.0
             inv = cute.arch.rcp_approx(Float32(1.0) if empty else total)
             lse[r] = (-Float32.inf if empty
-                      else (self.row_max[r] * self.scale_log2 + cute.math.log2(total, fastmath=True)) * LN_2)
+                      else (self.row_max[r] * self.scale_log2 + cute.math.log2(total, fastmath=True)
+                            - self.p_offset) * LN_2)
             acc_O_mn[r, None].store(acc_O_mn[r, None].load() * inv)
 
 

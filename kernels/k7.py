@@ -1,0 +1,252 @@
+"""K7: FP8 (e4m3) attention forward on K4's loop: both GEMMs as 64xNx32 e4m3 WGMMAs.
+
+New relative to K4 (same TMA ring, same online softmax on the accumulator, same epilogue):
+* Q, K and V arrive as e4m3 with per-tensor descales (x ~= x8 * descale). The tensor cores run
+  twice as many FLOPs per cycle, and every tile is half the bytes.
+* 8-bit WGMMA takes both operands K-major only, so V, contiguous along d, cannot be the PV GEMM's
+  B operand as it stands: ``prepare_fp8`` stores V^T (batch, heads, d, keys), a pre-pass whose
+  time is counted in every K7 measurement.
+* The P handoff is no longer a pure re-indexing: an FP8 A fragment gives each lane 4 adjacent
+  keys, the accumulator gives it pairs 8 apart. ``sm90.acc_frg_a_layout_fp8`` views the
+  accumulator so each lane's 4 values fill its 4 A slots anyway, which permutes the keys inside
+  every 16 (``sm90.FP8_KEY_ORDER``); the pre-pass writes V^T's keys in that same order, so P V is
+  unchanged. One owner for the order: the pre-pass reads it from sm90.
+* Scales: q and k's descales join the softmax scale (one FFMA per score, as before); P gets an
+  offset of 2^8 before its conversion (``OnlineSoftmax(p_offset=8)``) so it is not flushed under
+  e4m3's smallest values; v's descale multiplies O once, before the output is narrowed to bf16.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+from cutlass.tensor_utils import LayoutEnum
+
+from . import k4, sm90, tma_pipeline
+from .contract import (
+    LOG2_E,
+    CompiledAttention,
+    FakeShapes,
+    Problem,
+    UnsupportedProblem,
+    compiled_ptx,
+    fake_stream,
+    jit_compile,
+)
+from .tiles import kv_tile_count, unmasked_kv_tile_count
+
+HEAD_DIMS = (64, 128, 256)
+FP8 = cutlass.Float8E4M3FN
+E4M3_MAX = 448.0
+P_OFFSET = 8.0  # P in [0, 2^8]: e4m3 keeps 3 mantissa bits down to 2^-6, and P's small values matter
+# K4's tile shapes (tile_n a multiple of 32: the 8-bit WGMMA's K step); 8-bit tiles take half the
+# SMEM, so each head dim gets one more stage than K4.
+DEFAULT_CONFIG = {
+    64: dict(num_wg=3, tile_n=128, kv_stages=4, refill_lag=2),
+    128: dict(num_wg=2, tile_n=128, kv_stages=3, refill_lag=1),
+    256: dict(num_wg=2, tile_n=64, kv_stages=3, refill_lag=1),
+}
+
+
+def smem_bytes(head_dim: int, num_wg: int, tile_n: int, kv_stages: int, **_) -> int:
+    return tma_pipeline.smem_bytes(64 * num_wg, tile_n, head_dim, 1, kv_stages)
+
+
+CAPS = tma_pipeline.smem_capabilities(HEAD_DIMS, lambda d: smem_bytes(d, **DEFAULT_CONFIG[d]), "DEFAULT_CONFIG")
+
+
+class K7FMHA(k4.K4FMHA):
+    def __init__(self, head_dim: int, out_dtype, causal: bool, num_wg: int, tile_n: int, kv_stages: int,
+                 refill_lag: int):
+        super().__init__(head_dim, FP8, causal, num_wg, tile_n, kv_stages, refill_lag)
+        self.out_dtype = out_dtype
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mVt: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+                 mDescale: cute.Tensor, softmax_scale: Float32, stream):
+        d, dt = self.head_dim, self.dtype
+        # Both GEMMs K-major: S = Q K^T contracts over d; O += P V^T contracts over keys, which is
+        # V^T's contiguous axis now (the pre-pass made it so).
+        tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, OperandMajorMode.K, OperandMajorMode.K, Float32,
+            atom_layout_mnk=(self.num_wg, 1, 1), tiler_mn=(64, self.tile_n))
+        tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, OperandMajorMode.K, OperandMajorMode.K, Float32,
+            atom_layout_mnk=(self.num_wg, 1, 1), tiler_mn=(64, d), a_source=warpgroup.OperandSource.RMEM)
+        sQ_layout = cute.select(
+            sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (self.tile_m, self.tile_n, d), dt, 1),
+            mode=[0, 1])
+        sK_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (self.tile_m, self.tile_n, d), dt,
+                                                  self.kv_stages)
+        sVt_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (self.tile_m, d, self.tile_n), dt,
+                                                   self.kv_stages)
+        tma_atom_Q, mQ_tma = tma_pipeline.make_tma_load(tma_pipeline.seq_major_view(mQ), sQ_layout, (self.tile_m, d))
+        tma_atom_K, mK_tma = tma_pipeline.make_tma_load(tma_pipeline.seq_major_view(mK), sK_layout, (self.tile_n, d))
+        # V^T (batch, heads, d, keys) -> (d, keys, heads, batch): K4's V view, keys now contiguous.
+        mVt_view = cute.make_tensor(mVt.iterator, cute.select(mVt.layout, mode=[2, 3, 1, 0]))
+        tma_atom_V, mV_tma = tma_pipeline.make_tma_load(mVt_view, sVt_layout, (d, self.tile_n))
+        SharedStorage = tma_pipeline.shared_storage(dt, sQ_layout, sK_layout, sVt_layout, self.kv_stages)
+
+        grid = (cute.ceil_div(mQ.shape[2], self.tile_m), mQ.shape[1], mQ.shape[0])
+        self.kernel(mQ_tma, mK_tma, mV_tma, mO, mLSE, mDescale, tma_atom_Q, tma_atom_K, tma_atom_V,
+                    softmax_scale * LOG2_E, sQ_layout, sK_layout, sVt_layout, tiled_mma_qk, tiled_mma_pv,
+                    SharedStorage).launch(grid=grid, block=[self.num_threads, 1, 1],
+                                          smem=SharedStorage.size_in_bytes(), stream=stream, min_blocks_per_mp=1)
+
+    @cute.kernel
+    def kernel(self, mQ_tma: cute.Tensor, mK_tma: cute.Tensor, mV_tma: cute.Tensor, mO: cute.Tensor,
+               mLSE: cute.Tensor, mDescale: cute.Tensor, tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom,
+               tma_atom_V: cute.CopyAtom, scale_log2: Float32, sQ_layout: cute.ComposedLayout,
+               sK_layout: cute.ComposedLayout, sVt_layout: cute.ComposedLayout, tiled_mma_qk: cute.TiledMma,
+               tiled_mma_pv: cute.TiledMma, SharedStorage: cutlass.Constexpr):
+        tile_m, tile_n, d, stages = self.tile_m, self.tile_n, self.head_dim, self.kv_stages
+        tidx, _, _ = cute.arch.thread_idx()
+        bx, head, batch = cute.arch.block_idx()
+        gdx, _, _ = cute.arch.grid_dim()
+        m_block = gdx - 1 - bx if const_expr(self.causal) else bx
+        seqlen = mO.shape[2]
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg_idx = cute.arch.make_warp_uniform(tidx // 128)
+
+        if warp_idx == 0:
+            tma_pipeline.prefetch_descriptors(tma_atom_Q, tma_atom_K, tma_atom_V)
+
+        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
+        sQ, sK, sVt = tma_pipeline.smem_tensors(storage, sQ_layout, sK_layout, sVt_layout)
+        pipeline_q, pipeline_kv = tma_pipeline.make_pipelines(storage, self.dtype, sQ_layout, sK_layout, sVt_layout,
+                                                              stages, self.num_threads)
+
+        n_tiles = kv_tile_count(m_block, seqlen, tile_m, tile_n, self.causal)
+        n_unmasked = unmasked_kv_tile_count(m_block, seqlen, tile_m, tile_n, self.causal)
+
+        tQsQ, tQgQ = tma_pipeline.partition_for_tma(tma_atom_Q, mQ_tma, sQ, (tile_m, d), head, batch, (m_block, 0))
+        tKsK, tKgK = tma_pipeline.partition_for_tma(tma_atom_K, mK_tma, sK, (tile_n, d), head, batch, (None, 0))
+        tVsV, tVgV = tma_pipeline.partition_for_tma(tma_atom_V, mV_tma, sVt, (d, tile_n), head, batch, (0, None))
+        kv_loads = (tma_atom_K, tKgK, tKsK, tma_atom_V, tVgV, tVsV)
+
+        if warp_idx == 0:
+            tma_pipeline.load_q(pipeline_q, tma_atom_Q, tQgQ, tQsQ)
+            for n_block in cutlass.range(cutlass.min(stages, n_tiles), unroll=1):
+                tma_pipeline.load_kv_stage(pipeline_kv, tma_pipeline.pipe_state(stages, n_block, producer=True),
+                                           n_block, *kv_loads)
+
+        wg_mma_qk = tiled_mma_qk.get_slice(wg_idx * 128)
+        wg_mma_pv = tiled_mma_pv.get_slice(wg_idx * 128)
+        thr_mma_qk = tiled_mma_qk.get_slice(tidx)
+        tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))
+        tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK))
+        tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(sVt))
+        tOrP = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((tile_m, tile_n)))
+        acc_O = cute.make_rmem_tensor(tiled_mma_pv.partition_shape_C((tile_m, d)), Float32)
+        acc_O.fill(0.0)
+        tScS = thr_mma_qk.partition_C(cute.make_identity_tensor((tile_m, tile_n)))
+
+        # The scores are of q8 . k8: their descales join the softmax scale.
+        softmax = sm90.OnlineSoftmax(cute.size(sm90.acc_mn_view(acc_O), mode=[0]),
+                                     scale_log2 * mDescale[0] * mDescale[1], p_offset=P_OFFSET)
+        row_scale = cute.make_rmem_tensor(softmax.num_rows, Float32)
+
+        tma_pipeline.wait_q(pipeline_q)
+        loads = (pipeline_kv, *kv_loads)
+        mmas = (tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O, tScS)
+        for n_block in cutlass.range(n_unmasked, unroll=1):
+            self.kv_iteration(n_block, n_tiles, m_block, seqlen, warp_idx, loads, mmas, softmax, row_scale,
+                              masked=False)
+        for n_block in cutlass.range(n_unmasked, n_tiles, unroll=1):
+            self.kv_iteration(n_block, n_tiles, m_block, seqlen, warp_idx, loads, mmas, softmax, row_scale,
+                              masked=True)
+
+        # ---- Epilogue: K4's, after O takes v's descale; out in bf16 ------------------------
+        acc_O.store(acc_O.load() * mDescale[2])
+        sm90.store_o_and_lse(acc_O, softmax, tiled_mma_pv, tidx, mO, mLSE, m_block, head, batch, tile_m,
+                             self.out_dtype)
+
+    def convert_p(self, acc_S: cute.Tensor, tOrP: cute.Tensor):
+        """K4's register handoff, in FP8: the permuted view, narrowed to e4m3."""
+        sm90.convert_to_fp8(acc_S, tOrP)
+
+
+# --------------------------------------------------------------------------------------
+# Host: the FP8 pre-pass, compile, launch
+# --------------------------------------------------------------------------------------
+
+def quantize_fp8(x):
+    """(x8, descale): per-tensor e4m3 with x ~= x8.float() * descale, amax mapped to 448. Runs on
+    x's device (no host sync: descale is a 0-d float32 tensor)."""
+    import torch
+
+    amax = x.detach().abs().amax().float().clamp_min(1e-12)
+    scale = E4M3_MAX / amax
+    return (x.float() * scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), 1.0 / scale
+
+
+def fp8_key_permutation(seqlen: int, device=None):
+    """Index into keys (padded to a multiple of 16) that puts every 16 in ``sm90.FP8_KEY_ORDER``."""
+    import torch
+
+    order = torch.tensor(sm90.FP8_KEY_ORDER, device=device)
+    n16 = -(-seqlen // 16)
+    return (torch.arange(n16, device=device)[:, None] * 16 + order[None, :]).reshape(-1)
+
+
+def transpose_v_fp8(v8):
+    """(batch, heads, seqlen, d) e4m3 -> V^T (batch, heads, d, seqlen padded to 16) with the keys
+    of every 16 in the FP8 P order; pad keys are 0 (P is 0 there, and 0 * NaN would not be)."""
+    import torch
+
+    b, h, n, d = v8.shape
+    pad = -n % 16
+    v = v8.view(torch.uint8)  # index and pad the bytes: no float8 kernels needed
+    if pad:
+        v = torch.cat([v, v.new_zeros(b, h, pad, d)], dim=2)
+    v = v.index_select(2, fp8_key_permutation(n, v.device))
+    return v.transpose(2, 3).contiguous().view(torch.float8_e4m3fn)
+
+
+def prepare_fp8(q, k, v):
+    """The pre-pass every K7 launch times: (q8, k8, vt8, descales[3]) from 16-bit q, k, v."""
+    import torch
+
+    q8, dq = quantize_fp8(q)
+    k8, dk = quantize_fp8(k)
+    v8, dv = quantize_fp8(v)
+    return q8, k8, transpose_v_fp8(v8), torch.stack([dq, dk, dv])
+
+
+def _fake_args(out_dtype, head_dim: int) -> tuple:
+    from cutlass.cute.runtime import make_fake_tensor
+
+    f = FakeShapes()
+    q, k = (f.tensor(FP8, (head_dim,), align_elems=16) for _ in range(2))
+    keys = cute.sym_int()
+    vt = make_fake_tensor(FP8, (f.batch, f.nheads, head_dim, keys),
+                          stride=tuple(cute.sym_int64(divisibility=16) for _ in range(3)) + (1,), assumed_align=16)
+    o = f.tensor(out_dtype, (head_dim,))
+    lse = f.tensor(Float32, ())
+    descale = make_fake_tensor(Float32, (3,), stride=(1,), assumed_align=4)
+    return q, k, vt, o, lse, descale, Float32(1.0), fake_stream()
+
+
+def compile_kernel(p: Problem, *, keep_ptx: bool = False, **overrides) -> CompiledAttention:
+    """K7 takes 16-bit q, k, v like every stage (``attention("k7", q, k, v)``) and quantizes them in
+    the timed pre-pass; O comes back in the inputs' dtype."""
+    CAPS.check(p)
+    cfg = k4.config(p.head_dim, overrides) if overrides else dict(DEFAULT_CONFIG[p.head_dim])
+    k4.check_config(cfg)
+    if cfg["tile_n"] % 32:
+        raise UnsupportedProblem(f"K7 config {cfg}: tile_n must be a multiple of 32 (the 8-bit WGMMA's K step)")
+    out_dt = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[p.dtype]
+    key = ("k7", p.head_dim, p.dtype, p.causal, tuple(sorted(cfg.items())))
+    fn = jit_compile(key, lambda: (K7FMHA(p.head_dim, out_dt, p.causal, **cfg), _fake_args(out_dt, p.head_dim)),
+                     keep_ptx)
+    return CompiledAttention("k7", p, fn, {}, compiled_ptx(fn) if keep_ptx else None,
+                             dict(cfg, smem_bytes=smem_bytes(p.head_dim, **cfg)))
+
+
+def run_kernel(compiled: CompiledAttention, q, k, v, out, lse, softmax_scale=None) -> None:
+    scale = compiled.problem.scale if softmax_scale is None else softmax_scale
+    q8, k8, vt8, descale = prepare_fp8(q, k, v)
+    compiled.launch(q8, k8, vt8, out, lse, descale, scale)
