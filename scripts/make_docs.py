@@ -381,6 +381,16 @@ def decode_host_table(bench):
                              body))
 
 
+def k7_time_table(run):
+    """docs/k7.md: scripts/time_k7.py rows, the pre-pass and the kernel apart, beside bf16 cuDNN."""
+    body = [[r["head_dim"], r["causal"], r["seqlen"], f"{r['prepass_ms']:.3f}", f"{r['kernel_ms']:.3f}",
+             fmt(r["kernel_tflops"]), fmt(r["total_tflops"]), fmt(r["cudnn_bf16_tflops"])] for r in run["rows"]]
+    return (f"On an {gpu_short_name(run['meta'].get('device', ''))}: `{run['meta'].get('command', '')}`, "
+            f"{run['meta'].get('date', '')[:10]}; batch 16384/N, heads 2048/d.\n\n"
+            + markdown_table(["d", "causal", "N", "pre-pass ms", "kernel ms", "kernel TFLOP/s", "with pre-pass TFLOP/s",
+                              "cuDNN bf16 TFLOP/s"], body))
+
+
 def decode_tune_table(tune):
     """docs/decode.md: scripts/tune_decode.py rows (tile configuration x split count)."""
     gpu = gpu_short_name(tune["meta"].get("device", ""))
@@ -570,6 +580,10 @@ def main(argv=None):
         page.write_text(text)
     if decode_bench and "<!-- table:decode-readme -->" in readme.read_text():
         readme.write_text(replace_block(readme.read_text(), "decode-readme", decode_readme_table(decode_bench)))
+    k7_time = latest("k7-time-*.json")
+    page_k7 = ROOT / "docs" / "k7.md"
+    if k7_time and page_k7.exists() and "<!-- table:k7-time -->" in page_k7.read_text():
+        page_k7.write_text(replace_block(page_k7.read_text(), "k7-time", k7_time_table(k7_time)))
     decode_compiles = finished("compile-decode-*.json")
     if decode_compiles and page.exists() and "<!-- table:decode-compile -->" in page.read_text():
         page.write_text(replace_block(page.read_text(), "decode-compile", ws_compile_table(decode_compiles)))
