@@ -29,8 +29,17 @@ def test_public_call_with_lse_and_strided_heads(name):
     # (batch, seqlen, heads, d) storage viewed as SDPA layout: non-contiguous heads, contiguous d.
     q, k, v = (torch.randn(2, 300, 4, 64, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for _ in range(3))
     out, lse = attention(name, q, k, v, causal=True, softmax_scale=0.2, return_lse=True)
+    if _fp8(name):  # its error is checked against an emulation (check_fp8_kernel); here: layout-blind
+        want = attention(name, *(t.contiguous() for t in (q, k, v)), causal=True, softmax_scale=0.2, return_lse=True)
+        assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+        return
     ref, ref_lse = reference(q, k, v, True, 0.2)
     assert compare(out, ref, lse, ref_lse, "bfloat16").verdict == ""
+
+
+def _fp8(name):
+    """FP8 stages are held to their own criterion (harness.check.check_fp8_kernel), not bf16's."""
+    return name.startswith("k7")
 
 
 def test_unsupported_head_dim_is_refused_before_launch():
@@ -78,6 +87,10 @@ def test_cuda_graph_capture_and_replay_match_sdpa(name):
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
+        if _fp8(name):  # the replay must equal an eager call on the new inputs, bit for bit
+            want = attention(name, q, k, v, causal=True, return_lse=True)
+            assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+            continue
         ref, ref_lse = reference(q, k, v, True, q.shape[-1] ** -0.5)
         sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         c = compare(out, ref, lse, ref_lse, "bfloat16", sdpa)
