@@ -185,13 +185,20 @@ def quantize_fp8(x):
     return x8, 1.0 / scale
 
 
+_PERMUTATIONS: dict = {}
+
+
 def fp8_key_permutation(seqlen: int, device=None):
-    """Index into keys (padded to a multiple of 16) that puts every 16 in ``sm90.FP8_KEY_ORDER``."""
+    """Index into keys (padded to a multiple of 16) that puts every 16 in ``sm90.FP8_KEY_ORDER``.
+    Kept per length and device: building it copies from the host, which CUDA-graph capture forbids
+    (the warm-up call before a capture makes it)."""
     import torch
 
-    order = torch.tensor(sm90.FP8_KEY_ORDER, device=device)
-    n16 = -(-seqlen // 16)
-    return (torch.arange(n16, device=device)[:, None] * 16 + order[None, :]).reshape(-1)
+    key = (-(-seqlen // 16), str(device))
+    if key not in _PERMUTATIONS:
+        order = torch.tensor(sm90.FP8_KEY_ORDER, device=device)
+        _PERMUTATIONS[key] = (torch.arange(key[0], device=device)[:, None] * 16 + order[None, :]).reshape(-1)
+    return _PERMUTATIONS[key]
 
 
 def transpose_v_fp8(v8):
