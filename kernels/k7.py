@@ -211,8 +211,9 @@ def transpose_v_fp8(v8):
     v = v8.view(torch.uint8)  # index and pad the bytes: no float8 kernels needed
     if pad:
         v = torch.cat([v, v.new_zeros(b, h, pad, d)], dim=2)
-    # One gather writes the transposed, permuted copy (index_select's output is contiguous).
-    return v.transpose(2, 3).index_select(3, fp8_key_permutation(n, v.device)).view(torch.float8_e4m3fn)
+    # Permute whole d-rows (a coalesced gather), then one transposing copy.
+    v = v.index_select(2, fp8_key_permutation(n, v.device))
+    return v.transpose(2, 3).contiguous().view(torch.float8_e4m3fn)
 
 
 def prepare_fp8(q, k, v):
