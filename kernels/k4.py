@@ -21,6 +21,8 @@ New relative to K4.1 (same TMA loads, swizzled sQ/sK and QK WGMMA):
 
 from __future__ import annotations
 
+from typing import Optional
+
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
@@ -79,6 +81,8 @@ class K4FMHA:
         self.kv_stages = kv_stages
         self.refill_lag = refill_lag
         self.num_threads = 128 * num_wg
+        self.out_dtype = dtype  # O's dtype (K7: 16-bit out of 8-bit operands)
+        self.p_offset = 0.0  # K7: P scaled into e4m3's range (sm90.OnlineSoftmax)
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
@@ -116,14 +120,15 @@ class K4FMHA:
 
         scale_log2 = softmax_scale * LOG2_E
         grid = (cute.ceil_div(mQ.shape[2], self.tile_m), mQ.shape[1], mQ.shape[0])
-        self.kernel(mQ_tma, mK_tma, mV_tma, mO, mLSE, tma_atom_Q, tma_atom_K, tma_atom_V, scale_log2,
+        self.kernel(mQ_tma, mK_tma, mV_tma, mO, mLSE, None, tma_atom_Q, tma_atom_K, tma_atom_V, scale_log2,
                     sQ_layout, sK_layout, sVt_layout, tiled_mma_qk, tiled_mma_pv, SharedStorage).launch(
             grid=grid, block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream,
             min_blocks_per_mp=1)
 
     @cute.kernel
     def kernel(self, mQ_tma: cute.Tensor, mK_tma: cute.Tensor, mV_tma: cute.Tensor, mO: cute.Tensor,
-               mLSE: cute.Tensor, tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
+               mLSE: cute.Tensor, mDescale: Optional[cute.Tensor], tma_atom_Q: cute.CopyAtom,
+               tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
                scale_log2: Float32, sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
                sVt_layout: cute.ComposedLayout, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
                SharedStorage: cutlass.Constexpr):
@@ -179,7 +184,9 @@ class K4FMHA:
         # of the tile each accumulator register holds.
         tScS = thr_mma_qk.partition_C(cute.make_identity_tensor((tile_m, tile_n)))
 
-        softmax = sm90.OnlineSoftmax(cute.size(sm90.acc_mn_view(acc_O), mode=[0]), scale_log2)
+        if const_expr(mDescale is not None):  # K7: the scores are of q8 . k8, their descales join the scale
+            scale_log2 = scale_log2 * mDescale[0] * mDescale[1]
+        softmax = sm90.OnlineSoftmax(cute.size(sm90.acc_mn_view(acc_O), mode=[0]), scale_log2, self.p_offset)
         row_scale = cute.make_rmem_tensor(softmax.num_rows, Float32)
 
         # Q is loaded once and read by every QK GEMM; its stage is never released.
@@ -195,7 +202,10 @@ class K4FMHA:
                               masked=True)
 
         # ---- Epilogue: normalize once, write O and LSE straight from registers ------------
-        sm90.store_o_and_lse(acc_O, softmax, tiled_mma_pv, tidx, mO, mLSE, m_block, head, batch, tile_m, self.dtype)
+        if const_expr(mDescale is not None):  # K7: O in v's units
+            acc_O.store(acc_O.load() * mDescale[2])
+        sm90.store_o_and_lse(acc_O, softmax, tiled_mma_pv, tidx, mO, mLSE, m_block, head, batch, tile_m,
+                             self.out_dtype)
 
     @cute.jit
     def kv_iteration(self, n_block: Int32, n_tiles: Int32, m_block: Int32, seqlen: Int32, warp_idx: Int32,

@@ -21,7 +21,7 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, const_expr
+from cutlass import Float32
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
@@ -36,7 +36,6 @@ from .contract import (
     fake_stream,
     jit_compile,
 )
-from .tiles import kv_tile_count, unmasked_kv_tile_count
 
 HEAD_DIMS = (64, 128, 256)
 FP8 = cutlass.Float8E4M3FN
@@ -63,6 +62,7 @@ class K7FMHA(k4.K4FMHA):
                  refill_lag: int):
         super().__init__(head_dim, FP8, causal, num_wg, tile_n, kv_stages, refill_lag)
         self.out_dtype = out_dtype
+        self.p_offset = P_OFFSET
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mVt: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
@@ -91,78 +91,11 @@ class K7FMHA(k4.K4FMHA):
         SharedStorage = tma_pipeline.shared_storage(dt, sQ_layout, sK_layout, sVt_layout, self.kv_stages)
 
         grid = (cute.ceil_div(mQ.shape[2], self.tile_m), mQ.shape[1], mQ.shape[0])
+        # K4's kernel, given the descales (it folds q's and k's into the softmax scale, v's into O).
         self.kernel(mQ_tma, mK_tma, mV_tma, mO, mLSE, mDescale, tma_atom_Q, tma_atom_K, tma_atom_V,
                     softmax_scale * LOG2_E, sQ_layout, sK_layout, sVt_layout, tiled_mma_qk, tiled_mma_pv,
                     SharedStorage).launch(grid=grid, block=[self.num_threads, 1, 1],
                                           smem=SharedStorage.size_in_bytes(), stream=stream, min_blocks_per_mp=1)
-
-    @cute.kernel
-    def kernel(self, mQ_tma: cute.Tensor, mK_tma: cute.Tensor, mV_tma: cute.Tensor, mO: cute.Tensor,
-               mLSE: cute.Tensor, mDescale: cute.Tensor, tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom,
-               tma_atom_V: cute.CopyAtom, scale_log2: Float32, sQ_layout: cute.ComposedLayout,
-               sK_layout: cute.ComposedLayout, sVt_layout: cute.ComposedLayout, tiled_mma_qk: cute.TiledMma,
-               tiled_mma_pv: cute.TiledMma, SharedStorage: cutlass.Constexpr):
-        tile_m, tile_n, d, stages = self.tile_m, self.tile_n, self.head_dim, self.kv_stages
-        tidx, _, _ = cute.arch.thread_idx()
-        bx, head, batch = cute.arch.block_idx()
-        gdx, _, _ = cute.arch.grid_dim()
-        m_block = gdx - 1 - bx if const_expr(self.causal) else bx
-        seqlen = mO.shape[2]
-        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        wg_idx = cute.arch.make_warp_uniform(tidx // 128)
-
-        if warp_idx == 0:
-            tma_pipeline.prefetch_descriptors(tma_atom_Q, tma_atom_K, tma_atom_V)
-
-        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
-        sQ, sK, sVt = tma_pipeline.smem_tensors(storage, sQ_layout, sK_layout, sVt_layout)
-        pipeline_q, pipeline_kv = tma_pipeline.make_pipelines(storage, self.dtype, sQ_layout, sK_layout, sVt_layout,
-                                                              stages, self.num_threads)
-
-        n_tiles = kv_tile_count(m_block, seqlen, tile_m, tile_n, self.causal)
-        n_unmasked = unmasked_kv_tile_count(m_block, seqlen, tile_m, tile_n, self.causal)
-
-        tQsQ, tQgQ = tma_pipeline.partition_for_tma(tma_atom_Q, mQ_tma, sQ, (tile_m, d), head, batch, (m_block, 0))
-        tKsK, tKgK = tma_pipeline.partition_for_tma(tma_atom_K, mK_tma, sK, (tile_n, d), head, batch, (None, 0))
-        tVsV, tVgV = tma_pipeline.partition_for_tma(tma_atom_V, mV_tma, sVt, (d, tile_n), head, batch, (0, None))
-        kv_loads = (tma_atom_K, tKgK, tKsK, tma_atom_V, tVgV, tVsV)
-
-        if warp_idx == 0:
-            tma_pipeline.load_q(pipeline_q, tma_atom_Q, tQgQ, tQsQ)
-            for n_block in cutlass.range(cutlass.min(stages, n_tiles), unroll=1):
-                tma_pipeline.load_kv_stage(pipeline_kv, tma_pipeline.pipe_state(stages, n_block, producer=True),
-                                           n_block, *kv_loads)
-
-        wg_mma_qk = tiled_mma_qk.get_slice(wg_idx * 128)
-        wg_mma_pv = tiled_mma_pv.get_slice(wg_idx * 128)
-        thr_mma_qk = tiled_mma_qk.get_slice(tidx)
-        tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))
-        tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK))
-        tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(sVt))
-        tOrP = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((tile_m, tile_n)))
-        acc_O = cute.make_rmem_tensor(tiled_mma_pv.partition_shape_C((tile_m, d)), Float32)
-        acc_O.fill(0.0)
-        tScS = thr_mma_qk.partition_C(cute.make_identity_tensor((tile_m, tile_n)))
-
-        # The scores are of q8 . k8: their descales join the softmax scale.
-        softmax = sm90.OnlineSoftmax(cute.size(sm90.acc_mn_view(acc_O), mode=[0]),
-                                     scale_log2 * mDescale[0] * mDescale[1], p_offset=P_OFFSET)
-        row_scale = cute.make_rmem_tensor(softmax.num_rows, Float32)
-
-        tma_pipeline.wait_q(pipeline_q)
-        loads = (pipeline_kv, *kv_loads)
-        mmas = (tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O, tScS)
-        for n_block in cutlass.range(n_unmasked, unroll=1):
-            self.kv_iteration(n_block, n_tiles, m_block, seqlen, warp_idx, loads, mmas, softmax, row_scale,
-                              masked=False)
-        for n_block in cutlass.range(n_unmasked, n_tiles, unroll=1):
-            self.kv_iteration(n_block, n_tiles, m_block, seqlen, warp_idx, loads, mmas, softmax, row_scale,
-                              masked=True)
-
-        # ---- Epilogue: K4's, after O takes v's descale; out in bf16 ------------------------
-        acc_O.store(acc_O.load() * mDescale[2])
-        sm90.store_o_and_lse(acc_O, softmax, tiled_mma_pv, tidx, mO, mLSE, m_block, head, batch, tile_m,
-                             self.out_dtype)
 
     def convert_p(self, acc_S: cute.Tensor, tOrP: cute.Tensor):
         """K4's register handoff, in FP8: the permuted view, narrowed to e4m3."""
