@@ -84,25 +84,31 @@ def compare(out, ref, lse, ref_lse, dtype: str, peer=None) -> Comparison:
     return Comparison(max_abs, rel_l2, lse_max_abs, peer_max_abs, "; ".join(reasons))
 
 
-def check_kernel(name: str, p: Problem, seed=None) -> CheckResult:
-    """One case: fresh inputs, poisoned O/LSE, one launch, compare with the float32 reference."""
+def launch_once(name: str, p: Problem, seed=None) -> tuple:
+    """(q, k, v, out, lse): fresh random inputs, NaN-poisoned outputs, one launch, synchronized."""
     import torch
-
-    if name.startswith("k7"):  # FP8: its own criterion (check_fp8_kernel)
-        return check_fp8_kernel(name, p, seed)
 
     from kernels import get_kernel
 
     from .api import compiled_for
     from .inputs import poisoned_outputs, random_inputs
-    from .reference import reference, sdpa
 
-    entry = get_kernel(name)
     compiled = compiled_for(name, p)
     q, k, v = random_inputs(p, seed=seed)
     out, lse = poisoned_outputs(p)
-    entry.run(compiled, q, k, v, out, lse, p.scale)
+    get_kernel(name).run(compiled, q, k, v, out, lse, p.scale)
     torch.cuda.synchronize()
+    return q, k, v, out, lse
+
+
+def check_kernel(name: str, p: Problem, seed=None) -> CheckResult:
+    """One case: fresh inputs, poisoned O/LSE, one launch, compare with the float32 reference."""
+    if name.startswith("k7"):  # FP8: its own criterion (check_fp8_kernel)
+        return check_fp8_kernel(name, p, seed)
+
+    from .reference import reference, sdpa
+
+    q, k, v, out, lse = launch_once(name, p, seed)
     ref, ref_lse = reference(q, k, v, p.causal, p.scale)
     peer = sdpa(q, k, v, p.causal, p.scale)
     c = compare(out, ref, lse, ref_lse, p.dtype, peer)
@@ -239,19 +245,11 @@ def check_fp8_kernel(name: str, p: Problem, seed=None) -> CheckResult:
     from fp32 scores of the same e4m3 inputs, within FP8_LSE_ATOL."""
     import torch
 
-    from kernels import get_kernel
     from kernels.k7 import quantize_fp8
 
-    from .api import compiled_for
-    from .inputs import poisoned_outputs, random_inputs
     from .reference import reference
 
-    entry = get_kernel(name)
-    compiled = compiled_for(name, p)
-    q, k, v = random_inputs(p, seed=seed)
-    out, lse = poisoned_outputs(p)
-    entry.run(compiled, q, k, v, out, lse, p.scale)
-    torch.cuda.synchronize()
+    q, k, v, out, lse = launch_once(name, p, seed)
     (q8, dq), (k8, dk), (v8, dv) = (quantize_fp8(x) for x in (q, k, v))
     deq = [x8.float() * d for x8, d in ((q8, dq), (k8, dk), (v8, dv))]
     ref, ref_lse = reference(*deq, p.causal, p.scale)
