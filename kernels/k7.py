@@ -107,14 +107,15 @@ class K7FMHA(k4.K4FMHA):
 # --------------------------------------------------------------------------------------
 
 def quantize_fp8(x):
-    """(x8, descale): per-tensor e4m3 with x ~= x8.float() * descale, amax mapped to 448. Runs on
-    x's device (no host sync: descale is a 0-d float32 tensor). Scaled in x's own 16-bit dtype (its
-    8 mantissa bits round again to e4m3's 4) to keep the pre-pass to three passes over x."""
+    """(x8, descale): per-tensor e4m3 with x ~= x8.float() * descale. Runs on x's device (no host
+    sync: descale is a 0-d float32 tensor), in three passes over x: amax, scale, cast. The scale
+    maps amax to 0.99 x 448, so that the two 16-bit roundings (of the scale and of x * scale, each
+    at most 2^-9 relative) stay under 448 and no clamp pass is needed (a cast above 448 is NaN)."""
     import torch
 
     amax = torch.linalg.vector_norm(x.detach(), ord=float("inf")).float().clamp_min(1e-12)
-    scale = E4M3_MAX / amax
-    x8 = (x * scale.to(x.dtype)).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    scale = (0.99 * E4M3_MAX) / amax
+    x8 = (x * scale.to(x.dtype)).to(torch.float8_e4m3fn)
     return x8, 1.0 / scale
 
 
@@ -144,9 +145,9 @@ def transpose_v_fp8(v8):
     v = v8.view(torch.uint8)  # index and pad the bytes: no float8 kernels needed
     if pad:
         v = torch.cat([v, v.new_zeros(b, h, pad, d)], dim=2)
-    # Permute whole d-rows (a coalesced gather), then one transposing copy.
-    v = v.index_select(2, fp8_key_permutation(n, v.device))
-    return v.transpose(2, 3).contiguous().view(torch.float8_e4m3fn)
+    # One gather writes the transposed, permuted copy (index_select's output is contiguous): on an
+    # H100 173 us at 16k tokens x 2048, against 334 for a row gather and then a transposing copy.
+    return v.transpose(2, 3).index_select(3, fp8_key_permutation(n, v.device)).view(torch.float8_e4m3fn)
 
 
 def prepare_fp8(q, k, v):

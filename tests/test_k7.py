@@ -11,11 +11,11 @@ from kernels import sm90
 from kernels.k7 import E4M3_MAX, fp8_key_permutation, prepare_fp8, quantize_fp8, transpose_v_fp8
 
 
-def test_quantize_maps_amax_to_448_and_round_trips():
+def test_quantize_fills_the_range_without_overflow_and_round_trips():
     x = torch.randn(2, 3, 100, 64, dtype=torch.bfloat16) * 7
     x8, descale = quantize_fp8(x)
-    assert x8.dtype == torch.float8_e4m3fn
-    assert float(x8.float().abs().max()) == E4M3_MAX
+    assert x8.dtype == torch.float8_e4m3fn and not torch.isnan(x8.float()).any()
+    assert 0.95 * E4M3_MAX <= float(x8.float().abs().max()) <= E4M3_MAX
     # e4m3 keeps 3 mantissa bits: every value within half a step (2^-4 relative) of the original.
     back = x8.float() * descale
     assert bool(((back - x.float()).abs() <= x.float().abs() / 16 + 1e-6 + float(descale) * 2**-9).all())
