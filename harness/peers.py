@@ -42,3 +42,50 @@ def peer_callables(q, k, v, causal: bool, scale: float) -> dict:
             except Exception as e:
                 peers[name] = f"failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"[:120]
     return peers
+
+
+def cudnn_fp8_sdpa(q8, k8, v8, descales, causal: bool, scale: float, out_dtype):
+    """cuDNN's FP8 attention forward through cudnn-frontend (``pygraph.sdpa_fp8``) on e4m3
+    (batch, heads, seqlen, d) tensors, per-tensor descales (a 3-float device tensor: q, k, v), O in
+    ``out_dtype`` (bf16; FP8 if cuDNN refuses it). P is quantized with scale_s = 1 (its [0, 1]
+    range, cuDNN's default recipe). Returns a zero-argument callable; raises if the frontend or the
+    graph is unavailable."""
+    import cudnn
+    import torch
+
+    b, h, s, d = q8.shape
+    graph = cudnn.pygraph(io_data_type=cudnn.data_type.FP8_E4M3, intermediate_data_type=cudnn.data_type.FLOAT,
+                          compute_data_type=cudnn.data_type.FLOAT)
+    tensors = {}
+
+    def inp(uid, t, dtype):
+        tensors[uid] = t
+        return graph.tensor(uid=uid, dim=tuple(t.shape), stride=tuple(t.stride()), data_type=dtype)
+
+    fp8, f32 = cudnn.data_type.FP8_E4M3, cudnn.data_type.FLOAT
+    q, k, v = inp(0, q8, fp8), inp(1, k8, fp8), inp(2, v8, fp8)
+    scalars = [descales[i].reshape(1, 1, 1, 1) for i in range(3)] + [torch.ones(1, 1, 1, 1, device=q8.device)] * 3
+    dq, dk, dv, ds, ss, so = (inp(10 + i, t, f32) for i, t in enumerate(scalars))
+    o, _, _, amax_o = graph.sdpa_fp8(q=q, k=k, v=v, descale_q=dq, descale_k=dk, descale_v=dv, descale_s=ds,
+                                      scale_s=ss, scale_o=so, generate_stats=False, attn_scale=scale,
+                                      use_causal_mask=causal)
+    out = torch.empty((b, h, s, d), device=q8.device, dtype=out_dtype)
+    o.set_uid(3).set_output(True).set_dim((b, h, s, d)).set_stride(tuple(out.stride())).set_data_type(
+        fp8 if out_dtype == torch.float8_e4m3fn else cudnn.data_type.BFLOAT16)
+    amax = torch.empty(1, 1, 1, 1, device=q8.device)
+    amax_o.set_uid(4).set_output(True).set_dim((1, 1, 1, 1)).set_stride((1, 1, 1, 1)).set_data_type(f32)
+    tensors.update({3: out, 4: amax})
+    graph.validate()
+    graph.build_operation_graph()
+    graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    graph.check_support()
+    graph.build_plans()
+    workspace = torch.empty(graph.get_workspace_size(), device=q8.device, dtype=torch.uint8)
+    handle = cudnn.create_handle()
+    if hasattr(cudnn, "set_stream"):  # run on torch's current stream, as the other peers do
+        cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream().cuda_stream)
+
+    def call():
+        graph.execute(tensors, workspace, handle=handle)
+        return out
+    return call

@@ -384,11 +384,14 @@ def decode_host_table(bench):
 def k7_time_table(run):
     """docs/k7.md: scripts/time_k7.py rows, the pre-pass and the kernel apart, beside bf16 cuDNN."""
     body = [[r["head_dim"], r["causal"], r["seqlen"], f"{r['prepass_ms']:.3f}", f"{r['kernel_ms']:.3f}",
-             fmt(r["kernel_tflops"]), fmt(r["total_tflops"]), fmt(r["cudnn_bf16_tflops"])] for r in run["rows"]]
+             fmt(r["kernel_tflops"]), fmt(r.get("k7_with_vt_tflops")), fmt(r["total_tflops"]),
+             fmt(r["cudnn_bf16_tflops"]),
+             fmt(r["cudnn_fp8_tflops"]) if r.get("cudnn_fp8_tflops") else r.get("cudnn_fp8_status", "—")[:30]]
+            for r in run["rows"]]
     return (f"On an {gpu_short_name(run['meta'].get('device', ''))}: `{run['meta'].get('command', '')}`, "
             f"{run['meta'].get('date', '')[:10]}; batch 16384/N, heads 2048/d.\n\n"
-            + markdown_table(["d", "causal", "N", "pre-pass ms", "kernel ms", "kernel TFLOP/s", "with pre-pass TFLOP/s",
-                              "cuDNN bf16 TFLOP/s"], body))
+            + markdown_table(["d", "causal", "N", "pre-pass ms", "kernel ms", "kernel TFLOP/s", "kernel + V^T TFLOP/s",
+                              "with pre-pass TFLOP/s", "cuDNN bf16 TFLOP/s", "cuDNN FP8 TFLOP/s"], body))
 
 
 def decode_tune_table(tune):
