@@ -137,7 +137,20 @@ def fp8_key_permutation(seqlen: int, device=None):
 
 def transpose_v_fp8(v8):
     """(batch, heads, seqlen, d) e4m3 -> V^T (batch, heads, d, seqlen padded to 16) with the keys
-    of every 16 in the FP8 P order; pad keys are 0 (P is 0 there, and 0 * NaN would not be)."""
+    of every 16 in the FP8 P order; pad keys are 0 (P is 0 there, and 0 * NaN would not be). On a
+    GPU by ``TransposeV`` (below); elsewhere by the same arithmetic in torch."""
+    import torch
+
+    if not v8.is_cuda:
+        return transpose_v_fp8_torch(v8)
+    b, h, n, d = v8.shape
+    vt = torch.empty((b, h, d, n + (-n % 16)), device=v8.device, dtype=torch.uint8)
+    compile_transpose_v()(v8.view(torch.uint8), vt)
+    return vt.view(torch.float8_e4m3fn)
+
+
+def transpose_v_fp8_torch(v8):
+    """``transpose_v_fp8`` as torch ops: the reference for ``TransposeV``."""
     import torch
 
     b, h, n, d = v8.shape
@@ -194,3 +207,60 @@ def run_kernel(compiled: CompiledAttention, q, k, v, out, lse, softmax_scale=Non
     scale = compiled.problem.scale if softmax_scale is None else softmax_scale
     q8, k8, vt8, descale = prepare_fp8(q, k, v)
     compiled.launch(q8, k8, vt8, out, lse, descale, scale)
+
+
+# --------------------------------------------------------------------------------------
+# The V^T pass as a kernel: one read and one write of V, in 64 x 64-byte tiles through SMEM
+# --------------------------------------------------------------------------------------
+
+class TransposeV:
+    """(batch, heads, keys, d) bytes -> (batch, heads, d, keys padded to 16) bytes, the keys of every
+    16 in ``sm90.FP8_KEY_ORDER``, pad keys 0. A CTA moves a 64-key x 64-byte tile: each thread
+    loads 16 contiguous bytes of a key row into SMEM, then gathers 16 permuted keys of one d column
+    from SMEM and stores them as 16 contiguous bytes: both GMEM sides move in 16-byte pieces."""
+
+    TILE = 64
+    THREADS = 256
+
+    @cute.jit
+    def __call__(self, mV: cute.Tensor, mVt: cute.Tensor, stream):
+        t = self.TILE
+        grid = (cute.ceil_div(mVt.shape[3], t), cute.ceil_div(mV.shape[3], t), mV.shape[0] * mV.shape[1])
+        self.kernel(mV, mVt).launch(grid=grid, block=[self.THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mV: cute.Tensor, mVt: cute.Tensor):
+        t = self.TILE
+        tidx, _, _ = cute.arch.thread_idx()
+        k_tile, d_tile, bh = cute.arch.block_idx()
+        batch, head = bh // mV.shape[1], bh % mV.shape[1]
+        smem = cutlass.utils.SmemAllocator()
+        sV = smem.allocate_tensor(cutlass.Uint8, cute.make_layout((t, t), stride=(t, 1)), byte_alignment=16)
+        gV = cute.local_tile(mV[batch, head, None, None], (t, t), (k_tile, d_tile))  # (keys, d)
+        gVt = cute.local_tile(mVt[batch, head, None, None], (t, t), (d_tile, k_tile))  # (d, keys)
+        row, chunk = tidx // 4, tidx % 4  # a key row (load) or a d column (store); which 16 bytes
+        dst = cute.local_tile(sV[row, None], (16,), (chunk,))
+        if k_tile * t + row < mV.shape[2]:
+            cute.autovec_copy(cute.local_tile(gV[row, None], (16,), (chunk,)), dst)
+        else:
+            dst.fill(0)  # pad keys: P is 0 there, and 0 * NaN would not be
+        cute.arch.sync_threads()
+        if k_tile * t + chunk * 16 < mVt.shape[3]:
+            packed = cute.make_rmem_tensor(16, cutlass.Uint8)
+            for p in cutlass.range_constexpr(16):
+                packed[p] = sV[chunk * 16 + sm90.FP8_KEY_ORDER[p], row]
+            cute.autovec_copy(packed, cute.local_tile(gVt[row, None], (16,), (chunk,)))
+
+
+def compile_transpose_v(keep_ptx: bool = False):
+    from cutlass.cute.runtime import make_fake_tensor
+
+    def build():
+        b, h, n, n_pad, d = (cute.sym_int() for _ in range(5))
+        v = make_fake_tensor(cutlass.Uint8, (b, h, n, d), stride=tuple(cute.sym_int64(divisibility=16)
+                                                                       for _ in range(3)) + (1,), assumed_align=16)
+        vt = make_fake_tensor(cutlass.Uint8, (b, h, d, n_pad), stride=tuple(cute.sym_int64(divisibility=16)
+                                                                           for _ in range(3)) + (1,), assumed_align=16)
+        return TransposeV(), (v, vt, fake_stream())
+
+    return jit_compile(("k7_transpose_v",), build, keep_ptx)

@@ -3,6 +3,7 @@ view's, and the emulation the FP8 check compares with."""
 
 import math
 
+import pytest
 import torch
 
 from harness.check import emulate_fp8
@@ -69,3 +70,24 @@ def test_fp8_emulation_error_is_p_rounding_sized():
     rel = float((emu - ref).norm() / ref.norm())
     assert 0.005 < rel < 0.05
     assert vt8.shape == (1, 2, 128, 304) and descale.shape == (3,)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("n,d", [(1, 64), (37, 128), (1000, 256), (4096, 128)])
+def test_transpose_kernel_matches_the_torch_pass(n, d):
+    from kernels.k7 import transpose_v_fp8_torch
+
+    v8, _ = quantize_fp8(torch.randn(2, 3, n, d, device="cuda", dtype=torch.bfloat16))
+    assert torch.equal(transpose_v_fp8(v8).view(torch.uint8), transpose_v_fp8_torch(v8).view(torch.uint8))
+
+
+def test_transpose_kernel_compiles_to_16_byte_global_accesses():
+    import re
+
+    from kernels.contract import compiled_ptx
+    from kernels.k7 import compile_transpose_v
+
+    ptx = compiled_ptx(compile_transpose_v(keep_ptx=True))
+    accesses = set(re.findall(r"(?:ld|st)\.global[.a-z0-9]*", ptx))
+    assert accesses == {"ld.global.v4.b32", "st.global.v4.b32"}  # both GMEM sides in 16-byte pieces
