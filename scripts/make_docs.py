@@ -583,6 +583,10 @@ def main(argv=None):
         page.write_text(text)
     if decode_bench and "<!-- table:decode-readme -->" in readme.read_text():
         readme.write_text(replace_block(readme.read_text(), "decode-readme", decode_readme_table(decode_bench)))
+    k7_compiles = finished("compile-k7-*.json")
+    if k7_compiles and (ROOT / "docs" / "k7.md").exists() and "<!-- table:k7-compile -->" in (ROOT / "docs" / "k7.md").read_text():
+        (ROOT / "docs" / "k7.md").write_text(replace_block((ROOT / "docs" / "k7.md").read_text(), "k7-compile",
+                                                           ws_compile_table(k7_compiles)))
     k7_time = latest("k7-time-*.json")
     page_k7 = ROOT / "docs" / "k7.md"
     if k7_time and page_k7.exists() and "<!-- table:k7-time -->" in page_k7.read_text():
