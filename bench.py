@@ -6,6 +6,8 @@
     python bench.py --sweep --out results/sweep.json k2 k4
     python bench.py k4 --compile-only      # no GPU needed: compile for sm_90a and inspect
     python bench.py --decode --out results/decode.json   # decode over a KV cache, TB/s, graph-timed
+    python bench.py --decode --batch 1 --nheads-kv 8      # part of the decode grid
+    python bench.py --decode --splits-curve               # decode: TB/s against the split count
 
 Workload: SEQLEN, HEADDIM, CAUSAL, BATCH, NHEADS, DTYPE (env) or the equivalent flags (a flag
 wins). CHECK=1 (or --check) runs the correctness check on the same shape first and stops on
@@ -26,6 +28,14 @@ from kernels import get_kernel, kernel_names
 from kernels.contract import UnsupportedProblem
 
 
+def decode_grid_text() -> str:
+    from harness.decode_bench import GRID, HEAD_DIM, NHEADS, Q_LEN
+
+    axes = ["/".join(str(v) for v in sorted({r[i] for r in GRID})) for i in range(3)]
+    return (f"batch {axes[0]} x kv_len {axes[1]} x K/V heads {axes[2]} ({len(GRID)} rows), {NHEADS} query heads,\n"
+            f"  d {HEAD_DIM}, q_len {Q_LEN}, bf16; --batch/--seqlen-k/--nheads-kv restrict it to their value.")
+
+
 def parse_args(argv=None):
     kernels = "\n".join(f"  {n:<8} {get_kernel(n).title}" for n in kernel_names())
     epilog = (f"kernels:\n{kernels}\n\nworkload defaults: seqlen {DEFAULTS['seqlen']}, head dim {DEFAULTS['headdim']}, "
@@ -33,7 +43,8 @@ def parse_args(argv=None):
               "  batch = 16384/seqlen and heads = 2048/head dim unless given.\n"
               f"sweep: head dim {'/'.join(map(str, SWEEP_HEAD_DIMS))} x causal 0/1 x seqlen "
               f"{'/'.join(map(str, SWEEP_SEQLENS))};\n"
-              "  --seqlen/--headdim/--causal/--dtype restrict it to their value.")
+              "  --seqlen/--headdim/--causal/--dtype restrict it to their value.\n"
+              f"decode: {decode_grid_text()}")
     ap = argparse.ArgumentParser(description=__doc__, epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("kernels", nargs="*", help="kernel names, or 'all' (default: all)")
     ap.add_argument("--seqlen", type=int, help="(SEQLEN)")
@@ -49,12 +60,19 @@ def parse_args(argv=None):
     ap.add_argument("--out", help="write the rows as JSON here, each as it is done")
     ap.add_argument("--decode", action="store_true",
                     help="decode mode (harness/decode_bench.py): q_len 1, 32 query heads, d 128 over KV caches of "
-                         "batch 1/8/64 x 4k/32k/128k keys x 8/32 K/V heads, the split-count curve and host times")
+                         "batch 1/8/64 x 4k/32k/128k keys x 8/32 K/V heads, the split-count curve and host times; "
+                         "--batch, --seqlen-k, --nheads-kv, --headdim restrict it")
     ap.add_argument("--seqlen-k", type=int, help="decode: restrict the grid to this cache length; "
                     "--compile-only: K/V's length")
     ap.add_argument("--nheads-kv", type=int, help="decode: restrict the grid to this many K/V heads; "
                     "--compile-only: K/V's heads")
+    ap.add_argument("--q-len", type=int, help="decode: query rows per sequence (default 1; 2-8 for speculative steps)")
+    ap.add_argument("--num-splits", type=int, help="decode: force the kernels' split count in the grid "
+                    "(default 0: the heuristic's)")
     ap.add_argument("--grid-only", action="store_true", help="decode: skip the split curve and the host times")
+    ap.add_argument("--splits-curve", action="store_true",
+                    help="decode: only TB/s against the split count, at batch 1, 32k keys, 8 K/V heads "
+                         "unless --batch/--seqlen-k/--nheads-kv say otherwise")
     return ap.parse_args(argv)
 
 
@@ -181,18 +199,51 @@ def print_row(r) -> None:
         print(f"{r['kernel']:<11}{r['ms']:>10.3f}{r['tflops']:>10.1f}{vs}", flush=True)
 
 
-def decode_main(args, argv) -> int:
-    """``--decode``: the decode grid beside its peers, then the split curve and host times."""
-    other = [f for f in ("seqlen", "headdim", "causal", "nheads", "dtype", "sweep", "compile_only", "check")
+DECODE_ONLY = ("q_len", "num_splits", "grid_only", "splits_curve")
+
+
+def decode_refusal(args):
+    """Why ``--decode`` cannot run with these flags (a message), or None. It times its own grid, so
+    the prefill workload (flags or environment) would be ignored: refused instead, as ref_check does."""
+    from harness.config import KNOBS
+
+    other = [f for f in ("seqlen", "causal", "nheads", "dtype", "sweep", "compile_only", "check")
              if getattr(args, f) not in (None, False)]
     if other or args.kernels:
-        print(f"error: --decode times its own grid (harness/decode_bench.py); it takes --batch, --seqlen-k, "
-              f"--nheads-kv, --no-peers, --grid-only and --out, not {other or args.kernels}", file=sys.stderr)
-        return 2
-    for flag in ("batch", "seqlen_k", "nheads_kv"):
+        return (f"--decode times its own grid (harness/decode_bench.py); it takes --batch, --seqlen-k, --nheads-kv, "
+                f"--headdim, --q-len, --num-splits, --no-peers, --grid-only, --splits-curve and --out, not "
+                f"{other or args.kernels}")
+    ignored = [f"{var}={os.environ[var]}" for var in (*KNOBS.values(), "CHECK") if var in os.environ]
+    if ignored:
+        return f"--decode would ignore {', '.join(ignored)}: unset it (--batch, --headdim, ... restrict the grid)"
+    for flag in ("batch", "seqlen_k", "nheads_kv", "q_len"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
-            print(f"error: --{flag.replace('_', '-')} must be positive", file=sys.stderr)
-            return 2
+            return f"--{flag.replace('_', '-')} must be positive"
+    head_dims = get_kernel("decode").caps.head_dims
+    if args.headdim is not None and args.headdim not in head_dims:
+        return f"--headdim must be one of {head_dims} for decode, got {args.headdim}"
+    if args.num_splits is not None and not 0 <= args.num_splits <= 128:
+        return f"--num-splits must be in [0, 128] (0: the heuristic), got {args.num_splits}"
+    if args.splits_curve and (args.grid_only or args.num_splits is not None):
+        return "--splits-curve runs only the split curve (every split count): not with --grid-only or --num-splits"
+    return None
+
+
+def print_decode_row(row) -> None:
+    value = (f"{row['tbps']:.2f} TB/s, {row['ms'] * 1e3:.1f} us" if row.get("tbps")
+             else f"host {row['host_us']:.1f} us, per call {row['call_us']:.1f} us" if row.get("host_us")
+             else row["status"])
+    shape = f"b={row['batch']} kv_len={row['seqlen_k']} kv_heads={row['nheads_kv']}"
+    splits = f" S={row['num_splits']}" if row.get("num_splits") else ""
+    print(f"{row['mode']:<7}{shape:<34}{row['kernel']:<31}{splits:<6}{value}", flush=True)
+
+
+def decode_main(args, argv) -> int:
+    """``--decode``: the decode grid beside its peers, then the split curve and host times."""
+    refusal = decode_refusal(args)
+    if refusal:
+        print(f"error: {refusal}", file=sys.stderr)
+        return 2
     from harness import decode_bench, results
 
     import torch
@@ -207,19 +258,21 @@ def decode_main(args, argv) -> int:
         rows.append(row)
         if out:
             out.append(row)
-        value = (f"{row['tbps']:.2f} TB/s, {row['ms'] * 1e3:.1f} us" if row.get("tbps")
-                 else f"host {row['host_us']:.1f} us, per call {row['call_us']:.1f} us" if row.get("host_us")
-                 else row["status"])
-        shape = f"b={row['batch']} kv_len={row['seqlen_k']} kv_heads={row['nheads_kv']}"
-        splits = f" S={row['num_splits']}" if row.get("num_splits") else ""
-        print(f"{row['mode']:<7}{shape:<34}{row['kernel']:<31}{splits:<6}{value}", flush=True)
+        print_decode_row(row)
 
-    print(f"== {torch.cuda.get_device_name()}: decode, 32 query heads, d=128, q_len 1, bf16")
-    decode_bench.run_grid(decode_bench.grid(args.batch, args.seqlen_k, args.nheads_kv), emit, not args.no_peers)
-    if not args.grid_only:
-        decode_bench.run_splits(emit)
-        decode_bench.run_host(emit)
-    print("\n" + decode_bench.summary(rows))
+    shape = dict(head_dim=args.headdim or decode_bench.HEAD_DIM, q_len=args.q_len or decode_bench.Q_LEN)
+    print(f"== {torch.cuda.get_device_name()}: decode, {decode_bench.NHEADS} query heads, d={shape['head_dim']}, "
+          f"q_len {shape['q_len']}, bf16")
+    if args.splits_curve:
+        decode_bench.run_splits(emit, batch=args.batch or 1, kv_len=args.seqlen_k or 32768,
+                                nheads_kv=args.nheads_kv or 8, **shape)
+    else:
+        decode_bench.run_grid(decode_bench.grid(args.batch, args.seqlen_k, args.nheads_kv), emit, not args.no_peers,
+                              num_splits=args.num_splits or 0, **shape)
+        if not args.grid_only:
+            decode_bench.run_splits(emit, **shape)
+            decode_bench.run_host(emit, **shape)
+        print("\n" + decode_bench.summary(rows))
     if out:
         print(f"\nwrote {out.close()}")
     return 0
@@ -229,9 +282,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.decode:
         return decode_main(args, argv)
-    if (args.seqlen_k is not None or args.nheads_kv is not None) and not args.compile_only or args.grid_only:
-        print("error: --seqlen-k and --nheads-kv belong to --decode and --compile-only, --grid-only to --decode",
-              file=sys.stderr)
+    if (args.seqlen_k is not None or args.nheads_kv is not None) and not args.compile_only or \
+            any(getattr(args, f) not in (None, False) for f in DECODE_ONLY):
+        print("error: --seqlen-k and --nheads-kv belong to --decode and --compile-only; --q-len, --num-splits, "
+              "--grid-only and --splits-curve to --decode", file=sys.stderr)
         return 2
     try:
         names = resolve_kernels(args.kernels)

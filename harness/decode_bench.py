@@ -4,13 +4,16 @@ Kernel time by CUDA-graph replay (``harness.timing.graph_ms``: 20 calls per grap
 through copies of the caches that add up to over 4x the 50 MB L2, so every call reads HBM), for
 the decode kernels and, in the same run, cuDNN (SDPA with ``enable_gqa``), SDPA's flash backend
 and flash-attn-4. Every candidate is first checked against a float32 reference on the same
-inputs. TB/s counts K and V read once: 2 x batch x kv_heads x kv_len x d x 2 bytes.
+inputs; the peers run first, so each kernel row carries its ratio to cuDNN (``vs_cudnn``).
+TB/s counts K and V read once: 2 x batch x kv_heads x kv_len x d x 2 bytes.
 Host time per call (no graph) is measured apart: for a decode step it can exceed the kernel's.
+A failing or missing candidate becomes a row with a status, never a crash.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import statistics
 import time
@@ -37,26 +40,48 @@ def hbm_peak(device_name: str):
     return next((v for k, v in HBM_PEAK_TBPS.items() if k in device_name), None)
 
 
+def rates(nbytes: int, ms, peak) -> dict:
+    """TB/s of ``nbytes`` read in ``ms``, and its percentage of the HBM peak when the GPU's is known."""
+    if not ms:
+        return dict(tbps=None)
+    rate = tbps(nbytes, ms)
+    return dict(tbps=rate, pct_peak=100 * rate / peak) if peak else dict(tbps=rate)
+
+
+def cache_copies(nbytes: int, free_bytes=None) -> int:
+    """Copies of one (k, v) pair so that a pass over all of them reads >= 4x the L2 (every call then
+    streams from HBM, as a real decode step does), at most half the free memory (the reference and
+    the peers need room too), and never fewer than one."""
+    want = max(1, math.ceil(4 * L2_BYTES / nbytes))
+    return want if free_bytes is None else max(1, min(want, int(free_bytes // 2 // nbytes)))
+
+
 def grid(batch=None, seqlen_k=None, nheads_kv=None) -> list:
-    """GRID restricted to the given values; a value outside it is a row of its own."""
+    """GRID restricted to the given values. When no row of GRID has them, each given value replaces
+    its whole axis (batch 2: batch 2 at every kv_len and K/V head count), so any shape can be timed."""
     rows = [r for r in GRID if (batch is None or r[0] == batch) and (seqlen_k is None or r[1] == seqlen_k)
             and (nheads_kv is None or r[2] == nheads_kv)]
-    return rows or [(batch or 1, seqlen_k or 32768, nheads_kv or 8)]
+    if rows:
+        return rows
+    axes = [[given] if given is not None else sorted({r[i] for r in GRID})
+            for i, given in enumerate((batch, seqlen_k, nheads_kv))]
+    return list(itertools.product(*axes))
 
 
 class Inputs:
-    """q (b, 1, h, d) and enough (k, v) cache copies, (b, kv_len, h_kv, d), to read past L2."""
+    """q (b, q_len, h, d) and enough (k, v) cache copies, (b, kv_len, h_kv, d), to read past L2."""
 
-    def __init__(self, batch: int, kv_len: int, nheads_kv: int):
+    def __init__(self, batch: int, kv_len: int, nheads_kv: int, head_dim: int = HEAD_DIM, q_len: int = Q_LEN):
         import torch
 
-        self.copies = max(1, math.ceil(4 * L2_BYTES / kv_bytes(batch, nheads_kv, kv_len)))
-        shape = (batch, kv_len, nheads_kv, HEAD_DIM)
+        nbytes = kv_bytes(batch, nheads_kv, kv_len, head_dim)
+        self.copies = cache_copies(nbytes, torch.cuda.mem_get_info()[0])
+        shape = (batch, kv_len, nheads_kv, head_dim)
         self.caches = [tuple(torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(2))
                        for _ in range(self.copies)]
-        self.q = torch.randn(batch, Q_LEN, NHEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        self.q = torch.randn(batch, q_len, NHEADS, head_dim, device="cuda", dtype=torch.bfloat16)
         self.lens = torch.full((batch,), kv_len, dtype=torch.int32, device="cuda")
-        self.scale = HEAD_DIM ** -0.5
+        self.scale = head_dim ** -0.5
 
     def cache(self, i: int):
         return self.caches[i % self.copies]
@@ -78,9 +103,9 @@ def kernel_step(name: str, inputs: Inputs, num_splits: int = 0):
     """(plan, step(i)) for a decode kernel through its plan (validated once, then launch only)."""
     from harness.kvcache import decode_plan
 
-    b, _, h, d = inputs.q.shape
+    b, q_len, h, d = inputs.q.shape
     k0, _ = inputs.cache(0)
-    plan = decode_plan(b, h, k0.shape[2], d, k0.shape[1], num_splits=num_splits, kernel=name)
+    plan = decode_plan(b, h, k0.shape[2], d, k0.shape[1], q_len=q_len, num_splits=num_splits, kernel=name)
     return plan, lambda i: plan.run(inputs.q, *inputs.cache(i), inputs.lens)[0]
 
 
@@ -109,8 +134,18 @@ def peer_steps(inputs: Inputs) -> dict:
     return steps
 
 
+def failure(e: Exception) -> str:
+    """A status string for a candidate that raised: a refusal names its constraint."""
+    from kernels.contract import UnsupportedProblem
+
+    if isinstance(e, UnsupportedProblem):
+        return f"refused: {e}"[:120]
+    return f"failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"[:120]
+
+
 def check_and_time(step, context, o_ref) -> tuple:
-    """(ms, max_abs_err, status): checked on copy 0 first; a wrong or failing candidate is not timed."""
+    """(ms, max_abs_err, status): checked on copy 0 first; a wrong or failing candidate is not timed.
+    ``context`` (SDPA's backend choice) is entered here, outside the graph capture and the timing."""
     import torch
 
     try:
@@ -120,8 +155,9 @@ def check_and_time(step, context, o_ref) -> tuple:
                 return None, err, f"failed check: max |O - ref| = {err:.3g}"
             return graph_ms(step), err, "ok"
     except Exception as e:
-        torch.cuda.synchronize()
-        return None, None, f"failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"[:120]
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return None, None, failure(e)
 
 
 def graph_ms(step):
@@ -145,92 +181,141 @@ def host_us(call, n: int = 200) -> float:
     return host
 
 
-def run_grid(rows: list, emit, peers: bool = True) -> None:
+def call_us(call, n: int = 200) -> float:
+    """Microseconds per call on the GPU clock: one event pair around n back-to-back calls, so the
+    slower of host and kernel sets it (what a loop of eager decode steps sees)."""
     import torch
 
-    device = torch.cuda.get_device_name()
-    peak = hbm_peak(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        call()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / n * 1e3
+
+
+def candidates(inputs: Inputs, peers: bool = True, num_splits: int = 0) -> dict:
+    """name -> (step(i), context factory, extra row fields), or a status string. The peers come
+    first so that each kernel row can carry its ratio to cuDNN, as bench.py's rows do."""
+    entries = {}
+    for name, entry in (peer_steps(inputs).items() if peers else ()):
+        entries[name] = entry if isinstance(entry, str) else (*entry, {})
+    for name in KERNELS:
+        try:
+            plan, step = kernel_step(name, inputs, num_splits)
+        except Exception as e:  # a refused shape or a failed compile: a status, not a crash
+            entries[name] = failure(e)
+            continue
+        entries[name] = (step, contextlib.nullcontext, dict(num_splits=plan.num_splits))
+    return entries
+
+
+def time_candidates(base: dict, entries: dict, o_ref, peak, emit) -> None:
+    """Check, time and emit each candidate of one grid row (``base``: the shape's fields)."""
+    cudnn_ms = None
+    for name, entry in entries.items():
+        if isinstance(entry, str):
+            emit(dict(base, kernel=name, ms=None, tbps=None, status=entry))
+            continue
+        step, context, extra = entry
+        ms, err, status = check_and_time(step, context, o_ref)
+        row = dict(base, kernel=name, ms=ms, **rates(base["kv_bytes"], ms, peak), max_abs_err=err, status=status,
+                   **extra)
+        if name == "sdpa-cudnn":
+            cudnn_ms = ms
+        elif name in KERNELS and ms and cudnn_ms:
+            row["vs_cudnn"] = cudnn_ms / ms  # > 1: faster than cuDNN
+        emit(row)
+
+
+def run_grid(rows: list, emit, peers: bool = True, head_dim: int = HEAD_DIM, q_len: int = Q_LEN,
+             num_splits: int = 0) -> None:
+    """Each (batch, kv_len, K/V heads) of ``rows``: the peers, then the decode kernels."""
+    import torch
+
+    peak = hbm_peak(torch.cuda.get_device_name())
     for batch, kv_len, nheads_kv in rows:
-        inputs = Inputs(batch, kv_len, nheads_kv)
-        nbytes = kv_bytes(batch, nheads_kv, kv_len)
-        base = dict(mode="grid", batch=batch, nheads=NHEADS, nheads_kv=nheads_kv, seqlen_k=kv_len, q_len=Q_LEN,
-                    head_dim=HEAD_DIM, dtype="bfloat16", kv_bytes=nbytes, cache_copies=inputs.copies)
-        o_ref = inputs.reference()
-        candidates = {}
-        for name in KERNELS:
-            plan, step = kernel_step(name, inputs)
-            candidates[name] = (step, contextlib.nullcontext, dict(num_splits=plan.num_splits))
-        for name, entry in (peer_steps(inputs).items() if peers else ()):
-            candidates[name] = entry if isinstance(entry, str) else (*entry, {})
-        for name, entry in candidates.items():
-            if isinstance(entry, str):
-                emit(dict(base, kernel=name, ms=None, tbps=None, status=entry))
-                continue
-            step, context, extra = entry
-            ms, err, status = check_and_time(step, context, o_ref)
-            row = dict(base, kernel=name, ms=ms, tbps=tbps(nbytes, ms) if ms else None, max_abs_err=err,
-                       status=status, **extra)
-            if ms and peak:
-                row["pct_peak"] = 100 * row["tbps"] / peak
-            emit(row)
+        base = dict(mode="grid", batch=batch, nheads=NHEADS, nheads_kv=nheads_kv, seqlen_k=kv_len, q_len=q_len,
+                    head_dim=head_dim, dtype="bfloat16", kv_bytes=kv_bytes(batch, nheads_kv, kv_len, head_dim))
+        try:
+            inputs = Inputs(batch, kv_len, nheads_kv, head_dim, q_len)
+            o_ref = inputs.reference()
+        except torch.cuda.OutOfMemoryError:  # a shape given on the command line may not fit
+            inputs = o_ref = None
+            torch.cuda.empty_cache()
+            emit(dict(base, kernel="inputs", ms=None, tbps=None, status="failed: the caches do not fit in memory"))
+            continue
+        base["cache_copies"] = inputs.copies
+        time_candidates(base, candidates(inputs, peers, num_splits), o_ref, peak, emit)
         del inputs, o_ref
         torch.cuda.empty_cache()
 
 
-def run_splits(emit) -> None:
-    """TB/s of ``decode`` against its split count at batch 1, 8 K/V heads, 32k keys."""
-    batch, kv_len, nheads_kv = 1, 32768, 8
-    inputs = Inputs(batch, kv_len, nheads_kv)
-    o_ref = inputs.reference()
-    nbytes = kv_bytes(batch, nheads_kv, kv_len)
-    for splits in SPLITS_CURVE:
-        plan, step = kernel_step("decode", inputs, num_splits=splits)
-        ms, err, status = check_and_time(step, contextlib.nullcontext, o_ref)
-        emit(dict(mode="splits", kernel="decode", batch=batch, nheads=NHEADS, nheads_kv=nheads_kv, seqlen_k=kv_len,
-                  head_dim=HEAD_DIM, num_splits=plan.num_splits, auto=splits == 0, ms=ms,
-                  tbps=tbps(nbytes, ms) if ms else None, max_abs_err=err, status=status))
-
-
-def run_host(emit) -> None:
-    """Host microseconds per call (no graph, no sync inside the loop) at two shapes, and the same
-    calls' per-call time on the GPU clock (event pair around 200 calls: max of host and kernel)."""
+def run_splits(emit, batch: int = 1, kv_len: int = 32768, nheads_kv: int = 8, head_dim: int = HEAD_DIM,
+               q_len: int = Q_LEN) -> None:
+    """TB/s of ``decode`` against its split count (SPLITS_CURVE), by default at batch 1, 8 K/V
+    heads, 32k keys: too few CTAs without a split, partials and a longer merge with too many."""
     import torch
+
+    peak = hbm_peak(torch.cuda.get_device_name())
+    inputs = Inputs(batch, kv_len, nheads_kv, head_dim, q_len)
+    o_ref = inputs.reference()
+    nbytes = kv_bytes(batch, nheads_kv, kv_len, head_dim)
+    base = dict(mode="splits", kernel="decode", batch=batch, nheads=NHEADS, nheads_kv=nheads_kv, seqlen_k=kv_len,
+                q_len=q_len, head_dim=head_dim)
+    for splits in SPLITS_CURVE:
+        try:
+            plan, step = kernel_step("decode", inputs, num_splits=splits)
+        except Exception as e:
+            emit(dict(base, num_splits=splits, auto=splits == 0, ms=None, tbps=None, status=failure(e)))
+            continue
+        ms, err, status = check_and_time(step, contextlib.nullcontext, o_ref)
+        emit(dict(base, num_splits=plan.num_splits, auto=splits == 0, ms=ms, **rates(nbytes, ms, peak),
+                  max_abs_err=err, status=status))
+    del inputs, o_ref
+    torch.cuda.empty_cache()
+
+
+def host_calls(inputs: Inputs) -> dict:
+    """name -> call() for the host-time rows: the plan, the one-call API, eager SDPA, flash-attn-4."""
     import torch.nn.functional as F
 
     from harness.kvcache import attention_with_kvcache
 
-    for batch, kv_len, nheads_kv in ((1, 32768, 8), (64, 4096, 8)):
-        inputs = Inputs(batch, kv_len, nheads_kv)
-        k, v = inputs.cache(0)
-        plan, _ = kernel_step("decode", inputs)
-        q_t, k_t, v_t = (t.transpose(1, 2) for t in (inputs.q, k, v))
-        calls = {
-            "decode plan.run": lambda: plan.run(inputs.q, k, v, inputs.lens),
-            "decode attention_with_kvcache": lambda: attention_with_kvcache(inputs.q, k, v, inputs.lens),
-            "sdpa (default backend)": lambda: F.scaled_dot_product_attention(q_t, k_t, v_t, scale=inputs.scale,
-                                                                              enable_gqa=True),
-        }
-        try:
-            from flash_attn.cute import flash_attn_func
+    k, v = inputs.cache(0)
+    plan, _ = kernel_step("decode", inputs)
+    q_t, k_t, v_t = (t.transpose(1, 2) for t in (inputs.q, k, v))
+    calls = {
+        "decode plan.run": lambda: plan.run(inputs.q, k, v, inputs.lens),
+        "decode attention_with_kvcache": lambda: attention_with_kvcache(inputs.q, k, v, inputs.lens),
+        "sdpa (default backend)": lambda: F.scaled_dot_product_attention(q_t, k_t, v_t, scale=inputs.scale,
+                                                                          enable_gqa=True),
+    }
+    try:
+        from flash_attn.cute import flash_attn_func
 
-            calls["fa4 flash_attn_func"] = lambda: flash_attn_func(inputs.q, k, v, softmax_scale=inputs.scale)
-        except Exception:
-            pass
-        for name, call in calls.items():
+        calls["fa4 flash_attn_func"] = lambda: flash_attn_func(inputs.q, k, v, softmax_scale=inputs.scale)
+    except Exception:
+        pass
+    return calls
+
+
+def run_host(emit, head_dim: int = HEAD_DIM, q_len: int = Q_LEN) -> None:
+    """Host microseconds per call (no graph, no sync inside the loop) at two shapes, and the same
+    calls' per-call time on the GPU clock (event pair around 200 calls: max of host and kernel)."""
+    import torch
+
+    for batch, kv_len, nheads_kv in ((1, 32768, 8), (64, 4096, 8)):
+        inputs = Inputs(batch, kv_len, nheads_kv, head_dim, q_len)
+        base = dict(mode="host", batch=batch, nheads=NHEADS, nheads_kv=nheads_kv, seqlen_k=kv_len, q_len=q_len,
+                    head_dim=head_dim)
+        for name, call in host_calls(inputs).items():
             try:
-                host = host_us(call)
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(200):
-                    call()
-                end.record()
-                torch.cuda.synchronize()
-                emit(dict(mode="host", kernel=name, batch=batch, nheads=NHEADS, nheads_kv=nheads_kv, seqlen_k=kv_len,
-                          head_dim=HEAD_DIM, host_us=host, call_us=start.elapsed_time(end) / 200 * 1e3,
-                          status="ok"))
+                emit(dict(base, kernel=name, host_us=host_us(call), call_us=call_us(call), status="ok"))
             except Exception as e:
-                emit(dict(mode="host", kernel=name, batch=batch, nheads_kv=nheads_kv, seqlen_k=kv_len,
-                          status=f"failed ({type(e).__name__}: {e})"[:120]))
+                emit(dict(base, kernel=name, status=failure(e)))
+        del inputs
         torch.cuda.empty_cache()
 
 

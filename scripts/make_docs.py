@@ -381,6 +381,20 @@ def decode_host_table(bench):
                              body))
 
 
+# docs/decode.md's blocks from bench.py --decode: marker, the rows' mode, generator.
+DECODE_TABLES = (("decode", "grid", decode_table), ("decode-splits", "splits", decode_splits_table),
+                 ("decode-host", "host", decode_host_table))
+
+
+def fill_decode_page(text, runs):
+    """``text`` with each decode block it has regenerated from ``runs`` (mode -> result file or
+    None); a block whose run does not exist yet is left as it is."""
+    for name, mode, make in DECODE_TABLES:
+        if runs.get(mode) and f"<!-- table:{name} -->" in text:
+            text = replace_block(text, name, make(runs[mode]))
+    return text
+
+
 def k7_time_table(run):
     """docs/k7.md: scripts/time_k7.py rows, the pre-pass and the kernel apart, beside bf16 cuDNN."""
     body = [[r["head_dim"], r["causal"], r["seqlen"], f"{r['prepass_ms']:.3f}", f"{r['kernel_ms']:.3f}",
@@ -501,6 +515,14 @@ def merged_refcheck():
     return {"meta": {}, "rows": [r for f in finished("refcheck*.json") for r in f["rows"]]}
 
 
+def latest_with_mode(pattern, mode):
+    """The newest finished result file matching ``pattern`` with rows of ``mode`` (``bench.py
+    --decode``: grid, splits, host): a run of one part (--grid-only, --splits-curve) updates its
+    tables and leaves the others' be."""
+    found = [f for f in finished(pattern) if any(r.get("mode") == mode for r in f["rows"])]
+    return max(found, key=lambda r: r["meta"].get("date", "")) if found else None
+
+
 def latest(pattern):
     """The finished result file matching ``pattern`` with the newest ``meta.date``."""
     found = finished(pattern)
@@ -573,16 +595,11 @@ def main(argv=None):
         k4_sweep = latest_with("sweep*.json", ["k4_qk"])
         page.write_text(replace_block(page.read_text(), "k4-steps", k4_steps_table(k4_sweep, tune)))
     page = ROOT / "docs" / "decode.md"
-    decode_bench = latest("decode-h*.json")
-    if decode_bench and page.exists():
-        text = page.read_text()
-        for name, make in (("decode", decode_table), ("decode-splits", decode_splits_table),
-                           ("decode-host", decode_host_table)):
-            if f"<!-- table:{name} -->" in text:
-                text = replace_block(text, name, make(decode_bench))
-        page.write_text(text)
-    if decode_bench and "<!-- table:decode-readme -->" in readme.read_text():
-        readme.write_text(replace_block(readme.read_text(), "decode-readme", decode_readme_table(decode_bench)))
+    decode_runs = {mode: latest_with_mode("decode-h*.json", mode) for mode in ("grid", "splits", "host")}
+    if page.exists():
+        page.write_text(fill_decode_page(page.read_text(), decode_runs))
+    if decode_runs["grid"] and "<!-- table:decode-readme -->" in readme.read_text():
+        readme.write_text(replace_block(readme.read_text(), "decode-readme", decode_readme_table(decode_runs["grid"])))
     k7_compiles = finished("compile-k7-*.json")
     if k7_compiles and (ROOT / "docs" / "k7.md").exists() and "<!-- table:k7-compile -->" in (ROOT / "docs" / "k7.md").read_text():
         (ROOT / "docs" / "k7.md").write_text(replace_block((ROOT / "docs" / "k7.md").read_text(), "k7-compile",
