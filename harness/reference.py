@@ -58,6 +58,16 @@ def reference(q, k, v, causal: bool, scale: float):
     return o, lse
 
 
+def cache_lengths(cache_seqlens, batch: int, s_cache: int) -> list:
+    """Each sequence's length as a Python int in [0, s_cache] (the kernels clamp the same way):
+    ``cache_seqlens`` None (all rows), an int, or a tensor (batch,)."""
+    if cache_seqlens is None or isinstance(cache_seqlens, int):
+        lengths = [s_cache if cache_seqlens is None else cache_seqlens] * batch
+    else:
+        lengths = [int(x) for x in cache_seqlens.tolist()]
+    return [max(0, min(n, s_cache)) for n in lengths]
+
+
 def reference_kvcache(q, k_cache, v_cache, cache_seqlens, causal: bool, scale: float, dtype=None):
     """O (batch, q_len, heads, d) and LSE (batch, heads, q_len) of attention over a KV cache, from
     upcast copies (float64 by default), one sequence at a time.
@@ -72,15 +82,10 @@ def reference_kvcache(q, k_cache, v_cache, cache_seqlens, causal: bool, scale: f
 
     dtype = dtype or torch.float64
     b, q_len, h, d = q.shape
-    s_cache, group = k_cache.shape[1], h // k_cache.shape[2]
-    if cache_seqlens is None or isinstance(cache_seqlens, int):
-        lengths = [s_cache if cache_seqlens is None else cache_seqlens] * b
-    else:
-        lengths = [int(x) for x in cache_seqlens.tolist()]
+    group = h // k_cache.shape[2]
     o = torch.zeros((b, q_len, h, d), dtype=dtype, device=q.device)
     lse = torch.full((b, h, q_len), -math.inf, dtype=dtype, device=q.device)
-    for bi, n in enumerate(lengths):
-        n = max(0, min(n, s_cache))
+    for bi, n in enumerate(cache_lengths(cache_seqlens, b, k_cache.shape[1])):
         if n == 0:
             continue
         k = k_cache[bi, :n].to(dtype).repeat_interleave(group, dim=1)  # (n, h, d)
@@ -93,3 +98,22 @@ def reference_kvcache(q, k_cache, v_cache, cache_seqlens, causal: bool, scale: f
         o[bi] = torch.einsum("hqk,khd->qhd", p, v)
         lse[bi] = row_lse
     return o, lse
+
+
+def sdpa_kvcache(q, k_cache, v_cache, cache_seqlens, causal: bool, scale: float):
+    """SDPA in the inputs' own dtype over each sequence's first rows: the 16-bit peer whose error
+    against ``reference_kvcache`` sets a KV-cache check's tolerance (as ``sdpa`` does for
+    ``reference``). O (batch, q_len, heads, d); a row that sees no key is 0, as defined (SDPA
+    would give NaN for a row with nothing to attend to)."""
+    import torch
+
+    b, q_len = q.shape[:2]
+    o = torch.zeros_like(q)
+    for bi, n in enumerate(cache_lengths(cache_seqlens, b, k_cache.shape[1])):
+        if n == 0:
+            continue
+        qb, kb, vb = (t.transpose(0, 1)[None] for t in (q[bi], k_cache[bi, :n], v_cache[bi, :n]))  # (1, h, len, d)
+        o[bi] = sdpa(qb, kb, vb, causal, scale)[0].transpose(0, 1)
+        if causal and q_len > n:  # bottom-right: query rows i < q_len - n see no key
+            o[bi, :q_len - n] = 0
+    return o
