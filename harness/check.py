@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -75,13 +76,23 @@ def compare(out, ref, lse, ref_lse, dtype: str, peer=None) -> Comparison:
         reasons.append(f"rel_l2 {rel_l2:.3g} > {REL_L2[dtype]}")
     lse_max_abs = float("nan")
     if lse is not None:
-        l, rl = lse.float(), ref_lse.float()
-        # A row that sees no key has LSE -inf in both: equal, not NaN apart. NaN stays a failure.
-        ldiff = torch.where(l == rl, torch.zeros_like(l), (l - rl).abs()).nan_to_num(float("inf"))
+        ldiff = lse_gap(lse, ref_lse)
         lse_max_abs = float(ldiff.max()) if ldiff.numel() else 0.0
-        if not bool((ldiff <= LSE_ATOL + LSE_RTOL * rl.abs()).all()):
+        # The relative part is of a finite LSE only: where the reference is -inf, |-inf| would
+        # let anything pass (NaN's infinite gap included); there the LSE must be -inf exactly.
+        tol = LSE_ATOL + LSE_RTOL * ref_lse.float().abs().nan_to_num(posinf=0.0)
+        if not bool((ldiff <= tol).all()):
             reasons.append(f"lse max_abs {lse_max_abs:.3g} beyond {LSE_ATOL:g} + {LSE_RTOL:g}*|lse|")
     return Comparison(max_abs, rel_l2, lse_max_abs, peer_max_abs, "; ".join(reasons))
+
+
+def lse_gap(lse, ref_lse):
+    """|lse - ref_lse| elementwise, where a row that sees no key has LSE -inf in both: equal, 0
+    apart (not inf - inf = NaN). NaN, or -inf against a finite value, is an infinite gap."""
+    import torch
+
+    l, rl = lse.float(), ref_lse.float()
+    return torch.where(l == rl, torch.zeros_like(l), (l - rl).abs()).nan_to_num(nan=math.inf, posinf=math.inf)
 
 
 def launch_once(name: str, p: Problem, seed=None) -> tuple:
@@ -140,16 +151,24 @@ class KVCacheCase:
 
 
 def check_kvcache(case: KVCacheCase, seed=None) -> dict:
-    """Fresh inputs with NaN planted in every cache row past a sequence's length, then: the
-    public call, the plan (its outputs NaN-poisoned first) run twice (bitwise equal, so the
-    split merge is deterministic), optionally a CUDA-graph replay with new q and lengths; each
-    compared with the float64 reference (elementwise atol + rtol*|ref| for the dtype, relative L2,
-    LSE; -inf LSE where a row sees no key). Returns a result row."""
+    """One KV-cache case on fresh inputs whose cache rows past each sequence's length hold NaN and
+    +inf (they must never reach the result). Checked, each against the float64 reference with
+    ``compare``'s rule (O within twice SDPA's own 16-bit error, SDPA run on the same sequences:
+    ``sdpa_kvcache``; relative L2; LSE, -inf where a row sees no key):
+    * ``attention_with_kvcache`` (its outputs are its own: the allocator is handed NaN-filled
+      blocks of their sizes first, which it usually gives back);
+    * a forced split count: LSE within LSE_ATOL of the automatic count's (fp32 summation order);
+    * causal at q_len 1: bitwise equal to non-causal (the one query sees every key);
+    * per-sequence lengths: ``decode_plan(...).run`` after a warm-up, its returned (plan-owned)
+      buffers NaN-filled before each run, twice (bitwise equal: the merge is deterministic);
+      with ``graph``, that run captured in a CUDA graph, q and the lengths rewritten in place,
+      the buffers poisoned, and the graph replayed.
+    Returns a result row (the worst errors over the checks)."""
     import torch
 
     from .inputs import torch_dtype
     from .kvcache import attention_with_kvcache, decode_plan
-    from .reference import reference_kvcache
+    from .reference import cache_lengths, reference_kvcache, sdpa_kvcache
 
     c = case
     gen = torch.Generator(device="cuda")
@@ -158,57 +177,82 @@ def check_kvcache(case: KVCacheCase, seed=None) -> dict:
     q = torch.randn((c.batch, c.q_len, c.nheads, c.head_dim), generator=gen, device="cuda", dtype=dt)
     k, v = (torch.randn((c.batch, c.s_cache, c.nheads_kv, c.head_dim), generator=gen, device="cuda", dtype=dt)
             for _ in range(2))
-    if isinstance(c.lengths, list):
-        lens = torch.tensor(c.lengths, dtype=torch.int32, device="cuda")
-    else:
-        lens = c.lengths
-    row_lens = c.lengths if isinstance(c.lengths, list) else [c.s_cache if c.lengths is None else c.lengths] * c.batch
-    for b, n in enumerate(row_lens):  # stale cache rows: must never reach the result
-        k[b, n:] = float("nan")
+    lens = torch.tensor(c.lengths, dtype=torch.int32, device="cuda") if isinstance(c.lengths, list) else c.lengths
+    for b, n in enumerate(cache_lengths(lens, c.batch, c.s_cache)):  # stale rows: NaN and +inf in K and in V
+        k[b, n:] = float("nan") if b % 2 else float("inf")
         v[b, n:] = float("inf") if b % 2 else float("nan")
     scale = c.head_dim ** -0.5
-    reasons, worst = [], {}
+    reasons, worst = [], dict(max_abs=0.0, rel_l2=0.0, lse_max_abs=0.0, peer_max_abs=0.0)
 
-    def judge(tag, out, lse, ref, ref_lse):
-        cmp = compare(out, ref, lse, ref_lse, c.dtype)
-        worst["max_abs"] = max(worst.get("max_abs", 0.0), cmp.max_abs)
-        worst["lse_max_abs"] = max(worst.get("lse_max_abs", 0.0), cmp.lse_max_abs if cmp.lse_max_abs == cmp.lse_max_abs
-                                   else float("inf"))
+    def expected():  # for the current q and lengths
+        return (*reference_kvcache(q, k, v, lens, c.causal, scale), sdpa_kvcache(q, k, v, lens, c.causal, scale))
+
+    def judge(tag, out, lse, want):
+        cmp = compare(out, want[0], lse, want[1], c.dtype, peer=want[2])
+        for key in worst:
+            worst[key] = max(worst[key], getattr(cmp, key))
         if cmp.verdict:
             reasons.append(f"{tag}: {cmp.verdict}")
 
-    ref, ref_lse = reference_kvcache(q, k, v, lens, c.causal, scale)
-    out, lse = attention_with_kvcache(q, k, v, lens, causal=c.causal, num_splits=c.num_splits, return_lse=True,
+    def call(num_splits=c.num_splits, causal=c.causal):
+        _poison_next_alloc(q.shape, dt, (c.batch, c.nheads, c.q_len))
+        return attention_with_kvcache(q, k, v, lens, causal=causal, num_splits=num_splits, return_lse=True,
                                       kernel=c.kernel)
-    judge("attention_with_kvcache", out, lse, ref, ref_lse)
-    if isinstance(c.lengths, list):
+
+    want = expected()
+    out, lse = call()
+    judge("attention_with_kvcache", out, lse, want)
+    if c.num_splits and c.kernel != "decode_nosplit":
+        gap = float(lse_gap(lse, call(num_splits=0)[1]).max())
+        if not gap <= LSE_ATOL:
+            reasons.append(f"num_splits={c.num_splits} vs auto: lse apart by {gap:.3g} > {LSE_ATOL:g}")
+    if c.causal and c.q_len == 1:
+        o_nc, lse_nc = call(causal=False)
+        if not (torch.equal(out, o_nc) and torch.equal(lse, lse_nc)):
+            reasons.append("causal at q_len 1 differs from non-causal")
+    if isinstance(c.lengths, list):  # a plan takes lengths as a tensor only
         plan = decode_plan(c.batch, c.nheads, c.nheads_kv, c.head_dim, c.s_cache, q_len=c.q_len, dtype=c.dtype,
                            causal=c.causal, num_splits=c.num_splits, kernel=c.kernel)
+        o, l = plan.run(q, k, v, lens)  # warm-up (compiles); o, l: the plan's buffers, the same every run
         runs = []
         for _ in range(2):
-            plan.out.fill_(float("nan"))
-            plan.lse.fill_(float("nan"))
+            _poison(o, l)
             o, l = plan.run(q, k, v, lens)
             runs.append((o.clone(), l.clone()))
-        judge("plan.run", *runs[0], ref, ref_lse)
-        if not (torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1].nan_to_num(), runs[1][1].nan_to_num())):
+        judge("plan.run", *runs[0], want)
+        if not (torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])):
             reasons.append("plan.run: two runs differ")
         if c.graph:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 plan.run(q, k, v, lens)
             q.copy_(torch.randn(q.shape, generator=gen, device="cuda", dtype=dt))
-            new = [max(0, n - 1 - b) for b, n in enumerate(row_lens)]  # shorter: the planted NaN stays past them
-            lens.copy_(torch.tensor(new, dtype=torch.int32))
-            plan.out.fill_(float("nan"))
+            # Shorter (the stale rows stay past them), down to 0 where a length was 0 or 1.
+            lens.copy_((lens - 1 - torch.arange(c.batch, device="cuda", dtype=torch.int32)).clamp_min(0))
+            _poison(o, l)
             graph.replay()
             torch.cuda.synchronize()
-            judge("graph replay", plan.out, plan.lse, *reference_kvcache(q, k, v, lens, c.causal, scale))
+            judge("graph replay", o, l, expected())
     torch.cuda.synchronize()
     return dict(kernel=c.kernel, case=c.label(), batch=c.batch, nheads=c.nheads, nheads_kv=c.nheads_kv, seqlen=c.q_len,
                 seqlen_k=c.s_cache, head_dim=c.head_dim, dtype=c.dtype, causal=int(c.causal), num_splits=c.num_splits,
-                max_abs=worst.get("max_abs"), lse_max_abs=worst.get("lse_max_abs"), rel_l2=None, peer_max_abs=None,
-                ok=not reasons, reason="; ".join(reasons)[:300])
+                **worst, ok=not reasons, reason="; ".join(reasons)[:300])
+
+
+def _poison(*tensors):
+    for t in tensors:
+        t.fill_(float("nan"))
+
+
+def _poison_next_alloc(o_shape, dtype, lse_shape):
+    """Free NaN-filled CUDA blocks of the sizes a call is about to allocate for O and the fp32
+    LSE: torch's caching allocator hands a freed block of the right size back first, so rows the
+    call never writes most likely read NaN rather than whatever the last case left there."""
+    import torch
+
+    blocks = [torch.full(o_shape, float("nan"), device="cuda", dtype=dtype),
+              torch.full(lse_shape, float("nan"), device="cuda", dtype=torch.float32)]
+    del blocks
 
 
 FP8_FACTOR, FP8_FLOOR = 1.5, 1e-3  # vs the emulation's error: same quantization points, slack for rounding order
