@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
+from harness.check import compare, lse_gap
 from harness.kvcache import attention_with_kvcache, decode_plan
-from harness.reference import reference_kvcache
+from harness.reference import reference_kvcache, sdpa_kvcache
 from kernels import UnsupportedProblem
 from kernels.decode import (choose_num_splits, merge_partials, num_splits_heuristic, split_range,
                             split_traffic_cap)
@@ -23,6 +24,19 @@ def test_splits_fill_one_wave(batch, kv_heads, want):
     # 32 query heads, q_len 1 (one query tile), 32k keys in 128-key tiles.
     assert choose_num_splits(batch, kv_heads, 32 // kv_heads, 1, 32768, SMS, 128) == want
     assert batch * kv_heads * want <= SMS or want == 1
+
+
+@pytest.mark.parametrize("batch,want", [(1, 16), (8, 2), (64, 1)])
+def test_heuristic_on_the_briefs_worked_examples(batch, want):
+    # 132 SMs, 32 query / 8 K/V heads, q_len 1 (one packed query tile), 32k keys in FA3's 176-key
+    # tiles. Batch 1: 8 CTAs -> one full wave of 16 splits (128 CTAs); FA3's rule (the smallest S
+    # within 85% of the best wave efficiency) stops at 15, which measured slower here (the
+    # docstring). Batch 8: 64 CTAs, 2 splits. Batch 64: 512 CTAs fill the SMs, no split.
+    work_tiles, n_tiles = batch * 8, math.ceil(32768 / 176)
+    assert n_tiles == 187
+    assert num_splits_heuristic(work_tiles, n_tiles, SMS) == want
+    # and the traffic cap does not bind at 32/8, 32k: far above these counts
+    assert split_traffic_cap(4, 1, 32768) > 15
 
 
 def test_splits_never_exceed_the_tiles_or_the_cap():
@@ -75,6 +89,29 @@ def test_merge_partials_equals_one_softmax_over_all_keys():
     assert torch.allclose(o, full_o, atol=1e-12) and torch.allclose(lse, full_lse, atol=1e-12)
 
 
+@pytest.mark.parametrize("splits", [1, 2, 3, 7, 16])
+def test_merge_of_random_cuts_with_empty_splits_and_rows(splits):
+    gen = torch.Generator().manual_seed(splits)
+    rows, d, n = 6, 8, 50
+    s = 3 * torch.randn(rows, n, generator=gen, dtype=torch.float64)  # spread scores: the max matters
+    v = torch.randn(n, d, generator=gen, dtype=torch.float64)
+    cuts = torch.randint(0, n + 1, (splits - 1,), generator=gen).sort().values.tolist()
+    bounds = [0, *cuts, n]
+    o_parts = torch.full((splits, rows, d), float("nan"), dtype=torch.float64)  # what an empty split holds: never read
+    lse_parts = torch.full((splits, rows), -math.inf, dtype=torch.float64)
+    for i, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+        if lo < hi:
+            o_parts[i] = torch.softmax(s[:, lo:hi], dim=-1) @ v[lo:hi]
+            lse_parts[i] = torch.logsumexp(s[:, lo:hi], dim=-1)
+    lse_parts[:, 2] = -math.inf  # row 2 sees no key in any split
+    o, lse = merge_partials(o_parts, lse_parts)
+    live = [r for r in range(rows) if r != 2]
+    assert not o.isnan().any() and not lse.isnan().any()
+    assert torch.allclose(o[live], torch.softmax(s[live], dim=-1) @ v, atol=1e-12)
+    assert torch.allclose(lse[live], torch.logsumexp(s[live], dim=-1), atol=1e-12)
+    assert bool((o[2] == 0).all()) and lse[2] == -math.inf
+
+
 def test_merge_of_empty_splits_is_zero_and_minus_inf():
     o_parts = torch.full((3, 2, 4), float("nan"), dtype=torch.float64)  # never read: weight 0
     lse_parts = torch.full((3, 2), -math.inf, dtype=torch.float64)
@@ -118,6 +155,63 @@ def test_reference_kvcache_matches_the_definition_and_ignores_stale_rows(causal)
     assert bool((lse[2] == -math.inf).all()) and bool((o[2] == 0).all())
 
 
+@pytest.mark.parametrize("lengths", [None, 5, 0])
+def test_reference_kvcache_takes_an_int_or_none(lengths):
+    torch.manual_seed(2)
+    q = torch.randn(2, 3, 4, 8)
+    k, v = torch.randn(2, 7, 1, 8), torch.randn(2, 7, 1, 8)
+    if lengths is not None:
+        k[:, lengths:], v[:, lengths:] = float("inf"), float("nan")
+    o, lse = reference_kvcache(q, k, v, lengths, True, 0.5)
+    o_want, lse_want = _explicit(q, k, v, [7 if lengths is None else lengths] * 2, True, 0.5)
+    assert torch.allclose(o, o_want, atol=1e-10) and torch.equal(lse.isinf(), lse_want.isinf())
+    assert torch.allclose(lse[~lse.isinf()], lse_want[~lse.isinf()])
+    o32, lse32 = reference_kvcache(q, k, v, lengths, True, 0.5, dtype=torch.float32)
+    assert o32.dtype == torch.float32 and torch.allclose(o32.double(), o, atol=1e-5)
+
+
+def test_reference_kvcache_reads_what_is_inside_the_lengths():
+    # The guard against a reference that hides NaN: one planted inside a length must show.
+    q, k, v = torch.randn(1, 1, 2, 8), torch.randn(1, 4, 1, 8), torch.randn(1, 4, 1, 8)
+    v[0, 2] = float("nan")
+    assert reference_kvcache(q, k, v, 3, False, 1.0)[0].isnan().all()
+    assert not reference_kvcache(q, k, v, 2, False, 1.0)[0].isnan().any()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_sdpa_kvcache_is_a_16_bit_peer(causal):
+    torch.manual_seed(3)
+    q = torch.randn(3, 4, 8, 64, dtype=torch.bfloat16)
+    k, v = (torch.randn(3, 40, 2, 64, dtype=torch.bfloat16) for _ in range(2))
+    lengths = torch.tensor([40, 2, 0])  # causal, q_len 4 over 2 keys: two rows see nothing
+    k[1, 2:], v[1, 2:] = float("nan"), float("inf")
+    ref, _ = reference_kvcache(q, k, v, lengths, causal, 0.125)
+    peer = sdpa_kvcache(q, k, v, lengths, causal, 0.125)
+    assert peer.dtype == torch.bfloat16 and not peer.isnan().any()
+    err = (peer.double() - ref).abs().max()
+    assert 0 < err < 2e-2  # 16-bit rounding: not exact, not wrong
+    assert bool((peer[2] == 0).all())
+    if causal:
+        assert bool((peer[1, :2] == 0).all()) and bool((peer[1, 2:] != 0).any())
+
+
+def test_check_counts_minus_inf_rows_as_equal_and_nan_as_failed():
+    ref = torch.randn(1, 2, 3, 8)
+    ref[0, 1] = 0  # query row 1 sees no key: O = 0, LSE = -inf
+    ref_lse = torch.randn(1, 3, 2)
+    ref_lse[0, :, 1] = -math.inf
+    assert compare(ref.bfloat16(), ref, ref_lse.clone(), ref_lse, "bfloat16").verdict == ""
+    assert float(lse_gap(ref_lse, ref_lse).max()) == 0
+    for bad in (float("nan"), 0.0, math.inf):  # the row's LSE: NaN, finite, +inf: each a failure
+        lse = ref_lse.clone()
+        lse[0, 0, 1] = bad
+        assert "lse" in compare(ref, ref, lse, ref_lse, "bfloat16").verdict
+    lse = ref_lse.clone()
+    lse[0, 0, 0] = -math.inf  # -inf where the reference sees keys
+    assert "lse" in compare(ref, ref, lse, ref_lse, "bfloat16").verdict
+    assert lse_gap(lse, ref_lse)[0, 0, 0] == math.inf
+
+
 # ---- refusals, before anything is launched -------------------------------------------------------
 
 def _tensors(b=2, q_len=1, h=32, hk=8, s=64, d=128, dtype=torch.bfloat16):
@@ -134,6 +228,7 @@ def _tensors(b=2, q_len=1, h=32, hk=8, s=64, d=128, dtype=torch.bfloat16):
     (lambda: _tensors(d=80), "head_dim 80"),
     (lambda: _tensors(dtype=torch.float32), "bfloat16 or float16"),
     (lambda: (_tensors()[0][0], *_tensors()[1:]), "4-D"),
+    (lambda: (*_tensors()[:2], _tensors(dtype=torch.float16)[2]), "share a dtype"),
 ])
 def test_attention_with_kvcache_refuses_with_the_constraint(make, match):
     q, k, v = make()
@@ -158,6 +253,9 @@ def test_cpu_tensors_are_refused_after_the_shape_checks():
 @pytest.mark.parametrize("kw,match", [(dict(nheads_kv=6), "multiple of nheads_kv"),
                                       (dict(max_seqlen_k=0), "max_seqlen_k"),
                                       (dict(head_dim=96), "head_dim 96"),
+                                      (dict(head_dim=80), "head_dim 80"),
+                                      (dict(nheads=8, nheads_kv=32), "multiple of nheads_kv"),
+                                      (dict(dtype="float32"), "bfloat16"),
                                       (dict(num_splits=129), "num_splits"),
                                       (dict(kernel="k4"), "kernel must be one of"),
                                       (dict(device="cpu"), "CUDA device")])
@@ -179,6 +277,10 @@ def test_decode_plan_refuses_with_the_constraint(kw, match):
     ((1, 28, 4, 17, 3000), [2999], True, 0),
     ((2, 32, 1, 1, 4000), [4000, 2500], False, 7),
     ((2, 32, 8, 1, 4000), [4000, 100], False, 128),
+    ((2, 32, 8, 1, 4000), [4000, 2500], False, 3),  # forced splits: also against auto's LSE
+    ((2, 32, 8, 1, 4000), [4000, 2500], False, 40),  # more splits than the 32 tiles
+    ((2, 32, 8, 1, 3000), [3000, 17], True, 0),  # causal at q_len 1: bitwise the non-causal result
+    ((1, 32, 8, 5, 64), [2], True, 0),  # 5 queries on 2 keys: three rows see nothing
 ])
 def test_kvcache_cases(kernel, shape, lengths, causal, splits):
     from harness.check import KVCacheCase, check_kvcache
@@ -186,6 +288,41 @@ def test_kvcache_cases(kernel, shape, lengths, causal, splits):
     row = check_kvcache(KVCacheCase(kernel, *shape, 128, causal, lengths, splits, graph=True))
     assert row["ok"], row["reason"]
 
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("corrupt,reason", [
+    (lambda o, lse: o[0, 0, 5].add_(0.05), "max_abs"),  # one head's output slightly off
+    (lambda o, lse: lse[1, :, 0].fill_(float("nan")), "lse"),  # NaN where the reference is -inf
+    (lambda o, lse: o[1].fill_(float("nan")), "non-finite"),  # a sequence of length 0 never written
+])
+def test_check_kvcache_catches_a_wrong_result(monkeypatch, corrupt, reason):
+    import harness.kvcache
+    from harness.check import KVCacheCase, check_kvcache
+
+    real = harness.kvcache.attention_with_kvcache
+
+    def wrong(*args, **kw):
+        o, lse = real(*args, **kw)
+        corrupt(o, lse)
+        return o, lse
+
+    monkeypatch.setattr(harness.kvcache, "attention_with_kvcache", wrong)
+    row = check_kvcache(KVCacheCase("decode", 2, 32, 8, 1, 1000, 128, False, [1000, 0]))
+    assert not row["ok"] and "attention_with_kvcache" in row["reason"] and reason in row["reason"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_lengths_on_the_wrong_device_or_dtype_are_refused():
+    q, k, v = (t.cuda() for t in _tensors())
+    with pytest.raises(UnsupportedProblem, match="cache_seqlens must be on q's device"):
+        attention_with_kvcache(q, k, v, torch.full((2,), 10, dtype=torch.int32))
+    plan = decode_plan(2, 32, 8, 128, 64)
+    with pytest.raises(UnsupportedProblem, match="int32"):
+        plan.run(q, k, v, torch.full((2,), 10, dtype=torch.int64, device="cuda"))
+    with pytest.raises(UnsupportedProblem, match="make a plan for this shape"):
+        plan.run(q[:1], k[:1], v[:1], torch.full((1,), 10, dtype=torch.int32, device="cuda"))
 
 
 @pytest.mark.gpu
