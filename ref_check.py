@@ -157,7 +157,8 @@ def _e(x) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("kernels", nargs="*", default=["all"])
-    ap.add_argument("--quick", action="store_true", help=f"seqlens {QUICK_SEQLENS} only; with --decode, one case per behaviour")
+    ap.add_argument("--quick", action="store_true",
+                    help=f"seqlens {QUICK_SEQLENS} only; with --decode, one case per behaviour")
     ap.add_argument("--all-head-dims", action="store_true")
     ap.add_argument("--out", help="write the per-case rows as JSON here, each as it is done")
     ap.add_argument("--decode", action="store_true", help="the KV-cache grid of the decode kernels instead")
