@@ -153,17 +153,13 @@ def check_and_time(step, context, o_ref) -> tuple:
             err = (step(0).float() - o_ref).abs().max().item()
             if not err <= TOLERANCE:  # NaN fails too
                 return None, err, f"failed check: max |O - ref| = {err:.3g}"
+            from harness.timing import graph_ms
+
             return graph_ms(step), err, "ok"
     except Exception as e:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         return None, None, failure(e)
-
-
-def graph_ms(step):
-    from harness.timing import graph_ms as timed
-
-    return timed(step)
 
 
 def host_us(call, n: int = 200) -> float:

@@ -25,7 +25,7 @@ import torch
 from kernels import get_kernel
 from kernels.contract import Problem, UnsupportedProblem, as_causal, as_scale
 
-from .inputs import shared_dtype
+from .inputs import shared_dtype, torch_dtype
 
 # Registered decode steps and how each merges its splits (kernels/decode.py).
 MERGE = {"decode": "last_cta", "decode_combine": "combine", "decode_nosplit": "combine"}
@@ -261,7 +261,7 @@ class DecodePlan:
         self.num_splits = self.launcher.num_splits
         b, q_len, h, d = problem.batch, problem.seqlen, problem.nheads, problem.head_dim
         self.q_shape = (b, q_len, h, d)
-        self.out = torch.empty(self.q_shape, device=device, dtype=q_dtype(problem))
+        self.out = torch.empty(self.q_shape, device=device, dtype=torch_dtype(problem.dtype))
         self.lse = torch.empty((b, h, q_len), device=device, dtype=torch.float32)
         self.buffers = self.launcher.buffers(b, q_len, h, device)  # partials and zeroed merge counters
         self.device = torch.device(device)
@@ -294,10 +294,6 @@ class DecodePlan:
             self._checked = signature
         self.launcher.launch(q, k_cache, v_cache, self.out, self.lse, cache_seqlens, self.scale, self.buffers)
         return self.out, self.lse
-
-
-def q_dtype(p: Problem):
-    return {"bfloat16": torch.bfloat16, "float16": torch.float16}[p.dtype]
 
 
 def decode_plan(batch: int, nheads: int, nheads_kv: int, head_dim: int, max_seqlen_k: int, *, q_len: int = 1,

@@ -426,10 +426,6 @@ class Combine:
 
     ROWS_PER_CTA = 4
 
-    def __init__(self, head_dim: int, dtype):
-        self.head_dim = head_dim
-        self.dtype = dtype
-
     @cute.jit
     def __call__(self, mO_partial: cute.Tensor, mLSE_partial: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
                  num_splits: Int32, stream):
@@ -541,7 +537,7 @@ def compile_combine(head_dim: int, dtype: str, keep_ptx: bool = False):
 
     def build():
         _, _, _, o, lse, _, o_partial, lse_partial, _, _, splits, stream = _fake_decode_args(dt, head_dim, False, True)
-        return Combine(head_dim, dt), (o_partial, lse_partial, o, lse, splits, stream)
+        return Combine(), (o_partial, lse_partial, o, lse, splits, stream)
 
     return jit_compile(("decode_combine", head_dim, dtype), build, keep_ptx)
 

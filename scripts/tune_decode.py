@@ -12,7 +12,6 @@ timed by CUDA-graph replay over enough cache copies that every replay reads seve
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 
@@ -25,7 +24,6 @@ SHAPES = {  # head dim -> (batch, nheads_kv, cache length) rows
     256: ((1, 8, 32768), (8, 8, 32768)),
 }
 CONFIGS = {128: ((128, 2), (128, 3), (192, 2)), 64: ((128, 2), (128, 4), (256, 2)), 256: ((64, 2), (64, 3), (96, 2))}
-L2_BYTES = 50e6
 
 
 def parse_args(argv=None):
@@ -37,11 +35,6 @@ def parse_args(argv=None):
                     help="how splits merge: in the main kernel's last CTA (decode) or a Combine launch")
     ap.add_argument("--out", help="write the rows as JSON here, each as it is done")
     return ap.parse_args(argv)
-
-
-def cache_copies(kv_bytes: int) -> int:
-    """Copies of the caches so that one graph replay reads at least 4x the L2."""
-    return max(1, math.ceil(4 * L2_BYTES / kv_bytes))
 
 
 def check_once(launcher, q, k, v, lens, num_splits, scale) -> float:
@@ -63,6 +56,7 @@ def main(argv=None) -> int:
     import torch
 
     from harness import results
+    from harness.decode_bench import cache_copies
     from harness.timing import graph_ms
     from kernels import decode
 
@@ -77,7 +71,7 @@ def main(argv=None) -> int:
                    else CONFIGS[d])
         for b, h_kv, kv_len in SHAPES[d]:
             kv_bytes = 2 * b * h_kv * kv_len * d * 2
-            copies = cache_copies(kv_bytes)
+            copies = cache_copies(kv_bytes)  # enough to read past 4x the L2 (decode_bench's rule)
             caches = [(torch.randn(b, kv_len, h_kv, d, device="cuda", dtype=torch.bfloat16),
                        torch.randn(b, kv_len, h_kv, d, device="cuda", dtype=torch.bfloat16)) for _ in range(copies)]
             q = torch.randn(b, 1, NHEADS, d, device="cuda", dtype=torch.bfloat16)
