@@ -87,10 +87,16 @@ class K4FMHA:
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
                  softmax_scale: Float32, stream):
-        d, dt = self.head_dim, self.dtype
         # V as (d, seqlen, heads, batch): d is now the leading mode, so LayoutEnum reads V as
         # MN-major for the PV B operand.
-        mVt = tma_pipeline.head_dim_major_view(mV)
+        self.launch(mQ, mK, tma_pipeline.head_dim_major_view(mV), mO, mLSE, None, softmax_scale, stream)
+
+    @cute.jit
+    def launch(self, mQ: cute.Tensor, mK: cute.Tensor, mVt: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+               mDescale: Optional[cute.Tensor], softmax_scale: Float32, stream):
+        """Build the MMAs, SMEM layouts and TMA atoms around V viewed as (d, seqlen, heads, batch)
+        (its major mode read from the view), then launch. ``mDescale``: None here; K7's descales."""
+        d, dt = self.head_dim, self.dtype
         v_major = LayoutEnum.from_tensor(mVt)
         # GEMM-I  S(tile_m, tile_n) = Q(tile_m, d) . K(tile_n, d)^T, both K-major (d contiguous).
         # GEMM-II O(tile_m, d) += P(tile_m, tile_n) . V^T(d, tile_n), P from registers, V MN-major.
@@ -120,7 +126,7 @@ class K4FMHA:
 
         scale_log2 = softmax_scale * LOG2_E
         grid = (cute.ceil_div(mQ.shape[2], self.tile_m), mQ.shape[1], mQ.shape[0])
-        self.kernel(mQ_tma, mK_tma, mV_tma, mO, mLSE, None, tma_atom_Q, tma_atom_K, tma_atom_V, scale_log2,
+        self.kernel(mQ_tma, mK_tma, mV_tma, mO, mLSE, mDescale, tma_atom_Q, tma_atom_K, tma_atom_V, scale_log2,
                     sQ_layout, sK_layout, sVt_layout, tiled_mma_qk, tiled_mma_pv, SharedStorage).launch(
             grid=grid, block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream,
             min_blocks_per_mp=1)

@@ -20,14 +20,10 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32
-from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
-from cutlass.tensor_utils import LayoutEnum
 
 from . import k4, sm90, tma_pipeline
 from .contract import (
-    LOG2_E,
     CompiledAttention,
     FakeShapes,
     Problem,
@@ -67,35 +63,11 @@ class K7FMHA(k4.K4FMHA):
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mVt: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
                  mDescale: cute.Tensor, softmax_scale: Float32, stream):
-        d, dt = self.head_dim, self.dtype
-        # Both GEMMs K-major: S = Q K^T contracts over d; O += P V^T contracts over keys, which is
-        # V^T's contiguous axis now (the pre-pass made it so).
-        tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
-            dt, dt, OperandMajorMode.K, OperandMajorMode.K, Float32,
-            atom_layout_mnk=(self.num_wg, 1, 1), tiler_mn=(64, self.tile_n))
-        tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
-            dt, dt, OperandMajorMode.K, OperandMajorMode.K, Float32,
-            atom_layout_mnk=(self.num_wg, 1, 1), tiler_mn=(64, d), a_source=warpgroup.OperandSource.RMEM)
-        sQ_layout = cute.select(
-            sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (self.tile_m, self.tile_n, d), dt, 1),
-            mode=[0, 1])
-        sK_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (self.tile_m, self.tile_n, d), dt,
-                                                  self.kv_stages)
-        sVt_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (self.tile_m, d, self.tile_n), dt,
-                                                   self.kv_stages)
-        tma_atom_Q, mQ_tma = tma_pipeline.make_tma_load(tma_pipeline.seq_major_view(mQ), sQ_layout, (self.tile_m, d))
-        tma_atom_K, mK_tma = tma_pipeline.make_tma_load(tma_pipeline.seq_major_view(mK), sK_layout, (self.tile_n, d))
-        # V^T (batch, heads, d, keys) -> (d, keys, heads, batch): K4's V view, keys now contiguous.
+        # V^T (batch, heads, d, keys) -> (d, keys, heads, batch): K4's V view with keys contiguous,
+        # so K4's launcher reads V^T as K-major, the only mode 8-bit WGMMA takes. The kernel is
+        # K4's, given the descales (q's and k's join the softmax scale, v's multiplies O).
         mVt_view = cute.make_tensor(mVt.iterator, cute.select(mVt.layout, mode=[2, 3, 1, 0]))
-        tma_atom_V, mV_tma = tma_pipeline.make_tma_load(mVt_view, sVt_layout, (d, self.tile_n))
-        SharedStorage = tma_pipeline.shared_storage(dt, sQ_layout, sK_layout, sVt_layout, self.kv_stages)
-
-        grid = (cute.ceil_div(mQ.shape[2], self.tile_m), mQ.shape[1], mQ.shape[0])
-        # K4's kernel, given the descales (it folds q's and k's into the softmax scale, v's into O).
-        self.kernel(mQ_tma, mK_tma, mV_tma, mO, mLSE, mDescale, tma_atom_Q, tma_atom_K, tma_atom_V,
-                    softmax_scale * LOG2_E, sQ_layout, sK_layout, sVt_layout, tiled_mma_qk, tiled_mma_pv,
-                    SharedStorage).launch(grid=grid, block=[self.num_threads, 1, 1],
-                                          smem=SharedStorage.size_in_bytes(), stream=stream, min_blocks_per_mp=1)
+        self.launch(mQ, mK, mVt_view, mO, mLSE, mDescale, softmax_scale, stream)
 
     def convert_p(self, acc_S: cute.Tensor, tOrP: cute.Tensor):
         """K4's register handoff, in FP8: the permuted view, narrowed to e4m3."""
