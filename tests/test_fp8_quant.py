@@ -1,0 +1,99 @@
+"""K8's quantizers on the CPU: the rotation is orthogonal and keeps Q K^T, block scales stay
+local, and the arithmetic the CuTe kernels must match is what the docstring says."""
+
+import math
+
+import pytest
+import torch
+
+from kernels import sm90
+from kernels.fp8_quant import (
+    E4M3_MAX,
+    fwht,
+    hadamard_matrix,
+    hadamard_signs,
+    quantize_fp8_blocks,
+    quantize_v_fp8_blocks,
+    rotate,
+)
+from kernels.k7 import fp8_key_permutation
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_fwht_is_the_sylvester_hadamard_product(d):
+    x = torch.randn(3, d, dtype=torch.float64)
+    assert torch.allclose(fwht(x.float()).double(), x @ hadamard_matrix(d), atol=1e-4)
+    h = hadamard_matrix(d)
+    assert torch.equal(h @ h.T, d * torch.eye(d, dtype=torch.float64))
+
+
+def test_fwht_refuses_a_dim_that_is_not_a_power_of_two():
+    with pytest.raises(ValueError, match="power of 2"):
+        fwht(torch.randn(2, 96))
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_rotation_is_orthogonal_and_keeps_scores(d):
+    s = hadamard_signs(d, seed=3)
+    assert set(s.tolist()) == {-1.0, 1.0} and torch.equal(s, hadamard_signs(d, seed=3))
+    q, k = torch.randn(2, 1, 40, d), torch.randn(2, 1, 50, d)
+    qr, kr = rotate(q, s), rotate(k, s)
+    assert torch.allclose(qr @ kr.transpose(-1, -2), q @ k.transpose(-1, -2), atol=1e-3)
+    assert torch.allclose(qr.norm(dim=-1), q.norm(dim=-1), rtol=1e-5)
+
+
+def test_rotation_spreads_an_outlier():
+    d = 128
+    x = torch.zeros(1, 1, 1, d)
+    x[..., 5] = 100.0
+    y = rotate(x, hadamard_signs(d))
+    assert torch.allclose(y.abs(), torch.full_like(y, 100 / math.sqrt(d)), rtol=1e-6)
+
+
+def test_block_scales_are_local_and_fill_the_range():
+    x = torch.randn(2, 3, 300, 64)
+    x[1, 2, 130, 7] = 1000.0  # an outlier in block 1 of (1, 2) only
+    x8, descale = quantize_fp8_blocks(x, 128)
+    assert x8.dtype == torch.float8_e4m3fn and descale.shape == (2, 3, 3) and descale.dtype == torch.float32
+    assert float(descale[1, 2, 1]) == pytest.approx(1000.0 / E4M3_MAX)
+    assert float(descale[1, 2, 0]) < 0.02 and float(descale[1, 2, 2]) < 0.02
+    blocks = x8.float().abs().reshape(2, 3, -1)
+    for b in range(2):
+        for h in range(3):
+            for lo, hi in ((0, 128), (128, 256), (256, 300)):
+                assert float(x8[b, h, lo:hi].float().abs().max()) == E4M3_MAX  # amax maps to 448 exactly
+    back = x8.float() * descale.repeat_interleave(128, dim=-1)[..., :300, None]
+    assert torch.allclose(back, x, rtol=2**-4, atol=float(descale.max()) * 2**-9)
+    assert not blocks.isnan().any()
+
+
+def test_block_arithmetic_is_the_documented_one():
+    x = torch.randn(1, 2, 70, 64, dtype=torch.bfloat16)
+    s = hadamard_signs(64)
+    x8, descale = quantize_fp8_blocks(x, 32, signs=s)
+    y = rotate(x, s)
+    amax = torch.stack([y[:, :, i:i + 32].abs().amax(dim=(-1, -2)) for i in range(0, 70, 32)], dim=-1)
+    scale = E4M3_MAX / amax
+    assert torch.equal(descale, 1.0 / scale)
+    want = (y * scale.repeat_interleave(32, dim=-1)[..., :70, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+    assert torch.equal(x8.view(torch.uint8), want.view(torch.uint8))
+
+
+def test_an_all_zero_block_gets_descale_one_not_nan():
+    x = torch.randn(1, 1, 256, 64)
+    x[:, :, 128:] = 0
+    x8, descale = quantize_fp8_blocks(x, 128)
+    assert float(descale[0, 0, 1]) == 1.0 and not x8.float().isnan().any()
+
+
+def test_v_blocks_come_transposed_in_the_p_key_order():
+    v = torch.randn(1, 2, 37, 64)
+    vt8, descale = quantize_v_fp8_blocks(v, 16)
+    v8, want_descale = quantize_fp8_blocks(v, 16)
+    assert torch.equal(descale, want_descale) and vt8.shape == (1, 2, 64, 48)
+    perm = fp8_key_permutation(37)
+    assert sorted(sm90.FP8_KEY_ORDER) == list(range(16))
+    for p in range(48):
+        col = vt8.view(torch.uint8)[0, 1, :, p]
+        want = v8.view(torch.uint8)[0, 1, perm[p]] if perm[p] < 37 else torch.zeros(64, dtype=torch.uint8)
+        assert torch.equal(col, want)
