@@ -45,6 +45,10 @@ TILE_N_WITH_OVERLAP = {64: 112}
 # sweep, docs/k6.md). The seqlen is known when a problem is compiled, so short and long
 # sequences simply get two compiled variants.
 NO_OVERLAP_UP_TO_SEQLEN = {(128, False): 2048}
+# ... and d=64 causal up to 1k keys takes two consumer warpgroups (128-row query tiles) instead of
+# three: a query tile then sees at most 8 KV tiles, and a smaller diagonal wastes less of them
+# (H100: 1.05x at N=512, 1.10x at 1k; three win from 2k; results/ws-tune-h100-short.json).
+NUM_WG_UP_TO_SEQLEN = {(64, True): (1024, 2)}
 
 
 class K6FMHA(k5.K5FMHA):
@@ -175,6 +179,9 @@ def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_wg=None, tile_n=No
         short = NO_OVERLAP_UP_TO_SEQLEN.get((p.head_dim, p.causal), 0)
         overlap = p.head_dim >= OVERLAP_MIN_HEAD_DIM and p.kv_len > short
     pingpong = (p.head_dim <= PINGPONG_MAX_HEAD_DIM or not overlap) if pingpong is None else pingpong
+    short, short_num_wg = NUM_WG_UP_TO_SEQLEN.get((p.head_dim, p.causal), (0, None))
+    if num_wg is None and p.kv_len <= short:
+        num_wg = short_num_wg
     if tile_n is None and overlap:
         tile_n = TILE_N_WITH_OVERLAP.get(p.head_dim)
     cfg = k5.default_config(p, dict(num_wg=num_wg, tile_n=tile_n, kv_stages=kv_stages, q_stages=q_stages,

@@ -114,3 +114,13 @@ def test_k6_picks_the_overlap_by_seqlen_at_d128_non_causal():
     assert re.search(r"wgmma\.wait_group\.sync\.aligned\s+1;", long.ptx)
     report = ptxas_report(long.ptx)
     assert all(spill == 0 for _, _, _, spill in report), report
+
+
+def test_k6_takes_two_warpgroups_for_short_causal_sequences_at_d64():
+    # Up to 1k keys, causal d=64 runs 128-row tiles (two consumer warpgroups), longer ones 192-row
+    # tiles (three); an explicit num_wg wins over both.
+    entry = get_kernel("k6")
+    assert entry.compile(Problem(1, 1, 1024, 64, causal=True)).info["num_wg"] == 2
+    assert entry.compile(Problem(1, 1, 2048, 64, causal=True)).info["num_wg"] == 3
+    assert entry.compile(Problem(1, 1, 1024, 64, causal=False)).info["num_wg"] == 3
+    assert entry.compile(Problem(1, 1, 1024, 64, causal=True), num_wg=3).info["num_wg"] == 3
