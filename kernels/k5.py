@@ -98,7 +98,8 @@ def num_sms() -> int:
 
 class K5FMHA:
     def __init__(self, head_dim: int, dtype, causal: bool, num_wg: int, tile_n: int, kv_stages: int,
-                 q_stages: int, scheduler: str, tma_store: bool = False, sm_count: int = 132):
+                 q_stages: int, scheduler: str, tma_store: bool = False, sm_count: int = 132,
+                 section_bytes: int = schedule.SECTION_BYTES):
         self.head_dim = head_dim
         self.dtype = dtype
         self.causal = causal
@@ -110,6 +111,7 @@ class K5FMHA:
         self.tma_store = tma_store
         self.scheduler = scheduler
         self.sm_count = sm_count
+        self.section_bytes = section_bytes
         self.num_threads = 128 * (num_wg + 1)
         self.producer_regs, self.consumer_regs = REGISTERS[num_wg]
         # K6 turns this on (ping-pong); in K5 its sync/arrive calls compile to nothing.
@@ -217,7 +219,8 @@ class K5FMHA:
         num_m_blocks = cute.ceil_div(seqlen, self.tile_m)
         # Non-causal tiles all cost the same: m fastest inside one head (K4's order) keeps just a
         # head or two of K/V in flight. Causal: L2 sections, heaviest m first.
-        section = (schedule.l2_section_heads(seqlen_k, self.head_dim, self.dtype.width // 8, nheads * batch, group)
+        section = (schedule.l2_section_heads(seqlen_k, self.head_dim, self.dtype.width // 8, nheads * batch, group,
+                                             self.section_bytes)
                    if const_expr(self.causal) else Int32(1))
         bx, _, _ = cute.arch.block_idx()
         gdx, _, _ = cute.arch.grid_dim()

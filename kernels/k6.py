@@ -173,7 +173,8 @@ class K6FMHA(k5.K5FMHA):
 
 
 def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_wg=None, tile_n=None, kv_stages=None,
-                   q_stages=None, scheduler=None, tma_store=None, pingpong=None, overlap=None) -> CompiledAttention:
+                   q_stages=None, scheduler=None, tma_store=None, pingpong=None, overlap=None,
+                   section_bytes=None) -> CompiledAttention:
     CAPS.check(p)
     if overlap is None:
         short = NO_OVERLAP_UP_TO_SEQLEN.get((p.head_dim, p.causal), 0)
@@ -186,5 +187,5 @@ def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_wg=None, tile_n=No
         tile_n = TILE_N_WITH_OVERLAP.get(p.head_dim)
     cfg = k5.default_config(p, dict(num_wg=num_wg, tile_n=tile_n, kv_stages=kv_stages, q_stages=q_stages,
                                     scheduler=scheduler, tma_store=tma_store,
-                                    pingpong=pingpong, overlap=overlap))
+                                    pingpong=pingpong, overlap=overlap, section_bytes=section_bytes))
     return k5.build("k6", K6FMHA, p, cfg, keep_ptx)

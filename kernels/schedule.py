@@ -7,9 +7,9 @@ Two things go wrong with that order, and a linear tile index decoded here fixes 
   the start few. Reversing m inside each head is not enough: the heaviest tiles of the *last*
   heads still start last and run alone at the end. Here the heaviest tiles of every head come
   first (longest-processing-time first, "LPT").
-* L2 reuse. Heads are grouped into sections of ``heads_per_section`` heads whose K and V fit in
-  L2 together; a section's tiles run back to back (m-block-major, heads fastest), so every K/V
-  tile is read from HBM about once however many query tiles read it.
+* L2 reuse. Heads are grouped into sections of heads whose K and V fit in an eighth of L2
+  together (``SECTION_BYTES``); a section's tiles run back to back (m-block-major, heads
+  fastest), so every K/V tile is read from HBM about once however many query tiles read it.
 
 ``tile_coords`` is the decoding; ``l2_section_heads`` the section size. A kernel walks tile
 indices ``block_idx.x, block_idx.x + grid_dim.x, ...``: with one CTA per tile (grid = all tiles)
@@ -22,15 +22,21 @@ import cutlass.cute as cute
 from cutlass import Int32
 
 L2_BYTES = 50 * 1024 * 1024  # H100 (50 MB) and H200 (60 MB): size sections for the smaller
+# A section's K/V get an eighth of L2, not all of it: its tiles' Q and O stream through L2 too,
+# and a K/V tile must survive from its first reader to its last. Measured on an H100 (causal,
+# results/ws-tune-h100-sections.json): at N = 512 a section sized to all of L2 (200 heads at
+# d = 128) ran at 0.79x the best peer, an eighth of it (25 heads) at 1.04x; from 8k keys a
+# head's K/V alone fills the budget and the size makes no difference.
+SECTION_BYTES = L2_BYTES // 8
 
 
 @cute.jit
 def l2_section_heads(seqlen_k: Int32, head_dim: cutlass.Constexpr, elem_bytes: cutlass.Constexpr,
-                     num_heads: Int32, group: Int32) -> Int32:
-    """How many (batch, query head) pairs share one L2 section: as many whose K+V fit in L2, at
-    least 1. With GQA, ``group`` query heads share one K/V head."""
+                     num_heads: Int32, group: Int32, budget: cutlass.Constexpr = SECTION_BYTES) -> Int32:
+    """How many (batch, query head) pairs share one L2 section: as many whose K+V fit in
+    ``budget`` bytes, at least 1. With GQA, ``group`` query heads share one K/V head."""
     kv_bytes_per_head = seqlen_k * (2 * head_dim * elem_bytes) // group
-    return cutlass.max(cutlass.min(Int32(L2_BYTES) // cutlass.max(kv_bytes_per_head, 1), num_heads), 1)
+    return cutlass.max(cutlass.min(Int32(budget) // cutlass.max(kv_bytes_per_head, 1), num_heads), 1)
 
 
 @cute.jit
