@@ -45,10 +45,16 @@ TILE_N_WITH_OVERLAP = {64: 112}
 # sweep, docs/k6.md). The seqlen is known when a problem is compiled, so short and long
 # sequences simply get two compiled variants.
 NO_OVERLAP_UP_TO_SEQLEN = {(128, False): 2048}
-# ... and d=64 causal up to 1k keys takes two consumer warpgroups (128-row query tiles) instead of
-# three: a query tile then sees at most 8 KV tiles, and a smaller diagonal wastes less of them
-# (H100: 1.05x at N=512, 1.10x at 1k; three win from 2k; results/ws-tune-h100-short.json).
-NUM_WG_UP_TO_SEQLEN = {(64, True): (1024, 2)}
+# Short sequences get their own tiles, (head_dim, causal) -> (up to this many keys, overrides):
+# d=64 causal takes two consumer warpgroups (128-row query tiles, whose diagonal wastes less than
+# 192 rows'), d=256 64-key tiles. Measured on an H100, each configuration timed twice
+# (results/ws-tune-h100-d64wg.json, ws-tune-h100-d256n.json): d=64 causal 1.12-1.16x at 512-1k,
+# a tie at 2k; d=256 causal 1.05x at 512-1k, 1.02x at 2k; non-causal 1.02x at 512-1k, 0.98x at 2k.
+SHORT_SEQUENCE_CONFIG = {
+    (64, True): (1024, dict(num_wg=2)),
+    (256, True): (2048, dict(tile_n=64)),
+    (256, False): (1024, dict(tile_n=64)),
+}
 
 
 class K6FMHA(k5.K5FMHA):
@@ -180,9 +186,10 @@ def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_wg=None, tile_n=No
         short = NO_OVERLAP_UP_TO_SEQLEN.get((p.head_dim, p.causal), 0)
         overlap = p.head_dim >= OVERLAP_MIN_HEAD_DIM and p.kv_len > short
     pingpong = (p.head_dim <= PINGPONG_MAX_HEAD_DIM or not overlap) if pingpong is None else pingpong
-    short, short_num_wg = NUM_WG_UP_TO_SEQLEN.get((p.head_dim, p.causal), (0, None))
-    if num_wg is None and p.kv_len <= short:
-        num_wg = short_num_wg
+    short, short_config = SHORT_SEQUENCE_CONFIG.get((p.head_dim, p.causal), (0, {}))
+    if p.kv_len <= short:
+        num_wg = short_config.get("num_wg") if num_wg is None else num_wg
+        tile_n = short_config.get("tile_n") if tile_n is None else tile_n
     if tile_n is None and overlap:
         tile_n = TILE_N_WITH_OVERLAP.get(p.head_dim)
     cfg = k5.default_config(p, dict(num_wg=num_wg, tile_n=tile_n, kv_stages=kv_stages, q_stages=q_stages,

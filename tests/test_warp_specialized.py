@@ -116,7 +116,7 @@ def test_k6_picks_the_overlap_by_seqlen_at_d128_non_causal():
     assert all(spill == 0 for _, _, _, spill in report), report
 
 
-def test_k6_takes_two_warpgroups_for_short_causal_sequences_at_d64():
+def test_k6_takes_its_short_sequence_tiles_by_head_dim_and_seqlen():
     # Up to 1k keys, causal d=64 runs 128-row tiles (two consumer warpgroups), longer ones 192-row
     # tiles (three); an explicit num_wg wins over both.
     entry = get_kernel("k6")
@@ -124,3 +124,8 @@ def test_k6_takes_two_warpgroups_for_short_causal_sequences_at_d64():
     assert entry.compile(Problem(1, 1, 2048, 64, causal=True)).info["num_wg"] == 3
     assert entry.compile(Problem(1, 1, 1024, 64, causal=False)).info["num_wg"] == 3
     assert entry.compile(Problem(1, 1, 1024, 64, causal=True), num_wg=3).info["num_wg"] == 3
+    # d=256: 64-key tiles up to 2k keys causal, 1k non-causal; 80 beyond.
+    assert entry.compile(Problem(1, 1, 2048, 256, causal=True)).info["tile_n"] == 64
+    assert entry.compile(Problem(1, 1, 4096, 256, causal=True)).info["tile_n"] == 80
+    assert entry.compile(Problem(1, 1, 1024, 256)).info["tile_n"] == 64
+    assert entry.compile(Problem(1, 1, 2048, 256)).info["tile_n"] == 80
