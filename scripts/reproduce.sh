@@ -47,6 +47,14 @@ case "$part" in
       --configs '[{}, {"scheduler": "single"}, {"scheduler": "static"}]' --out "$dir/ws-tune-$gpu-scheduler.json" || rc=1
     timeout 300 $py scripts/tune.py --kernels k6 --headdim 64 128 --seqlen 512 1024 4096 \
       --configs '[{}, {"q_stages": 1}]' --out "$dir/ws-tune-$gpu-qstages.json" || rc=1
+    # L2 section size (schedule.SECTION_BYTES) and the short-sequence tiles (k6.SHORT_SEQUENCE_CONFIG)
+    timeout 300 $py scripts/tune.py --kernels k6 --headdim 64 128 256 --causal 1 --seqlen 512 1024 2048 8192 \
+      --configs '{"k6":[{}, {"section_bytes":26214400}, {"section_bytes":13107200}, {"section_bytes":6553600}, {"section_bytes":3276800}, {}]}' \
+      --out "$dir/ws-tune-$gpu-sections.json" || rc=1
+    timeout 200 $py scripts/tune.py --kernels k6 --headdim 64 --causal 1 --seqlen 512 1024 2048 \
+      --configs '{"k6":[{}, {"num_wg":3}, {}, {"num_wg":3}]}' --out "$dir/ws-tune-$gpu-d64wg.json" || rc=1
+    timeout 200 $py scripts/tune.py --kernels k6 --headdim 256 --causal 0 1 --seqlen 512 1024 2048 \
+      --configs '{"k6":[{}, {"tile_n":64}, {}, {"tile_n":64}]}' --out "$dir/ws-tune-$gpu-d256n.json" || rc=1
     exit $rc
     ;;
   decode)
