@@ -114,7 +114,7 @@ def launch_once(name: str, p: Problem, seed=None) -> tuple:
 
 def check_kernel(name: str, p: Problem, seed=None) -> CheckResult:
     """One case: fresh inputs, poisoned O/LSE, one launch, compare with the float32 reference."""
-    if name.startswith("k7"):  # FP8: its own criterion (check_fp8_kernel)
+    if name in FP8_KERNELS:  # FP8: its own criterion (check_fp8_kernel)
         return check_fp8_kernel(name, p, seed)
 
     from .reference import reference, sdpa
@@ -262,18 +262,23 @@ FP8_FACTOR, FP8_FLOOR = 1.5, 1e-3  # vs the emulation's error: same quantization
 FP8_LSE_ATOL = 4e-3
 
 
+FP8_KERNELS = ("k7", "k8")
+
+
 def emulate_fp8(q8, k8, v8, descale, causal: bool, scale: float, p_offset: float = 8.0):
     """K7's arithmetic in float32 torch: scores of the e4m3 inputs, P = exp2(s - rowmax + offset)
     rounded to e4m3, O = (P8 . V) / sum(P) with the unrounded sum (a row max over all keys, where
-    the kernel's is running: the same quantization points, up to where P's rounding falls)."""
+    the kernel's is running: the same quantization points, up to where P's rounding falls).
+    ``descale``: (q, k, v) numbers (K7), or K8's per-row tensors shaped (.., Nq, 1), (.., 1, Nk)
+    and (.., Nk, 1) to broadcast over the scores and V."""
     import math
 
     import torch
 
     from .reference import causal_keep
 
-    dq, dk, dv = (float(x) for x in descale)
-    s = (q8.float() @ k8.float().transpose(-1, -2)) * (dq * dk * scale * math.log2(math.e))
+    dq, dk, dv = (x if torch.is_tensor(x) and x.dim() > 0 else float(x) for x in descale)
+    s = (q8.float() @ k8.float().transpose(-1, -2)) * dq * dk * (scale * math.log2(math.e))
     if causal:
         s = s.masked_fill(~causal_keep(q8.shape[2], k8.shape[2], q8.device), -math.inf)
     p = torch.exp2(s - s.amax(dim=-1, keepdim=True) + p_offset)
@@ -289,13 +294,11 @@ def check_fp8_kernel(name: str, p: Problem, seed=None) -> CheckResult:
     from fp32 scores of the same e4m3 inputs, within FP8_LSE_ATOL."""
     import torch
 
-    from kernels.k7 import quantize_fp8
-
     from .reference import reference
 
     q, k, v, out, lse = launch_once(name, p, seed)
-    (q8, dq), (k8, dk), (v8, dv) = (quantize_fp8(x) for x in (q, k, v))
-    deq = [x8.float() * d for x8, d in ((q8, dq), (k8, dk), (v8, dv))]
+    q8, k8, v8, (dq, dk, dv) = fp8_quantized(name, p, q, k, v)
+    deq = [x8.float() * d for x8, d in ((q8, dq), (k8, dk.transpose(-1, -2) if dk.dim() else dk), (v8, dv))]
     ref, ref_lse = reference(*deq, p.causal, p.scale)
     emu = emulate_fp8(q8, k8, v8, (dq, dk, dv), p.causal, p.scale).to(out.dtype)  # O is stored in 16 bits too
     o, r = out.float(), ref.float()
@@ -316,3 +319,23 @@ def check_fp8_kernel(name: str, p: Problem, seed=None) -> CheckResult:
     if not lse_max <= FP8_LSE_ATOL:
         reasons.append(f"lse max_abs {lse_max:.3g} > {FP8_LSE_ATOL:g}")
     return CheckResult(name, p, max_abs, rel_l2, lse_max, not reasons, "; ".join(reasons), emu_max)
+
+
+def fp8_quantized(name: str, p: Problem, q, k, v) -> tuple:
+    """The FP8 inputs ``name``'s pre-pass makes of q, k, v (the same arithmetic, so the same
+    bytes): (q8, k8, v8, descales) with V in its natural layout and descales broadcastable as
+    ``emulate_fp8`` takes them. K8's Q and K come rotated; their scores are still Q K^T."""
+    from kernels.fp8_quant import hadamard_signs, quantize_fp8_blocks
+    from kernels.k7 import quantize_fp8
+    from kernels.k8 import HADAMARD_SEED, block_sizes
+
+    if name == "k7":
+        (q8, dq), (k8, dk), (v8, dv) = (quantize_fp8(x) for x in (q, k, v))
+        return q8, k8, v8, (dq, dk, dv)
+    tm, tn = block_sizes(p.head_dim)  # the default configuration's tiles, which the check compiles
+    signs = hadamard_signs(p.head_dim, HADAMARD_SEED, q.device)
+    (q8, dq), (k8, dk) = quantize_fp8_blocks(q, tm, signs), quantize_fp8_blocks(k, tn, signs)
+    v8, dv = quantize_fp8_blocks(v, tn)
+    rows = lambda d, block, n: d.repeat_interleave(block, dim=-1)[..., :n, None]  # noqa: E731
+    return q8, k8, v8, (rows(dq, tm, q.shape[2]), rows(dk, tn, k.shape[2]).transpose(-1, -2),
+                        rows(dv, tn, v.shape[2]))

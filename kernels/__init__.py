@@ -65,6 +65,8 @@ _ENTRIES = [
     KernelEntry("k6", "kernels.k6", "plus intra-warpgroup overlap: softmax of tile j+1 under PV of tile j"),
     KernelEntry("k7", "kernels.k7", "FP8: both GEMMs as e4m3 WGMMAs on K4's loop; V^T and the quantization in a "
                 "timed pre-pass"),
+    KernelEntry("k8", "kernels.k8", "FP8 with a scale per Q/K/V tile and Q, K rotated by a random Hadamard "
+                "matrix before quantization (FA3's accuracy fixes)"),
     KernelEntry("decode_nosplit", "kernels.decode", "flash decode without the split: K4 at 1 warpgroup, GQA heads "
                 "packed into the query tile", {"num_splits": 1}),
     KernelEntry("decode_combine", "kernels.decode", "flash decode: the KV walk split across CTAs to fill the SMs, "

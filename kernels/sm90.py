@@ -183,36 +183,51 @@ class OnlineSoftmax:
     folded into one FFMA per element ahead of ``ex2``.
     """
 
-    def __init__(self, num_rows: int, scale_log2: Float32, p_offset: float = 0.0):
+    def __init__(self, num_rows: int, scale_log2: Float32, p_offset: float = 0.0, scaled_max: bool = False):
         self.num_rows = num_rows
         self.scale_log2 = scale_log2
         # K7: P = exp2(... + p_offset) lands in [0, 2^p_offset], away from e4m3's underflow; the
         # row sum carries the same factor (O is unchanged) and the LSE takes it back out.
         self.p_offset = p_offset
+        # K8: every KV tile brings its own scale (``step(tile_scale_log2=)``), so raw scores of two
+        # tiles no longer compare: the row max is kept in scaled (log2) units instead. A positive
+        # factor commutes with max, so it is still one multiply per row and one FFMA per score.
+        self.scaled_max = scaled_max
         self.row_max = cute.make_rmem_tensor(num_rows, Float32)
         self.row_sum = cute.make_rmem_tensor(num_rows, Float32)
         self.row_max.fill(-Float32.inf)
         self.row_sum.fill(0.0)
 
     @cute.jit
-    def step(self, acc_S: cute.Tensor, row_scale: cute.Tensor, check_inf: cutlass.Constexpr[bool]):
+    def step(self, acc_S: cute.Tensor, row_scale: cute.Tensor, check_inf: cutlass.Constexpr[bool],
+             tile_scale_log2=None):
         """Overwrite acc_S with P = exp2(S*scale_log2 - max*scale_log2); row_scale gets the
-        factor exp2((old_max - new_max)*scale_log2) that O must be multiplied by."""
+        factor exp2((old_max - new_max)*scale_log2) that O must be multiplied by. With
+        ``scaled_max``, ``tile_scale_log2`` is this tile's scale and the max is in scaled units."""
         acc_S_mn = acc_mn_view(acc_S)
+        scale = tile_scale_log2 if const_expr(self.scaled_max) else self.scale_log2
         for r in cutlass.range_constexpr(self.num_rows):
             row = acc_S_mn[r, None]
             m_prev = self.row_max[r]
-            m_new = quad_allreduce(row_reduce(row, cute.arch.fmax, m_prev), cute.arch.fmax)
+            if const_expr(self.scaled_max):
+                m_tile = quad_allreduce(row_reduce(row, cute.arch.fmax, -Float32.inf), cute.arch.fmax)
+                m_new = cute.arch.fmax(m_prev, m_tile * scale)
+            else:
+                m_new = quad_allreduce(row_reduce(row, cute.arch.fmax, m_prev), cute.arch.fmax)
             self.row_max[r] = m_new
             if const_expr(check_inf):
                 # A row fully masked so far has max -inf: subtract 0 instead so that
                 # exp2(-inf - 0) = 0 rather than exp2(-inf + inf) = NaN.
                 m_new = Float32(0.0) if m_new == -Float32.inf else m_new
-            m_scaled = m_new * self.scale_log2
-            row_scale[r] = cute.math.exp2(m_prev * self.scale_log2 - m_scaled, fastmath=True)
+            if const_expr(self.scaled_max):
+                m_scaled = m_new
+                row_scale[r] = cute.math.exp2(m_prev - m_scaled, fastmath=True)
+            else:
+                m_scaled = m_new * scale
+                row_scale[r] = cute.math.exp2(m_prev * scale - m_scaled, fastmath=True)
             if const_expr(self.p_offset != 0.0):
                 m_scaled = m_scaled - self.p_offset
-            p = cute.math.exp2(row.load() * self.scale_log2 - m_scaled, fastmath=True)
+            p = cute.math.exp2(row.load() * scale - m_scaled, fastmath=True)
             row.store(p)
             self.row_sum[r] = self.row_sum[r] * row_scale[r] + row_reduce(row, operator.add)
 
@@ -233,8 +248,8 @@ class OnlineSoftmax:
             empty = total == 0.0
             inv = cute.arch.rcp_approx(Float32(1.0) if empty else total)
             lse[r] = (-Float32.inf if empty
-                      else (self.row_max[r] * self.scale_log2 + cute.math.log2(total, fastmath=True)
-                            - self.p_offset) * LN_2)
+                      else ((self.row_max[r] if const_expr(self.scaled_max) else self.row_max[r] * self.scale_log2)
+                            + cute.math.log2(total, fastmath=True) - self.p_offset) * LN_2)
             acc_O_mn[r, None].store(acc_O_mn[r, None].load() * inv)
 
 

@@ -28,6 +28,7 @@ CLAIMS = {
 CLAIMS["k4_seed"] = CLAIMS["k4"]  # the same kernel at K4.1's tile shape
 # K7: K4's loop in FP8 (every WGMMA e4m3: checked below), no warp specialization.
 CLAIMS["k7"] = dict(has=["cp.async.bulk.tensor", "mbarrier", "e4m3 wgmma"], lacks=["setmaxnreg"])
+CLAIMS["k8"] = CLAIMS["k7"]  # K7's kernel with a descale per tile
 # Flash decode: K4's loads and GEMMs at one warpgroup, launched with PDL (griddepcontrol); these
 # small problems need no split, the split paths are checked below.
 CLAIMS["decode"] = dict(has=["cp.async.bulk.tensor", "mbarrier", "wgmma.mma_async", "griddepcontrol"],
@@ -191,12 +192,13 @@ def test_decode_last_cta_merge_is_one_kernel(head_dim):
     assert counts["ld/st.local"] == 0
 
 
+@pytest.mark.parametrize("name", ["k7", "k8"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_k7_runs_both_gemms_in_e4m3(head_dim):
+def test_fp8_stages_run_both_gemms_in_e4m3(name, head_dim):
     # Every WGMMA is e4m3 x e4m3 with an fp32 accumulator: QK (m64n{tile_n}k32, A from SMEM) and
     # PV (m64n{d}k32, A from registers); P is narrowed by paired cvt...e4m3x2 and never permuted
     # across lanes (no prmt, no extra shuffles: the key order lives in V^T instead).
-    ptx = get_kernel("k7").compile(Problem(1, 1, 128, head_dim, causal=True), keep_ptx=True).ptx
+    ptx = get_kernel(name).compile(Problem(1, 1, 128, head_dim, causal=True), keep_ptx=True).ptx
     wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k(\d+)\.f32\.(\w+)\.(\w+)", ptx)
     assert wgmma and all(k == "32" and a == b == "e4m3" for _, k, a, b in wgmma)
     assert str(head_dim) in {n for n, *_ in wgmma}

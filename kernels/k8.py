@@ -1,0 +1,90 @@
+"""K8: FP8 with block quantization and incoherent processing (FA3's two accuracy fixes).
+
+K7's kernel, with two changes before and one inside:
+
+* Block scales. K7 has one descale per tensor, so one outlier coarsens every value of the
+  tensor. K8 quantizes each Q tile (tile_m rows), K tile and V tile (tile_n keys) with its own
+  scale (``fp8_quant.quantize_fp8_blocks``): the blocks are the kernel's tiles, so every scale
+  applies to a whole tile and costs no per-element work. Inside the loop (K4's
+  ``block_scales`` seams): tile j's k descale joins the softmax scale, the row max is kept in
+  scaled units (``sm90.OnlineSoftmax(scaled_max=True)``), and O is carried in the units of the
+  current V tile's descale, the ratio to the previous one folded into the per-row rescale that
+  every tile already does.
+* Incoherent processing. Q and K are multiplied by M = diag(s) H / sqrt(d) (a random sign flip and
+  a normalized Hadamard matrix) before they are quantized: M is orthogonal, so Q K^T is unchanged,
+  and an outlier coordinate is spread over all d coordinates, which lowers the amax that sets its
+  block's scale. V and O are untouched.
+
+The pre-pass (rotation and quantization of Q and K, quantization and transposition of V) runs
+in torch here (``fp8_quant``) and is counted in every K8 timing.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32
+
+from . import fp8_quant, k4, k7
+from .contract import CompiledAttention, FakeShapes, Problem, UnsupportedProblem, compiled_ptx, fake_stream, jit_compile
+
+CAPS = k7.CAPS
+DEFAULT_CONFIG = k7.DEFAULT_CONFIG
+HADAMARD_SEED = 0  # the sign vector s; any fixed choice works, Q and K must share it
+
+
+def block_sizes(head_dim: int, cfg: dict | None = None) -> tuple:
+    """(rows per Q block, keys per K/V block): the compiled tiles, tile_m = 64 * num_wg and tile_n."""
+    cfg = cfg or DEFAULT_CONFIG[head_dim]
+    return 64 * cfg["num_wg"], cfg["tile_n"]
+
+
+class K8FMHA(k7.K7FMHA):
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.block_scales = True
+
+
+def prepare_fp8_blocks(q, k, v, tile_m: int, tile_n: int, rotate: bool = True):
+    """The pre-pass of every K8 launch: (q8, k8, vt8, descales) from 16-bit q, k, v; descales is
+    one float32 row per (batch, head): q's per Q tile, then k's and v's per KV tile."""
+    import torch
+
+    signs = fp8_quant.hadamard_signs(q.shape[-1], HADAMARD_SEED, q.device) if rotate else None
+    q8, q_d = fp8_quant.quantize_fp8_blocks(q, tile_m, signs)
+    k8, k_d = fp8_quant.quantize_fp8_blocks(k, tile_n, signs)
+    vt8, v_d = fp8_quant.quantize_v_fp8_blocks(v, tile_n)
+    return q8, k8, vt8, torch.cat([q_d, k_d, v_d], dim=-1).contiguous()
+
+
+def _fake_args(out_dtype, head_dim: int) -> tuple:
+    from cutlass.cute.runtime import make_fake_tensor
+
+    q, k, vt, o, lse, _, scale, stream = k7._fake_args(out_dtype, head_dim)
+    f = FakeShapes()
+    descale = make_fake_tensor(Float32, (f.batch, f.nheads, cute.sym_int()),
+                               stride=(cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
+    return q, k, vt, o, lse, descale, scale, stream
+
+
+def compile_kernel(p: Problem, *, keep_ptx: bool = False, rotate: bool = True, **overrides) -> CompiledAttention:
+    """``rotate=False`` is block quantization alone (the accuracy ablation)."""
+    CAPS.check(p)
+    cfg = k4.config(p.head_dim, overrides) if overrides else dict(DEFAULT_CONFIG[p.head_dim])
+    k4.check_config(cfg)
+    if cfg["tile_n"] % 32:
+        raise UnsupportedProblem(f"K8 config {cfg}: tile_n must be a multiple of 32 (the 8-bit WGMMA's K step)")
+    out_dt = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[p.dtype]
+    key = ("k8", p.head_dim, p.dtype, p.causal, tuple(sorted(cfg.items())))
+    fn = jit_compile(key, lambda: (K8FMHA(p.head_dim, out_dt, p.causal, **cfg), _fake_args(out_dt, p.head_dim)),
+                     keep_ptx)
+    # The quantizer's blocks must be the compiled tiles: run_kernel reads them from here.
+    info = dict(cfg, rotate=rotate, tile_m=block_sizes(p.head_dim, cfg)[0], smem_bytes=k7.smem_bytes(p.head_dim, **cfg))
+    return CompiledAttention("k8", p, fn, {}, compiled_ptx(fn) if keep_ptx else None, info)
+
+
+def run_kernel(compiled: CompiledAttention, q, k, v, out, lse, softmax_scale=None) -> None:
+    info = compiled.info
+    scale = compiled.problem.scale if softmax_scale is None else softmax_scale
+    q8, k8, vt8, descales = prepare_fp8_blocks(q, k, v, info["tile_m"], info["tile_n"], info["rotate"])
+    compiled.launch(q8, k8, vt8, out, lse, descales, scale)
