@@ -408,6 +408,39 @@ def k7_time_table(run):
                               "with pre-pass TFLOP/s", "cuDNN bf16 TFLOP/s", "cuDNN FP8 TFLOP/s"], body))
 
 
+def k8_time_table(run):
+    """docs/k8.md: scripts/time_k7.py's K8 columns beside K7's, both with their pre-pass."""
+    body = [[r["head_dim"], r["causal"], r["seqlen"], f"{r['k8_prepass_ms']:.3f}", f"{r['k8_kernel_ms']:.3f}",
+             f"{r['kernel_ms']:.3f}", f"{r['k8_kernel_ms'] / r['kernel_ms']:.2f}",
+             f"{(r['k8_prepass_ms'] + r['k8_kernel_ms']) / (r['prepass_ms'] + r['kernel_ms']):.2f}",
+             fmt(r["k8_total_tflops"]), fmt(r["total_tflops"])]
+            for r in run["rows"] if "k8_kernel_ms" in r]
+    return (f"On an {gpu_short_name(run['meta'].get('device', ''))}: `{run['meta'].get('command', '')}`, "
+            f"{run['meta'].get('date', '')[:10]}; batch 16384/N, heads 2048/d.\n\n"
+            + markdown_table(["d", "causal", "N", "k8 pre-pass ms", "k8 kernel ms", "k7 kernel ms",
+                              "k8 / k7 kernel time", "k8 / k7 time, pre-passes in", "k8 TFLOP/s (with pre-pass)",
+                              "k7 TFLOP/s (with pre-pass)"], body))
+
+
+def fp8_accuracy_table(run):
+    """docs/k8.md: scripts/fp8_accuracy.py, RMSE per method against float64, one row per input."""
+    methods = ["bf16", "k7", "hadamard only", "block only", "k8", "cudnn-fp8"]
+    cells, sources = {}, {}
+    for r in run["rows"]:
+        cells[(r["dist"], r["seqlen"], r["head_dim"])] = cells.get((r["dist"], r["seqlen"], r["head_dim"]), {})
+        cells[(r["dist"], r["seqlen"], r["head_dim"])][r["method"]] = r["rmse"]
+        sources[r["method"]] = r.get("source", "")
+    body = []
+    for (dist, n, d), e in cells.items():
+        ratio = lambda a, b: f"{e[a] / e[b]:.2f}" if e.get(a) and e.get(b) else "—"  # noqa: E731
+        body.append([dist, n, d] + [f"{e[m]:.2e}" if e.get(m) is not None else "—" for m in methods]
+                    + [ratio("k8", "k7"), ratio("k8", "cudnn-fp8")])
+    return (f"On an {gpu_short_name(run['meta'].get('device', '')) or 'CPU'}: `{run['meta'].get('command', '')}`, "
+            f"{run['meta'].get('date', '')[:10]}. RMSE of O against float64 attention of the unquantized inputs; "
+            f"cuDNN FP8: {sources.get('cudnn-fp8', '—')}.\n\n"
+            + markdown_table(["inputs", "N", "d"] + methods + ["k8 / k7", "k8 / cuDNN FP8"], body))
+
+
 def decode_tune_table(tune):
     """docs/decode.md: scripts/tune_decode.py rows (tile configuration x split count)."""
     gpu = gpu_short_name(tune["meta"].get("device", ""))
@@ -608,6 +641,15 @@ def main(argv=None):
     page_k7 = ROOT / "docs" / "k7.md"
     if k7_time and page_k7.exists() and "<!-- table:k7-time -->" in page_k7.read_text():
         page_k7.write_text(replace_block(page_k7.read_text(), "k7-time", k7_time_table(k7_time)))
+    page_k8 = ROOT / "docs" / "k8.md"
+    if page_k8.exists():
+        text = page_k8.read_text()
+        if k7_time and any("k8_kernel_ms" in r for r in k7_time["rows"]) and "<!-- table:k8-time -->" in text:
+            text = replace_block(text, "k8-time", k8_time_table(k7_time))
+        accuracy = latest("fp8-accuracy-*.json")
+        if accuracy and "<!-- table:fp8-accuracy -->" in text:
+            text = replace_block(text, "fp8-accuracy", fp8_accuracy_table(accuracy))
+        page_k8.write_text(text)
     decode_compiles = finished("compile-decode-*.json")
     if decode_compiles and page.exists() and "<!-- table:decode-compile -->" in page.read_text():
         page.write_text(replace_block(page.read_text(), "decode-compile", ws_compile_table(decode_compiles)))

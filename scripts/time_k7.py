@@ -1,4 +1,4 @@
-"""K7's time split: the FP8 pre-pass (quantize q, k, v; transpose V) and the kernel alone, beside
+"""K7's (and K8's) time split: the FP8 pre-pass (quantize q, k, v; transpose V) and the kernel alone, beside
 cuDNN's FP8 attention on the same e4m3 inputs (GPU).
 
     python scripts/time_k7.py --out results/k7-time-h100.json
@@ -8,6 +8,7 @@ pre-pass (``kernels.k7.prepare_fp8``), the kernel on pre-quantized inputs, and t
 ``bench.py k7`` times), in ms and TFLOP/s, beside bf16 cuDNN (SDPA) and cuDNN FP8 (cudnn-frontend
 ``sdpa_fp8``, where installed) in the same run. "+V^T" is the kernel plus the V transpose only:
 the like-for-like number against cuDNN FP8, which takes V as it is (inputs already in e4m3).
+K8 on the same inputs: its pre-pass (rotation and block quantization of Q, K; V^T) and kernel.
 """
 
 from __future__ import annotations
@@ -37,13 +38,14 @@ def main(argv=None) -> int:
     from kernels.contract import Problem
     from harness.peers import cudnn_fp8_sdpa
     from kernels.k7 import prepare_fp8, quantize_fp8, transpose_v_fp8
+    from kernels.k8 import prepare_fp8_blocks
 
     if not torch.cuda.is_available():
         print("needs a CUDA GPU (H100/H200)", file=sys.stderr)
         return 2
     out = results.open_result_file(args.out, results.command_line("scripts/time_k7.py", argv))
     print(f"{'d':>4}{'causal':>7}{'N':>7}{'pre-pass ms':>13}{'kernel ms':>11}{'kernel TF/s':>13}{'+V^T TF/s':>12}"
-          f"{'total TF/s':>12}{'cuDNN bf16':>12}{'cuDNN FP8':>12}")
+          f"{'total TF/s':>12}{'k8 kern':>9}{'k8 total':>9}{'cuDNN bf16':>12}{'cuDNN FP8':>12}")
     for d in args.headdim:
         for causal in (False, True):
             for n in args.seqlen:
@@ -67,7 +69,14 @@ def main(argv=None) -> int:
                         break
                     except Exception as e:  # missing frontend, unsupported graph: say so, go on
                         fp8_status = f"failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"[:160]
+                # K8 on the same inputs: its pre-pass (rotation, block quantization, V^T) and kernel.
+                k8c = compiled_for("k8", p)
+                k8_in = prepare_fp8_blocks(q, k, v, k8c.info["tile_m"], k8c.info["tile_n"])
+                k8_pre = benchmark(lambda: prepare_fp8_blocks(q, k, v, k8c.info["tile_m"], k8c.info["tile_n"]))
+                k8_kern = benchmark(lambda: k8c.launch(*k8_in[:3], o, lse, k8_in[3], p.scale))
                 row = dict(head_dim=d, causal=int(causal), seqlen=n, batch=b, nheads=h, prepass_ms=pre,
+                           k8_prepass_ms=k8_pre, k8_kernel_ms=k8_kern, k8_kernel_tflops=tflops(p.flops, k8_kern),
+                           k8_total_tflops=tflops(p.flops, k8_pre + k8_kern),
                            vt_pass_ms=vt_ms, cudnn_fp8_ms=fp8_ms, cudnn_fp8_status=fp8_status,
                            cudnn_fp8_tflops=tflops(p.flops, fp8_ms) if fp8_ms else None,
                            k7_with_vt_tflops=tflops(p.flops, kern + vt_ms),
@@ -75,7 +84,8 @@ def main(argv=None) -> int:
                            cudnn_bf16_tflops=tflops(p.flops, cudnn), config=compiled.info)
                 fp8 = f"{row['cudnn_fp8_tflops']:>12.1f}" if fp8_ms else f"  {fp8_status}"
                 print(f"{d:>4}{int(causal):>7}{n:>7}{pre:>13.3f}{kern:>11.3f}{row['kernel_tflops']:>13.1f}"
-                      f"{row['k7_with_vt_tflops']:>12.1f}{row['total_tflops']:>12.1f}{row['cudnn_bf16_tflops']:>12.1f}"
+                      f"{row['k7_with_vt_tflops']:>12.1f}{row['total_tflops']:>12.1f}{row['k8_kernel_tflops']:>9.1f}"
+                      f"{row['k8_total_tflops']:>9.1f}{row['cudnn_bf16_tflops']:>12.1f}"
                       + fp8, flush=True)
                 if out:
                     out.append(row)
