@@ -19,17 +19,27 @@ from __future__ import annotations
 
 import math
 
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+
 E4M3_MAX = 448.0
+
+
+_SIGNS: dict = {}
 
 
 def hadamard_signs(head_dim: int, seed: int = 0, device=None):
     """The +-1 diagonal s of the rotation (float32, (head_dim,)), the same for every head: Q and K
-    must share it, and a fixed seed makes runs repeatable."""
+    must share it, and a fixed seed makes runs repeatable. Kept per device: making it copies from
+    the host, which CUDA-graph capture forbids (the warm-up call before a capture makes it)."""
     import torch
 
-    g = torch.Generator().manual_seed(seed)
-    s = torch.randint(0, 2, (head_dim,), generator=g).float() * 2 - 1
-    return s.to(device)
+    key = (head_dim, seed, str(device))
+    if key not in _SIGNS:
+        g = torch.Generator().manual_seed(seed)
+        _SIGNS[key] = (torch.randint(0, 2, (head_dim,), generator=g).float() * 2 - 1).to(device)
+    return _SIGNS[key]
 
 
 def fwht(x):
@@ -53,9 +63,8 @@ def rotate(x, signs):
     """x M = fwht(x * s) / sqrt(d), in float32."""
     import torch
 
-    d = x.shape[-1]
-    inv_sqrt_d = torch.tensor(1.0 / math.sqrt(d), dtype=torch.float32)
-    return fwht(x.float() * signs.to(x.device)) * inv_sqrt_d.to(x.device)
+    inv_sqrt_d = float(torch.tensor(1.0 / math.sqrt(x.shape[-1]), dtype=torch.float32))  # the fp32 constant
+    return fwht(x.float() * signs.to(x.device)) * inv_sqrt_d
 
 
 def hadamard_matrix(head_dim: int):
@@ -86,7 +95,17 @@ def quantize_fp8_blocks(x, block_rows: int, signs=None):
     """(x8, descale) with x (batch, heads, seqlen, d) in 16 or 32 bits: x8 e4m3 of the same shape,
     descale float32 (batch, heads, ceil(seqlen / block_rows)); row r of a head is ~ x8[r] *
     descale[r // block_rows]. With ``signs``, the rows are rotated first (``rotate``): Q and K only,
-    and with the same signs."""
+    and with the same signs. On a GPU (16-bit x) by ``QuantizeBlocks``, bit for bit the torch
+    arithmetic of ``quantize_fp8_blocks_torch``."""
+    import torch
+
+    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
+        return quantize_fp8_blocks_cute(x, block_rows, signs)
+    return quantize_fp8_blocks_torch(x, block_rows, signs)
+
+
+def quantize_fp8_blocks_torch(x, block_rows: int, signs=None):
+    """``quantize_fp8_blocks`` as torch ops: the reference for ``QuantizeBlocks``."""
     import torch
 
     b, h, n, d = x.shape
@@ -104,7 +123,135 @@ def quantize_v_fp8_blocks(v, block_keys: int):
     """(vt8, descale) for K8's V: e4m3 per block of ``block_keys`` keys, stored as K7's V^T
     (batch, heads, d, keys padded to 16, keys of every 16 in ``sm90.FP8_KEY_ORDER``, pad 0), and
     descale float32 (batch, heads, ceil(seqlen / block_keys))."""
-    from .k7 import transpose_v_fp8_torch
+    from .k7 import transpose_v_fp8
 
     v8, descale = quantize_fp8_blocks(v, block_keys)
-    return transpose_v_fp8_torch(v8), descale
+    return transpose_v_fp8(v8), descale
+
+
+# --------------------------------------------------------------------------------------
+# The quantizer as a kernel: a CTA per (row block, head, batch), a warp per row at a time
+# --------------------------------------------------------------------------------------
+
+class QuantizeBlocks:
+    """x (batch, heads, seqlen, d) 16-bit -> e4m3 and one descale per ``block_rows`` rows.
+
+    Lane l of a warp holds elements l*E .. l*E + E - 1 of a row (E = d / 32). The rotation's
+    butterflies with stride h < E stay in the lane's registers; for h >= E the partner is lane
+    l ^ (h / E), one ``shfl.bfly`` per element, the lane with that bit clear keeping a + b and the
+    other a - b: the same fp32 operations, in the same order, as ``fwht``. The block amax needs
+    every row before any row can be scaled, so each warp walks its rows twice (the second time
+    from L2): once for the amax, once to scale, convert and store.
+    """
+
+    WARPS = 8
+
+    def __init__(self, head_dim: int, block_rows: int, rotate: bool):
+        self.head_dim, self.block_rows, self.rotate = head_dim, block_rows, rotate
+        self.elems = head_dim // 32
+
+    @cute.jit
+    def __call__(self, mX: cute.Tensor, mX8: cute.Tensor, mDescale: cute.Tensor, mSigns: cute.Tensor, stream):
+        grid = (cute.ceil_div(mX.shape[2], self.block_rows), mX.shape[1], mX.shape[0])
+        self.kernel(mX, mX8, mDescale, mSigns).launch(grid=grid, block=[32 * self.WARPS, 1, 1], stream=stream)
+
+    @cute.jit
+    def row_values(self, mRow: cute.Tensor, mSigns: cute.Tensor, lane: Int32) -> cute.Tensor:
+        """This lane's E values of one row, in fp32, rotated if the kernel rotates."""
+        e = self.elems
+        raw = cute.make_rmem_tensor(e, mRow.element_type)
+        cute.autovec_copy(cute.local_tile(mRow, (e,), (lane,)), raw)
+        y = cute.make_rmem_tensor(e, Float32)
+        y.store(raw.load().to(Float32))
+        if const_expr(self.rotate):
+            for i in cutlass.range_constexpr(e):
+                y[i] = y[i] * mSigns[lane * e + i]
+            for s in cutlass.range_constexpr(e.bit_length() - 1):  # strides 1 .. E/2: inside the lane
+                for i in cutlass.range_constexpr(e):
+                    if const_expr(i & (1 << s) == 0):
+                        a, b = y[i], y[i + (1 << s)]
+                        y[i], y[i + (1 << s)] = a + b, a - b
+            for s in cutlass.range_constexpr(5):  # strides E .. d/2: partner lane ^ 2^s
+                upper = (lane & (1 << s)) != 0
+                for i in cutlass.range_constexpr(e):
+                    other = cute.arch.shuffle_sync_bfly(y[i], offset=1 << s)
+                    y[i] = (other - y[i]) if upper else (y[i] + other)
+            inv_sqrt_d = Float32(_inv_sqrt(self.head_dim))
+            for i in cutlass.range_constexpr(e):
+                y[i] = y[i] * inv_sqrt_d
+        return y
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mX8: cute.Tensor, mDescale: cute.Tensor, mSigns: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        blk, head, batch = cute.arch.block_idx()
+        lane, warp = tidx % 32, tidx // 32
+        seqlen = mX.shape[2]
+        smem = cutlass.utils.SmemAllocator()
+        sMax = smem.allocate_tensor(Float32, cute.make_layout(self.WARPS), byte_alignment=16)
+        first = blk * self.block_rows
+        rows = cutlass.min(self.block_rows, seqlen - first)
+        amax = Float32(0.0)
+        for r in cutlass.range(warp, rows, self.WARPS, unroll=1):
+            y = self.row_values(mX[batch, head, first + r, None], mSigns, lane)
+            for i in cutlass.range_constexpr(self.elems):
+                amax = cute.arch.fmax(amax, cute.arch.fmax(y[i], -y[i]))
+        amax = cute.arch.warp_reduction_max(amax)
+        if lane == 0:
+            sMax[warp] = amax
+        cute.arch.sync_threads()
+        amax = sMax[0]
+        for w in cutlass.range_constexpr(1, self.WARPS):
+            amax = cute.arch.fmax(amax, sMax[w])
+        scale = Float32(1.0)
+        if amax > Float32(0.0):
+            scale = Float32(E4M3_MAX) / amax
+        if tidx == 0:
+            mDescale[batch, head, blk] = Float32(1.0) / scale
+        for r in cutlass.range(warp, rows, self.WARPS, unroll=1):
+            y = self.row_values(mX[batch, head, first + r, None], mSigns, lane)
+            for i in cutlass.range_constexpr(self.elems):
+                y[i] = cute.arch.fmax(cute.arch.fmin(y[i] * scale, Float32(E4M3_MAX)), Float32(-E4M3_MAX))
+            x8 = cute.make_rmem_tensor(self.elems, mX8.element_type)
+            x8.store(y.load().to(mX8.element_type))
+            cute.autovec_copy(x8, cute.local_tile(mX8[batch, head, first + r, None], (self.elems,), (lane,)))
+
+
+def _inv_sqrt(d: int) -> float:
+    """1/sqrt(d) rounded to float32, as ``rotate`` multiplies by it."""
+    import struct
+
+    return struct.unpack("f", struct.pack("f", 1.0 / math.sqrt(d)))[0]
+
+
+def compile_quantize_blocks(head_dim: int, block_rows: int, rotate: bool, dtype: str, keep_ptx: bool = False):
+    from cutlass.cute.runtime import make_fake_tensor
+
+    from .contract import cute_dtype, fake_stream, jit_compile
+
+    def build():
+        b, h, n, nb = (cute.sym_int() for _ in range(4))
+        strides = lambda div: tuple(cute.sym_int64(divisibility=div) for _ in range(3)) + (1,)  # noqa: E731
+        x = make_fake_tensor(cute_dtype(dtype), (b, h, n, head_dim), stride=strides(8), assumed_align=16)
+        x8 = make_fake_tensor(cutlass.Float8E4M3FN, (b, h, n, head_dim), stride=strides(16), assumed_align=16)
+        descale = make_fake_tensor(Float32, (b, h, nb), stride=(cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
+        signs = make_fake_tensor(Float32, (head_dim,), stride=(1,), assumed_align=16)
+        return QuantizeBlocks(head_dim, block_rows, rotate), (x, x8, descale, signs, fake_stream())
+
+    return jit_compile(("quantize_blocks", head_dim, block_rows, rotate, dtype), build, keep_ptx)
+
+
+def quantize_fp8_blocks_cute(x, block_rows: int, signs=None):
+    import torch
+
+    b, h, n, d = x.shape
+    if d % 32 or d > 256 or x.stride(-1) != 1:
+        raise ValueError(f"quantize_fp8_blocks: head dim {d} must be a multiple of 32 up to 256, rows contiguous")
+    x8 = torch.empty((b, h, n, d), device=x.device, dtype=torch.float8_e4m3fn)
+    descale = torch.empty((b, h, -(-n // block_rows)), device=x.device, dtype=torch.float32)
+    rotate = signs is not None
+    if not rotate:
+        signs = hadamard_signs(d, device=x.device)  # not read
+    fn = compile_quantize_blocks(d, block_rows, rotate, str(x.dtype).replace("torch.", ""))
+    fn(x, x8, descale, signs.to(x.device))
+    return x8, descale

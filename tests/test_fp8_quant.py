@@ -97,3 +97,39 @@ def test_v_blocks_come_transposed_in_the_p_key_order():
         col = vt8.view(torch.uint8)[0, 1, :, p]
         want = v8.view(torch.uint8)[0, 1, perm[p]] if perm[p] < 37 else torch.zeros(64, dtype=torch.uint8)
         assert torch.equal(col, want)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_quantizer_kernel_compiles_to_e4m3_conversions_and_butterfly_shuffles(d):
+    import re
+
+    from harness.inspect_ptx import ptxas_report
+    from kernels.contract import compiled_ptx
+    from kernels.fp8_quant import compile_quantize_blocks
+
+    ptx = compiled_ptx(compile_quantize_blocks(d, 128, True, "bfloat16", keep_ptx=True))
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "div.rn.f32" in ptx  # IEEE division, as torch's
+    # 5 cross-lane butterfly stages x E = d/32 values, twice (amax pass and store pass), + the amax reduce
+    assert len(re.findall(r"shfl\.sync\.bfly", ptx)) == 2 * 5 * (d // 32) + 5
+    report = ptxas_report(ptx)
+    assert all(spill == 0 for _, _, _, spill in report), report
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("n", [1, 17, 1000, 4097])
+def test_quantizer_kernel_is_bit_exact_against_torch(d, n):
+    from kernels.fp8_quant import quantize_fp8_blocks_cute, quantize_fp8_blocks_torch
+
+    x = torch.randn(2, 3, n, d, device="cuda")
+    x += torch.randn_like(x) * 10 * (torch.rand_like(x) < 1e-3)
+    x = x.bfloat16()
+    if n > 128:
+        x[1, 2, 128:256] = 0  # an all-zero block
+    for signs, block in ((hadamard_signs(d, device="cuda"), 128), (None, 64), (hadamard_signs(d, device="cuda"), 192)):
+        x8, descale = quantize_fp8_blocks_cute(x, block, signs)
+        want8, want_descale = quantize_fp8_blocks_torch(x, block, signs)
+        assert torch.equal(descale, want_descale)
+        assert torch.equal(x8.view(torch.uint8), want8.view(torch.uint8))
+        assert not x8.float().isnan().any()
