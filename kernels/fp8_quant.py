@@ -81,8 +81,11 @@ def _scales(amax):
     import torch
 
     amax = amax.float()
-    scale = torch.where(amax > 0, E4M3_MAX / amax.clamp_min(torch.finfo(torch.float32).tiny), torch.ones_like(amax))
-    return scale, 1.0 / scale
+    # A tensor divide (IEEE, correctly rounded): ``448 / amax`` would be torch's reciprocal-then-
+    # multiply, two roundings, which the kernel's div.rn.f32 does not reproduce.
+    scale = torch.full_like(amax, E4M3_MAX).div(amax.clamp_min(torch.finfo(torch.float32).tiny))
+    scale = torch.where(amax > 0, scale, torch.ones_like(amax))
+    return scale, scale.reciprocal()
 
 
 def _cast(y):

@@ -15,8 +15,9 @@ K7's kernel, with two changes before and one inside:
   and an outlier coordinate is spread over all d coordinates, which lowers the amax that sets its
   block's scale. V and O are untouched.
 
-The pre-pass (rotation and quantization of Q and K, quantization and transposition of V) runs
-in torch here (``fp8_quant``) and is counted in every K8 timing.
+The pre-pass (rotation and quantization of Q and K, quantization and transposition of V) is
+three launches of the CuTe kernel ``fp8_quant.QuantizeBlocks`` and K7's ``TransposeV`` on a GPU
+(the torch functions of ``fp8_quant`` elsewhere, bit for bit the same), counted in every K8 timing.
 """
 
 from __future__ import annotations

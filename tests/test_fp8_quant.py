@@ -73,8 +73,8 @@ def test_block_arithmetic_is_the_documented_one():
     x8, descale = quantize_fp8_blocks(x, 32, signs=s)
     y = rotate(x, s)
     amax = torch.stack([y[:, :, i:i + 32].abs().amax(dim=(-1, -2)) for i in range(0, 70, 32)], dim=-1)
-    scale = E4M3_MAX / amax
-    assert torch.equal(descale, 1.0 / scale)
+    scale = torch.full_like(amax, E4M3_MAX) / amax  # a true division (a number over a tensor is not)
+    assert torch.equal(descale, scale.reciprocal())
     want = (y * scale.repeat_interleave(32, dim=-1)[..., :70, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
     assert torch.equal(x8.view(torch.uint8), want.view(torch.uint8))
 
