@@ -159,18 +159,26 @@ def _fake_args(out_dtype, head_dim: int) -> tuple:
     return q, k, vt, o, lse, descale, Float32(1.0), fake_stream()
 
 
-def compile_kernel(p: Problem, *, keep_ptx: bool = False, **overrides) -> CompiledAttention:
-    """K7 takes 16-bit q, k, v like every stage (``attention("k7", q, k, v)``) and quantizes them in
-    the timed pre-pass; O comes back in the inputs' dtype."""
+def compile_fp8(name: str, kernel_cls, fake_args, p: Problem, overrides: dict, keep_ptx: bool) -> tuple:
+    """(jit function, config) of an FP8 stage (K7, K8): K4's configuration checks plus the 8-bit
+    WGMMA's K step, O in the inputs' 16-bit dtype."""
     CAPS.check(p)
     cfg = k4.config(p.head_dim, overrides) if overrides else dict(DEFAULT_CONFIG[p.head_dim])
     k4.check_config(cfg)
     if cfg["tile_n"] % 32:
-        raise UnsupportedProblem(f"K7 config {cfg}: tile_n must be a multiple of 32 (the 8-bit WGMMA's K step)")
+        raise UnsupportedProblem(
+            f"{name.upper()} config {cfg}: tile_n must be a multiple of 32 (the 8-bit WGMMA's K step)")
     out_dt = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[p.dtype]
-    key = ("k7", p.head_dim, p.dtype, p.causal, tuple(sorted(cfg.items())))
-    fn = jit_compile(key, lambda: (K7FMHA(p.head_dim, out_dt, p.causal, **cfg), _fake_args(out_dt, p.head_dim)),
+    key = (name, p.head_dim, p.dtype, p.causal, tuple(sorted(cfg.items())))
+    fn = jit_compile(key, lambda: (kernel_cls(p.head_dim, out_dt, p.causal, **cfg), fake_args(out_dt, p.head_dim)),
                      keep_ptx)
+    return fn, cfg
+
+
+def compile_kernel(p: Problem, *, keep_ptx: bool = False, **overrides) -> CompiledAttention:
+    """K7 takes 16-bit q, k, v like every stage (``attention("k7", q, k, v)``) and quantizes them in
+    the timed pre-pass; O comes back in the inputs' dtype."""
+    fn, cfg = compile_fp8("k7", K7FMHA, _fake_args, p, overrides, keep_ptx)
     return CompiledAttention("k7", p, fn, {}, compiled_ptx(fn) if keep_ptx else None,
                              dict(cfg, smem_bytes=smem_bytes(p.head_dim, **cfg)))
 

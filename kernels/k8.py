@@ -22,12 +22,11 @@ three launches of the CuTe kernel ``fp8_quant.QuantizeBlocks`` and K7's ``Transp
 
 from __future__ import annotations
 
-import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
-from . import fp8_quant, k4, k7
-from .contract import CompiledAttention, FakeShapes, Problem, UnsupportedProblem, compiled_ptx, fake_stream, jit_compile
+from . import fp8_quant, k7
+from .contract import CompiledAttention, FakeShapes, Problem, compiled_ptx
 
 CAPS = k7.CAPS
 DEFAULT_CONFIG = k7.DEFAULT_CONFIG
@@ -70,15 +69,7 @@ def _fake_args(out_dtype, head_dim: int) -> tuple:
 
 def compile_kernel(p: Problem, *, keep_ptx: bool = False, rotate: bool = True, **overrides) -> CompiledAttention:
     """``rotate=False`` is block quantization alone (the accuracy ablation)."""
-    CAPS.check(p)
-    cfg = k4.config(p.head_dim, overrides) if overrides else dict(DEFAULT_CONFIG[p.head_dim])
-    k4.check_config(cfg)
-    if cfg["tile_n"] % 32:
-        raise UnsupportedProblem(f"K8 config {cfg}: tile_n must be a multiple of 32 (the 8-bit WGMMA's K step)")
-    out_dt = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[p.dtype]
-    key = ("k8", p.head_dim, p.dtype, p.causal, tuple(sorted(cfg.items())))
-    fn = jit_compile(key, lambda: (K8FMHA(p.head_dim, out_dt, p.causal, **cfg), _fake_args(out_dt, p.head_dim)),
-                     keep_ptx)
+    fn, cfg = k7.compile_fp8("k8", K8FMHA, _fake_args, p, overrides, keep_ptx)
     # The quantizer's blocks must be the compiled tiles: run_kernel reads them from here.
     info = dict(cfg, rotate=rotate, tile_m=block_sizes(p.head_dim, cfg)[0], smem_bytes=k7.smem_bytes(p.head_dim, **cfg))
     return CompiledAttention("k8", p, fn, {}, compiled_ptx(fn) if keep_ptx else None, info)

@@ -43,8 +43,6 @@ def inputs(n: int, d: int, dist: str, seed: int, heads: int = 4):
 
 def emulated(method: str, q, k, v, scale: float):
     """The FP8 rows in torch, at the kernels' quantization points (CPU)."""
-    import torch
-
     from harness.check import emulate_fp8, fp8_quantized
     from harness.reference import reference
     from kernels.contract import Problem

@@ -3,7 +3,6 @@ rebuilds, and the accuracy the two ingredients buy (emulated) on FA3's outlier i
 
 import math
 
-import pytest
 import torch
 
 from harness.check import emulate_fp8, fp8_quantized
