@@ -23,9 +23,9 @@ import os
 import sys
 
 from harness.config import DEFAULTS, SWEEP_HEAD_DIMS, SWEEP_SEQLENS, parse_bool, problem_from, sweep_problems
-from harness.peers import BEST_OF, best_peer
+from harness.peers import BEST_OF, BEST_OF_FP8, best_peer
 from kernels import get_kernel, kernel_names
-from kernels.contract import UnsupportedProblem
+from kernels.contract import FP8_DTYPES, UnsupportedProblem
 
 
 def decode_grid_text() -> str:
@@ -52,7 +52,8 @@ def parse_args(argv=None):
     ap.add_argument("--causal", type=int, choices=(0, 1), help="(CAUSAL)")
     ap.add_argument("--batch", type=int, help="(BATCH; not with --sweep)")
     ap.add_argument("--nheads", type=int, help="(NHEADS; not with --sweep)")
-    ap.add_argument("--dtype", help="bf16 or fp16 (DTYPE)")
+    ap.add_argument("--dtype", help="bf16, fp16 or fp8 (DTYPE); fp8: e4m3 inputs with per-tensor descales, "
+                    "beside cuDNN's FP8 attention, on d 128/256 x N 2k-16k with --sweep")
     ap.add_argument("--check", action="store_true", help="check against SDPA first (same as CHECK=1)")
     ap.add_argument("--sweep", action="store_true", help="time the sweep grid (below), not one workload")
     ap.add_argument("--no-peers", action="store_true", help="skip SDPA / flash-attn-4")
@@ -121,8 +122,9 @@ def compile_only(names, problems, out) -> int:
     return 0 if compiled_any else 1
 
 
-def time_one(name, problem, q, k, v):
-    """(ms, status) for kernel ``name``: compile outside timing, then time launches only."""
+def time_one(name, problem, q, k, v, **run_kw):
+    """(ms, status) for kernel ``name``: compile outside timing, then time launches only.
+    ``run_kw``: FP8's ``descale``."""
     import torch
 
     from harness.api import compiled_for
@@ -135,14 +137,14 @@ def time_one(name, problem, q, k, v):
     except UnsupportedProblem as e:
         return None, f"refused: {e}"
     out, lse = poisoned_outputs(problem)
-    ms = benchmark(lambda: entry.run(compiled, q, k, v, out, lse, problem.scale))
+    ms = benchmark(lambda: entry.run(compiled, q, k, v, out, lse, problem.scale, **run_kw))
     # The outputs started as NaN: a launch that silently did nothing must not be reported as fast.
     if not (torch.isfinite(out).all() and torch.isfinite(lse).all()):
         return None, "failed: the timed launches left outputs unwritten or non-finite"
     return ms, "ok"
 
 
-def kernel_row(name, problem, check: bool, sweep: bool, q, k, v) -> dict:
+def kernel_row(name, problem, check: bool, sweep: bool, q, k, v, **run_kw) -> dict:
     from harness.check import check_kernel
     from harness.timing import tflops
 
@@ -154,15 +156,15 @@ def kernel_row(name, problem, check: bool, sweep: bool, q, k, v) -> dict:
     if sweep and caps.sweep_max_seqlen and problem.seqlen > caps.sweep_max_seqlen:
         return dict(ms=None, tflops=None, status="skipped: too slow for the sweep")
     if check:
-        try:
-            res = check_kernel(name, problem)
+        try:  # FP8: the check quantizes fresh 16-bit inputs itself, through the same kernel
+            res = check_kernel(name, problem.with_(dtype="bfloat16") if problem.dtype in FP8_DTYPES else problem)
         except UnsupportedProblem as e:
             return dict(ms=None, tflops=None, status=f"refused: {e}")
         print(f"CHECK {name}: max_abs={res.max_abs:.3g} rel_l2={res.rel_l2:.3g} lse={res.lse_max_abs:.3g} "
               f"{'PASS' if res.ok else 'FAIL: ' + res.reason}")
         if not res.ok:
             raise SystemExit(f"correctness check failed for {name}; not timing it")
-    ms, status = time_one(name, problem, q, k, v)
+    ms, status = time_one(name, problem, q, k, v, **run_kw)
     return dict(ms=ms, tflops=tflops(problem.flops, ms) if ms else None, status=status)
 
 
@@ -174,18 +176,32 @@ def run_problem(names, problem, check: bool, peers: bool, sweep: bool, emit) -> 
 
     base = dict(batch=problem.batch, nheads=problem.nheads, seqlen=problem.seqlen, head_dim=problem.head_dim,
                 causal=int(problem.causal), dtype=problem.dtype)
-    q, k, v = random_inputs(problem)
+    fp8 = problem.dtype in FP8_DTYPES
+    q, k, v = random_inputs(problem.with_(dtype="bfloat16") if fp8 else problem)
+    candidates, run_kw, best_of = {}, {}, BEST_OF
+    if peers:
+        candidates = peer_callables(q, k, v, problem.causal, problem.scale)
+    if fp8:  # the kernels and cuDNN FP8 take the e4m3 tensors; the bf16 peers their sources, for scale
+        import torch
+
+        from harness.api import quantize_fp8
+        from harness.peers import cudnn_fp8_peer
+
+        (q, dq), (k, dk), (v, dv) = (quantize_fp8(x) for x in (q, k, v))
+        run_kw, best_of = dict(descale=torch.stack([dq, dk, dv])), BEST_OF_FP8
+        if peers:
+            candidates["cudnn-fp8"] = cudnn_fp8_peer(q, k, v, run_kw["descale"], problem.causal, problem.scale)
     peer_tflops = {}
-    for name, fn in (peer_callables(q, k, v, problem.causal, problem.scale).items() if peers else ()):
+    for name, fn in candidates.items():
         if callable(fn):
             ms = benchmark(fn)
             peer_tflops[name] = tflops(problem.flops, ms)
             emit(dict(base, kernel=name, ms=ms, tflops=peer_tflops[name], status="ok"))
         else:
             emit(dict(base, kernel=name, ms=None, tflops=None, status=fn))
-    best = best_peer(peer_tflops)
+    best = best_peer(peer_tflops, best_of)
     for name in names:
-        row = dict(base, kernel=name, **kernel_row(name, problem, check, sweep, q, k, v))
+        row = dict(base, kernel=name, **kernel_row(name, problem, check, sweep, q, k, v, **run_kw))
         if best and row["tflops"]:
             row.update(best_peer=best[0], vs_best_peer=row["tflops"] / best[1])
         emit(row)
@@ -331,7 +347,8 @@ def main(argv=None) -> int:
         print(f"{'kernel':<11}{'ms':>10}{'TFLOP/s':>10}{'vs best peer':>14}")
         run_problem(names, p, check, not args.no_peers, args.sweep, emit)
     if args.sweep and not args.no_peers:
-        print(f"\nRatio to the faster of {' and '.join(BEST_OF)} in each cell:")
+        best_of = BEST_OF_FP8 if problems[0].dtype in FP8_DTYPES else BEST_OF
+        print(f"\nRatio to the faster of {' and '.join(best_of)} in each cell:")
         print(results.best_peer_summary(all_rows))
     if out:
         print(f"\nwrote {out.close()}")

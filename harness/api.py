@@ -9,12 +9,14 @@ output shapes from its fake implementation) and inside CUDA-graph capture. The o
 from __future__ import annotations
 
 from collections import OrderedDict
+import math
+import numbers
 from typing import Optional
 
 import torch
 
 from kernels import get_kernel
-from kernels.contract import as_causal, as_scale
+from kernels.contract import FP8_DTYPES, UnsupportedProblem, as_causal, as_scale
 
 from .inputs import empty_outputs, problem_from_tensors, require_cuda, require_tensors
 
@@ -43,10 +45,13 @@ def compiled_for(name: str, problem):
 
 @torch.library.custom_op("fa3_cute::attention", mutates_args=())
 def attention_op(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                 softmax_scale: Optional[float], return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                 softmax_scale: Optional[float], return_lse: bool, descale_q: Optional[torch.Tensor] = None,
+                 descale_k: Optional[torch.Tensor] = None, descale_v: Optional[torch.Tensor] = None,
+                 descale_values: Optional[list[float]] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(O, LSE). Every check that needs no GPU (kernel name, shapes, dtype, layout, causal, scale,
     the kernel's head dims) comes before the device check. The first call for a problem
-    JIT-compiles its kernel: make it outside CUDA-graph capture (a warm-up call)."""
+    JIT-compiles its kernel: make it outside CUDA-graph capture (a warm-up call). e4m3 inputs
+    take their descales as CUDA tensors (``descale_*``) or numbers (``descale_values``)."""
     entry = get_kernel(name)
     problem = problem_from_tensors(q, k, v, causal, softmax_scale)
     entry.caps.check(problem, want_lse=return_lse)
@@ -54,30 +59,104 @@ def attention_op(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     with torch.cuda.device(q.device):  # compile-time buffers and the launch follow the inputs
         compiled = compiled_for(name, problem)
         out, lse = empty_outputs(problem, device=q.device)  # the checks poison; a caller needs no fill
-        entry.run(compiled, q, k, v, out, lse, problem.scale)
+        if problem.dtype in FP8_DTYPES:
+            descale = descale_tensor(q.device, (descale_q, descale_k, descale_v), descale_values or [1.0] * 3)
+            entry.run(compiled, q, k, v, out, lse, problem.scale, descale=descale)
+        else:
+            entry.run(compiled, q, k, v, out, lse, problem.scale)
     return out, lse
 
 
 @attention_op.register_fake
-def _attention_fake(name, q, k, v, causal, softmax_scale, return_lse):
+def _attention_fake(name, q, k, v, causal, softmax_scale, return_lse, descale_q=None, descale_k=None,
+                    descale_v=None, descale_values=None):
     # Shapes only: the real call does every check (at run time, under torch.compile).
     b, h, n, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty((b, h, n), dtype=torch.float32)
+    out_dtype = torch.bfloat16 if q.dtype == torch.float8_e4m3fn else q.dtype
+    return q.new_empty(q.shape, dtype=out_dtype), q.new_empty((b, h, n), dtype=torch.float32)
 
 
-def attention(name: str, q, k, v, causal: bool = False, softmax_scale=None, return_lse: bool = False):
+_DESCALES: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
+
+
+def descale_tensor(device, tensors: tuple, values: list) -> torch.Tensor:
+    """K7's (3,) float32 descales (q, k, v) on ``device``: each a CUDA tensor or a number. Numbers
+    alone come from a small cache (a host-to-device copy cannot be captured in a CUDA graph:
+    the warm-up call makes it); with a tensor, one device-side stack."""
+    if all(t is None for t in tensors):
+        key = (tuple(values), str(device))
+        if key not in _DESCALES:
+            _DESCALES[key] = torch.tensor(values, dtype=torch.float32, device=device)
+            while len(_DESCALES) > 64:
+                _DESCALES.popitem(last=False)
+        return _DESCALES[key]
+    return torch.stack([t.reshape(()).float() if t is not None else torch.full((), x, device=device)
+                        for t, x in zip(tensors, values)])
+
+
+def split_descales(q, descales: dict) -> tuple:
+    """(tensors, numbers) for the op from the caller's ``descale_q/k/v`` (a number, a 0-d or
+    one-element float tensor, or None for 1.0). Only e4m3 inputs take descales."""
+    given = {name: x for name, x in descales.items() if x is not None}
+    if not isinstance(q, torch.Tensor) or q.dtype != torch.float8_e4m3fn:
+        if given:
+            raise UnsupportedProblem(f"{', '.join(given)}: descales apply to float8_e4m3fn inputs only; "
+                                     f"q is {getattr(q, 'dtype', type(q).__name__)}")
+        return (None, None, None), None
+    tensors, values = [], []
+    for name, x in descales.items():
+        value = 1.0
+        if isinstance(x, torch.Tensor):
+            if x.numel() != 1 or not x.is_floating_point():
+                raise UnsupportedProblem(f"{name} must be one floating-point value (a number or a one-element "
+                                         f"tensor), got a {x.dtype} tensor of shape {tuple(x.shape)}")
+            if x.requires_grad:
+                raise UnsupportedProblem(f"{name} requires grad: these kernels are forward-only")
+            if x.is_cuda:
+                if x.device != q.device:
+                    raise UnsupportedProblem(f"{name} must be on q's device ({q.device}), got {x.device}")
+                tensors.append(x)
+                values.append(value)
+                continue
+            x = x.item()  # a host tensor: read it here, no device sync
+        if x is not None:
+            value = as_descale(name, x)
+        tensors.append(None)
+        values.append(value)
+    return tuple(tensors), values
+
+
+def as_descale(name: str, x) -> float:
+    if isinstance(x, bool) or not isinstance(x, numbers.Real) or not math.isfinite(x) or x <= 0:
+        raise UnsupportedProblem(f"{name} must be a finite number > 0 (x ~= x8 * descale), got {x!r}")
+    return float(x)
+
+
+def attention(name: str, q, k, v, causal: bool = False, softmax_scale=None, return_lse: bool = False, *,
+              descale_q=None, descale_k=None, descale_v=None):
     """softmax(q k^T * scale) v with kernel stage ``name``.
 
     q: CUDA tensor (batch, heads, seqlen, head_dim), bf16 or fp16, last dim contiguous; k, v: one
     shape (batch, heads_kv, seqlen_k, head_dim). heads_kv < heads (GQA) or seqlen_k != seqlen only
     for kernels whose capabilities take them; causal is then aligned bottom-right.
     ``causal`` is a bool; ``softmax_scale`` any positive real number (default 1/sqrt(head_dim)).
-    Returns O in the same layout (contiguous), and the float32 (batch, heads, seqlen)
+    FP8 stages (k7) also take float8_e4m3fn q, k, v, with x ~= x8 * descale_x for each (a number
+    or a one-element float32 CUDA tensor; 1.0 when omitted; ``quantize_fp8`` makes both); O is
+    then bf16. Returns O in the same layout (contiguous), and the float32 (batch, heads, seqlen)
     log-sum-exp of the scaled scores when ``return_lse``. Unsupported inputs raise
     ``kernels.UnsupportedProblem`` naming the constraint.
     """
     causal = as_causal(causal)
     scale = None if softmax_scale is None else as_scale(softmax_scale)
     require_tensors(q, k, v)  # the op's own type error would not name the argument's role
-    out, lse = torch.ops.fa3_cute.attention(name, q, k, v, causal, scale, bool(return_lse))
+    (dq, dk, dv), values = split_descales(q, dict(descale_q=descale_q, descale_k=descale_k, descale_v=descale_v))
+    out, lse = torch.ops.fa3_cute.attention(name, q, k, v, causal, scale, bool(return_lse), dq, dk, dv, values)
     return (out, lse) if return_lse else out
+
+
+def quantize_fp8(x):
+    """(x8, descale): ``x`` (bf16/fp16/fp32) as float8_e4m3fn with one per-tensor scale, x ~= x8 * descale;
+    descale is a 0-d float32 tensor on x's device (no host sync). K7's own pre-pass."""
+    from kernels.k7 import quantize_fp8 as quantize
+
+    return quantize(x)

@@ -262,7 +262,7 @@ FP8_FACTOR, FP8_FLOOR = 1.5, 1e-3  # vs the emulation's error: same quantization
 FP8_LSE_ATOL = 4e-3
 
 
-FP8_KERNELS = ("k7", "k8")
+FP8_KERNELS = ("k7", "k7_k4", "k8")
 
 
 def emulate_fp8(q8, k8, v8, descale, causal: bool, scale: float, p_offset: float = 8.0):
@@ -298,6 +298,8 @@ def check_fp8_kernel(name: str, p: Problem, seed=None) -> CheckResult:
 
     q, k, v, out, lse = launch_once(name, p, seed)
     q8, k8, v8, (dq, dk, dv) = fp8_quantized(name, p, q, k, v)
+    if p.group > 1:  # GQA: every query head against its K/V head (and K8's per-head tile descales)
+        k8, v8, dk, dv = (x.repeat_interleave(p.group, dim=1) if x.dim() == 4 else x for x in (k8, v8, dk, dv))
     deq = [x8.float() * d for x8, d in ((q8, dq), (k8, dk.transpose(-1, -2) if dk.dim() else dk), (v8, dv))]
     ref, ref_lse = reference(*deq, p.causal, p.scale)
     emu = emulate_fp8(q8, k8, v8, (dq, dk, dv), p.causal, p.scale).to(out.dtype)  # O is stored in 16 bits too
@@ -329,7 +331,7 @@ def fp8_quantized(name: str, p: Problem, q, k, v) -> tuple:
     from kernels.k7 import quantize_fp8
     from kernels.k8 import HADAMARD_SEED, block_sizes
 
-    if name == "k7":
+    if name != "k8":  # per-tensor scales
         (q8, dq), (k8, dk), (v8, dv) = (quantize_fp8(x) for x in (q, k, v))
         return q8, k8, v8, (dq, dk, dv)
     tm, tn = block_sizes(p.head_dim)  # the default configuration's tiles, which the check compiles

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import os
 
-from kernels.contract import DTYPES, Problem, UnsupportedProblem
+from kernels.contract import DTYPES, FP8_DTYPES, Problem, UnsupportedProblem
 
 SWEEP_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
 SWEEP_HEAD_DIMS = (64, 128, 256)
 SWEEP_CAUSAL = (False, True)
+# FP8 (--dtype fp8): the FA3 paper's FP8 grid, where cuDNN's FP8 attention is the peer.
+FP8_SWEEP_HEAD_DIMS = (128, 256)
+FP8_SWEEP_SEQLENS = (2048, 4096, 8192, 16384)
 DEFAULTS = dict(seqlen=4096, headdim=128, causal=False, dtype="bfloat16")
 # flag -> environment variable; a flag wins over its variable, and errors name whichever was used.
 KNOBS = {"seqlen": "SEQLEN", "headdim": "HEADDIM", "causal": "CAUSAL", "batch": "BATCH", "nheads": "NHEADS",
@@ -44,9 +47,10 @@ def parse_int(text, name) -> int:
 
 def parse_dtype(text, name) -> str:
     dtype = str(text).strip().lower()
-    dtype = {"bf16": "bfloat16", "fp16": "float16", "half": "float16"}.get(dtype, dtype)
-    if dtype not in DTYPES:
-        raise UnsupportedProblem(f"{name} must be one of {DTYPES} (or bf16/fp16), got {text!r}")
+    dtype = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp8": "float8_e4m3fn",
+             "e4m3": "float8_e4m3fn"}.get(dtype, dtype)
+    if dtype not in DTYPES + FP8_DTYPES:
+        raise UnsupportedProblem(f"{name} must be one of {DTYPES + FP8_DTYPES} (or bf16/fp16/fp8), got {text!r}")
     return dtype
 
 
@@ -93,6 +97,8 @@ def sweep_problems(env=None, **flags) -> list:
         return (given[knob][0],) if knob in given else values
 
     dtype = given["dtype"][0] if "dtype" in given else DEFAULTS["dtype"]
+    head_dims, seqlens = (FP8_SWEEP_HEAD_DIMS, FP8_SWEEP_SEQLENS) if dtype in FP8_DTYPES else (SWEEP_HEAD_DIMS,
+                                                                                               SWEEP_SEQLENS)
     return [Problem(*default_batch_heads(n, d), n, d, dtype=dtype, causal=c)
-            for d in axis("headdim", SWEEP_HEAD_DIMS) for c in axis("causal", SWEEP_CAUSAL)
-            for n in axis("seqlen", SWEEP_SEQLENS)]
+            for d in axis("headdim", head_dims) for c in axis("causal", SWEEP_CAUSAL)
+            for n in axis("seqlen", seqlens)]

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from kernels.contract import DTYPES, Problem, UnsupportedProblem
+from kernels.contract import DTYPES, FP8_DTYPES, Problem, UnsupportedProblem
 
 
 def torch_dtype(name: str):
     import torch
 
-    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+            "float8_e4m3fn": torch.float8_e4m3fn}[name]
 
 
 def require_tensors(q, k, v) -> None:
@@ -24,8 +25,11 @@ def shared_dtype(names: str, *tensors) -> str:
     if any(t.dtype != tensors[0].dtype for t in tensors):
         raise UnsupportedProblem(f"{names} must share a dtype, got {', '.join(str(t.dtype) for t in tensors)}")
     dtype = str(tensors[0].dtype).replace("torch.", "")
-    if dtype not in DTYPES:
-        raise UnsupportedProblem(f"dtype must be bfloat16 or float16, got {tensors[0].dtype}")
+    if dtype.startswith("float8") and dtype not in FP8_DTYPES:
+        raise UnsupportedProblem(f"FP8 inputs must be float8_e4m3fn (the 8-bit WGMMA format these kernels use), "
+                                 f"got {tensors[0].dtype}")
+    if dtype not in DTYPES + FP8_DTYPES:
+        raise UnsupportedProblem(f"dtype must be bfloat16, float16 or float8_e4m3fn, got {tensors[0].dtype}")
     return dtype
 
 
@@ -51,19 +55,23 @@ def problem_from_tensors(q, k, v, causal: bool, softmax_scale=None) -> Problem:
     if q.shape[1] % k.shape[1]:
         raise UnsupportedProblem(f"q's heads must be a multiple of k/v's (grouped-query attention), got "
                                  f"{q.shape[1]} and {k.shape[1]}")
-    if q.shape[-1] % 8:  # before the stride check, which would otherwise blame the layout
+    dtype = shared_dtype("q, k, v", q, k, v)
+    # Before the stride check, which would otherwise blame the layout.
+    if dtype in FP8_DTYPES and q.shape[-1] % 32:
+        raise UnsupportedProblem(f"FP8 head_dim must be a multiple of 32 (the 8-bit WGMMA's K step), got {q.shape[-1]}")
+    if q.shape[-1] % 8:
         raise UnsupportedProblem(f"head_dim must be a multiple of 8 (rows are moved in 16-byte pieces), "
                                  f"got {q.shape[-1]}")
-    dtype = shared_dtype("q, k, v", q, k, v)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.requires_grad:
             raise UnsupportedProblem(f"{name} requires grad: these kernels are forward-only (no autograd); "
                                      "pass a tensor detached from the graph")
         if t.stride(-1) != 1:
             raise UnsupportedProblem(f"{name} must have a contiguous last dim (stride 1), got strides {t.stride()}")
-        if any(s % 8 for s in t.stride()[:-1]) or t.data_ptr() % 16:
+        row = 16 // t.element_size()  # elements per 16 bytes: TMA strides are multiples of 16 bytes
+        if any(s % row for s in t.stride()[:-1]) or t.data_ptr() % 16:
             raise UnsupportedProblem(
-                f"{name} must be 16-byte aligned with strides that are multiples of 8 elements "
+                f"{name} must be 16-byte aligned with strides that are multiples of {row} elements "
                 f"(TMA rows), got strides {t.stride()}; call .contiguous() first"
             )
     if not (q.device == k.device == v.device):
@@ -90,10 +98,10 @@ def random_inputs(p: Problem, device="cuda", seed=None):
 
 
 def empty_outputs(p: Problem, device="cuda"):
-    """Uninitialized O (the input dtype) and LSE (float32): every kernel writes all of both."""
+    """Uninitialized O (the inputs' dtype; bf16 for e4m3 inputs) and LSE (float32): every kernel writes all of both."""
     import torch
 
-    out = torch.empty((p.batch, p.nheads, p.seqlen, p.head_dim), device=device, dtype=torch_dtype(p.dtype))
+    out = torch.empty((p.batch, p.nheads, p.seqlen, p.head_dim), device=device, dtype=torch_dtype(p.out_dtype))
     lse = torch.empty((p.batch, p.nheads, p.seqlen), device=device, dtype=torch.float32)
     return out, lse
 

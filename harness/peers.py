@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-PEERS = ("sdpa-cudnn", "sdpa-flash", "fa4")
+PEERS = ("sdpa-cudnn", "sdpa-flash", "fa4", "cudnn-fp8")
 # The bar a kernel is held to, per workload: the faster of cuDNN and flash-attn-4 (SDPA's flash
-# backend is FlashAttention-2, timed for context only).
+# backend is FlashAttention-2, timed for context only). FP8 workloads: cuDNN's FP8 attention (the
+# bf16 peers, on the 16-bit tensors the e4m3 inputs came from, are timed for scale).
 BEST_OF = ("sdpa-cudnn", "fa4")
+BEST_OF_FP8 = ("cudnn-fp8",)
 
 
-def best_peer(peer_tflops: dict):
-    """(name, TFLOP/s) of the fastest peer in BEST_OF among those timed, or None."""
-    timed = [(peer_tflops[n], n) for n in BEST_OF if peer_tflops.get(n)]
+def best_peer(peer_tflops: dict, best_of: tuple = BEST_OF):
+    """(name, TFLOP/s) of the fastest peer in ``best_of`` among those timed, or None."""
+    timed = [(peer_tflops[n], n) for n in best_of if peer_tflops.get(n)]
     return (max(timed)[1], max(timed)[0]) if timed else None
 
 
@@ -42,6 +44,23 @@ def peer_callables(q, k, v, causal: bool, scale: float) -> dict:
             except Exception as e:
                 peers[name] = f"failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"[:120]
     return peers
+
+
+def cudnn_fp8_peer(q8, k8, v8, descales, causal: bool, scale: float):
+    """The cuDNN FP8 peer as ``peer_callables`` gives peers: a callable (bf16 O where cuDNN builds
+    it; on Hopper cuDNN 9 takes only e4m3 O), or the reason it is unavailable."""
+    import torch
+
+    reason = "unavailable"
+    for out_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        try:
+            call = cudnn_fp8_sdpa(q8, k8, v8, descales, causal, scale, out_dtype)
+            call()
+            torch.cuda.synchronize()
+            return call
+        except Exception as e:  # missing frontend, unsupported graph: say so, go on
+            reason = f"failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"[:120]
+    return reason
 
 
 def cudnn_fp8_sdpa(q8, k8, v8, descales, causal: bool, scale: float, out_dtype):

@@ -44,8 +44,9 @@ class KernelEntry:
         self.caps.check(problem)
         return self.load().compile_kernel(problem, **self.variant, **kw)
 
-    def run(self, compiled: CompiledAttention, q, k, v, out, lse, softmax_scale=None) -> None:
-        self.load().run_kernel(compiled, q, k, v, out, lse, softmax_scale)
+    def run(self, compiled: CompiledAttention, q, k, v, out, lse, softmax_scale=None, **kw) -> None:
+        """``kw``: what a stage's run_kernel takes beyond the contract (K7: FP8 ``descale``)."""
+        self.load().run_kernel(compiled, q, k, v, out, lse, softmax_scale, **kw)
 
 
 _ENTRIES = [
@@ -63,8 +64,9 @@ _ENTRIES = [
     KernelEntry("k6_pp", "kernels.k6", "ping-pong: consumer warpgroups take turns on the tensor cores",
                 {"pingpong": True, "overlap": False}),
     KernelEntry("k6", "kernels.k6", "plus intra-warpgroup overlap: softmax of tile j+1 under PV of tile j"),
-    KernelEntry("k7", "kernels.k7", "FP8: both GEMMs as e4m3 WGMMAs on K4's loop; V^T and the quantization in a "
-                "timed pre-pass"),
+    KernelEntry("k7_k4", "kernels.k7", "FP8 on K4's loop: both GEMMs as e4m3 WGMMAs, V^T in a timed pre-pass",
+                {"structure": "k4"}),
+    KernelEntry("k7", "kernels.k7", "FP8 on K6's warp-specialized ping-pong kernel; takes e4m3 inputs with descales"),
     KernelEntry("k8", "kernels.k8", "FP8 with a scale per Q/K/V tile and Q, K rotated by a random Hadamard "
                 "matrix before quantization (FA3's accuracy fixes)"),
     KernelEntry("decode_nosplit", "kernels.decode", "flash decode without the split: K4 at 1 warpgroup, GQA heads "

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
 DTYPES = ("bfloat16", "float16")
+FP8_DTYPES = ("float8_e4m3fn",)  # K7: e4m3 q, k, v with per-tensor descales, 16-bit O
 LOG2_E = math.log2(math.e)  # exp(x) == exp2(x * LOG2_E): the kernels fold it into the scale
 LN_2 = math.log(2.0)  # natural-log LSE from a log2-domain max: m * LN_2 + ln(l)
 SMEM_CAPACITY = 227 * 1024  # H100 / H200: the most dynamic SMEM one CTA can opt into
@@ -95,8 +96,8 @@ class Problem:
         if self.nheads % self.kv_heads:
             raise UnsupportedProblem(f"nheads (of q) must be a multiple of nheads_kv (of k, v) for grouped-query "
                                      f"attention, got {self.nheads} and {self.kv_heads}")
-        if self.dtype not in DTYPES:
-            raise UnsupportedProblem(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.dtype not in DTYPES + FP8_DTYPES:
+            raise UnsupportedProblem(f"dtype must be one of {DTYPES + FP8_DTYPES}, got {self.dtype!r}")
         # Frozen: normalize through object.__setattr__, so equal problems hash equal (cache keys).
         object.__setattr__(self, "causal", as_causal(self.causal))
         if self.softmax_scale is not None:
@@ -105,6 +106,11 @@ class Problem:
     @property
     def scale(self) -> float:
         return self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
+
+    @property
+    def out_dtype(self) -> str:
+        """O's dtype: the inputs' own, bf16 for e4m3 inputs (no kernel writes FP8 O)."""
+        return "bfloat16" if self.dtype in FP8_DTYPES else self.dtype
 
     @property
     def kv_len(self) -> int:

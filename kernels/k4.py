@@ -83,7 +83,6 @@ class K4FMHA:
         self.num_threads = 128 * num_wg
         self.out_dtype = dtype  # O's dtype (K7: 16-bit out of 8-bit operands)
         self.p_offset = 0.0  # K7: P scaled into e4m3's range (sm90.OnlineSoftmax)
-        self.block_scales = False  # K8: a descale per Q tile and per K / V tile (mDescale rows)
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
@@ -191,15 +190,9 @@ class K4FMHA:
         # of the tile each accumulator register holds.
         tScS = thr_mma_qk.partition_C(cute.make_identity_tensor((tile_m, tile_n)))
 
-        descales = None
-        if const_expr(self.block_scales):
-            # K8: mDescale[b, h] holds q's descale per Q tile, then k's and v's per KV tile.
-            descales = self.tile_descales(mDescale[batch, head, None], seqlen)
-            scale_log2 = scale_log2 * descales[0][m_block]
-        elif const_expr(mDescale is not None):  # K7: the scores are of q8 . k8, their descales join the scale
+        if const_expr(mDescale is not None):  # K7: the scores are of q8 . k8, their descales join the scale
             scale_log2 = scale_log2 * mDescale[0] * mDescale[1]
-        softmax = sm90.OnlineSoftmax(cute.size(sm90.acc_mn_view(acc_O), mode=[0]), scale_log2, self.p_offset,
-                                     scaled_max=self.block_scales)
+        softmax = sm90.OnlineSoftmax(cute.size(sm90.acc_mn_view(acc_O), mode=[0]), scale_log2, self.p_offset)
         row_scale = cute.make_rmem_tensor(softmax.num_rows, Float32)
 
         # Q is loaded once and read by every QK GEMM; its stage is never released.
@@ -209,15 +202,13 @@ class K4FMHA:
         mmas = (tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O, tScS)
         for n_block in cutlass.range(n_unmasked, unroll=1):
             self.kv_iteration(n_block, n_tiles, m_block, seqlen, warp_idx, loads, mmas, softmax, row_scale,
-                              masked=False, descales=descales)
+                              masked=False)
         for n_block in cutlass.range(n_unmasked, n_tiles, unroll=1):
             self.kv_iteration(n_block, n_tiles, m_block, seqlen, warp_idx, loads, mmas, softmax, row_scale,
-                              masked=True, descales=descales)
+                              masked=True)
 
         # ---- Epilogue: normalize once, write O and LSE straight from registers ------------
-        if const_expr(self.block_scales):  # K8: O in the units of the last V tile's descale
-            acc_O.store(acc_O.load() * descales[2][n_tiles - 1])
-        elif const_expr(mDescale is not None):  # K7: O in v's units
+        if const_expr(mDescale is not None):  # K7: O in v's units
             acc_O.store(acc_O.load() * mDescale[2])
         sm90.store_o_and_lse(acc_O, softmax, tiled_mma_pv, tidx, mO, mLSE, m_block, head, batch, tile_m,
                              self.out_dtype)
@@ -225,7 +216,7 @@ class K4FMHA:
     @cute.jit
     def kv_iteration(self, n_block: Int32, n_tiles: Int32, m_block: Int32, seqlen: Int32, warp_idx: Int32,
                      loads: tuple, mmas: tuple, softmax: sm90.OnlineSoftmax, row_scale: cute.Tensor,
-                     masked: cutlass.Constexpr[bool], descales=None):
+                     masked: cutlass.Constexpr[bool]):
         """One KV tile: S = QK^T, (mask), softmax on the fragment, O = O*scale + P V."""
         pipeline_kv, *kv_loads = loads
         tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O, tScS = mmas
@@ -243,29 +234,12 @@ class K4FMHA:
         warpgroup.wait_group(0)
         if const_expr(masked):
             sm90.mask_tile(acc_S, tScS, m_block, n_block, seqlen, self.tile_m, self.tile_n, self.causal)
-        if const_expr(self.block_scales):
-            # K8: this tile's k descale joins the scale; O moves from the previous V tile's units
-            # to this one's inside the rescale it gets anyway (tiles run 0, 1, ..., n_tiles - 1).
-            q_d, k_d, v_d = descales
-            softmax.step(acc_S, row_scale, check_inf=masked, tile_scale_log2=softmax.scale_log2 * k_d[n_block])
-            v_ratio = v_d[cutlass.max(n_block - 1, 0)] / v_d[n_block]
-            for r in cutlass.range_constexpr(softmax.num_rows):
-                row_scale[r] = row_scale[r] * v_ratio
-        else:
-            softmax.step(acc_S, row_scale, check_inf=masked)
+        softmax.step(acc_S, row_scale, check_inf=masked)
         softmax.rescale(acc_O, row_scale)
         self.convert_p(acc_S, tOrP)
         sm90.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_consume.index], zero_init=False, wg_wait=0)
         pipeline_kv.consumer_release(kv_consume)
 
-
-    def tile_descales(self, mDescale_bh: cute.Tensor, seqlen: Int32) -> tuple:
-        """K8's (q per Q tile, k per KV tile, v per KV tile) views of one (batch, head)'s row."""
-        m_tiles, n_tiles = cute.ceil_div(seqlen, self.tile_m), cute.ceil_div(seqlen, self.tile_n)
-        q_d = cute.make_tensor(mDescale_bh.iterator, cute.make_layout(m_tiles))
-        k_d = cute.make_tensor(mDescale_bh.iterator + m_tiles, cute.make_layout(n_tiles))
-        v_d = cute.make_tensor(mDescale_bh.iterator + m_tiles + n_tiles, cute.make_layout(n_tiles))
-        return q_d, k_d, v_d
 
     def convert_p(self, acc_S: cute.Tensor, tOrP: cute.Tensor):
         """The register handoff: acc_S's C fragment re-read in A-operand order, narrowed."""

@@ -112,6 +112,9 @@ class K5FMHA:
         self.scheduler = scheduler
         self.sm_count = sm_count
         self.section_bytes = section_bytes
+        self.out_dtype = dtype  # K7: e4m3 inputs, 16-bit O
+        self.p_offset = 0.0  # K7: P scaled into e4m3's range (sm90.OnlineSoftmax)
+        self.block_scales = False  # K8: a descale per Q tile and per K / V tile (mDescale rows)
         self.num_threads = 128 * (num_wg + 1)
         self.producer_regs, self.consumer_regs = REGISTERS[num_wg]
         # K6 turns this on (ping-pong); in K5 its sync/arrive calls compile to nothing.
@@ -128,10 +131,17 @@ class K5FMHA:
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
                  softmax_scale: Float32, mTileCounter: cute.Tensor, stream):
+        self.launch(mQ, mK, tma_pipeline.head_dim_major_view(mV), mO, mLSE, None, softmax_scale, mTileCounter,
+                    stream)
+
+    @cute.jit
+    def launch(self, mQ: cute.Tensor, mK: cute.Tensor, mVt: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+               mDescale, softmax_scale: Float32, mTileCounter: cute.Tensor, stream):
+        """``mVt``: V as a (d, keys, heads, batch) view (its major mode read from the view).
+        ``mDescale``: None here; K7's descales."""
         d, dt = self.head_dim, self.dtype
         mQt = tma_pipeline.seq_major_view(mQ)
         mKt = tma_pipeline.seq_major_view(mK)
-        mVt = tma_pipeline.head_dim_major_view(mV)
 
         # Each consumer warpgroup owns 64 rows of the tile_m-row query tile, as in K4.
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
@@ -167,14 +177,14 @@ class K5FMHA:
         # K/V may have fewer heads (GQA: query head h reads K/V head h // group) and more rows
         # than Q (chunked prefill): the kernel takes both from K's shape.
         kv_shape = (mK.shape[2], mQ.shape[1] // mK.shape[1])
-        self.kernel(mQ_tma, mK_tma, mV_tma, mO, mLSE, mTileCounter, kv_shape, tma_atom_Q, tma_atom_K, tma_atom_V,
+        self.kernel(mQ_tma, mK_tma, mV_tma, mO, mLSE, mDescale, mTileCounter, kv_shape, tma_atom_Q, tma_atom_K, tma_atom_V,
                     (tma_atom_O, mO_tma), scale_log2, sQ_layout, sK_layout, sVt_layout, tiled_mma_qk, tiled_mma_pv, SharedStorage).launch(
             grid=(grid_x, 1, 1), block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(),
             stream=stream, min_blocks_per_mp=1)
 
     @cute.kernel
     def kernel(self, mQ_tma: cute.Tensor, mK_tma: cute.Tensor, mV_tma: cute.Tensor, mO: cute.Tensor,
-               mLSE: cute.Tensor, mTileCounter: cute.Tensor, kv_shape: tuple, tma_atom_Q: cute.CopyAtom,
+               mLSE: cute.Tensor, mDescale, mTileCounter: cute.Tensor, kv_shape: tuple, tma_atom_Q: cute.CopyAtom,
                tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom, o_store: tuple, scale_log2: Float32,
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sVt_layout: cute.ComposedLayout,
                tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, SharedStorage: cutlass.Constexpr):
@@ -208,7 +218,7 @@ class K5FMHA:
                           pipelines, tile_slots)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
-            self.consume(mO, mLSE, kv_shape, sQ, sK, sVt, tiled_mma_qk, tiled_mma_pv, scale_log2, pipelines,
+            self.consume(mO, mLSE, mDescale, kv_shape, sQ, sK, sVt, tiled_mma_qk, tiled_mma_pv, scale_log2, pipelines,
                          tile_slots, o_store)
 
     @cute.jit
@@ -323,7 +333,7 @@ class K5FMHA:
     # ---- Consumers: WGMMA + softmax only ------------------------------------------------------
 
     @cute.jit
-    def consume(self, mO: cute.Tensor, mLSE: cute.Tensor, kv_shape: tuple, sQ: cute.Tensor, sK: cute.Tensor,
+    def consume(self, mO: cute.Tensor, mLSE: cute.Tensor, mDescale, kv_shape: tuple, sQ: cute.Tensor, sK: cute.Tensor,
                 sVt: cute.Tensor, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, scale_log2: Float32,
                 pipelines: tuple, tile_slots: tuple, o_store: tuple):
         pipeline_q, pipeline_k, pipeline_v = pipelines
@@ -342,6 +352,9 @@ class K5FMHA:
         acc_O = cute.make_rmem_tensor(tiled_mma_pv.partition_shape_C((tile_m, d)), Float32)
         tScS = thr_mma_qk.partition_C(cute.make_identity_tensor((tile_m, tile_n)))
         num_rows = cute.size(sm90.acc_mn_view(acc_O), mode=[0])
+        per_tensor_scales = mDescale is not None and not self.block_scales
+        if const_expr(per_tensor_scales):  # K7: the scores are of q8 . k8, their descales join the scale
+            scale_log2 = scale_log2 * mDescale[0] * mDescale[1]
 
         q_consume = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
         kv_consume = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
@@ -354,27 +367,29 @@ class K5FMHA:
             n_unmasked = unmasked_kv_tile_count(m_block, seqlen, tile_m, tile_n, self.causal, seqlen_k)
             mask_lens = (seqlen_k, seqlen_k - seqlen)  # key length, causal diagonal offset
             acc_O.fill(0.0)
-            softmax = sm90.OnlineSoftmax(num_rows, scale_log2)  # fresh row max / sum per query tile
+            softmax = self.tile_softmax(num_rows, scale_log2, mDescale, m_block, head, batch, seqlen, n_tiles)
             row_scale = cute.make_rmem_tensor(num_rows, Float32)
             pipeline_q.consumer_wait(q_consume)
             mmas = (tiled_mma_qk, tiled_mma_pv, tSrQ[None, None, None, q_consume.index], tSrK, tOrVt, tOrP, acc_O,
                     tScS)
             kv_consume = self.mainloop(m_block, mask_lens, n_tiles, n_unmasked, kv_consume, pipelines, mmas, softmax,
                                        row_scale)
+            if const_expr(per_tensor_scales):  # K7: O in v's units
+                acc_O.store(acc_O.load() * mDescale[2])
             if const_expr(self.tma_store):
                 tma_atom_O, mO_tma = o_store
                 sO = sQ[None, None, q_consume.index]
                 tOsO, tOgO = tma_pipeline.partition_for_tma(tma_atom_O, mO_tma, sO, (tile_m, d), head, batch,
                                                             coord=(m_block, 0))
                 sm90.store_o_tma_and_lse(acc_O, softmax, tiled_mma_pv, tidx, sO, tOsO, tOgO, tma_atom_O, mLSE,
-                                         m_block, head, batch, seqlen, tile_m, self.dtype, 128 * self.num_wg)
+                                         m_block, head, batch, seqlen, tile_m, self.out_dtype, 128 * self.num_wg)
                 pipeline_q.consumer_release(q_consume)  # the store has read sO: Q's buffer is free
             else:
                 # Every QK of this tile has retired: the producer may load the next tile's Q.
                 pipeline_q.consumer_release(q_consume)
                 # K4's epilogue: normalize once, O and LSE straight from registers.
                 sm90.store_o_and_lse(acc_O, softmax, tiled_mma_pv, tidx, mO, mLSE, m_block, head, batch, tile_m,
-                                     self.dtype)
+                                     self.out_dtype)
             q_consume.advance()
             tile_idx = self.next_tile(tile_idx, step, tile_slots, tile_consume)
             tile_consume.advance()
@@ -411,15 +426,24 @@ class K5FMHA:
         if const_expr(masked):
             sm90.mask_tile(acc_S, tScS, m_block, n_block, mask_lens[0], self.tile_m, self.tile_n, self.causal,
                            mask_lens[1])
-        softmax.step(acc_S, row_scale, check_inf=masked)
+        softmax.step(acc_S, row_scale, check_inf=masked, n_block=n_block)
         softmax.rescale(acc_O, row_scale)
-        sm90.convert_to(sm90.acc_as_operand_a(acc_S), tOrP)
+        self.convert_p(acc_S, tOrP)
         pipeline_v.consumer_wait(kv_consume)
         self.warp_scheduler.sync()
         sm90.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_consume.index], zero_init=False, wg_wait=0)
         pipeline_v.consumer_release(kv_consume)
         kv_consume.advance()
         return kv_consume
+
+    def tile_softmax(self, num_rows: int, scale_log2: Float32, mDescale, m_block: Int32, head: Int32, batch: Int32,
+                     seqlen: Int32, n_tiles: Int32) -> sm90.OnlineSoftmax:
+        """A fresh row max / sum for each query tile (K8: one that knows the tile's descales)."""
+        return sm90.OnlineSoftmax(num_rows, scale_log2, self.p_offset)
+
+    def convert_p(self, acc_S: cute.Tensor, tOrP: cute.Tensor):
+        """K4's register handoff: acc_S's C fragment re-read in A-operand order, narrowed."""
+        sm90.convert_to(sm90.acc_as_operand_a(acc_S), tOrP)
 
 
 def default_config(p: Problem, overrides: dict) -> dict:
@@ -449,30 +473,35 @@ def check_config(cfg: dict, name: str = "K5") -> None:
         raise UnsupportedProblem(f"{name} config {cfg}: scheduler must be one of {SCHEDULERS}")
 
 
-def build(name: str, kernel_cls, p: Problem, cfg: dict, keep_ptx: bool) -> CompiledAttention:
+def build(name: str, kernel_cls, p: Problem, cfg: dict, keep_ptx: bool, fake_args=None) -> CompiledAttention:
     """Compile ``kernel_cls`` (K5FMHA or a subclass) for ``p`` and bind its tile counter.
 
     The dynamic scheduler's counter is an int32 pair in GMEM that must read zero at every launch;
     the kernel resets it itself, so one zeroed pair per (device, stream) serves every call.
+    ``fake_args(dtype, head_dim)``: the kernel's arguments before the counter (K7: FP8 q, k, V^T
+    and descales); by default (q, k, v, o, lse, softmax_scale).
     """
     check_config(cfg, name.upper())
-    dt = cute_dtype(p.dtype)
+    dt = cute_dtype(p.out_dtype)  # the inputs' dtype but for K7/K8, whose kernel class fixes e4m3 inputs
     sm_count = num_sms()
     kernel = kernel_cls(p.head_dim, dt, p.causal, sm_count=sm_count, **cfg)
     if kernel.smem_bytes() > SMEM_CAPACITY:
         raise UnsupportedProblem(
             f"{name.upper()} config {cfg} at head_dim {p.head_dim} needs {kernel.smem_bytes() // 1024} KB of SMEM "
             f"(limit {SMEM_CAPACITY // 1024} KB): use fewer kv_stages or a smaller tile_n")
-    key = (name, p.head_dim, p.dtype, p.causal, sm_count, tuple(sorted(cfg.items())))
+    key = (name, p.head_dim, p.out_dtype, p.causal, sm_count, tuple(sorted(cfg.items())))
 
     def args():
-        q, k, v, o, lse, scale, stream = fake_attention_args(dt, p.head_dim, separate_kv=True)
-        return kernel, (q, k, v, o, lse, scale, make_fake_tensor(Int32, (2,), stride=(1,)), stream)
+        if fake_args is None:
+            *head, stream = fake_attention_args(dt, p.head_dim, separate_kv=True)
+        else:
+            *head, stream = fake_args(dt, p.head_dim)
+        return kernel, (*head, make_fake_tensor(Int32, (2,), stride=(1,)), stream)
 
     fn = jit_compile(key, args, keep_ptx)
     compiled = fused_attention(name, p, fn, keep_ptx, dict(cfg, smem_bytes=kernel.smem_bytes()))
     counters = schedule.TileCounters()
-    compiled.launch = lambda q, k, v, out, lse, scale: fn(q, k, v, out, lse, scale, counters.get(q.device))
+    compiled.launch = lambda q, *args: fn(q, *args, counters.get(q.device))
     return compiled
 
 

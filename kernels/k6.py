@@ -129,8 +129,8 @@ class K6FMHA(k5.K5FMHA):
         pipeline_k.consumer_release(kv_consume)
         sm90.mask_tile(acc_S, tScS, m_block, n_block, mask_lens[0], self.tile_m, self.tile_n, self.causal,
                        mask_lens[1])
-        softmax.step(acc_S, row_scale, check_inf=True)  # O is still zero: no rescale needed
-        sm90.convert_to(sm90.acc_as_operand_a(acc_S), tOrP)
+        softmax.step(acc_S, row_scale, check_inf=True, n_block=n_block)  # O is still zero: no rescale needed
+        self.convert_p(acc_S, tOrP)
 
     @cute.jit
     def overlapped_step(self, n_block: Int32, m_block: Int32, mask_lens: tuple, kv_consume: pipeline.PipelineState,
@@ -156,10 +156,10 @@ class K6FMHA(k5.K5FMHA):
         if const_expr(masked):
             sm90.mask_tile(acc_S, tScS, m_block, n_block, mask_lens[0], self.tile_m, self.tile_n, self.causal,
                        mask_lens[1])
-        softmax.step(acc_S, row_scale, check_inf=masked)
+        softmax.step(acc_S, row_scale, check_inf=masked, n_block=n_block)
         warpgroup.wait_group(0)  # PV done: its P and V may be overwritten, O may be touched
         pipeline_v.consumer_release(kv_prev)
-        sm90.convert_to(sm90.acc_as_operand_a(acc_S), tOrP)
+        self.convert_p(acc_S, tOrP)
         if const_expr(not self.rescale_o_before_gemm):
             softmax.rescale(acc_O, row_scale)
         return kv_consume

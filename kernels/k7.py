@@ -1,11 +1,14 @@
-"""K7: FP8 (e4m3) attention forward on K4's loop: both GEMMs as 64xNx32 e4m3 WGMMAs.
+"""K7: FP8 (e4m3) attention forward on K6's kernel: both GEMMs as 64xNx32 e4m3 WGMMAs.
 
-New relative to K4 (same TMA ring, same online softmax on the accumulator, same epilogue):
+K6's producer, ping-pong, intra-warpgroup overlap and tile scheduler are unchanged; four things
+change, all at seams K5/K6 already have (``k7_k4`` makes the same changes to K4's loop, where
+they are easiest to read in isolation):
+
 * Q, K and V arrive as e4m3 with per-tensor descales (x ~= x8 * descale). The tensor cores run
   twice as many FLOPs per cycle, and every tile is half the bytes.
 * 8-bit WGMMA takes both operands K-major only, so V, contiguous along d, cannot be the PV GEMM's
-  B operand as it stands: ``prepare_fp8`` stores V^T (batch, heads, d, keys), a pre-pass whose
-  time is counted in every K7 measurement.
+  B operand as it stands: a pre-pass (``transpose_v_fp8``) stores V^T (batch, heads, d, keys),
+  and its time is counted in every K7 measurement.
 * The P handoff is no longer a pure re-indexing: an FP8 A fragment gives each lane 4 adjacent
   keys, the accumulator gives it pairs 8 apart. ``sm90.acc_frg_a_layout_fp8`` views the
   accumulator so each lane's 4 values fill its 4 A slots anyway, which permutes the keys inside
@@ -14,6 +17,9 @@ New relative to K4 (same TMA ring, same online softmax on the accumulator, same 
 * Scales: q and k's descales join the softmax scale (one FFMA per score, as before); P gets an
   offset of 2^8 before its conversion (``OnlineSoftmax(p_offset=8)``) so it is not flushed under
   e4m3's smallest values; v's descale multiplies O once, before the output is narrowed to bf16.
+
+Tiles: 8-bit tiles take half the SMEM, but registers, not SMEM, bind (ptxas, docs/k7.md): K6's
+tiles with tile_n a multiple of 32 (the 8-bit WGMMA's K step), 128 keys at every head dim.
 """
 
 from __future__ import annotations
@@ -22,13 +28,15 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
-from . import k4, sm90, tma_pipeline
+from . import k4, k5, k6, sm90, tma_pipeline
 from .contract import (
+    Capabilities,
     CompiledAttention,
     FakeShapes,
     Problem,
     UnsupportedProblem,
     compiled_ptx,
+    cute_dtype,
     fake_stream,
     jit_compile,
 )
@@ -37,23 +45,57 @@ HEAD_DIMS = (64, 128, 256)
 FP8 = cutlass.Float8E4M3FN
 E4M3_MAX = 448.0
 P_OFFSET = 8.0  # P in [0, 2^8]: e4m3 keeps 3 mantissa bits down to 2^-6, and P's small values matter
-# K4's tile shapes (tile_n a multiple of 32: the 8-bit WGMMA's K step); 8-bit tiles take half the
-# SMEM, so each head dim gets one more stage than K4.
+# Measured on an H100 (scripts/tune_fp8.py, docs/k7.md): wider key tiles (160-224, FA3's FP8
+# choice at d=128) and a third KV stage did not beat 128 keys; d=256 runs without ping-pong, as K6.
 DEFAULT_CONFIG = {
+    64: dict(num_wg=3, tile_n=128, kv_stages=2, q_stages=2, pingpong=True, overlap=False),
+    128: dict(num_wg=2, tile_n=128, kv_stages=2, q_stages=2, pingpong=True, overlap=True),
+    256: dict(num_wg=2, tile_n=128, kv_stages=2, q_stages=1, pingpong=False, overlap=True),
+}
+DTYPES = ("bfloat16", "float16", "float8_e4m3fn")  # 16-bit: quantized per tensor by the pre-pass
+CAPS = Capabilities(head_dims=HEAD_DIMS, dtypes=DTYPES, gqa=True, unequal_lengths=True)
+
+
+class K7FMHA(k6.K6FMHA):
+    def __init__(self, head_dim: int, out_dtype, causal: bool, **kw):
+        super().__init__(head_dim, FP8, causal, **kw)
+        self.out_dtype = out_dtype
+        self.p_offset = P_OFFSET
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mVt: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+                 mDescale: cute.Tensor, softmax_scale: Float32, mTileCounter: cute.Tensor, stream):
+        # V^T (batch, heads, d, keys) -> (d, keys, heads, batch): K6's V view with keys contiguous,
+        # which its launcher reads as K-major, the only mode 8-bit WGMMA takes.
+        self.launch(mQ, mK, vt_view(mVt), mO, mLSE, mDescale, softmax_scale, mTileCounter, stream)
+
+    def convert_p(self, acc_S: cute.Tensor, tOrP: cute.Tensor):
+        """K4's register handoff, in FP8: the permuted view, narrowed to e4m3."""
+        sm90.convert_to_fp8(acc_S, tOrP)
+
+
+def vt_view(mVt: cute.Tensor) -> cute.Tensor:
+    return cute.make_tensor(mVt.iterator, cute.select(mVt.layout, mode=[2, 3, 1, 0]))
+
+
+# ---- k7_k4: the same seams on K4's loop (one CTA per tile, loads and math on the same warps) ----
+
+K4_CONFIG = {  # K4's tiles, tile_n a multiple of 32; one more stage than K4 (8-bit tiles)
     64: dict(num_wg=3, tile_n=128, kv_stages=4, refill_lag=2),
     128: dict(num_wg=2, tile_n=128, kv_stages=3, refill_lag=1),
     256: dict(num_wg=2, tile_n=64, kv_stages=3, refill_lag=1),
 }
 
 
-def smem_bytes(head_dim: int, num_wg: int, tile_n: int, kv_stages: int, **_) -> int:
+def k4_smem_bytes(head_dim: int, num_wg: int, tile_n: int, kv_stages: int, **_) -> int:
     return tma_pipeline.smem_bytes(64 * num_wg, tile_n, head_dim, 1, kv_stages)
 
 
-CAPS = tma_pipeline.smem_capabilities(HEAD_DIMS, lambda d: smem_bytes(d, **DEFAULT_CONFIG[d]), "DEFAULT_CONFIG")
+K4_CAPS = tma_pipeline.smem_capabilities(HEAD_DIMS, lambda d: k4_smem_bytes(d, **K4_CONFIG[d]), "K4_CONFIG",
+                                         dtypes=DTYPES)
 
 
-class K7FMHA(k4.K4FMHA):
+class K7OnK4FMHA(k4.K4FMHA):
     def __init__(self, head_dim: int, out_dtype, causal: bool, num_wg: int, tile_n: int, kv_stages: int,
                  refill_lag: int):
         super().__init__(head_dim, FP8, causal, num_wg, tile_n, kv_stages, refill_lag)
@@ -63,15 +105,9 @@ class K7FMHA(k4.K4FMHA):
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mVt: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
                  mDescale: cute.Tensor, softmax_scale: Float32, stream):
-        # V^T (batch, heads, d, keys) -> (d, keys, heads, batch): K4's V view with keys contiguous,
-        # so K4's launcher reads V^T as K-major, the only mode 8-bit WGMMA takes. The kernel is
-        # K4's, given the descales (q's and k's join the softmax scale, v's multiplies O).
-        mVt_view = cute.make_tensor(mVt.iterator, cute.select(mVt.layout, mode=[2, 3, 1, 0]))
-        self.launch(mQ, mK, mVt_view, mO, mLSE, mDescale, softmax_scale, stream)
+        self.launch(mQ, mK, vt_view(mVt), mO, mLSE, mDescale, softmax_scale, stream)
 
-    def convert_p(self, acc_S: cute.Tensor, tOrP: cute.Tensor):
-        """K4's register handoff, in FP8: the permuted view, narrowed to e4m3."""
-        sm90.convert_to_fp8(acc_S, tOrP)
+    convert_p = K7FMHA.convert_p
 
 
 # --------------------------------------------------------------------------------------
@@ -145,48 +181,69 @@ def prepare_fp8(q, k, v):
     return q8, k8, transpose_v_fp8(v8), torch.stack([dq, dk, dv])
 
 
-def _fake_args(out_dtype, head_dim: int) -> tuple:
+def fake_args(out_dtype, head_dim: int, kv_heads: bool = True) -> tuple:
+    """(q8, k8, vt8, o, lse, descale, softmax_scale, stream) placeholders; ``kv_heads``: K and V^T
+    with heads and a length of their own (GQA, seqlen_k)."""
     from cutlass.cute.runtime import make_fake_tensor
 
     f = FakeShapes()
-    q, k = (f.tensor(FP8, (head_dim,), align_elems=16) for _ in range(2))
-    keys = cute.sym_int()
-    vt = make_fake_tensor(FP8, (f.batch, f.nheads, head_dim, keys),
+    q = f.tensor(FP8, (head_dim,), align_elems=16)
+    k = f.tensor(FP8, (head_dim,), align_elems=16, kv=kv_heads)
+    vt = make_fake_tensor(FP8, (f.batch, f.nheads_kv if kv_heads else f.nheads, head_dim, cute.sym_int()),
                           stride=tuple(cute.sym_int64(divisibility=16) for _ in range(3)) + (1,), assumed_align=16)
-    o = f.tensor(out_dtype, (head_dim,))
-    lse = f.tensor(Float32, ())
     descale = make_fake_tensor(Float32, (3,), stride=(1,), assumed_align=4)
-    return q, k, vt, o, lse, descale, Float32(1.0), fake_stream()
+    return q, k, vt, f.tensor(out_dtype, (head_dim,)), f.tensor(Float32, ()), descale, Float32(1.0), fake_stream()
 
 
-def compile_fp8(name: str, kernel_cls, fake_args, p: Problem, overrides: dict, keep_ptx: bool) -> tuple:
-    """(jit function, config) of an FP8 stage (K7, K8): K4's configuration checks plus the 8-bit
-    WGMMA's K step, O in the inputs' 16-bit dtype."""
+def config(p: Problem, overrides: dict, name: str = "K7") -> dict:
+    """DEFAULT_CONFIG (K6's schedulers: static non-causal, dynamic causal), then the overrides."""
+    cfg = dict(DEFAULT_CONFIG[p.head_dim], scheduler="dynamic" if p.causal else "static", tma_store=False)
+    cfg.update({k: v for k, v in overrides.items() if v is not None})
+    if cfg["tile_n"] % 32:
+        raise UnsupportedProblem(f"{name} config {cfg}: tile_n must be a multiple of 32 (the 8-bit WGMMA's K step)")
+    if cfg["tma_store"]:
+        raise UnsupportedProblem(f"{name} config {cfg}: tma_store stages O in Q's buffer, which is 8-bit here")
+    return cfg
+
+
+def compile_kernel(p: Problem, *, keep_ptx: bool = False, structure: str = "k6", **overrides) -> CompiledAttention:
+    """K7 takes e4m3 q, k, v with descales (``attention("k7", q8, k8, v8, descale_q=...)``), or
+    16-bit ones, which the timed pre-pass quantizes per tensor; O comes back in 16 bits."""
+    if structure == "k4":
+        return compile_on_k4(p, keep_ptx, overrides)
     CAPS.check(p)
-    cfg = k4.config(p.head_dim, overrides) if overrides else dict(DEFAULT_CONFIG[p.head_dim])
+    return k5.build("k7", K7FMHA, p, config(p, overrides), keep_ptx, fake_args=fake_args)
+
+
+def compile_on_k4(p: Problem, keep_ptx: bool, overrides: dict) -> CompiledAttention:
+    K4_CAPS.check(p)
+    cfg = k4.config(p.head_dim, overrides) if overrides else dict(K4_CONFIG[p.head_dim])
     k4.check_config(cfg)
     if cfg["tile_n"] % 32:
-        raise UnsupportedProblem(
-            f"{name.upper()} config {cfg}: tile_n must be a multiple of 32 (the 8-bit WGMMA's K step)")
-    out_dt = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[p.dtype]
-    key = (name, p.head_dim, p.dtype, p.causal, tuple(sorted(cfg.items())))
-    fn = jit_compile(key, lambda: (kernel_cls(p.head_dim, out_dt, p.causal, **cfg), fake_args(out_dt, p.head_dim)),
-                     keep_ptx)
-    return fn, cfg
+        raise UnsupportedProblem(f"K7_K4 config {cfg}: tile_n must be a multiple of 32 (the 8-bit WGMMA's K step)")
+    out_dt = cute_dtype(p.out_dtype)
+    key = ("k7_k4", p.head_dim, p.out_dtype, p.causal, tuple(sorted(cfg.items())))
+    fn = jit_compile(key, lambda: (K7OnK4FMHA(p.head_dim, out_dt, p.causal, **cfg),
+                                   fake_args(out_dt, p.head_dim, kv_heads=False)), keep_ptx)
+    return CompiledAttention("k7_k4", p, fn, {}, compiled_ptx(fn) if keep_ptx else None,
+                             dict(cfg, smem_bytes=k4_smem_bytes(p.head_dim, **cfg)))
 
 
-def compile_kernel(p: Problem, *, keep_ptx: bool = False, **overrides) -> CompiledAttention:
-    """K7 takes 16-bit q, k, v like every stage (``attention("k7", q, k, v)``) and quantizes them in
-    the timed pre-pass; O comes back in the inputs' dtype."""
-    fn, cfg = compile_fp8("k7", K7FMHA, _fake_args, p, overrides, keep_ptx)
-    return CompiledAttention("k7", p, fn, {}, compiled_ptx(fn) if keep_ptx else None,
-                             dict(cfg, smem_bytes=smem_bytes(p.head_dim, **cfg)))
+def capabilities(structure: str = "k6") -> Capabilities:
+    return K4_CAPS if structure == "k4" else CAPS
 
 
-def run_kernel(compiled: CompiledAttention, q, k, v, out, lse, softmax_scale=None) -> None:
+def run_kernel(compiled: CompiledAttention, q, k, v, out, lse, softmax_scale=None, descale=None) -> None:
+    """e4m3 q, k, v: ``descale`` is their (3,) float32 descales, and only V^T is made here; 16-bit
+    q, k, v: the whole pre-pass (``prepare_fp8``)."""
+    import torch
+
     scale = compiled.problem.scale if softmax_scale is None else softmax_scale
-    q8, k8, vt8, descale = prepare_fp8(q, k, v)
-    compiled.launch(q8, k8, vt8, out, lse, descale, scale)
+    if q.dtype == torch.float8_e4m3fn:
+        compiled.launch(q, k, transpose_v_fp8(v), out, lse, descale, scale)
+    else:
+        q8, k8, vt8, descale = prepare_fp8(q, k, v)
+        compiled.launch(q8, k8, vt8, out, lse, descale, scale)
 
 
 # --------------------------------------------------------------------------------------
@@ -244,3 +301,4 @@ def compile_transpose_v(keep_ptx: bool = False):
         return TransposeV(), (v, vt, fake_stream())
 
     return jit_compile(("k7_transpose_v",), build, keep_ptx)
+

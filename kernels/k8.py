@@ -5,11 +5,11 @@ K7's kernel, with two changes before and one inside:
 * Block scales. K7 has one descale per tensor, so one outlier coarsens every value of the
   tensor. K8 quantizes each Q tile (tile_m rows), K tile and V tile (tile_n keys) with its own
   scale (``fp8_quant.quantize_fp8_blocks``): the blocks are the kernel's tiles, so every scale
-  applies to a whole tile and costs no per-element work. Inside the loop (K4's
-  ``block_scales`` seams): tile j's k descale joins the softmax scale, the row max is kept in
-  scaled units (``sm90.OnlineSoftmax(scaled_max=True)``), and O is carried in the units of the
-  current V tile's descale, the ratio to the previous one folded into the per-row rescale that
-  every tile already does.
+  applies to a whole tile and costs no per-element work. Inside the loop, one seam of K5's
+  (``tile_softmax``): each query tile's softmax is a ``sm90.BlockScaledSoftmax``, which folds the
+  Q tile's descale into its scale and tile j's k descale into each step, keeps the row max in
+  scaled units, and carries O in the units of the current V tile's descale (the ratio to the
+  previous one joins the per-row rescale every tile already does).
 * Incoherent processing. Q and K are multiplied by M = diag(s) H / sqrt(d) (a random sign flip and
   a normalized Hadamard matrix) before they are quantized: M is orthogonal, so Q K^T is unchanged,
   and an outlier coordinate is spread over all d coordinates, which lowers the amax that sets its
@@ -23,12 +23,14 @@ three launches of the CuTe kernel ``fp8_quant.QuantizeBlocks`` and K7's ``Transp
 from __future__ import annotations
 
 import cutlass.cute as cute
-from cutlass import Float32
+from cutlass import Float32, Int32
 
-from . import fp8_quant, k7
-from .contract import CompiledAttention, FakeShapes, Problem, compiled_ptx
+from . import fp8_quant, k5, k7, sm90
+from .contract import Capabilities, CompiledAttention, FakeShapes, Problem
 
-CAPS = k7.CAPS
+# 16-bit inputs only (K8 quantizes them itself), and one descale row per query head over equal
+# lengths: no GQA, no seqlen_k != seqlen_q.
+CAPS = Capabilities(head_dims=k7.HEAD_DIMS)
 DEFAULT_CONFIG = k7.DEFAULT_CONFIG
 HADAMARD_SEED = 0  # the sign vector s; any fixed choice works, Q and K must share it
 
@@ -42,7 +44,16 @@ def block_sizes(head_dim: int, cfg: dict | None = None) -> tuple:
 class K8FMHA(k7.K7FMHA):
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
-        self.block_scales = True
+        self.block_scales = True  # mDescale holds rows of tile descales, not K7's three numbers
+
+    def tile_softmax(self, num_rows: int, scale_log2: Float32, mDescale: cute.Tensor, m_block: Int32, head: Int32,
+                     batch: Int32, seqlen: Int32, n_tiles: Int32) -> sm90.OnlineSoftmax:
+        # mDescale[b, h]: q's descale per Q tile, then k's and v's per KV tile.
+        row = mDescale[batch, head, None]
+        m_tiles, kv_tiles = cute.ceil_div(seqlen, self.tile_m), cute.ceil_div(seqlen, self.tile_n)
+        k_d = cute.make_tensor(row.iterator + m_tiles, cute.make_layout(kv_tiles))
+        v_d = cute.make_tensor(row.iterator + m_tiles + kv_tiles, cute.make_layout(kv_tiles))
+        return sm90.BlockScaledSoftmax(num_rows, scale_log2 * row[m_block], self.p_offset, k_d, v_d, n_tiles - 1)
 
 
 def prepare_fp8_blocks(q, k, v, tile_m: int, tile_n: int, rotate: bool = True):
@@ -57,10 +68,10 @@ def prepare_fp8_blocks(q, k, v, tile_m: int, tile_n: int, rotate: bool = True):
     return q8, k8, vt8, torch.cat([q_d, k_d, v_d], dim=-1).contiguous()
 
 
-def _fake_args(out_dtype, head_dim: int) -> tuple:
+def fake_args(out_dtype, head_dim: int) -> tuple:
     from cutlass.cute.runtime import make_fake_tensor
 
-    q, k, vt, o, lse, _, scale, stream = k7._fake_args(out_dtype, head_dim)
+    q, k, vt, o, lse, _, scale, stream = k7.fake_args(out_dtype, head_dim, kv_heads=False)
     f = FakeShapes()
     descale = make_fake_tensor(Float32, (f.batch, f.nheads, cute.sym_int()),
                                stride=(cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
@@ -69,10 +80,12 @@ def _fake_args(out_dtype, head_dim: int) -> tuple:
 
 def compile_kernel(p: Problem, *, keep_ptx: bool = False, rotate: bool = True, **overrides) -> CompiledAttention:
     """``rotate=False`` is block quantization alone (the accuracy ablation)."""
-    fn, cfg = k7.compile_fp8("k8", K8FMHA, _fake_args, p, overrides, keep_ptx)
+    CAPS.check(p)
+    cfg = k7.config(p, overrides, "K8")
+    compiled = k5.build("k8", K8FMHA, p, cfg, keep_ptx, fake_args=fake_args)
     # The quantizer's blocks must be the compiled tiles: run_kernel reads them from here.
-    info = dict(cfg, rotate=rotate, tile_m=block_sizes(p.head_dim, cfg)[0], smem_bytes=k7.smem_bytes(p.head_dim, **cfg))
-    return CompiledAttention("k8", p, fn, {}, compiled_ptx(fn) if keep_ptx else None, info)
+    compiled.info.update(rotate=rotate, tile_m=block_sizes(p.head_dim, cfg)[0])
+    return compiled
 
 
 def run_kernel(compiled: CompiledAttention, q, k, v, out, lse, softmax_scale=None) -> None:

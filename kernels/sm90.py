@@ -183,29 +183,25 @@ class OnlineSoftmax:
     folded into one FFMA per element ahead of ``ex2``.
     """
 
-    def __init__(self, num_rows: int, scale_log2: Float32, p_offset: float = 0.0, scaled_max: bool = False):
+    def __init__(self, num_rows: int, scale_log2: Float32, p_offset: float = 0.0):
         self.num_rows = num_rows
         self.scale_log2 = scale_log2
         # K7: P = exp2(... + p_offset) lands in [0, 2^p_offset], away from e4m3's underflow; the
         # row sum carries the same factor (O is unchanged) and the LSE takes it back out.
         self.p_offset = p_offset
-        # K8: every KV tile brings its own scale (``step(tile_scale_log2=)``), so raw scores of two
-        # tiles no longer compare: the row max is kept in scaled (log2) units instead. A positive
-        # factor commutes with max, so it is still one multiply per row and one FFMA per score.
-        self.scaled_max = scaled_max
+        self.scaled_max = False  # K8 (BlockScaledSoftmax): the row max in scaled units
         self.row_max = cute.make_rmem_tensor(num_rows, Float32)
         self.row_sum = cute.make_rmem_tensor(num_rows, Float32)
         self.row_max.fill(-Float32.inf)
         self.row_sum.fill(0.0)
 
     @cute.jit
-    def step(self, acc_S: cute.Tensor, row_scale: cute.Tensor, check_inf: cutlass.Constexpr[bool],
-             tile_scale_log2=None):
+    def step(self, acc_S: cute.Tensor, row_scale: cute.Tensor, check_inf: cutlass.Constexpr[bool], n_block=None):
         """Overwrite acc_S with P = exp2(S*scale_log2 - max*scale_log2); row_scale gets the
-        factor exp2((old_max - new_max)*scale_log2) that O must be multiplied by. With
-        ``scaled_max``, ``tile_scale_log2`` is this tile's scale and the max is in scaled units."""
+        factor exp2((old_max - new_max)*scale_log2) that O must be multiplied by. ``n_block``:
+        the KV tile (K8's scales are per tile)."""
         acc_S_mn = acc_mn_view(acc_S)
-        scale = tile_scale_log2 if const_expr(self.scaled_max) else self.scale_log2
+        scale = self.tile_scale_log2(n_block) if const_expr(self.scaled_max) else self.scale_log2
         for r in cutlass.range_constexpr(self.num_rows):
             row = acc_S_mn[r, None]
             m_prev = self.row_max[r]
@@ -251,6 +247,39 @@ class OnlineSoftmax:
                       else ((self.row_max[r] if const_expr(self.scaled_max) else self.row_max[r] * self.scale_log2)
                             + cute.math.log2(total, fastmath=True) - self.p_offset) * LN_2)
             acc_O_mn[r, None].store(acc_O_mn[r, None].load() * inv)
+
+
+class BlockScaledSoftmax(OnlineSoftmax):
+    """K8: every KV tile j brings its own descales, k_d[j] and v_d[j] (views of one (batch, head)'s
+    row), and ``scale_log2`` already holds this Q tile's q descale.
+
+    Raw scores of two tiles no longer compare, so the row max is kept in scaled (log2) units: a
+    positive factor commutes with max, so it is still one multiply per row and one FFMA per score.
+    O is carried in the units of the current tile's v_d: the ratio to the previous tile's joins
+    the per-row rescale every tile gets anyway, and ``finalize`` multiplies by the last tile's.
+    KV tiles are walked in descending order (K5 on): the first is ``first_block``, the last 0.
+    """
+
+    def __init__(self, num_rows: int, scale_log2: Float32, p_offset: float, k_descale: cute.Tensor,
+                 v_descale: cute.Tensor, first_block: Int32):
+        super().__init__(num_rows, scale_log2, p_offset)
+        self.scaled_max = True
+        self.k_descale, self.v_descale, self.first_block = k_descale, v_descale, first_block
+
+    def tile_scale_log2(self, n_block: Int32) -> Float32:
+        return self.scale_log2 * self.k_descale[n_block]
+
+    @cute.jit
+    def step(self, acc_S: cute.Tensor, row_scale: cute.Tensor, check_inf: cutlass.Constexpr[bool], n_block=None):
+        OnlineSoftmax.step(self, acc_S, row_scale, check_inf, n_block)
+        v_ratio = self.v_descale[cutlass.min(n_block + 1, self.first_block)] / self.v_descale[n_block]
+        for r in cutlass.range_constexpr(self.num_rows):
+            row_scale[r] = row_scale[r] * v_ratio
+
+    @cute.jit
+    def finalize(self, acc_O: cute.Tensor, lse: cute.Tensor):
+        acc_O.store(acc_O.load() * self.v_descale[0])
+        OnlineSoftmax.finalize(self, acc_O, lse)
 
 
 # --------------------------------------------------------------------------------------

@@ -83,7 +83,7 @@ def test_unknown_kernel_is_named_before_the_device():
 
 def test_dtype_and_non_tensor_inputs_are_refused_by_name():
     q, k, v = _qkv()
-    with pytest.raises(UnsupportedProblem, match="bfloat16 or float16"):
+    with pytest.raises(UnsupportedProblem, match="bfloat16, float16 or float8_e4m3fn"):
         attention("k4", q.float(), k.float(), v.float())
     with pytest.raises(UnsupportedProblem, match="k must be a torch.Tensor"):
         attention("k4", q, [1.0], v)

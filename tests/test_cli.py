@@ -61,8 +61,10 @@ def test_sweep_refuses_batch_and_heads_by_the_name_used(flags, named):
 def test_errors_name_the_flag_or_variable_used(capsys, monkeypatch):
     assert bench.main(["k4", "--compile-only", "--seqlen", "0"]) == 2
     assert "--seqlen must be positive" in capsys.readouterr().err
-    assert bench.main(["k4", "--compile-only", "--dtype", "fp8"]) == 2
+    assert bench.main(["k4", "--compile-only", "--dtype", "e5m2"]) == 2
     assert "--dtype must be one of" in capsys.readouterr().err
+    assert bench.main(["k4", "--compile-only", "--dtype", "fp8"]) == 1  # valid, but K4 refuses it by name
+    assert "dtype float8_e4m3fn not supported" in capsys.readouterr().out
     monkeypatch.setenv("SEQLEN", "0")
     assert bench.main(["k4", "--compile-only"]) == 2
     assert "SEQLEN must be positive" in capsys.readouterr().err
