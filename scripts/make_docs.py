@@ -43,7 +43,7 @@ def _archs(archs) -> str:
 
 def caps_table() -> str:
     """README: what each registered kernel runs, from its Capabilities."""
-    short = {"bfloat16": "bf16", "float16": "fp16"}
+    short = {"bfloat16": "bf16", "float16": "fp16", "float8_e4m3fn": "fp8 e4m3"}
     header = ["kernel", "file", "head dims", "dtypes", "causal", "LSE", "GQA", "seqlen_k ≠ seqlen_q", "GPUs",
               "limits"]
     body = []

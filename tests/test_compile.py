@@ -26,8 +26,9 @@ CLAIMS = {
     "k6": dict(has=["cp.async.bulk.tensor", "mbarrier", "wgmma.mma_async", "setmaxnreg"], lacks=["e4m3 wgmma"]),
 }
 CLAIMS["k4_seed"] = CLAIMS["k4"]  # the same kernel at K4.1's tile shape
-# K7: K4's loop in FP8 (every WGMMA e4m3: checked below), no warp specialization.
-CLAIMS["k7"] = dict(has=["cp.async.bulk.tensor", "mbarrier", "e4m3 wgmma"], lacks=["setmaxnreg"])
+# K7: K6's kernel in FP8 (every WGMMA e4m3: checked below); k7_k4 the same seams on K4's loop.
+CLAIMS["k7"] = dict(has=["cp.async.bulk.tensor", "mbarrier", "e4m3 wgmma", "setmaxnreg"], lacks=[])
+CLAIMS["k7_k4"] = dict(has=["cp.async.bulk.tensor", "mbarrier", "e4m3 wgmma"], lacks=["setmaxnreg"])
 CLAIMS["k8"] = CLAIMS["k7"]  # K7's kernel with a descale per tile
 # Flash decode: K4's loads and GEMMs at one warpgroup, launched with PDL (griddepcontrol); these
 # small problems need no split, the split paths are checked below.
@@ -192,7 +193,7 @@ def test_decode_last_cta_merge_is_one_kernel(head_dim):
     assert counts["ld/st.local"] == 0
 
 
-@pytest.mark.parametrize("name", ["k7", "k8"])
+@pytest.mark.parametrize("name", ["k7_k4", "k7", "k8"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_fp8_stages_run_both_gemms_in_e4m3(name, head_dim):
     # Every WGMMA is e4m3 x e4m3 with an fp32 accumulator: QK (m64n{tile_n}k32, A from SMEM) and

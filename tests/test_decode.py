@@ -215,8 +215,8 @@ def test_check_counts_minus_inf_rows_as_equal_and_nan_as_failed():
 # ---- refusals, before anything is launched -------------------------------------------------------
 
 def _tensors(b=2, q_len=1, h=32, hk=8, s=64, d=128, dtype=torch.bfloat16):
-    return (torch.randn(b, q_len, h, d, dtype=dtype), torch.randn(b, s, hk, d, dtype=dtype),
-            torch.randn(b, s, hk, d, dtype=dtype))
+    return (torch.randn(b, q_len, h, d).to(dtype), torch.randn(b, s, hk, d).to(dtype),
+            torch.randn(b, s, hk, d).to(dtype))
 
 
 @pytest.mark.parametrize("make,match", [
@@ -226,7 +226,8 @@ def _tensors(b=2, q_len=1, h=32, hk=8, s=64, d=128, dtype=torch.bfloat16):
     (lambda: (_tensors(b=3)[0], *_tensors()[1:]), "q's batch and head_dim"),
     (lambda: (_tensors(d=64)[0], *_tensors()[1:]), "q's batch and head_dim"),
     (lambda: _tensors(d=80), "head_dim 80"),
-    (lambda: _tensors(dtype=torch.float32), "bfloat16 or float16"),
+    (lambda: _tensors(dtype=torch.float32), "bfloat16, float16 or float8_e4m3fn"),
+    (lambda: _tensors(dtype=torch.float8_e4m3fn), "float8_e4m3fn"),
     (lambda: (_tensors()[0][0], *_tensors()[1:]), "4-D"),
     (lambda: (*_tensors()[:2], _tensors(dtype=torch.float16)[2]), "share a dtype"),
 ])

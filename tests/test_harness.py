@@ -138,7 +138,7 @@ def test_tensor_validation_messages():
         problem_from_tensors(torch.randn(1, 2, 16, 68, dtype=torch.bfloat16)[..., :64], k, v, False)
     with pytest.raises(UnsupportedProblem, match="share a dtype"):
         problem_from_tensors(q, k.half(), v, False)
-    with pytest.raises(UnsupportedProblem, match="bfloat16 or float16"):
+    with pytest.raises(UnsupportedProblem, match="bfloat16, float16 or float8_e4m3fn"):
         problem_from_tensors(*(t.float() for t in (q, k, v)), False)
     with pytest.raises(UnsupportedProblem, match="k and v must have one shape"):
         problem_from_tensors(q, k, _qkv((1, 2, 32, 64))[0], False)
@@ -158,7 +158,7 @@ def test_k1_refuses_s_that_does_not_fit():
 
 def test_registry_lists_kernels_in_order_and_names_unknown():
     names = kernel_names()
-    assert names == ["k1", "k2", "k3_1", "k3_2", "k3_3", "k4_qk", "k4_seed", "k4", "k5", "k6_pp", "k6", "k7", "k8",
+    assert names == ["k1", "k2", "k3_1", "k3_2", "k3_3", "k4_qk", "k4_seed", "k4", "k5", "k6_pp", "k6", "k7_k4", "k7", "k8",
                      "decode_nosplit", "decode_combine", "decode"]
     with pytest.raises(UnsupportedProblem, match="unknown kernel 'k9'"):
         get_kernel("k9")

@@ -15,7 +15,7 @@ from kernels.contract import Problem
 from kernels.k5 import REGISTERS
 from kernels.sm90 import EPILOGUE_BARRIER, EPILOGUE_STORE_BARRIER, WARP_SCHEDULER_BARRIER
 
-WS_KERNELS = ("k5", "k6_pp", "k6")
+WS_KERNELS = ("k5", "k6_pp", "k6", "k7", "k8")  # K7/K8: K6 in FP8
 CASES = [(n, d, dt, c) for n in WS_KERNELS for d in (64, 128, 256) for dt in ("bfloat16", "float16")
          for c in (False, True) if dt == "bfloat16" or c]
 
@@ -75,7 +75,7 @@ def test_tma_store_epilogue():
     assert "stmatrix" not in _compile("k6", 64).ptx
 
 
-@pytest.mark.parametrize("name", ["k6_pp", "k6"])
+@pytest.mark.parametrize("name", ["k6_pp", "k6", "k7", "k8"])
 def test_k6_passes_a_token_between_warpgroups(name):
     ptx = _compile(name, 128).ptx
     kinds = {(kind, count) for kind, _, count in _named_barriers(ptx)}
