@@ -5,6 +5,8 @@
 #   bash scripts/reproduce.sh headline results # the CHECK=1 headline runs alone (a second GPU, say)
 #   bash scripts/reproduce.sh ws results       # K5/K6: ref_check, sanitizers, sweep beside K4, ncu, tuning
 #   bash scripts/reproduce.sh decode results   # decode: KV-cache grid, contract grid, sanitizers, bench, tuning
+#   bash scripts/reproduce.sh fp8check results # K7/K8: ref_check, sanitizers, GPU tests of the FP8 API
+#   bash scripts/reproduce.sh fp8 results      # K7/K8: sweep beside cuDNN FP8, time split, tuning, accuracy
 # Each file records the command that wrote it; then, anywhere: python scripts/make_docs.py --plot
 set -euo pipefail
 part=${1:?check or perf}
@@ -74,5 +76,31 @@ case "$part" in
     timeout 150 $py -m pytest -m gpu -q tests/test_decode.py 2>&1 | tail -3 || rc=1
     exit $rc
     ;;
-  *) echo "usage: $0 check|perf|headline|ws|decode [dir]" >&2; exit 2 ;;
+  fp8check)
+    rc=0
+    timeout 420 $py ref_check.py k7_k4 k7 k8 --all-head-dims --out "$dir/refcheck-fp8-$gpu.json" \
+      > "$dir/refcheck-fp8-$gpu.log" || { echo "ref_check failed or timed out (exit $?)"; rc=1; }
+    tail -3 "$dir/refcheck-fp8-$gpu.log"
+    for k in k7 k8; do
+      for tool in racecheck synccheck; do
+        timeout 120 compute-sanitizer --tool $tool --kernel-name kns=FMHA $py scripts/sanitize_case.py $k --causal 1 \
+          2>&1 | grep "SUMMARY\|: ok\|FAIL" || { echo "$tool $k: timed out or failed"; rc=1; }
+      done
+    done | tee "$dir/sanitizer-fp8-$gpu.txt"
+    timeout 300 $py -m pytest -m gpu -q tests/test_fp8_api.py tests/test_k7.py tests/test_k8.py tests/test_fp8_quant.py \
+      2>&1 | tail -5 || rc=1
+    exit $rc
+    ;;
+  fp8)
+    rc=0
+    timeout 300 $py bench.py k7_k4 k7 k8 --dtype fp8 --sweep --out "$dir/fp8-sweep-$gpu.json" \
+      > "$dir/fp8-sweep-$gpu.log" || rc=1
+    timeout 240 $py scripts/time_k7.py --out "$dir/k7-time-$gpu.json" > "$dir/k7-time-$gpu.log" || rc=1
+    timeout 240 $py scripts/fp8_accuracy.py --out "$dir/fp8-accuracy-$gpu.json" > "$dir/fp8-accuracy-$gpu.log" || rc=1
+    timeout 300 $py scripts/tune_fp8.py --kernels k7 --headdim 128 256 --seqlen 2048 8192 \
+      --configs '[{}, {"tile_n": 160}, {"kv_stages": 3}, {"pingpong": false}]' --out "$dir/fp8-tune-$gpu.json" \
+      > "$dir/fp8-tune-$gpu.log" || rc=1
+    exit $rc
+    ;;
+  *) echo "usage: $0 check|perf|headline|ws|decode|fp8check|fp8 [dir]" >&2; exit 2 ;;
 esac
