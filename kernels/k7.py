@@ -45,11 +45,12 @@ HEAD_DIMS = (64, 128, 256)
 FP8 = cutlass.Float8E4M3FN
 E4M3_MAX = 448.0
 P_OFFSET = 8.0  # P in [0, 2^8]: e4m3 keeps 3 mantissa bits down to 2^-6, and P's small values matter
-# Measured on an H100 (scripts/tune_fp8.py, docs/k7.md): wider key tiles (160-224, FA3's FP8
-# choice at d=128) and a third KV stage did not beat 128 keys; d=256 runs without ping-pong, as K6.
+# Measured on an H100 (scripts/tune_fp8.py, results/fp8-tune-h100-*.json): at d=128 wider key tiles
+# (160-224, FA3's FP8 choice) and a third KV stage lost 1-8%, and the intra-warpgroup overlap K6 uses
+# in bf16 lost 2-4%; at d=256, 64 keys lost 13-17%. d=256 runs without ping-pong, as K6.
 DEFAULT_CONFIG = {
     64: dict(num_wg=3, tile_n=128, kv_stages=2, q_stages=2, pingpong=True, overlap=False),
-    128: dict(num_wg=2, tile_n=128, kv_stages=2, q_stages=2, pingpong=True, overlap=True),
+    128: dict(num_wg=2, tile_n=128, kv_stages=2, q_stages=2, pingpong=True, overlap=False),
     256: dict(num_wg=2, tile_n=128, kv_stages=2, q_stages=1, pingpong=False, overlap=True),
 }
 DTYPES = ("bfloat16", "float16", "float8_e4m3fn")  # 16-bit: quantized per tensor by the pre-pass
@@ -252,41 +253,48 @@ def run_kernel(compiled: CompiledAttention, q, k, v, out, lse, softmax_scale=Non
 
 class TransposeV:
     """(batch, heads, keys, d) bytes -> (batch, heads, d, keys padded to 16) bytes, the keys of every
-    16 in ``sm90.FP8_KEY_ORDER``, pad keys 0. A CTA moves a 64-key x 64-byte tile: each thread
-    loads 16 contiguous bytes of a key row into SMEM, then gathers 16 permuted keys of one d column
-    from SMEM and stores them as 16 contiguous bytes: both GMEM sides move in 16-byte pieces."""
+    16 in ``sm90.FP8_KEY_ORDER``, pad keys 0. A CTA moves a 128-key x 64-byte tile: each thread
+    loads 16 contiguous bytes of two key rows into SMEM, then gathers 16 permuted keys of one d
+    column from SMEM, twice, and stores them as 16 contiguous bytes: both GMEM sides move in 16-byte
+    pieces, two in flight per thread (one per thread ran at 2.0 TB/s on an H100)."""
 
-    TILE = 64
+    KEYS, BYTES = 128, 64
     THREADS = 256
+    ROWS = THREADS // 4  # key rows (or d columns) one pass of the CTA covers, 4 threads x 16 bytes each
 
     @cute.jit
     def __call__(self, mV: cute.Tensor, mVt: cute.Tensor, stream):
-        t = self.TILE
-        grid = (cute.ceil_div(mVt.shape[3], t), cute.ceil_div(mV.shape[3], t), mV.shape[0] * mV.shape[1])
+        grid = (cute.ceil_div(mVt.shape[3], self.KEYS), cute.ceil_div(mV.shape[3], self.BYTES),
+                mV.shape[0] * mV.shape[1])
         self.kernel(mV, mVt).launch(grid=grid, block=[self.THREADS, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mV: cute.Tensor, mVt: cute.Tensor):
-        t = self.TILE
+        keys, nbytes, rows = self.KEYS, self.BYTES, self.ROWS
         tidx, _, _ = cute.arch.thread_idx()
         k_tile, d_tile, bh = cute.arch.block_idx()
         batch, head = bh // mV.shape[1], bh % mV.shape[1]
         smem = cutlass.utils.SmemAllocator()
-        sV = smem.allocate_tensor(cutlass.Uint8, cute.make_layout((t, t), stride=(t, 1)), byte_alignment=16)
-        gV = cute.local_tile(mV[batch, head, None, None], (t, t), (k_tile, d_tile))  # (keys, d)
-        gVt = cute.local_tile(mVt[batch, head, None, None], (t, t), (d_tile, k_tile))  # (d, keys)
+        sV = smem.allocate_tensor(cutlass.Uint8, cute.make_layout((keys, nbytes), stride=(nbytes, 1)),
+                                  byte_alignment=16)
+        gV = cute.local_tile(mV[batch, head, None, None], (keys, nbytes), (k_tile, d_tile))  # (keys, d)
+        gVt = cute.local_tile(mVt[batch, head, None, None], (nbytes, keys), (d_tile, k_tile))  # (d, keys)
         row, chunk = tidx // 4, tidx % 4  # a key row (load) or a d column (store); which 16 bytes
-        dst = cute.local_tile(sV[row, None], (16,), (chunk,))
-        if k_tile * t + row < mV.shape[2]:
-            cute.autovec_copy(cute.local_tile(gV[row, None], (16,), (chunk,)), dst)
-        else:
-            dst.fill(0)  # pad keys: P is 0 there, and 0 * NaN would not be
+        for i in cutlass.range_constexpr(keys // rows):
+            r = row + i * rows
+            dst = cute.local_tile(sV[r, None], (16,), (chunk,))
+            if k_tile * keys + r < mV.shape[2]:
+                cute.autovec_copy(cute.local_tile(gV[r, None], (16,), (chunk,)), dst)
+            else:
+                dst.fill(0)  # pad keys: P is 0 there, and 0 * NaN would not be
         cute.arch.sync_threads()
-        if k_tile * t + chunk * 16 < mVt.shape[3]:
-            packed = cute.make_rmem_tensor(16, cutlass.Uint8)
-            for p in cutlass.range_constexpr(16):
-                packed[p] = sV[chunk * 16 + sm90.FP8_KEY_ORDER[p], row]
-            cute.autovec_copy(packed, cute.local_tile(gVt[row, None], (16,), (chunk,)))
+        for i in cutlass.range_constexpr(keys // 64):
+            c = chunk + 4 * i  # 16-key group within the tile
+            if k_tile * keys + c * 16 < mVt.shape[3]:
+                packed = cute.make_rmem_tensor(16, cutlass.Uint8)
+                for p in cutlass.range_constexpr(16):
+                    packed[p] = sV[c * 16 + sm90.FP8_KEY_ORDER[p], row]
+                cute.autovec_copy(packed, cute.local_tile(gVt[row, None], (16,), (c,)))
 
 
 def compile_transpose_v(keep_ptx: bool = False):

@@ -74,7 +74,7 @@ def test_fp8_emulation_error_is_p_rounding_sized():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("n,d", [(1, 64), (37, 128), (1000, 256), (4096, 128)])
+@pytest.mark.parametrize("n,d", [(1, 64), (37, 128), (200, 64), (1000, 256), (4096, 128)])
 def test_transpose_kernel_matches_the_torch_pass(n, d):
     from kernels.k7 import transpose_v_fp8_torch
 
