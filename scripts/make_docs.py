@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from harness.peers import BEST_OF, PEERS  # noqa: E402
+from harness.peers import BEST_OF, BEST_OF_FP8, PEERS  # noqa: E402
 from harness.results import fmt, gpu_short_name, load, markdown_table, replace_block  # noqa: E402
 from kernels import get_kernel, kernel_names  # noqa: E402
 
@@ -169,9 +169,16 @@ def refcheck_table(refcheck, kernels):
              _e(r["max_abs"]), _e(r.get("peer_max_abs")), _e(r["rel_l2"]), _e(r["lse_max_abs"]),
              "ok" if r["ok"] else "FAIL"]
             for r in refcheck["rows"] if r["kernel"] in kernels]
+    if all(k in FP8_STEPS for k in kernels):  # harness.check.check_fp8_kernel's criterion
+        header[8] = "emulation's"
+        how = ("max_abs: largest error of the kernel against exact attention of the dequantized inputs; "
+               "emulation's: the same for the torch emulation of the FP8 arithmetic (a case passes within 1.5× "
+               "its max_abs and relative L2, plus 1e-3, and LSE within 4e-3).")
+    else:
+        how = ("max_abs and SDPA's: largest error of the kernel and of SDPA in the same 16-bit dtype against the "
+               "float32 reference (a case passes within twice SDPA's).")
     return (f"`{refcheck['meta'].get('command', '')}` on an {gpu}, {refcheck['meta'].get('date', '')[:10]}. "
-            "max_abs and SDPA's: largest error of the kernel and of SDPA in the same 16-bit dtype against the "
-            "float32 reference (a case passes within twice SDPA's).\n\n" + markdown_table(header, body))
+            + how + "\n\n" + markdown_table(header, body))
 
 
 def tune_table(tune):
@@ -408,6 +415,68 @@ def k7_time_table(run):
                               "with pre-pass TFLOP/s", "cuDNN bf16 TFLOP/s", "cuDNN FP8 TFLOP/s"], body))
 
 
+FP8_STEPS = ("k7_k4", "k7", "k8")  # the FP8 sweep's stages (bench.py --dtype fp8 --sweep)
+
+
+def fp8_sweep_table(sweep):
+    """docs/k7.md: the FP8 sweep, every cell, the FP8 stages beside cuDNN FP8 (and bf16 peers for scale)."""
+    rows = sweep_rows(sweep)
+    steps = [k for k in FP8_STEPS if any(r["kernel"] == k for r in rows)]
+    scale_peers = [p for p in ("sdpa-cudnn", "fa4") if any(r["kernel"] == p for r in rows)]
+    cells = ws_cells(sweep)
+
+    def vs(k, n, d, c):
+        t, best = tflops_at(rows, k, n, d, c), tflops_at(rows, BEST_OF_FP8[0], n, d, c)
+        return t / best if t and best else None
+
+    body = [[d, c, n] + [fmt(tflops_at(rows, k, n, d, c)) for k in steps + list(BEST_OF_FP8) + scale_peers]
+            + [f"{vs('k7', n, d, c):.2f}×" if vs("k7", n, d, c) else "—"] for d, c, n in cells]
+    gpu = gpu_short_name(sweep["meta"].get("device", ""))
+    return (f"TFLOP/s on an {gpu}, batch = 16384/N, heads = 2048/d, all timed in one run: "
+            f"`{sweep['meta'].get('command', '')}`, {sweep['meta'].get('date', '')[:10]}. `k7_k4` and `k7` take "
+            "e4m3 inputs (per-tensor descales) and include the V^T pass; `k8` starts from the bf16 tensors, its "
+            "rotation and block quantization included; cuDNN FP8 takes the same e4m3 tensors; bf16 cuDNN and "
+            "flash-attn-4 run on the bf16 sources, for scale.\n\n"
+            + markdown_table(["d", "causal", "N"] + [f"`{k}`" for k in steps] + [f"*{p}*" for p in BEST_OF_FP8]
+                             + [f"*{p}* (bf16)" for p in scale_peers] + ["k7 / cuDNN FP8"], body)
+            + "\n\nAgainst cuDNN FP8 in each cell:\n\n" + fp8_summary(sweep))
+
+
+def fp8_summary(sweep):
+    """Per FP8 stage: geomean and worst ratio to cuDNN FP8 over the FP8 sweep (docs/k7.md, README)."""
+    rows = sweep_rows(sweep)
+    body = []
+    for k in (k for k in FP8_STEPS if any(r["kernel"] == k for r in rows)):
+        ratios = []
+        for d, c, n in ws_cells(sweep):
+            t, best = tflops_at(rows, k, n, d, c), tflops_at(rows, BEST_OF_FP8[0], n, d, c)
+            if t and best:
+                ratios.append(t / best)
+        body.append([f"`{k}`", f"{_geomean(ratios):.3f}×" if ratios else "—",
+                     f"{min(ratios):.2f}×" if ratios else "—", sum(x >= 1.0 for x in ratios), len(ratios)])
+    return markdown_table(["kernel", "geomean vs cuDNN FP8", "worst cell", "cells ≥ 1.0×", "cells"], body)
+
+
+def fp8_tune_table(tunes):
+    """docs/k7.md: scripts/tune_fp8.py runs, each configuration with its ratio to cuDNN FP8."""
+    parts = []
+    for tune in tunes:
+        body = []
+        for r in tune["rows"]:
+            used = r.get("config_used") or {}
+            default = ", ".join(f"{k}={used[k]}" for k in ("tile_n", "kv_stages", "pingpong", "overlap") if k in used)
+            label = f"`{r['kernel']}`" + (" " + ", ".join(f"{k}={v}" for k, v in r["config"].items())
+                                          if r["config"] else f" (the default then: {default})")
+            ratio = r.get("vs_cudnn_fp8")
+            body.append([r["head_dim"], r["causal"], r["seqlen"], label,
+                         fmt(r["tflops"]) if r.get("tflops") else r.get("status", "—")[:40],
+                         fmt(r.get("cudnn_fp8_tflops")), f"{ratio:.2f}×" if ratio else "—"])
+        parts.append(f"On an {gpu_short_name(tune['meta'].get('device', ''))}: `{tune['meta'].get('command', '')}`, "
+                     f"{tune['meta'].get('date', '')[:10]}; V^T pass included, each configuration checked first.\n\n"
+                     + markdown_table(["d", "causal", "N", "configuration", "TFLOP/s", "cuDNN FP8", "× cuDNN FP8"], body))
+    return "\n\n".join(parts)
+
+
 def k8_time_table(run):
     """docs/k8.md: scripts/time_k7.py's K8 columns beside K7's, both with their pre-pass."""
     body = [[r["head_dim"], r["causal"], r["seqlen"], f"{r['k8_prepass_ms']:.3f}", f"{r['k8_kernel_ms']:.3f}",
@@ -532,6 +601,8 @@ def finished(pattern) -> list:
     """The result files matching ``pattern`` whose run ended: one still running, or stopped part
     way, is left out (``meta.complete`` false; files before version 2 were written at the end)."""
     found = [load(f) for f in sorted(ROOT.glob(f"results/{pattern}"))]
+    for f in found:  # runs on the GPU machine wrote under its $OUT; the files live in results/
+        f["meta"]["command"] = re.sub(r"/root/out/(results/)?", "results/", f["meta"].get("command", ""))
     return [f for f in found if f["meta"].get("complete", True)]
 
 
@@ -641,6 +712,17 @@ def main(argv=None):
     page_k7 = ROOT / "docs" / "k7.md"
     if k7_time and page_k7.exists() and "<!-- table:k7-time -->" in page_k7.read_text():
         page_k7.write_text(replace_block(page_k7.read_text(), "k7-time", k7_time_table(k7_time)))
+    fp8_sweep = latest("fp8-sweep-*.json")
+    if fp8_sweep and page_k7.exists() and "<!-- table:fp8-sweep -->" in page_k7.read_text():
+        page_k7.write_text(replace_block(page_k7.read_text(), "fp8-sweep", fp8_sweep_table(fp8_sweep)))
+    if fp8_sweep and "<!-- table:fp8-readme -->" in readme.read_text():
+        gpu = gpu_short_name(fp8_sweep["meta"].get("device", ""))
+        readme.write_text(replace_block(readme.read_text(), "fp8-readme",
+                                        f"On an {gpu}, d 128/256 × causal 0/1 × N 2k–16k, one run "
+                                        f"(`{fp8_sweep['meta'].get('command', '')}`):\n\n" + fp8_summary(fp8_sweep)))
+    fp8_tunes = finished("fp8-tune-*.json")
+    if fp8_tunes and page_k7.exists() and "<!-- table:fp8-tune -->" in page_k7.read_text():
+        page_k7.write_text(replace_block(page_k7.read_text(), "fp8-tune", fp8_tune_table(fp8_tunes)))
     page_k8 = ROOT / "docs" / "k8.md"
     if page_k8.exists():
         text = page_k8.read_text()
