@@ -143,81 +143,88 @@ class QuantizeBlocks:
     butterflies with stride h < E stay in the lane's registers; for h >= E the partner is lane
     l ^ (h / E), one ``shfl.bfly`` per element, the lane with that bit clear keeping a + b and the
     other a - b: the same fp32 operations, in the same order, as ``fwht``. The block amax needs
-    every row before any row can be scaled, so each warp walks its rows twice (the second time
-    from L2): once for the amax, once to scale, convert and store.
+    every row before any row can be scaled, so a CTA holds its whole block in registers: each warp
+    loads all of its rows at once (rows past the end load the last row again, which leaves the amax
+    as it is, and are not stored), rotates them, and after the block's amax scales, converts and
+    stores them. One read of x, and every load of a warp in flight together: a warp walking its
+    rows one at a time, twice, ran at 1.1 TB/s on an H100.
     """
-
-    WARPS = 8
 
     def __init__(self, head_dim: int, block_rows: int, rotate: bool):
         self.head_dim, self.block_rows, self.rotate = head_dim, block_rows, rotate
         self.elems = head_dim // 32
+        self.warps = 16 if block_rows % 16 == 0 else 8  # 8 rows of E fp32 values a lane at 128-row blocks
+        self.rows_per_warp = -(-block_rows // self.warps)
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mX8: cute.Tensor, mDescale: cute.Tensor, mSigns: cute.Tensor, stream):
         grid = (cute.ceil_div(mX.shape[2], self.block_rows), mX.shape[1], mX.shape[0])
-        self.kernel(mX, mX8, mDescale, mSigns).launch(grid=grid, block=[32 * self.WARPS, 1, 1], stream=stream)
+        self.kernel(mX, mX8, mDescale, mSigns).launch(grid=grid, block=[32 * self.warps, 1, 1], stream=stream)
 
     @cute.jit
-    def row_values(self, mRow: cute.Tensor, mSigns: cute.Tensor, lane: Int32) -> cute.Tensor:
-        """This lane's E values of one row, in fp32, rotated if the kernel rotates."""
+    def rotate_row(self, y: cute.Tensor, mSigns: cute.Tensor, lane: Int32):
+        """This lane's E fp32 values of one row, rotated in place."""
         e = self.elems
-        raw = cute.make_rmem_tensor(e, mRow.element_type)
-        cute.autovec_copy(cute.local_tile(mRow, (e,), (lane,)), raw)
-        y = cute.make_rmem_tensor(e, Float32)
-        y.store(raw.load().to(Float32))
-        if const_expr(self.rotate):
+        for i in cutlass.range_constexpr(e):
+            y[i] = y[i] * mSigns[lane * e + i]
+        for s in cutlass.range_constexpr(e.bit_length() - 1):  # strides 1 .. E/2: inside the lane
             for i in cutlass.range_constexpr(e):
-                y[i] = y[i] * mSigns[lane * e + i]
-            for s in cutlass.range_constexpr(e.bit_length() - 1):  # strides 1 .. E/2: inside the lane
-                for i in cutlass.range_constexpr(e):
-                    if const_expr(i & (1 << s) == 0):
-                        a, b = y[i], y[i + (1 << s)]
-                        y[i], y[i + (1 << s)] = a + b, a - b
-            for s in cutlass.range_constexpr(5):  # strides E .. d/2: partner lane ^ 2^s
-                upper = (lane & (1 << s)) != 0
-                for i in cutlass.range_constexpr(e):
-                    other = cute.arch.shuffle_sync_bfly(y[i], offset=1 << s)
-                    y[i] = (other - y[i]) if upper else (y[i] + other)
-            inv_sqrt_d = Float32(_inv_sqrt(self.head_dim))
+                if const_expr(i & (1 << s) == 0):
+                    a, b = y[i], y[i + (1 << s)]
+                    y[i], y[i + (1 << s)] = a + b, a - b
+        for s in cutlass.range_constexpr(5):  # strides E .. d/2: partner lane ^ 2^s
+            upper = (lane & (1 << s)) != 0
             for i in cutlass.range_constexpr(e):
-                y[i] = y[i] * inv_sqrt_d
-        return y
+                other = cute.arch.shuffle_sync_bfly(y[i], offset=1 << s)
+                y[i] = (other - y[i]) if upper else (y[i] + other)
+        inv_sqrt_d = Float32(_inv_sqrt(self.head_dim))
+        for i in cutlass.range_constexpr(e):
+            y[i] = y[i] * inv_sqrt_d
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mX8: cute.Tensor, mDescale: cute.Tensor, mSigns: cute.Tensor):
+        e, rpw, warps = self.elems, self.rows_per_warp, self.warps
         tidx, _, _ = cute.arch.thread_idx()
         blk, head, batch = cute.arch.block_idx()
         lane, warp = tidx % 32, tidx // 32
-        seqlen = mX.shape[2]
         smem = cutlass.utils.SmemAllocator()
-        sMax = smem.allocate_tensor(Float32, cute.make_layout(self.WARPS), byte_alignment=16)
+        sMax = smem.allocate_tensor(Float32, cute.make_layout(warps), byte_alignment=16)
         first = blk * self.block_rows
-        rows = cutlass.min(self.block_rows, seqlen - first)
+        rows = cutlass.min(self.block_rows, mX.shape[2] - first)
+        raw = cute.make_rmem_tensor((e, rpw), mX.element_type)
+        for j in cutlass.range_constexpr(rpw):  # every load first: no branch between them
+            r = cutlass.min(warp + j * warps, rows - 1)
+            cute.autovec_copy(cute.local_tile(mX[batch, head, first + r, None], (e,), (lane,)), raw[None, j])
+        vals = cute.make_rmem_tensor((e, rpw), Float32)
         amax = Float32(0.0)
-        for r in cutlass.range(warp, rows, self.WARPS, unroll=1):
-            y = self.row_values(mX[batch, head, first + r, None], mSigns, lane)
-            for i in cutlass.range_constexpr(self.elems):
+        for j in cutlass.range_constexpr(rpw):
+            y = vals[None, j]
+            y.store(raw[None, j].load().to(Float32))
+            if const_expr(self.rotate):
+                self.rotate_row(y, mSigns, lane)
+            for i in cutlass.range_constexpr(e):
                 amax = cute.arch.fmax(amax, cute.arch.fmax(y[i], -y[i]))
         amax = cute.arch.warp_reduction_max(amax)
         if lane == 0:
             sMax[warp] = amax
         cute.arch.sync_threads()
         amax = sMax[0]
-        for w in cutlass.range_constexpr(1, self.WARPS):
+        for w in cutlass.range_constexpr(1, warps):
             amax = cute.arch.fmax(amax, sMax[w])
         scale = Float32(1.0)
         if amax > Float32(0.0):
             scale = Float32(E4M3_MAX) / amax
         if tidx == 0:
             mDescale[batch, head, blk] = Float32(1.0) / scale
-        for r in cutlass.range(warp, rows, self.WARPS, unroll=1):
-            y = self.row_values(mX[batch, head, first + r, None], mSigns, lane)
-            for i in cutlass.range_constexpr(self.elems):
+        for j in cutlass.range_constexpr(rpw):
+            y = vals[None, j]
+            for i in cutlass.range_constexpr(e):
                 y[i] = cute.arch.fmax(cute.arch.fmin(y[i] * scale, Float32(E4M3_MAX)), Float32(-E4M3_MAX))
-            x8 = cute.make_rmem_tensor(self.elems, mX8.element_type)
+            x8 = cute.make_rmem_tensor(e, mX8.element_type)
             x8.store(y.load().to(mX8.element_type))
-            cute.autovec_copy(x8, cute.local_tile(mX8[batch, head, first + r, None], (self.elems,), (lane,)))
+            r = warp + j * warps
+            if r < rows:
+                cute.autovec_copy(x8, cute.local_tile(mX8[batch, head, first + r, None], (e,), (lane,)))
 
 
 def _inv_sqrt(d: int) -> float:
