@@ -55,6 +55,12 @@ SHORT_SEQUENCE_CONFIG = {
     (256, True): (2048, dict(tile_n=64)),
     (256, False): (1024, dict(tile_n=64)),
 }
+# d=256 sends O through SMEM and one TMA store (K5's tma_store) up to 8k keys: with one Q stage the
+# store holds the Q buffer until it has been read, but at these lengths the predicated register
+# stores of a 128x256 tile cost more. Measured on an H100 (results/ws-tune-h100-d256short.json,
+# ws-tune-h100-d256tmastore.json, each configuration timed twice): +13-15% at 512 keys, +3-8% at
+# 1k-4k, +2% at 8k, -2% at 16k.
+TMA_STORE_UP_TO_SEQLEN = {256: 8192}
 
 
 class K6FMHA(k5.K5FMHA):
@@ -192,6 +198,8 @@ def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_wg=None, tile_n=No
         tile_n = short_config.get("tile_n") if tile_n is None else tile_n
     if tile_n is None and overlap:
         tile_n = TILE_N_WITH_OVERLAP.get(p.head_dim)
+    if tma_store is None and p.kv_len <= TMA_STORE_UP_TO_SEQLEN.get(p.head_dim, 0):
+        tma_store = True
     cfg = k5.default_config(p, dict(num_wg=num_wg, tile_n=tile_n, kv_stages=kv_stages, q_stages=q_stages,
                                     scheduler=scheduler, tma_store=tma_store,
                                     pingpong=pingpong, overlap=overlap, section_bytes=section_bytes))
