@@ -40,6 +40,10 @@ PINGPONG_MAX_HEAD_DIM = 128
 # the first tuning run in docs/k6.md: "k6" there is the overlap at 112 keys, "k6_pp" ping-pong alone).
 OVERLAP_MIN_HEAD_DIM = 128
 TILE_N_WITH_OVERLAP = {64: 112}
+# d=128 non-causal with the overlap: 144-key tiles (FA3 takes 176, which spills here), 3% over 128
+# at 4k-8k keys and a tie at 16k (results/ws-tune-h100-d128n.json, each timed twice). Causal keeps
+# 128: its diagonal tiles waste more with wider tiles.
+NON_CAUSAL_TILE_N_WITH_OVERLAP = {128: 144}
 # ... and d=128 non-causal up to 2k keys: with 16 or fewer KV tiles per query tile, the overlap's
 # unhidden prologue (first QK + softmax) and epilogue (last PV) cost more than it hides (H100
 # sweep, docs/k6.md). The seqlen is known when a problem is compiled, so short and long
@@ -197,7 +201,8 @@ def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_wg=None, tile_n=No
         num_wg = short_config.get("num_wg") if num_wg is None else num_wg
         tile_n = short_config.get("tile_n") if tile_n is None else tile_n
     if tile_n is None and overlap:
-        tile_n = TILE_N_WITH_OVERLAP.get(p.head_dim)
+        tile_n = (NON_CAUSAL_TILE_N_WITH_OVERLAP if not p.causal else {}).get(p.head_dim,
+                                                                              TILE_N_WITH_OVERLAP.get(p.head_dim))
     if tma_store is None and p.kv_len <= TMA_STORE_UP_TO_SEQLEN.get(p.head_dim, 0):
         tma_store = True
     cfg = k5.default_config(p, dict(num_wg=num_wg, tile_n=tile_n, kv_stages=kv_stages, q_stages=q_stages,

@@ -129,6 +129,10 @@ def test_k6_takes_its_short_sequence_tiles_by_head_dim_and_seqlen():
     assert entry.compile(Problem(1, 1, 4096, 256, causal=True)).info["tile_n"] == 80
     assert entry.compile(Problem(1, 1, 1024, 256)).info["tile_n"] == 64
     assert entry.compile(Problem(1, 1, 2048, 256)).info["tile_n"] == 80
+    # d=128 non-causal: 128-key tiles without the overlap up to 2k keys, 144-key tiles with it beyond.
+    assert entry.compile(Problem(1, 1, 2048, 128)).info["tile_n"] == 128
+    assert entry.compile(Problem(1, 1, 4096, 128)).info["tile_n"] == 144
+    assert entry.compile(Problem(1, 1, 4096, 128, causal=True)).info["tile_n"] == 128
     # d=256: O through SMEM and a TMA store up to 8k keys, register stores beyond; explicit wins.
     assert entry.compile(Problem(1, 1, 8192, 256, causal=True)).info["tma_store"] is True
     assert entry.compile(Problem(1, 1, 16384, 256)).info["tma_store"] is False
