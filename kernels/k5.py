@@ -71,7 +71,7 @@ DEFAULT_CONFIG = {
 # TMA store instead of predicated register stores; that holds the Q buffer until the store has
 # read it, which only a second Q stage hides (d<=128). Measured on an H100 (docs/k6.md), it pays
 # at d=128 (causal short sequences most) and not at d=64, where three warpgroups' register
-# stores are already small.
+# stores are already small; K6 found it paying at d=256 up to 8k keys too (k6.TMA_STORE_UP_TO_SEQLEN).
 # Persistent (one CTA per SM looping over tiles) pays where every tile costs the same: with a
 # static round-robin, causal tiles of unequal cost leave some SMs idle at the end (measured on an
 # H100: docs/k5.md), so causal keeps one CTA per tile, launched heaviest first.
