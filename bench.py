@@ -52,8 +52,8 @@ def parse_args(argv=None):
     ap.add_argument("--causal", type=int, choices=(0, 1), help="(CAUSAL)")
     ap.add_argument("--batch", type=int, help="(BATCH; not with --sweep)")
     ap.add_argument("--nheads", type=int, help="(NHEADS; not with --sweep)")
-    ap.add_argument("--dtype", help="bf16, fp16 or fp8 (DTYPE); fp8: e4m3 inputs with per-tensor descales, "
-                    "beside cuDNN's FP8 attention, on d 128/256 x N 2k-16k with --sweep")
+    ap.add_argument("--dtype", help="bf16, fp16 or fp8 (DTYPE); fp8: e4m3 inputs (per-tensor descales; k8 "
+                    "its own per-block ones), beside cuDNN's FP8 attention, on d 128/256 x N 2k-16k with --sweep")
     ap.add_argument("--check", action="store_true", help="check against SDPA first (same as CHECK=1)")
     ap.add_argument("--sweep", action="store_true", help="time the sweep grid (below), not one workload")
     ap.add_argument("--no-peers", action="store_true", help="skip SDPA / flash-attn-4")
@@ -202,11 +202,15 @@ def run_problem(names, problem, check: bool, peers: bool, sweep: bool, emit) -> 
             emit(dict(base, kernel=name, ms=None, tflops=None, status=fn))
     best = best_peer(peer_tflops, best_of)
     for name in names:
-        if fp8 and problem.dtype not in get_kernel(name).caps.dtypes:
-            # K8 quantizes 16-bit inputs itself (block scales, rotation): timed from the bf16 sources,
-            # its pre-pass included.
-            row = dict(base, kernel=name, **kernel_row(name, problem.with_(dtype="bfloat16"), check, sweep, *sources))
-            row["status"] += " (from bf16, quantization timed)"
+        if fp8 and get_kernel(name).block_descales:
+            # K8 gets the same sources quantized its own way (rotation, a scale per tile): e4m3 in,
+            # V^T in the time, as K7 and cuDNN FP8.
+            from harness.api import quantize_fp8_blocks
+            from kernels.k8 import descale_rows
+
+            q8, k8, v8, *descales = quantize_fp8_blocks(*sources)
+            row = dict(base, kernel=name, **kernel_row(name, problem, check, sweep, q8, k8, v8,
+                                                       descale=descale_rows(*descales)))
         else:
             row = dict(base, kernel=name, **kernel_row(name, problem, check, sweep, q, k, v, **run_kw))
         if best and row["tflops"]:

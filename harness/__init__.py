@@ -2,4 +2,4 @@
 
 from kernels.contract import Problem, UnsupportedProblem  # noqa: F401
 
-from .api import attention, quantize_fp8  # noqa: F401
+from .api import attention, quantize_fp8, quantize_fp8_blocks  # noqa: F401

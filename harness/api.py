@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from kernels import get_kernel
+from kernels import REGISTRY, get_kernel
 from kernels.contract import FP8_DTYPES, UnsupportedProblem, as_causal, as_scale
 
 from .inputs import empty_outputs, problem_from_tensors, require_cuda, require_tensors
@@ -55,11 +55,18 @@ def attention_op(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     entry = get_kernel(name)
     problem = problem_from_tensors(q, k, v, causal, softmax_scale)
     entry.caps.check(problem, want_lse=return_lse)
+    block = problem.dtype in FP8_DTYPES and entry.block_descales
+    if block:
+        check_block_descales(name, problem, dict(descale_q=descale_q, descale_k=descale_k, descale_v=descale_v))
     require_cuda(q, k, v)
     with torch.cuda.device(q.device):  # compile-time buffers and the launch follow the inputs
         compiled = compiled_for(name, problem)
         out, lse = empty_outputs(problem, device=q.device)  # the checks poison; a caller needs no fill
-        if problem.dtype in FP8_DTYPES:
+        if block:
+            from kernels.k8 import descale_rows
+
+            entry.run(compiled, q, k, v, out, lse, problem.scale, descale=descale_rows(descale_q, descale_k, descale_v))
+        elif problem.dtype in FP8_DTYPES:
             descale = descale_tensor(q.device, (descale_q, descale_k, descale_v), descale_values or [1.0] * 3)
             entry.run(compiled, q, k, v, out, lse, problem.scale, descale=descale)
         else:
@@ -94,7 +101,25 @@ def descale_tensor(device, tensors: tuple, values: list) -> torch.Tensor:
                         for t, x in zip(tensors, values)])
 
 
-def split_descales(q, descales: dict) -> tuple:
+def check_block_descales(name: str, problem, descales: dict) -> None:
+    """K8's e4m3 inputs: each descale a float32 tensor (batch, heads, blocks) on q's device, blocks
+    being the compiled tiles (``quantize_fp8_blocks`` makes all six tensors)."""
+    from kernels.k8 import block_sizes
+
+    tile_m, tile_n = block_sizes(problem.head_dim)
+    p = problem
+    for (key, x), rows in zip(descales.items(), (tile_m, tile_n, tile_n)):
+        want = (p.batch, p.nheads, -(-p.seqlen // rows))
+        if not isinstance(x, torch.Tensor) or x.dtype != torch.float32 or tuple(x.shape) != want:
+            got = f"a {x.dtype} tensor of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else repr(x)
+            raise UnsupportedProblem(
+                f"{name} takes float8_e4m3fn inputs with one descale per block of {rows} rows: {key} must be a "
+                f"float32 tensor of shape {want} (harness.quantize_fp8_blocks makes them), got {got}")
+        if x.requires_grad:
+            raise UnsupportedProblem(f"{key} requires grad: these kernels are forward-only")
+
+
+def split_descales(q, descales: dict, block: str = "") -> tuple:
     """(tensors, numbers) for the op from the caller's ``descale_q/k/v`` (a number, a 0-d or
     one-element float tensor, or None for 1.0). Only e4m3 inputs take descales."""
     given = {name: x for name, x in descales.items() if x is not None}
@@ -103,6 +128,13 @@ def split_descales(q, descales: dict) -> tuple:
             raise UnsupportedProblem(f"{', '.join(given)}: descales apply to float8_e4m3fn inputs only; "
                                      f"q is {getattr(q, 'dtype', type(q).__name__)}")
         return (None, None, None), None
+    if block:  # K8 (``block`` names it): per-block tensors, whose shapes the op checks
+        for key, x in descales.items():
+            if not isinstance(x, torch.Tensor):
+                raise UnsupportedProblem(
+                    f"{block} takes float8_e4m3fn inputs with one descale per block: {key} must be a float32 tensor "
+                    f"(batch, heads, blocks) (harness.quantize_fp8_blocks makes them), got {x!r}")
+        return tuple(descales.values()), None
     tensors, values = [], []
     for name, x in descales.items():
         value = 1.0
@@ -140,18 +172,31 @@ def attention(name: str, q, k, v, causal: bool = False, softmax_scale=None, retu
     shape (batch, heads_kv, seqlen_k, head_dim). heads_kv < heads (GQA) or seqlen_k != seqlen only
     for kernels whose capabilities take them; causal is then aligned bottom-right.
     ``causal`` is a bool; ``softmax_scale`` any positive real number (default 1/sqrt(head_dim)).
-    FP8 stages (k7) also take float8_e4m3fn q, k, v, with x ~= x8 * descale_x for each (a number
-    or a one-element float32 CUDA tensor; 1.0 when omitted; ``quantize_fp8`` makes both); O is
-    then bf16. Returns O in the same layout (contiguous), and the float32 (batch, heads, seqlen)
+    FP8 stages also take float8_e4m3fn q, k, v: k7 with x ~= x8 * descale_x for each (a number
+    or a one-element float32 CUDA tensor; 1.0 when omitted; ``quantize_fp8`` makes both), k8 with
+    a descale per block (``quantize_fp8_blocks``); O is then bf16. Returns O in the same layout (contiguous), and the float32 (batch, heads, seqlen)
     log-sum-exp of the scaled scores when ``return_lse``. Unsupported inputs raise
     ``kernels.UnsupportedProblem`` naming the constraint.
     """
     causal = as_causal(causal)
     scale = None if softmax_scale is None else as_scale(softmax_scale)
     require_tensors(q, k, v)  # the op's own type error would not name the argument's role
-    (dq, dk, dv), values = split_descales(q, dict(descale_q=descale_q, descale_k=descale_k, descale_v=descale_v))
+    entry = REGISTRY.get(name)  # a plain lookup (torch.compile traces this function); the op names unknowns
+    block = name if entry is not None and entry.block_descales else ""
+    (dq, dk, dv), values = split_descales(q, dict(descale_q=descale_q, descale_k=descale_k, descale_v=descale_v), block)
     out, lse = torch.ops.fa3_cute.attention(name, q, k, v, causal, scale, bool(return_lse), dq, dk, dv, values)
     return (out, lse) if return_lse else out
+
+
+def quantize_fp8_blocks(q, k, v):
+    """K8's quantization, for a caller that keeps FP8 tensors: q and k rotated by K8's Hadamard
+    matrix and quantized per Q / K tile, v per V tile, all float8_e4m3fn, with float32 descales
+    (batch, heads, blocks). Returns (q8, k8, v8, descale_q, descale_k, descale_v) for
+    ``attention("k8", q8, k8, v8, descale_q=..., descale_k=..., descale_v=...)``: the same bytes
+    K8's own pre-pass makes of q, k, v, so the result is the same as ``attention("k8", q, k, v)``."""
+    from kernels.k8 import block_sizes, quantize_inputs
+
+    return quantize_inputs(q, k, v, *block_sizes(q.shape[-1]))
 
 
 def quantize_fp8(x):

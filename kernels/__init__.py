@@ -23,6 +23,7 @@ class KernelEntry:
     module: str
     title: str
     variant: dict = field(default_factory=dict)
+    block_descales: bool = False  # e4m3 inputs come with a descale per block (K8), not three numbers
 
     def load(self):
         return importlib.import_module(self.module)
@@ -68,7 +69,7 @@ _ENTRIES = [
                 {"structure": "k4"}),
     KernelEntry("k7", "kernels.k7", "FP8 on K6's warp-specialized ping-pong kernel; takes e4m3 inputs with descales"),
     KernelEntry("k8", "kernels.k8", "FP8 with a scale per Q/K/V tile and Q, K rotated by a random Hadamard "
-                "matrix before quantization (FA3's accuracy fixes)"),
+                "matrix before quantization (FA3's accuracy fixes)", block_descales=True),
     KernelEntry("decode_nosplit", "kernels.decode", "flash decode without the split: K4 at 1 warpgroup, GQA heads "
                 "packed into the query tile", {"num_splits": 1}),
     KernelEntry("decode_combine", "kernels.decode", "flash decode: the KV walk split across CTAs to fill the SMs, "

@@ -28,9 +28,10 @@ from cutlass import Float32, Int32
 from . import fp8_quant, k5, k7, sm90
 from .contract import Capabilities, CompiledAttention, FakeShapes, Problem
 
-# 16-bit inputs only (K8 quantizes them itself), and one descale row per query head over equal
-# lengths: no GQA, no seqlen_k != seqlen_q.
-CAPS = Capabilities(head_dims=k7.HEAD_DIMS)
+# 16-bit inputs, which K8 quantizes itself, or e4m3 ones quantized as it would (``quantize_inputs``)
+# with their per-block descales; one descale row per query head over equal lengths: no GQA, no
+# seqlen_k != seqlen_q.
+CAPS = Capabilities(head_dims=k7.HEAD_DIMS, dtypes=k7.DTYPES)
 DEFAULT_CONFIG = k7.DEFAULT_CONFIG
 HADAMARD_SEED = 0  # the sign vector s; any fixed choice works, Q and K must share it
 
@@ -56,16 +57,29 @@ class K8FMHA(k7.K7FMHA):
         return sm90.BlockScaledSoftmax(num_rows, scale_log2 * row[m_block], self.p_offset, k_d, v_d, n_tiles - 1)
 
 
-def prepare_fp8_blocks(q, k, v, tile_m: int, tile_n: int, rotate: bool = True):
-    """The pre-pass of every K8 launch: (q8, k8, vt8, descales) from 16-bit q, k, v; descales is
-    one float32 row per (batch, head): q's per Q tile, then k's and v's per KV tile."""
+def quantize_inputs(q, k, v, tile_m: int, tile_n: int, rotate: bool = True) -> tuple:
+    """(q8, k8, v8, dq, dk, dv): q and k rotated (with ``rotate``) and quantized per tile_m / tile_n
+    rows, v per tile_n keys in its own layout; d* float32 (batch, heads, blocks). What an FP8
+    caller passes to ``attention("k8", q8, k8, v8, descale_q=dq, ...)``."""
+    signs = fp8_quant.hadamard_signs(q.shape[-1], HADAMARD_SEED, q.device) if rotate else None
+    q8, dq = fp8_quant.quantize_fp8_blocks(q, tile_m, signs)
+    k8, dk = fp8_quant.quantize_fp8_blocks(k, tile_n, signs)
+    v8, dv = fp8_quant.quantize_fp8_blocks(v, tile_n)
+    return q8, k8, v8, dq, dk, dv
+
+
+def descale_rows(dq, dk, dv):
+    """The kernel's descale operand: one float32 row per (batch, head), q's per Q tile, then k's
+    and v's per KV tile."""
     import torch
 
-    signs = fp8_quant.hadamard_signs(q.shape[-1], HADAMARD_SEED, q.device) if rotate else None
-    q8, q_d = fp8_quant.quantize_fp8_blocks(q, tile_m, signs)
-    k8, k_d = fp8_quant.quantize_fp8_blocks(k, tile_n, signs)
-    vt8, v_d = fp8_quant.quantize_v_fp8_blocks(v, tile_n)
-    return q8, k8, vt8, torch.cat([q_d, k_d, v_d], dim=-1).contiguous()
+    return torch.cat([dq, dk, dv], dim=-1).contiguous()
+
+
+def prepare_fp8_blocks(q, k, v, tile_m: int, tile_n: int, rotate: bool = True):
+    """The pre-pass of every K8 launch from 16-bit q, k, v: (q8, k8, vt8, descale rows)."""
+    q8, k8, v8, dq, dk, dv = quantize_inputs(q, k, v, tile_m, tile_n, rotate)
+    return q8, k8, k7.transpose_v_fp8(v8), descale_rows(dq, dk, dv)
 
 
 def fake_args(out_dtype, head_dim: int) -> tuple:
@@ -88,8 +102,15 @@ def compile_kernel(p: Problem, *, keep_ptx: bool = False, rotate: bool = True, *
     return compiled
 
 
-def run_kernel(compiled: CompiledAttention, q, k, v, out, lse, softmax_scale=None) -> None:
+def run_kernel(compiled: CompiledAttention, q, k, v, out, lse, softmax_scale=None, descale=None) -> None:
+    """16-bit q, k, v: the whole pre-pass. e4m3 ones (``quantize_inputs``): ``descale`` is their
+    ``descale_rows``, and only V^T is made here."""
+    import torch
+
     info = compiled.info
     scale = compiled.problem.scale if softmax_scale is None else softmax_scale
+    if q.dtype == torch.float8_e4m3fn:
+        compiled.launch(q, k, k7.transpose_v_fp8(v), out, lse, descale, scale)
+        return
     q8, k8, vt8, descales = prepare_fp8_blocks(q, k, v, info["tile_m"], info["tile_n"], info["rotate"])
     compiled.launch(q8, k8, vt8, out, lse, descales, scale)

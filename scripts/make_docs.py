@@ -432,11 +432,14 @@ def fp8_sweep_table(sweep):
     body = [[d, c, n] + [fmt(tflops_at(rows, k, n, d, c)) for k in steps + list(BEST_OF_FP8) + scale_peers]
             + [f"{vs('k7', n, d, c):.2f}×" if vs("k7", n, d, c) else "—"] for d, c, n in cells]
     gpu = gpu_short_name(sweep["meta"].get("device", ""))
+    k8_from_bf16 = any(r["kernel"] == "k8" and "from bf16" in r.get("status", "") for r in rows)
+    k8_inputs = ("`k8` starts from the bf16 tensors, its rotation and block quantization included" if k8_from_bf16
+                 else "`k8` takes the same sources quantized its own way (rotation, a scale per tile) and includes "
+                 "the V^T pass")
     return (f"TFLOP/s on an {gpu}, batch = 16384/N, heads = 2048/d, all timed in one run: "
             f"`{sweep['meta'].get('command', '')}`, {sweep['meta'].get('date', '')[:10]}. `k7_k4` and `k7` take "
-            "e4m3 inputs (per-tensor descales) and include the V^T pass; `k8` starts from the bf16 tensors, its "
-            "rotation and block quantization included; cuDNN FP8 takes the same e4m3 tensors; bf16 cuDNN and "
-            "flash-attn-4 run on the bf16 sources, for scale.\n\n"
+            f"e4m3 inputs (per-tensor descales) and include the V^T pass; {k8_inputs}; cuDNN FP8 takes the same "
+            "e4m3 tensors as `k7`; bf16 cuDNN and flash-attn-4 run on the bf16 sources, for scale.\n\n"
             + markdown_table(["d", "causal", "N"] + [f"`{k}`" for k in steps] + [f"*{p}*" for p in BEST_OF_FP8]
                              + [f"*{p}* (bf16)" for p in scale_peers] + ["k7 / cuDNN FP8"], body)
             + "\n\nAgainst cuDNN FP8 in each cell:\n\n" + fp8_summary(sweep))
@@ -481,13 +484,15 @@ def k8_time_table(run):
     """docs/k8.md: scripts/time_k7.py's K8 columns beside K7's, both with their pre-pass."""
     body = [[r["head_dim"], r["causal"], r["seqlen"], f"{r['k8_prepass_ms']:.3f}", f"{r['k8_kernel_ms']:.3f}",
              f"{r['kernel_ms']:.3f}", f"{r['k8_kernel_ms'] / r['kernel_ms']:.2f}",
+             f"{(r['k8_kernel_ms'] + r['vt_pass_ms']) / (r['kernel_ms'] + r['vt_pass_ms']):.2f}",
              f"{(r['k8_prepass_ms'] + r['k8_kernel_ms']) / (r['prepass_ms'] + r['kernel_ms']):.2f}",
              fmt(r["k8_total_tflops"]), fmt(r["total_tflops"])]
             for r in run["rows"] if "k8_kernel_ms" in r]
     return (f"On an {gpu_short_name(run['meta'].get('device', ''))}: `{run['meta'].get('command', '')}`, "
             f"{run['meta'].get('date', '')[:10]}; batch 16384/N, heads 2048/d.\n\n"
             + markdown_table(["d", "causal", "N", "k8 pre-pass ms", "k8 kernel ms", "k7 kernel ms",
-                              "k8 / k7 kernel time", "k8 / k7 time, pre-passes in", "k8 TFLOP/s (with pre-pass)",
+                              "k8 / k7 kernel time", "k8 / k7 time, e4m3 inputs (kernel + V^T)",
+                              "k8 / k7 time from bf16, pre-passes in", "k8 TFLOP/s (with pre-pass)",
                               "k7 TFLOP/s (with pre-pass)"], body))
 
 

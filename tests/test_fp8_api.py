@@ -8,7 +8,7 @@ from (same bytes in, same kernel), under CUDA-graph capture and torch.compile to
 import pytest
 import torch
 
-from harness import attention, quantize_fp8
+from harness import attention, quantize_fp8, quantize_fp8_blocks
 from harness.api import descale_tensor, split_descales
 from kernels import get_kernel
 from kernels.contract import Problem, UnsupportedProblem
@@ -39,7 +39,7 @@ def test_valid_fp8_inputs_reach_the_device_check():
     ("head_dim_48", "FP8 head_dim must be a multiple of 32"),
     ("head_dim_96", "head_dim 96 not supported"),
     ("stride_8", "multiples of 16 elements"),
-    ("k8", "dtype float8_e4m3fn not supported"),
+    ("k8", r"k8 takes float8_e4m3fn inputs with one descale per block: descale_q must be a float32 tensor"),
     ("k6", "dtype float8_e4m3fn not supported"),
 ])
 def test_refusals_name_the_constraint(case, match):
@@ -71,14 +71,28 @@ def test_refusals_name_the_constraint(case, match):
         attention(name, *args, **kw)
 
 
+def test_k8s_block_quantized_inputs_reach_the_device_check_and_bad_blocks_do_not():
+    q, k, v = (torch.randn(1, 2, 300, 128, dtype=torch.bfloat16) for _ in range(3))
+    q8, k8, v8, dq, dk, dv = quantize_fp8_blocks(q, k, v)
+    assert q8.dtype == torch.float8_e4m3fn and dq.shape == (1, 2, 3) and dk.shape == dv.shape == (1, 2, 3)
+    with pytest.raises(UnsupportedProblem, match="q must be a CUDA tensor"):
+        attention("k8", q8, k8, v8, descale_q=dq, descale_k=dk, descale_v=dv)
+    with pytest.raises(UnsupportedProblem, match=r"descale_k must be a float32 tensor of shape \(1, 2, 3\)"):
+        attention("k8", q8, k8, v8, descale_q=dq, descale_k=dk[..., :2], descale_v=dv)
+    with pytest.raises(UnsupportedProblem, match="descale_v must be a float32 tensor .* got None"):
+        attention("k8", q8, k8, v8, descale_q=dq, descale_k=dk)
+    with pytest.raises(UnsupportedProblem, match="descale_q must be a float32 tensor .* got 0.5"):
+        attention("k8", q8, k8, v8, descale_q=0.5, descale_k=dk, descale_v=dv)
+
+
 def test_problem_and_capabilities_know_the_fp8_dtype():
     p = Problem(1, 2, 100, 128, dtype="float8_e4m3fn", causal=True)
     assert p.out_dtype == "bfloat16" and Problem(1, 2, 100, 128, dtype="float16").out_dtype == "float16"
     get_kernel("k7").caps.check(p)
     get_kernel("k7_k4").caps.check(p)
-    for name in ("k6", "k8"):
-        with pytest.raises(UnsupportedProblem, match="float8_e4m3fn not supported"):
-            get_kernel(name).caps.check(p)
+    get_kernel("k8").caps.check(p)
+    with pytest.raises(UnsupportedProblem, match="float8_e4m3fn not supported"):
+        get_kernel("k6").caps.check(p)
     with pytest.raises(UnsupportedProblem, match="dtype must be one of"):
         Problem(1, 2, 100, 128, dtype="float8_e5m2")
 
@@ -162,6 +176,19 @@ def test_an_fp8_call_is_captured_and_replayed_in_a_cuda_graph(descales):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_k8s_fp8_inputs_give_what_its_16_bit_path_gives(d, causal):
+    q, k, v = (torch.randn(2, 4, 1000, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    want, want_lse = attention("k8", q, k, v, causal=causal, return_lse=True)
+    q8, k8, v8, dq, dk, dv = quantize_fp8_blocks(q, k, v)
+    out, lse = attention("k8", q8, k8, v8, causal=causal, return_lse=True, descale_q=dq, descale_k=dk, descale_v=dv)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
 
 
 @pytest.mark.gpu
