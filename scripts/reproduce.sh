@@ -4,6 +4,7 @@
 #   bash scripts/reproduce.sh perf  results    # CHECK=1 headline runs, the sweep, K4 tuning
 #   bash scripts/reproduce.sh headline results # the CHECK=1 headline runs alone (a second GPU, say)
 #   bash scripts/reproduce.sh ws results       # K5/K6: ref_check, sanitizers, sweep beside K4, ncu, tuning
+#                                               (more than 10 minutes: on the device tool, run its lines in parts)
 #   bash scripts/reproduce.sh decode results   # decode: KV-cache grid, contract grid, sanitizers, bench, tuning
 #   bash scripts/reproduce.sh fp8check results # K7/K8: ref_check, sanitizers, GPU tests of the FP8 API
 #   bash scripts/reproduce.sh fp8 results      # K7/K8: sweep beside cuDNN FP8, time split, tuning, accuracy
@@ -57,6 +58,16 @@ case "$part" in
       --configs '{"k6":[{}, {"num_wg":3}, {}, {"num_wg":3}]}' --out "$dir/ws-tune-$gpu-d64wg.json" || rc=1
     timeout 200 $py scripts/tune.py --kernels k6 --headdim 256 --causal 0 1 --seqlen 512 1024 2048 \
       --configs '{"k6":[{}, {"tile_n":64}, {}, {"tile_n":64}]}' --out "$dir/ws-tune-$gpu-d256n.json" || rc=1
+    # d=256: the TMA store at short and long sequences (k6.TMA_STORE_UP_TO_SEQLEN); d=128 non-causal
+    # key tiles with the overlap (k6.NON_CAUSAL_TILE_N_WITH_OVERLAP)
+    timeout 150 $py scripts/tune.py --kernels k6 --headdim 256 --causal 0 1 --seqlen 512 1024 \
+      --configs '{"k6":[{}, {"q_stages":2,"kv_stages":1}, {"tma_store":true}, {"pingpong":true,"overlap":false}, {}]}' \
+      --out "$dir/ws-tune-$gpu-d256short.json" || rc=1
+    timeout 260 $py scripts/tune.py --kernels k6 --headdim 256 --causal 0 1 --seqlen 2048 4096 8192 16384 \
+      --configs '{"k6":[{}, {"tma_store":true}, {}, {"tma_store":true}]}' --out "$dir/ws-tune-$gpu-d256tmastore.json" || rc=1
+    timeout 400 $py scripts/tune.py --kernels k6 --headdim 128 --causal 0 --seqlen 4096 8192 16384 \
+      --configs '{"k6":[{}, {"tile_n":144}, {"tile_n":160}, {"tile_n":160,"q_stages":1}, {}, {"tile_n":144}, {"tile_n":160}]}' \
+      --out "$dir/ws-tune-$gpu-d128n.json" || rc=1
     exit $rc
     ;;
   decode)
@@ -97,9 +108,11 @@ case "$part" in
       > "$dir/fp8-sweep-$gpu.log" || rc=1
     timeout 240 $py scripts/time_k7.py --out "$dir/k7-time-$gpu.json" > "$dir/k7-time-$gpu.log" || rc=1
     timeout 240 $py scripts/fp8_accuracy.py --out "$dir/fp8-accuracy-$gpu.json" > "$dir/fp8-accuracy-$gpu.log" || rc=1
-    timeout 300 $py scripts/tune_fp8.py --kernels k7 --headdim 128 256 --seqlen 2048 8192 \
-      --configs '[{}, {"tile_n": 160}, {"kv_stages": 3}, {"pingpong": false}]' --out "$dir/fp8-tune-$gpu.json" \
-      > "$dir/fp8-tune-$gpu.log" || rc=1
+    timeout 330 $py scripts/tune_fp8.py --kernels k7 --headdim 128 --seqlen 2048 8192 \
+      --configs '[{}, {"tile_n": 160}, {"tile_n": 192}, {"tile_n": 224}, {"kv_stages": 3}, {"overlap": false}]' \
+      --out "$dir/fp8-tune-$gpu-d128.json" > "$dir/fp8-tune-$gpu-d128.log" || rc=1
+    timeout 60 $py scripts/tune_fp8.py --kernels k7 --headdim 256 --causal 1 --seqlen 2048 4096 \
+      --configs '[{}, {"tile_n": 64}]' --out "$dir/fp8-tune-$gpu-d256.json" > "$dir/fp8-tune-$gpu-d256.log" || rc=1
     exit $rc
     ;;
   *) echo "usage: $0 check|perf|headline|ws|decode|fp8check|fp8 [dir]" >&2; exit 2 ;;
