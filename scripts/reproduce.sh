@@ -68,6 +68,9 @@ case "$part" in
     timeout 400 $py scripts/tune.py --kernels k6 --headdim 128 --causal 0 --seqlen 4096 8192 16384 \
       --configs '{"k6":[{}, {"tile_n":144}, {"tile_n":160}, {"tile_n":160,"q_stages":1}, {}, {"tile_n":144}, {"tile_n":160}]}' \
       --out "$dir/ws-tune-$gpu-d128n.json" || rc=1
+    timeout 300 $py scripts/tune.py --kernels k6 --headdim 64 --causal 0 --seqlen 4096 8192 16384 \
+      --configs '{"k6":[{}, {"tile_n":160}, {"tile_n":192}, {}, {"tile_n":160}, {"tile_n":192}]}' \
+      --out "$dir/ws-tune-$gpu-d64n.json" || rc=1
     exit $rc
     ;;
   decode)
