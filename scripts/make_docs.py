@@ -575,7 +575,7 @@ def _label(r):
     return ", ".join(f"{k}={v}" for k, v in cfg.items()) if cfg else f"*{r['kernel']}*"
 
 
-def plot(sweep, path):
+def plot(sweep, path, head_dim=128, dtype="bf16", peers=BEST_OF):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -585,15 +585,15 @@ def plot(sweep, path):
     gpu = gpu_short_name(sweep["meta"].get("device", ""))
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
     for ax, causal in zip(axes, (0, 1)):
-        for k in kernel_names() + list(BEST_OF):
+        for k in kernel_names() + list(peers):
             pts = sorted((r["seqlen"], r["tflops"]) for r in rows
-                         if r["kernel"] == k and r["head_dim"] == 128 and r["causal"] == causal)
+                         if r["kernel"] == k and r["head_dim"] == head_dim and r["causal"] == causal and r.get("tflops"))
             if pts:
-                ax.plot(*zip(*pts), marker="o", label=k, linestyle="--" if k in PEERS else "-")
+                ax.plot(*zip(*pts), marker="o", label=k, linestyle="--" if k in PEERS or k in peers else "-")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("seqlen")
-        ax.set_title(f"{'causal' if causal else 'non-causal'}, d=128, bf16, {gpu}")
+        ax.set_title(f"{'causal' if causal else 'non-causal'}, d={head_dim}, {dtype}, {gpu}")
         ax.grid(True, which="both", alpha=0.3)
     axes[0].set_ylabel("TFLOP/s")
     axes[1].legend(fontsize=8)
@@ -747,6 +747,9 @@ def main(argv=None):
         plot(sweep, ROOT / "docs" / "plots" / "tflops_vs_seqlen.png")
     if args.plot and ws_sweep:
         plot(ws_sweep, ROOT / "docs" / "plots" / "ws_vs_peers.png")
+    if args.plot and fp8_sweep:  # K7/K8 beside cuDNN FP8 (and bf16 cuDNN for scale)
+        for d in (128, 256):
+            plot(fp8_sweep, ROOT / "docs" / "plots" / f"fp8_d{d}.png", d, "FP8 e4m3", BEST_OF_FP8 + ("sdpa-cudnn",))
     print("tables regenerated" + (" and plot written" if args.plot and sweep else ""))
 
 
