@@ -57,7 +57,8 @@ def attention_op(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     entry.caps.check(problem, want_lse=return_lse)
     block = problem.dtype in FP8_DTYPES and entry.block_descales
     if block:
-        check_block_descales(name, problem, dict(descale_q=descale_q, descale_k=descale_k, descale_v=descale_v))
+        check_block_descales(name, problem, dict(descale_q=descale_q, descale_k=descale_k, descale_v=descale_v),
+                             q.device)
     require_cuda(q, k, v)
     with torch.cuda.device(q.device):  # compile-time buffers and the launch follow the inputs
         compiled = compiled_for(name, problem)
@@ -101,7 +102,7 @@ def descale_tensor(device, tensors: tuple, values: list) -> torch.Tensor:
                         for t, x in zip(tensors, values)])
 
 
-def check_block_descales(name: str, problem, descales: dict) -> None:
+def check_block_descales(name: str, problem, descales: dict, device) -> None:
     """K8's e4m3 inputs: each descale a float32 tensor (batch, heads, blocks) on q's device, blocks
     being the compiled tiles (``quantize_fp8_blocks`` makes all six tensors)."""
     from kernels.k8 import block_sizes
@@ -117,6 +118,8 @@ def check_block_descales(name: str, problem, descales: dict) -> None:
                 f"float32 tensor of shape {want} (harness.quantize_fp8_blocks makes them), got {got}")
         if x.requires_grad:
             raise UnsupportedProblem(f"{key} requires grad: these kernels are forward-only")
+        if x.device != device:
+            raise UnsupportedProblem(f"{key} must be on q's device ({device}), got {x.device}")
 
 
 def split_descales(q, descales: dict, block: str = "") -> tuple:
@@ -173,7 +176,7 @@ def attention(name: str, q, k, v, causal: bool = False, softmax_scale=None, retu
     for kernels whose capabilities take them; causal is then aligned bottom-right.
     ``causal`` is a bool; ``softmax_scale`` any positive real number (default 1/sqrt(head_dim)).
     FP8 stages also take float8_e4m3fn q, k, v: k7 with x ~= x8 * descale_x for each (a number
-    or a one-element float32 CUDA tensor; 1.0 when omitted; ``quantize_fp8`` makes both), k8 with
+    or a one-element floating-point tensor; 1.0 when omitted; ``quantize_fp8`` makes both), k8 with
     a descale per block (``quantize_fp8_blocks``); O is then bf16. Returns O in the same layout (contiguous), and the float32 (batch, heads, seqlen)
     log-sum-exp of the scaled scores when ``return_lse``. Unsupported inputs raise
     ``kernels.UnsupportedProblem`` naming the constraint.

@@ -287,7 +287,7 @@ def emulate_fp8(q8, k8, v8, descale, causal: bool, scale: float, p_offset: float
 
 
 def check_fp8_kernel(name: str, p: Problem, seed=None) -> CheckResult:
-    """An FP8 stage (K7): fresh 16-bit inputs, poisoned outputs, one launch (quantization
+    """An FP8 stage (K7, K8): fresh 16-bit inputs, poisoned outputs, one launch (quantization
     included); the reference is exact attention of the *dequantized* inputs (input rounding is
     the same for any FP8 kernel and not the kernel's doing). O passes within FP8_FACTOR x the
     error of ``emulate_fp8`` against that reference (+ FP8_FLOOR) in max and relative L2; LSE,

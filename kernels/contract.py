@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
 DTYPES = ("bfloat16", "float16")
-FP8_DTYPES = ("float8_e4m3fn",)  # K7: e4m3 q, k, v with per-tensor descales, 16-bit O
+FP8_DTYPES = ("float8_e4m3fn",)  # K7/K8: e4m3 q, k, v with descales (per tensor; K8 per block), 16-bit O
 LOG2_E = math.log2(math.e)  # exp(x) == exp2(x * LOG2_E): the kernels fold it into the scale
 LN_2 = math.log(2.0)  # natural-log LSE from a log2-domain max: m * LN_2 + ln(l)
 SMEM_CAPACITY = 227 * 1024  # H100 / H200: the most dynamic SMEM one CTA can opt into

@@ -133,7 +133,7 @@ def quantize_v_fp8_blocks(v, block_keys: int):
 
 
 # --------------------------------------------------------------------------------------
-# The quantizer as a kernel: a CTA per (row block, head, batch), a warp per row at a time
+# The quantizer as a kernel: a CTA per (row block, head, batch), the block held in registers
 # --------------------------------------------------------------------------------------
 
 class QuantizeBlocks:

@@ -16,10 +16,11 @@ they are easiest to read in isolation):
   unchanged. One owner for the order: the pre-pass reads it from sm90.
 * Scales: q and k's descales join the softmax scale (one FFMA per score, as before); P gets an
   offset of 2^8 before its conversion (``OnlineSoftmax(p_offset=8)``) so it is not flushed under
-  e4m3's smallest values; v's descale multiplies O once, before the output is narrowed to bf16.
+  e4m3's smallest values; v's descale multiplies O once, before O is narrowed to 16 bits (bf16 for e4m3 inputs).
 
 Tiles: 8-bit tiles take half the SMEM, but registers, not SMEM, bind (ptxas, docs/k7.md): K6's
-tiles with tile_n a multiple of 32 (the 8-bit WGMMA's K step), 128 keys at every head dim.
+warpgroups and stages, with 128-key tiles at every head dim (tile_n a multiple of 32, the 8-bit
+WGMMA's K step), no TMA store (it stages O in Q's 8-bit buffer).
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ FP8 = cutlass.Float8E4M3FN
 E4M3_MAX = 448.0
 P_OFFSET = 8.0  # P in [0, 2^8]: e4m3 keeps 3 mantissa bits down to 2^-6, and P's small values matter
 # Measured on an H100 (scripts/tune_fp8.py, results/fp8-tune-h100-*.json): at d=128 wider key tiles
-# (160-224, FA3's FP8 choice) and a third KV stage lost 1-8%, and the intra-warpgroup overlap K6 uses
-# in bf16 lost 2-4%; at d=256, 64 keys lost 13-17%. d=256 runs without ping-pong, as K6.
+# (160-224, FA3's FP8 choice) and a third KV stage lost 0.3-8%, and the intra-warpgroup overlap K6
+# uses in bf16 lost 1-4%; at d=256, 64 keys lost 13-17%. d=256 runs without ping-pong, as K6.
 DEFAULT_CONFIG = {
     64: dict(num_wg=3, tile_n=128, kv_stages=2, q_stages=2, pingpong=True, overlap=False),
     128: dict(num_wg=2, tile_n=128, kv_stages=2, q_stages=2, pingpong=True, overlap=False),
@@ -248,7 +249,7 @@ def run_kernel(compiled: CompiledAttention, q, k, v, out, lse, softmax_scale=Non
 
 
 # --------------------------------------------------------------------------------------
-# The V^T pass as a kernel: one read and one write of V, in 64 x 64-byte tiles through SMEM
+# The V^T pass as a kernel: one read and one write of V, in 128-key x 64-byte tiles through SMEM
 # --------------------------------------------------------------------------------------
 
 class TransposeV:

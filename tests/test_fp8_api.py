@@ -83,6 +83,12 @@ def test_k8s_block_quantized_inputs_reach_the_device_check_and_bad_blocks_do_not
         attention("k8", q8, k8, v8, descale_q=dq, descale_k=dk)
     with pytest.raises(UnsupportedProblem, match="descale_q must be a float32 tensor .* got 0.5"):
         attention("k8", q8, k8, v8, descale_q=0.5, descale_k=dk, descale_v=dv)
+    # q on a GPU, descales left on the host (a torch.device needs no GPU to exist):
+    from harness.api import check_block_descales
+
+    descales = dict(descale_q=dq, descale_k=dk, descale_v=dv)
+    with pytest.raises(UnsupportedProblem, match=r"descale_q must be on q's device \(cuda:0\), got cpu"):
+        check_block_descales("k8", Problem(1, 2, 300, 128, dtype="float8_e4m3fn"), descales, torch.device("cuda:0"))
 
 
 def test_problem_and_capabilities_know_the_fp8_dtype():
