@@ -72,6 +72,40 @@ def test_fp8_emulation_error_is_p_rounding_sized():
     assert vt8.shape == (1, 2, 128, 304) and descale.shape == (3,)
 
 
+def test_the_fp8_criterion_rejects_planted_faults():
+    # check_fp8_kernel's rule (relative L2 within FP8_FACTOR x the emulation's + FP8_FLOOR) passes
+    # the emulation itself and fails the three mistakes an FP8 kernel can make quietly: P without
+    # its 2^8 offset, V^T's keys out of the P order, v's descale lost. The inputs have an attention
+    # sink (key 0 scores 8 for every query, the rest about 0): every other key's P is e^-8, under
+    # e4m3's smallest value unless P is offset, yet together they hold up to 40% of a row's weight.
+    from harness.check import FP8_FACTOR, FP8_FLOOR
+
+    torch.manual_seed(2)
+    n, d = 2048, 128
+    u = torch.ones(d)
+    q = (u + 0.1 * torch.randn(1, 2, n, d)).bfloat16()
+    k = 0.3 * torch.randn(1, 2, n, d)
+    k[:, :, 0] = u * 8 / math.sqrt(d)  # q . k0 * d^-0.5 = 8
+    k = k.bfloat16()
+    v = torch.randn(1, 2, n, d, dtype=torch.bfloat16)
+    (q8, dq), (k8, dk), (v8, dv) = quantize_fp8(q), quantize_fp8(k), quantize_fp8(v)
+    scale = d**-0.5
+    ref, _ = reference(q8.float() * dq, k8.float() * dk, v8.float() * dv, True, scale)
+
+    def rel(o):
+        return float((o - ref).norm() / ref.norm())
+
+    bound = FP8_FACTOR * rel(emulate_fp8(q8, k8, v8, (dq, dk, dv), True, scale)) + FP8_FLOOR
+    swapped = v8.view(torch.uint8)[:, :, fp8_key_permutation(n)].view(torch.float8_e4m3fn)
+    faults = {
+        "no P offset": emulate_fp8(q8, k8, v8, (dq, dk, dv), True, scale, p_offset=0.0),
+        "keys out of order": emulate_fp8(q8, k8, swapped, (dq, dk, dv), True, scale),
+        "v descale lost": emulate_fp8(q8, k8, v8, (dq, dk, 1.0), True, scale),
+    }
+    for name, out in faults.items():
+        assert rel(out) > 2 * bound, (name, rel(out), bound)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("n,d", [(1, 64), (37, 128), (200, 64), (1000, 256), (4096, 128)])
