@@ -6,7 +6,8 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from kernels.contract import Problem
+from kernels import get_kernel
+from kernels.contract import FP8_DTYPES, Problem
 
 # Against the float32 reference, a kernel's O must be
 #   * no worse than twice the max error of SDPA itself run in the same 16-bit dtype on the same
@@ -99,8 +100,6 @@ def launch_once(name: str, p: Problem, seed=None) -> tuple:
     """(q, k, v, out, lse): fresh random inputs, NaN-poisoned outputs, one launch, synchronized."""
     import torch
 
-    from kernels import get_kernel
-
     from .api import compiled_for
     from .inputs import poisoned_outputs, random_inputs
 
@@ -114,7 +113,7 @@ def launch_once(name: str, p: Problem, seed=None) -> tuple:
 
 def check_kernel(name: str, p: Problem, seed=None) -> CheckResult:
     """One case: fresh inputs, poisoned O/LSE, one launch, compare with the float32 reference."""
-    if name in FP8_KERNELS:  # FP8: its own criterion (check_fp8_kernel)
+    if is_fp8_kernel(name):  # FP8: its own criterion (check_fp8_kernel)
         return check_fp8_kernel(name, p, seed)
 
     from .reference import reference, sdpa
@@ -262,7 +261,10 @@ FP8_FACTOR, FP8_FLOOR = 1.5, 1e-3  # vs the emulation's error: same quantization
 FP8_LSE_ATOL = 4e-3
 
 
-FP8_KERNELS = ("k7", "k7_k4", "k8")
+def is_fp8_kernel(name: str) -> bool:
+    """Whether ``name`` is an FP8 stage (its capabilities take e4m3 inputs): it is checked by
+    ``check_fp8_kernel``, whatever the dtype of the problem it is given."""
+    return any(dt in FP8_DTYPES for dt in get_kernel(name).caps.dtypes)
 
 
 def emulate_fp8(q8, k8, v8, descale, causal: bool, scale: float, p_offset: float = 8.0):
@@ -327,17 +329,14 @@ def fp8_quantized(name: str, p: Problem, q, k, v) -> tuple:
     """The FP8 inputs ``name``'s pre-pass makes of q, k, v (the same arithmetic, so the same
     bytes): (q8, k8, v8, descales) with V in its natural layout and descales broadcastable as
     ``emulate_fp8`` takes them. K8's Q and K come rotated; their scores are still Q K^T."""
-    from kernels.fp8_quant import hadamard_signs, quantize_fp8_blocks
     from kernels.k7 import quantize_fp8
-    from kernels.k8 import HADAMARD_SEED, block_sizes
+    from kernels.k8 import block_sizes, quantize_inputs
 
-    if name != "k8":  # per-tensor scales
+    if not get_kernel(name).block_descales:  # per-tensor scales
         (q8, dq), (k8, dk), (v8, dv) = (quantize_fp8(x) for x in (q, k, v))
         return q8, k8, v8, (dq, dk, dv)
     tm, tn = block_sizes(p.head_dim)  # the default configuration's tiles, which the check compiles
-    signs = hadamard_signs(p.head_dim, HADAMARD_SEED, q.device)
-    (q8, dq), (k8, dk) = quantize_fp8_blocks(q, tm, signs), quantize_fp8_blocks(k, tn, signs)
-    v8, dv = quantize_fp8_blocks(v, tn)
+    q8, k8, v8, dq, dk, dv = quantize_inputs(q, k, v, tm, tn)
     rows = lambda d, block, n: d.repeat_interleave(block, dim=-1)[..., :n, None]  # noqa: E731
     return q8, k8, v8, (rows(dq, tm, q.shape[2]), rows(dk, tn, k.shape[2]).transpose(-1, -2),
                         rows(dv, tn, v.shape[2]))

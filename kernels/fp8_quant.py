@@ -122,16 +122,6 @@ def quantize_fp8_blocks_torch(x, block_rows: int, signs=None):
     return x8, descale
 
 
-def quantize_v_fp8_blocks(v, block_keys: int):
-    """(vt8, descale) for K8's V: e4m3 per block of ``block_keys`` keys, stored as K7's V^T
-    (batch, heads, d, keys padded to 16, keys of every 16 in ``sm90.FP8_KEY_ORDER``, pad 0), and
-    descale float32 (batch, heads, ceil(seqlen / block_keys))."""
-    from .k7 import transpose_v_fp8
-
-    v8, descale = quantize_fp8_blocks(v, block_keys)
-    return transpose_v_fp8(v8), descale
-
-
 # --------------------------------------------------------------------------------------
 # The quantizer as a kernel: a CTA per (row block, head, batch), the block held in registers
 # --------------------------------------------------------------------------------------

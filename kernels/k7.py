@@ -201,11 +201,15 @@ def config(p: Problem, overrides: dict, name: str = "K7") -> dict:
     """DEFAULT_CONFIG (K6's schedulers: static non-causal, dynamic causal), then the overrides."""
     cfg = dict(DEFAULT_CONFIG[p.head_dim], scheduler="dynamic" if p.causal else "static", tma_store=False)
     cfg.update({k: v for k, v in overrides.items() if v is not None})
-    if cfg["tile_n"] % 32:
-        raise UnsupportedProblem(f"{name} config {cfg}: tile_n must be a multiple of 32 (the 8-bit WGMMA's K step)")
+    check_tile_n(cfg, name)
     if cfg["tma_store"]:
         raise UnsupportedProblem(f"{name} config {cfg}: tma_store stages O in Q's buffer, which is 8-bit here")
     return cfg
+
+
+def check_tile_n(cfg: dict, name: str) -> None:
+    if cfg["tile_n"] % 32:
+        raise UnsupportedProblem(f"{name} config {cfg}: tile_n must be a multiple of 32 (the 8-bit WGMMA's K step)")
 
 
 def compile_kernel(p: Problem, *, keep_ptx: bool = False, structure: str = "k6", **overrides) -> CompiledAttention:
@@ -221,8 +225,7 @@ def compile_on_k4(p: Problem, keep_ptx: bool, overrides: dict) -> CompiledAttent
     K4_CAPS.check(p)
     cfg = k4.config(p.head_dim, overrides) if overrides else dict(K4_CONFIG[p.head_dim])
     k4.check_config(cfg)
-    if cfg["tile_n"] % 32:
-        raise UnsupportedProblem(f"K7_K4 config {cfg}: tile_n must be a multiple of 32 (the 8-bit WGMMA's K step)")
+    check_tile_n(cfg, "K7_K4")
     out_dt = cute_dtype(p.out_dtype)
     key = ("k7_k4", p.head_dim, p.out_dtype, p.causal, tuple(sorted(cfg.items())))
     fn = jit_compile(key, lambda: (K7OnK4FMHA(p.head_dim, out_dt, p.causal, **cfg),

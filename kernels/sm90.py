@@ -183,13 +183,14 @@ class OnlineSoftmax:
     folded into one FFMA per element ahead of ``ex2``.
     """
 
+    scaled_max = False  # K8 (BlockScaledSoftmax): a scale per KV tile, the row max in scaled units
+
     def __init__(self, num_rows: int, scale_log2: Float32, p_offset: float = 0.0):
         self.num_rows = num_rows
         self.scale_log2 = scale_log2
         # K7: P = exp2(... + p_offset) lands in [0, 2^p_offset], away from e4m3's underflow; the
         # row sum carries the same factor (O is unchanged) and the LSE takes it back out.
         self.p_offset = p_offset
-        self.scaled_max = False  # K8 (BlockScaledSoftmax): the row max in scaled units
         self.row_max = cute.make_rmem_tensor(num_rows, Float32)
         self.row_sum = cute.make_rmem_tensor(num_rows, Float32)
         self.row_max.fill(-Float32.inf)
@@ -260,10 +261,11 @@ class BlockScaledSoftmax(OnlineSoftmax):
     KV tiles are walked in descending order (K5 on): the first is ``first_block``, the last 0.
     """
 
+    scaled_max = True
+
     def __init__(self, num_rows: int, scale_log2: Float32, p_offset: float, k_descale: cute.Tensor,
                  v_descale: cute.Tensor, first_block: Int32):
         super().__init__(num_rows, scale_log2, p_offset)
-        self.scaled_max = True
         self.k_descale, self.v_descale, self.first_block = k_descale, v_descale, first_block
 
     def tile_scale_log2(self, n_block: Int32) -> Float32:

@@ -432,13 +432,10 @@ def fp8_sweep_table(sweep):
     body = [[d, c, n] + [fmt(tflops_at(rows, k, n, d, c)) for k in steps + list(BEST_OF_FP8) + scale_peers]
             + [f"{vs('k7', n, d, c):.2f}×" if vs("k7", n, d, c) else "—"] for d, c, n in cells]
     gpu = gpu_short_name(sweep["meta"].get("device", ""))
-    k8_from_bf16 = any(r["kernel"] == "k8" and "from bf16" in r.get("status", "") for r in rows)
-    k8_inputs = ("`k8` starts from the bf16 tensors, its rotation and block quantization included" if k8_from_bf16
-                 else "`k8` takes the same sources quantized its own way (rotation, a scale per tile) and includes "
-                 "the V^T pass")
     return (f"TFLOP/s on an {gpu}, batch = 16384/N, heads = 2048/d, all timed in one run: "
             f"`{sweep['meta'].get('command', '')}`, {sweep['meta'].get('date', '')[:10]}. `k7_k4` and `k7` take "
-            f"e4m3 inputs (per-tensor descales) and include the V^T pass; {k8_inputs}; cuDNN FP8 takes the same "
+            "e4m3 inputs (per-tensor descales) and include the V^T pass; `k8` takes the same sources quantized its "
+            "own way (rotation, a scale per tile) and includes the V^T pass; cuDNN FP8 takes the same "
             "e4m3 tensors as `k7`; bf16 cuDNN and flash-attn-4 run on the bf16 sources, for scale.\n\n"
             + markdown_table(["d", "causal", "N"] + [f"`{k}`" for k in steps] + [f"*{p}*" for p in BEST_OF_FP8]
                              + [f"*{p}* (bf16)" for p in scale_peers] + ["k7 / cuDNN FP8"], body)
