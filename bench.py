@@ -59,6 +59,9 @@ def parse_args(argv=None):
     ap.add_argument("--no-peers", action="store_true", help="skip SDPA / flash-attn-4")
     ap.add_argument("--compile-only", action="store_true", help="compile for sm_90a and report; no GPU needed")
     ap.add_argument("--out", help="write the rows as JSON here, each as it is done")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time every candidate of a workload this many times, in alternating order, and report "
+                         "the median (default 1)")
     ap.add_argument("--decode", action="store_true",
                     help="decode mode (harness/decode_bench.py): q_len 1, 32 query heads, d 128 over KV caches of "
                          "batch 1/8/64 x 4k/32k/128k keys x 8/32 K/V heads, the split-count curve and host times; "
@@ -123,8 +126,8 @@ def compile_only(names, problems, out) -> int:
 
 
 def time_one(name, problem, q, k, v, **run_kw):
-    """(ms, status) for kernel ``name``: compile outside timing, then time launches only.
-    ``run_kw``: FP8's ``descale``."""
+    """(ms, status, launch) for kernel ``name``: compile outside timing, then time launches only;
+    ``launch`` times again in later rounds. ``run_kw``: FP8's ``descale``."""
     import torch
 
     from harness.api import compiled_for
@@ -135,13 +138,17 @@ def time_one(name, problem, q, k, v, **run_kw):
     try:  # compiling checks the capabilities and the GPU first
         compiled = compiled_for(name, problem)
     except UnsupportedProblem as e:
-        return None, f"refused: {e}"
+        return None, f"refused: {e}", None
     out, lse = poisoned_outputs(problem)
-    ms = benchmark(lambda: entry.run(compiled, q, k, v, out, lse, problem.scale, **run_kw))
+
+    def launch():
+        entry.run(compiled, q, k, v, out, lse, problem.scale, **run_kw)
+
+    ms = benchmark(launch)
     # The outputs started as NaN: a launch that silently did nothing must not be reported as fast.
     if not (torch.isfinite(out).all() and torch.isfinite(lse).all()):
-        return None, "failed: the timed launches left outputs unwritten or non-finite"
-    return ms, "ok"
+        return None, "failed: the timed launches left outputs unwritten or non-finite", None
+    return ms, "ok", launch
 
 
 def kernel_row(name, problem, check: bool, sweep: bool, q, k, v, **run_kw) -> dict:
@@ -164,12 +171,17 @@ def kernel_row(name, problem, check: bool, sweep: bool, q, k, v, **run_kw) -> di
               f"{'PASS' if res.ok else 'FAIL: ' + res.reason}")
         if not res.ok:
             raise SystemExit(f"correctness check failed for {name}; not timing it")
-    ms, status = time_one(name, problem, q, k, v, **run_kw)
-    return dict(ms=ms, tflops=tflops(problem.flops, ms) if ms else None, status=status)
+    ms, status, launch = time_one(name, problem, q, k, v, **run_kw)
+    return dict(ms=ms, tflops=tflops(problem.flops, ms) if ms else None, status=status, launch=launch)
 
 
-def run_problem(names, problem, check: bool, peers: bool, sweep: bool, emit) -> None:
-    """Time the peers, then each kernel beside them; ``emit`` takes each row as it is done."""
+def run_problem(names, problem, check: bool, peers: bool, sweep: bool, emit, rounds: int = 1) -> None:
+    """Time the peers, then each kernel beside them; ``emit`` takes each row as it is done.
+
+    With ``rounds`` > 1 every candidate is timed that many times, the order reversed each round
+    (so none is always first or last as the GPU warms), and a row reports the median of its
+    rounds (``ms_rounds`` keeps them all); its rows are emitted when the workload is done.
+    """
     from harness.inputs import random_inputs
     from harness.peers import peer_callables
     from harness.timing import benchmark, tflops
@@ -192,15 +204,19 @@ def run_problem(names, problem, check: bool, peers: bool, sweep: bool, emit) -> 
         run_kw, best_of = dict(descale=torch.stack([dq, dk, dv])), BEST_OF_FP8
         if peers:
             candidates["cudnn-fp8"] = cudnn_fp8_peer(q, k, v, run_kw["descale"], problem.causal, problem.scale)
-    peer_tflops = {}
+    rows, launches = [], {}  # the first round's rows, in order; name -> launch for later rounds
     for name, fn in candidates.items():
         if callable(fn):
-            ms = benchmark(fn)
-            peer_tflops[name] = tflops(problem.flops, ms)
-            emit(dict(base, kernel=name, ms=ms, tflops=peer_tflops[name], status="ok"))
+            rows.append(dict(base, kernel=name, ms=benchmark(fn), status="ok"))
+            launches[name] = fn
         else:
-            emit(dict(base, kernel=name, ms=None, tflops=None, status=fn))
-    best = best_peer(peer_tflops, best_of)
+            rows.append(dict(base, kernel=name, ms=None, tflops=None, status=fn))
+        if rounds == 1:
+            rows[-1]["tflops"] = tflops(problem.flops, rows[-1]["ms"]) if rows[-1]["ms"] else None
+            emit(rows[-1])
+    peer_tflops = lambda: {r["kernel"]: tflops(problem.flops, r["ms"]) for r in rows if r["kernel"] in candidates
+                           and r["ms"]}  # noqa: E731
+    best = best_peer(peer_tflops(), best_of)
     for name in names:
         if fp8 and get_kernel(name).block_descales:
             # K8 gets the same sources quantized its own way (rotation, a scale per tile): e4m3 in,
@@ -213,9 +229,31 @@ def run_problem(names, problem, check: bool, peers: bool, sweep: bool, emit) -> 
                                                        descale=descale_rows(*descales)))
         else:
             row = dict(base, kernel=name, **kernel_row(name, problem, check, sweep, q, k, v, **run_kw))
-        if best and row["tflops"]:
-            row.update(best_peer=best[0], vs_best_peer=row["tflops"] / best[1])
-        emit(row)
+        launch = row.pop("launch", None)
+        if launch is not None:
+            launches[name] = launch
+        if rounds == 1:
+            if best and row["tflops"]:
+                row.update(best_peer=best[0], vs_best_peer=row["tflops"] / best[1])
+            emit(row)
+        rows.append(row)
+    if rounds == 1:
+        return
+    import statistics
+
+    times = {name: [r["ms"]] for r in rows for name in [r["kernel"]] if name in launches}
+    for i in range(1, rounds):
+        for name in (reversed(list(times)) if i % 2 else list(times)):
+            times[name].append(benchmark(launches[name]))
+    for r in rows:
+        if r["kernel"] in times:
+            r.update(ms=statistics.median(times[r["kernel"]]), ms_rounds=times[r["kernel"]])
+            r["tflops"] = tflops(problem.flops, r["ms"])
+    best = best_peer(peer_tflops(), best_of)
+    for r in rows:
+        if r["kernel"] not in candidates and best and r.get("tflops"):
+            r.update(best_peer=best[0], vs_best_peer=r["tflops"] / best[1])
+        emit(r)
 
 
 def print_row(r) -> None:
@@ -309,6 +347,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.decode:
         return decode_main(args, argv)
+    if args.rounds < 1:
+        print("error: --rounds must be >= 1", file=sys.stderr)
+        return 2
     if (args.seqlen_k is not None or args.nheads_kv is not None) and not args.compile_only or \
             any(getattr(args, f) not in (None, False) for f in DECODE_ONLY):
         print("error: --seqlen-k and --nheads-kv belong to --decode and --compile-only; --q-len, --num-splits, "
@@ -356,7 +397,7 @@ def main(argv=None) -> int:
         print(f"\n== {device}: batch={p.batch} heads={p.nheads} seqlen={p.seqlen} head_dim={p.head_dim} "
               f"causal={int(p.causal)} {p.dtype} ({p.flops / 1e12:.3f} TFLOP per call)")
         print(f"{'kernel':<11}{'ms':>10}{'TFLOP/s':>10}{'vs best peer':>14}")
-        run_problem(names, p, check, not args.no_peers, args.sweep, emit)
+        run_problem(names, p, check, not args.no_peers, args.sweep, emit, args.rounds)
     if args.sweep and not args.no_peers:
         best_of = BEST_OF_FP8 if problems[0].dtype in FP8_DTYPES else BEST_OF
         print(f"\nRatio to the faster of {' and '.join(best_of)} in each cell:")

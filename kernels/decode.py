@@ -59,8 +59,8 @@ MAX_GROUP = TILE_M  # query heads per K/V head: one tile must hold a query posit
 # and 8; docs/decode.md): two stages beat three or four at d=128 and d=256 (3.09 vs 3.03 TB/s at
 # d=128, batch 8), and at d=64 256-key tiles beat 128 (2.94 vs 2.84). The largest tile that
 # fits twice: a deeper ring did not buy bandwidth.
-DEFAULT_CONFIG = {64: dict(tile_n=256, kv_stages=2), 128: dict(tile_n=128, kv_stages=2),
-                  256: dict(tile_n=64, kv_stages=2)}
+DEFAULT_CONFIG = {64: dict(tile_n=256, kv_stages=2, l2_prefetch=0), 128: dict(tile_n=128, kv_stages=2, l2_prefetch=0),
+                  256: dict(tile_n=64, kv_stages=2, l2_prefetch=0)}
 MAX_SPLITS = 128
 MAX_SPLIT_TRAFFIC = 0.05  # partials may add at most 5% to the bytes of K and V
 
@@ -142,7 +142,7 @@ def cache_head_dim_major_view(mX: cute.Tensor) -> cute.Tensor:
 
 class DecodeFMHA:
     def __init__(self, head_dim: int, dtype, causal: bool, group: int, tile_n: int, kv_stages: int, split: bool,
-                 last_cta_merge: bool = False):
+                 last_cta_merge: bool = False, l2_prefetch: int = 0):
         self.head_dim = head_dim
         self.dtype = dtype
         self.causal = causal
@@ -159,6 +159,8 @@ class DecodeFMHA:
         self.q_per_tile = TILE_M // group
         self.packed_rows = group * self.q_per_tile
         self.num_threads = NUM_THREADS
+        # KV tiles per split pulled into L2 before the wait on the previous kernel (0: none).
+        self.l2_prefetch = l2_prefetch
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
@@ -215,17 +217,31 @@ class DecodeFMHA:
         sQ, sK, sVt = tma_pipeline.smem_tensors(storage, sQ_layout, sK_layout, sVt_layout)
         pipeline_kv = tma_pipeline.make_kv_pipeline(storage, self.dtype, sK_layout, sVt_layout, stages,
                                                     self.num_threads)
+        tKsK, tKgK = tma_pipeline.partition_for_tma(tma_atom_K, mK_tma, sK, (tile_n, d), kv_head, batch, (None, 0))
+        tVsV, tVgV = tma_pipeline.partition_for_tma(tma_atom_V, mV_tma, sVt, (d, tile_n), kv_head, batch, (0, None))
+        kv_loads = (tma_atom_K, tKgK, tKsK, tma_atom_V, tVgV, tVsV)
+        if const_expr(self.l2_prefetch > 0):
+            # This CTA usually starts while the previous kernel on the stream drains (PDL, below):
+            # HBM would idle through that kernel's tail and this one's first round trip. Pull the
+            # split's first tiles into L2 now. Only a hint: that kernel may still write the cache
+            # or the lengths, but L2 is coherent, so the TMA loads after the wait see its writes;
+            # a stale length merely aims the prefetch at other tiles.
+            if warp_idx == 0:
+                lo, hi = tile_range(cute.ceil_div(self.cache_len(mK_tma, mSeqlens, batch), tile_n), num_splits,
+                                    split)
+                with cute.arch.elect_one():
+                    for t in cutlass.range(cutlass.min(self.l2_prefetch, hi - lo), unroll=1):
+                        cute.prefetch(tma_atom_K, tKgK[None, lo + t])
+                        cute.prefetch(tma_atom_V, tVgV[None, lo + t])
         # Programmatic dependent launch (PDL) both ways: this grid may start while the previous
-        # kernel on the stream finishes (the setup above overlaps its tail; nothing in GMEM is
-        # touched before the wait), and the next one (Combine, or the next step) may launch now:
-        # it waits for this grid in turn.
+        # kernel on the stream finishes (the setup above overlaps its tail; nothing is read from
+        # GMEM before the wait but the prefetch's hint), and the next one (Combine, or the next
+        # step) may launch now: it waits for this grid in turn.
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
 
         # ---- this CTA's keys: the sequence's cache length, then its split's share of the tiles ----
-        kv_len = mK_tma.shape[0]
-        if const_expr(mSeqlens is not None):  # clamped: TMA reads nothing past s_cache anyway
-            kv_len = cutlass.max(cutlass.min(mSeqlens[batch], kv_len), 0)
+        kv_len = self.cache_len(mK_tma, mSeqlens, batch)
         causal_offset = kv_len - q_len  # bottom-right: query i sees keys j <= i + causal_offset
         n_tiles = cute.ceil_div(kv_len, tile_n)
         n_lo, n_hi = tile_range(n_tiles, num_splits, split)
@@ -236,9 +252,6 @@ class DecodeFMHA:
             first_query = m_block * self.q_per_tile
             n_full = cutlass.min(n_full, cutlass.max(first_query + causal_offset + 1, 0) // tile_n)
 
-        tKsK, tKgK = tma_pipeline.partition_for_tma(tma_atom_K, mK_tma, sK, (tile_n, d), kv_head, batch, (None, 0))
-        tVsV, tVgV = tma_pipeline.partition_for_tma(tma_atom_V, mV_tma, sVt, (d, tile_n), kv_head, batch, (0, None))
-        kv_loads = (tma_atom_K, tKgK, tKsK, tma_atom_V, tVgV, tVsV)
         # Pipeline positions count from the split's first tile: t = n_block - n_lo.
         if warp_idx == 0:
             for t in cutlass.range(cutlass.min(stages, n_hi - n_lo), unroll=1):
@@ -281,6 +294,15 @@ class DecodeFMHA:
             counter = (batch * cute.arch.grid_dim()[1] + kv_head) * (cute.arch.grid_dim()[0] // num_splits) + m_block
             self.merge_if_last(mO_partial, mLSE_partial, mO, mLSE, mCounters, counter, storage.tile_idx.data_ptr(),
                                num_splits, rows, batch, tidx)
+
+    @cute.jit
+    def cache_len(self, mK_tma: cute.Tensor, mSeqlens: Optional[cute.Tensor], batch: Int32) -> Int32:
+        """The sequence's key count: its cache length, clamped to the cache's rows (TMA reads
+        nothing past them anyway), or all of them without lengths."""
+        kv_len = mK_tma.shape[0]
+        if const_expr(mSeqlens is not None):
+            kv_len = cutlass.max(cutlass.min(mSeqlens[batch], kv_len), 0)
+        return kv_len
 
     @cute.jit
     def merge_if_last(self, mO_partial: cute.Tensor, mLSE_partial: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
@@ -495,7 +517,7 @@ def smem_bytes(head_dim: int, tile_n: int, kv_stages: int, dtype_bytes: int = 2,
                                    tile_slots=int(merge == "last_cta"))
 
 
-CAPS = tma_pipeline.smem_capabilities(HEAD_DIMS, lambda d: smem_bytes(d, **DEFAULT_CONFIG[d], merge="last_cta"),
+CAPS = tma_pipeline.smem_capabilities(HEAD_DIMS, lambda d: smem_bytes(d, DEFAULT_CONFIG[d]["tile_n"], DEFAULT_CONFIG[d]["kv_stages"], merge="last_cta"),
                                       "DEFAULT_CONFIG", gqa=True, unequal_lengths=True, max_group=MAX_GROUP)
 MERGES = ("combine", "last_cta")
 
@@ -524,11 +546,12 @@ def _fake_decode_args(dtype, head_dim: int, seqlens: bool, split: bool, counters
 
 
 def compile_decode(head_dim: int, dtype: str, causal: bool, group: int, split: bool, seqlens: bool,
-                   tile_n: int, kv_stages: int, merge: str = "combine", keep_ptx: bool = False):
+                   tile_n: int, kv_stages: int, l2_prefetch: int = 0, merge: str = "combine", keep_ptx: bool = False):
     dt = cute_dtype(dtype)
     last_cta = split and merge == "last_cta"
-    key = ("decode", head_dim, dtype, causal, group, split, seqlens, tile_n, kv_stages, last_cta)
-    return jit_compile(key, lambda: (DecodeFMHA(head_dim, dt, causal, group, tile_n, kv_stages, split, last_cta),
+    key = ("decode", head_dim, dtype, causal, group, split, seqlens, tile_n, kv_stages, l2_prefetch, last_cta)
+    return jit_compile(key, lambda: (DecodeFMHA(head_dim, dt, causal, group, tile_n, kv_stages, split, last_cta,
+                                                l2_prefetch),
                                      _fake_decode_args(dt, head_dim, seqlens, split, last_cta)), keep_ptx)
 
 
@@ -626,9 +649,10 @@ class DecodeLauncher:
         self.launch(q, k_cache, v_cache, out, lse, cache_seqlens, scale, self.buffers(b, q_len, h, q.device, counters))
 
 
-def config(head_dim: int, tile_n=None, kv_stages=None) -> dict:
+def config(head_dim: int, tile_n=None, kv_stages=None, l2_prefetch=None) -> dict:
     cfg = dict(DEFAULT_CONFIG[head_dim])
-    cfg.update({k: v for k, v in dict(tile_n=tile_n, kv_stages=kv_stages).items() if v is not None})
+    cfg.update({k: v for k, v in dict(tile_n=tile_n, kv_stages=kv_stages, l2_prefetch=l2_prefetch).items()
+                if v is not None})
     return cfg
 
 
@@ -644,11 +668,11 @@ def make_launcher(head_dim: int, dtype: str, causal: bool, group: int, num_split
 
 
 def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_splits: int = 0, merge: str = "last_cta", tile_n=None,
-                   kv_stages=None) -> CompiledAttention:
+                   kv_stages=None, l2_prefetch=None) -> CompiledAttention:
     """The ordinary contract (SDPA layout, K/V of the full seqlen_k): the decode kernel with no
     cache lengths. ``num_splits`` 0 picks S for this problem on the current GPU."""
     CAPS.check(p)
-    cfg = config(p.head_dim, tile_n, kv_stages)
+    cfg = config(p.head_dim, tile_n, kv_stages, l2_prefetch)
     if not isinstance(num_splits, int) or not 0 <= num_splits <= MAX_SPLITS:
         raise UnsupportedProblem(f"num_splits must be an int in [0, {MAX_SPLITS}] (0: automatic), got {num_splits!r}")
     splits = num_splits or choose_num_splits(p.batch, p.kv_heads, p.group, p.seqlen, p.kv_len, sm_count(),
@@ -659,7 +683,7 @@ def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_splits: int = 0, m
         ptx = "\n".join(filter(None, (compiled_ptx(launcher.main), compiled_ptx(launcher.combine))))
     name = "decode_nosplit" if num_splits == 1 else ("decode" if merge == "last_cta" else "decode_combine")
     info = dict(cfg, num_splits=splits, merge=merge if splits > 1 else None,
-                smem_bytes=smem_bytes(p.head_dim, **cfg, merge=merge))
+                smem_bytes=smem_bytes(p.head_dim, cfg["tile_n"], cfg["kv_stages"], merge=merge))
     return CompiledAttention(name, p, launcher, {}, ptx, info)
 
 

@@ -107,7 +107,7 @@ def test_interrupted_sweep_keeps_its_rows(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
     done = []
 
-    def fake_run_problem(names, problem, check, peers, sweep, emit):
+    def fake_run_problem(names, problem, check, peers, sweep, emit, rounds=1):
         if len(done) == 2:
             raise KeyboardInterrupt
         done.append(problem)
@@ -122,6 +122,43 @@ def test_interrupted_sweep_keeps_its_rows(tmp_path, monkeypatch):
     data = json.loads(out.read_text())
     assert data["meta"]["complete"] is False and "--sweep" in data["meta"]["command"]
     assert [(r["kernel"], r["seqlen"]) for r in data["rows"]] == [("k2", 512), ("k4", 512), ("k2", 1024), ("k4", 1024)]
+
+
+def test_rounds_alternate_the_order_and_report_medians(monkeypatch):
+    # Fake peers and kernel: each timing returns the next value of its own list, and the calls are
+    # logged, so the order of the rounds and the medians (and vs_best_peer from them) are checked.
+    import harness.inputs
+    import harness.peers
+    import harness.timing
+    from kernels.contract import Problem
+
+    values = {"sdpa-cudnn": [1.0, 3.0, 2.0], "fa4": [2.0, 2.0, 9.0], "k6": [4.0, 1.0, 1.5]}
+    calls = []
+
+    def fake_benchmark(fn):
+        calls.append(fn.name)
+        return values[fn.name][sum(c == fn.name for c in calls) - 1]
+
+    def named(name):
+        fn = lambda: None  # noqa: E731
+        fn.name = name
+        return fn
+
+    monkeypatch.setattr(harness.timing, "benchmark", fake_benchmark)
+    monkeypatch.setattr(harness.inputs, "random_inputs", lambda p: (None, None, None))
+    monkeypatch.setattr(harness.peers, "peer_callables",
+                        lambda *a: {"sdpa-cudnn": named("sdpa-cudnn"), "sdpa-flash": "unavailable", "fa4": named("fa4")})
+    monkeypatch.setattr(bench, "kernel_row", lambda name, p, *a, **kw: dict(
+        ms=fake_benchmark(named(name)), tflops=None, status="ok", launch=named(name)))
+    rows = []
+    p = Problem(batch=1, nheads=1, seqlen=1024, head_dim=128)
+    bench.run_problem(["k6"], p, False, True, True, rows.append, rounds=3)
+    assert calls == ["sdpa-cudnn", "fa4", "k6", "k6", "fa4", "sdpa-cudnn", "sdpa-cudnn", "fa4", "k6"]
+    by_name = {r["kernel"]: r for r in rows}
+    assert by_name["sdpa-cudnn"]["ms"] == 2.0 and by_name["fa4"]["ms"] == 2.0 and by_name["k6"]["ms"] == 1.5
+    assert by_name["k6"]["ms_rounds"] == [4.0, 1.0, 1.5] and by_name["sdpa-flash"]["status"] == "unavailable"
+    assert by_name["k6"]["vs_best_peer"] == pytest.approx(2.0 / 1.5)
+    assert bench.main(["k6", "--rounds", "0"]) == 2
 
 
 def test_ref_check_refuses_workload_variables_it_would_ignore(monkeypatch, capsys):
