@@ -59,8 +59,14 @@ MAX_GROUP = TILE_M  # query heads per K/V head: one tile must hold a query posit
 # and 8; docs/decode.md): two stages beat three or four at d=128 and d=256 (3.09 vs 3.03 TB/s at
 # d=128, batch 8), and at d=64 256-key tiles beat 128 (2.94 vs 2.84). The largest tile that
 # fits twice: a deeper ring did not buy bandwidth.
-DEFAULT_CONFIG = {64: dict(tile_n=256, kv_stages=2, l2_prefetch=0), 128: dict(tile_n=128, kv_stages=2, l2_prefetch=0),
-                  256: dict(tile_n=64, kv_stages=2, l2_prefetch=0)}
+# l2_prefetch, the tiles each split pulls into L2 before the PDL wait (results/decode-tune-prefetch-h100-*.json,
+# each against 0 in the same run): batch 1, 8 K/V heads, 32k keys went from 2.63 to 2.76 TB/s at d=128,
+# 2.18 to 2.33 at d=64 and 2.79 to 2.91 at d=256 (2 tiles there; 4 tied); rows that already streamed
+# at 3 TB/s did not move. refill_at_release (refill as soon as a stage is released) bought nothing
+# and cost 1-2% on long caches (results/decode-tune-refill-h100-d128.json): off.
+DEFAULT_CONFIG = {64: dict(tile_n=256, kv_stages=2, l2_prefetch=4, refill_at_release=False),
+                  128: dict(tile_n=128, kv_stages=2, l2_prefetch=4, refill_at_release=False),
+                  256: dict(tile_n=64, kv_stages=2, l2_prefetch=2, refill_at_release=False)}
 MAX_SPLITS = 128
 MAX_SPLIT_TRAFFIC = 0.05  # partials may add at most 5% to the bytes of K and V
 
@@ -142,7 +148,7 @@ def cache_head_dim_major_view(mX: cute.Tensor) -> cute.Tensor:
 
 class DecodeFMHA:
     def __init__(self, head_dim: int, dtype, causal: bool, group: int, tile_n: int, kv_stages: int, split: bool,
-                 last_cta_merge: bool = False, l2_prefetch: int = 0):
+                 last_cta_merge: bool = False, l2_prefetch: int = 0, refill_at_release: bool = False):
         self.head_dim = head_dim
         self.dtype = dtype
         self.causal = causal
@@ -161,6 +167,9 @@ class DecodeFMHA:
         self.num_threads = NUM_THREADS
         # KV tiles per split pulled into L2 before the wait on the previous kernel (0: none).
         self.l2_prefetch = l2_prefetch
+        # Refill a stage as soon as it is released (end of the iteration), not after the next
+        # tile's QK as K4 does: a stream waits on memory, and by then the next tile has arrived.
+        self.refill_at_release = refill_at_release
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
@@ -227,8 +236,8 @@ class DecodeFMHA:
             # or the lengths, but L2 is coherent, so the TMA loads after the wait see its writes;
             # a stale length merely aims the prefetch at other tiles.
             if warp_idx == 0:
-                lo, hi = tile_range(cute.ceil_div(self.cache_len(mK_tma, mSeqlens, batch), tile_n), num_splits,
-                                    split)
+                lo, hi = tile_range(cute.ceil_div(self.cache_len(mK_tma, mSeqlens, batch, hint=True), tile_n),
+                                    num_splits, split)
                 with cute.arch.elect_one():
                     for t in cutlass.range(cutlass.min(self.l2_prefetch, hi - lo), unroll=1):
                         cute.prefetch(tma_atom_K, tKgK[None, lo + t])
@@ -296,12 +305,18 @@ class DecodeFMHA:
                                num_splits, rows, batch, tidx)
 
     @cute.jit
-    def cache_len(self, mK_tma: cute.Tensor, mSeqlens: Optional[cute.Tensor], batch: Int32) -> Int32:
+    def cache_len(self, mK_tma: cute.Tensor, mSeqlens: Optional[cute.Tensor], batch: Int32,
+                  hint: cutlass.Constexpr[bool] = False) -> Int32:
         """The sequence's key count: its cache length, clamped to the cache's rows (TMA reads
-        nothing past them anyway), or all of them without lengths."""
+        nothing past them anyway), or all of them without lengths. A ``hint`` (read before the
+        PDL wait) bypasses L1 (ld.global.cg), so that no stale copy is left there for the real read."""
         kv_len = mK_tma.shape[0]
         if const_expr(mSeqlens is not None):
-            kv_len = cutlass.max(cutlass.min(mSeqlens[batch], kv_len), 0)
+            if const_expr(hint):
+                length = cute.arch.load(mSeqlens.iterator + batch, Int32, cop="cg")
+            else:
+                length = mSeqlens[batch]
+            kv_len = cutlass.max(cutlass.min(length, kv_len), 0)
         return kv_len
 
     @cute.jit
@@ -360,7 +375,7 @@ class DecodeFMHA:
         pipeline_kv.consumer_wait(kv_consume)
         acc_S = cute.make_rmem_tensor(tiled_mma_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
         sm90.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_consume.index], zero_init=True, wg_wait=-1)
-        if warp_idx == 0:  # refill the stage released last iteration
+        if warp_idx == 0 and not self.refill_at_release:  # refill the stage released last iteration
             t_refill = t - 1 + self.kv_stages
             if t >= 1 and n_lo + t_refill < n_hi:
                 tma_pipeline.load_kv_stage(pipeline_kv, tma_pipeline.pipe_state(self.kv_stages, t_refill, producer=True),
@@ -376,6 +391,11 @@ class DecodeFMHA:
         sm90.convert_to(sm90.acc_as_operand_a(acc_S), tOrP)
         sm90.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_consume.index], zero_init=False, wg_wait=0)
         pipeline_kv.consumer_release(kv_consume)
+        if const_expr(self.refill_at_release):
+            if warp_idx == 0 and n_lo + t + self.kv_stages < n_hi:
+                tma_pipeline.load_kv_stage(pipeline_kv, tma_pipeline.pipe_state(self.kv_stages, t + self.kv_stages,
+                                                                                producer=True),
+                                           n_lo + t + self.kv_stages, *kv_loads)
 
     @cute.jit
     def zero_v_tail(self, sVt_stage: cute.Tensor, keys_left: Int32, tidx: Int32):
@@ -463,6 +483,7 @@ class Combine:
         bx, _, _ = cute.arch.block_idx()
         lane = tidx % 32
         cute.arch.griddepcontrol_wait()  # the main kernel has finished and its partials are visible
+        cute.arch.griddepcontrol_launch_dependents()  # the next step's CTAs may come up (and prefetch)
         row = bx * self.ROWS_PER_CTA + cute.arch.make_warp_uniform(tidx // 32)
         batch_size, q_len, nheads = mO.shape[0], mO.shape[1], mO.shape[2]
         if row < batch_size * q_len * nheads:
@@ -546,12 +567,14 @@ def _fake_decode_args(dtype, head_dim: int, seqlens: bool, split: bool, counters
 
 
 def compile_decode(head_dim: int, dtype: str, causal: bool, group: int, split: bool, seqlens: bool,
-                   tile_n: int, kv_stages: int, l2_prefetch: int = 0, merge: str = "combine", keep_ptx: bool = False):
+                   tile_n: int, kv_stages: int, l2_prefetch: int = 0, refill_at_release: bool = False,
+                   merge: str = "combine", keep_ptx: bool = False):
     dt = cute_dtype(dtype)
     last_cta = split and merge == "last_cta"
-    key = ("decode", head_dim, dtype, causal, group, split, seqlens, tile_n, kv_stages, l2_prefetch, last_cta)
+    key = ("decode", head_dim, dtype, causal, group, split, seqlens, tile_n, kv_stages, l2_prefetch,
+           refill_at_release, last_cta)
     return jit_compile(key, lambda: (DecodeFMHA(head_dim, dt, causal, group, tile_n, kv_stages, split, last_cta,
-                                                l2_prefetch),
+                                                l2_prefetch, refill_at_release),
                                      _fake_decode_args(dt, head_dim, seqlens, split, last_cta)), keep_ptx)
 
 
@@ -649,10 +672,10 @@ class DecodeLauncher:
         self.launch(q, k_cache, v_cache, out, lse, cache_seqlens, scale, self.buffers(b, q_len, h, q.device, counters))
 
 
-def config(head_dim: int, tile_n=None, kv_stages=None, l2_prefetch=None) -> dict:
+def config(head_dim: int, tile_n=None, kv_stages=None, l2_prefetch=None, refill_at_release=None) -> dict:
     cfg = dict(DEFAULT_CONFIG[head_dim])
-    cfg.update({k: v for k, v in dict(tile_n=tile_n, kv_stages=kv_stages, l2_prefetch=l2_prefetch).items()
-                if v is not None})
+    cfg.update({k: v for k, v in dict(tile_n=tile_n, kv_stages=kv_stages, l2_prefetch=l2_prefetch,
+                                      refill_at_release=refill_at_release).items() if v is not None})
     return cfg
 
 
@@ -668,11 +691,11 @@ def make_launcher(head_dim: int, dtype: str, causal: bool, group: int, num_split
 
 
 def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_splits: int = 0, merge: str = "last_cta", tile_n=None,
-                   kv_stages=None, l2_prefetch=None) -> CompiledAttention:
+                   kv_stages=None, l2_prefetch=None, refill_at_release=None) -> CompiledAttention:
     """The ordinary contract (SDPA layout, K/V of the full seqlen_k): the decode kernel with no
     cache lengths. ``num_splits`` 0 picks S for this problem on the current GPU."""
     CAPS.check(p)
-    cfg = config(p.head_dim, tile_n, kv_stages, l2_prefetch)
+    cfg = config(p.head_dim, tile_n, kv_stages, l2_prefetch, refill_at_release)
     if not isinstance(num_splits, int) or not 0 <= num_splits <= MAX_SPLITS:
         raise UnsupportedProblem(f"num_splits must be an int in [0, {MAX_SPLITS}] (0: automatic), got {num_splits!r}")
     splits = num_splits or choose_num_splits(p.batch, p.kv_heads, p.group, p.seqlen, p.kv_len, sm_count(),

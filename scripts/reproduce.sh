@@ -87,6 +87,19 @@ case "$part" in
     done | tee "$dir/sanitizer-decode-$gpu.txt"
     timeout 200 $py bench.py --decode --out "$dir/decode-$gpu.json" > "$dir/decode-$gpu.log" || rc=1
     timeout 200 $py scripts/tune_decode.py --out "$dir/decode-tune-$gpu.json" > "$dir/decode-tune-$gpu.log" || rc=1
+    # l2_prefetch (tiles pulled into L2 before the PDL wait; the repeated 0 times the baseline twice),
+    # the Combine launch with it, and refilling a stage as soon as it is released
+    timeout 150 $py scripts/tune_decode.py --headdim 128 --configs 128:2:0,128:2:2,128:2:4,128:2:8,128:2:0 \
+      --out "$dir/decode-tune-prefetch-$gpu-d128.json" > /dev/null || rc=1
+    timeout 100 $py scripts/tune_decode.py --headdim 64 --configs 256:2:0,256:2:2,256:2:4 \
+      --out "$dir/decode-tune-prefetch-$gpu-d64.json" > /dev/null || rc=1
+    timeout 100 $py scripts/tune_decode.py --headdim 256 --configs 64:2:0,64:2:2,64:2:4,64:2:8 \
+      --out "$dir/decode-tune-prefetch-$gpu-d256.json" > /dev/null || rc=1
+    timeout 100 $py scripts/tune_decode.py --headdim 128 --merge combine --shapes 1:8:32768,1:8:4096 \
+      --configs 128:2:0,128:2:4 --out "$dir/decode-tune-prefetch-$gpu-combine.json" > /dev/null || rc=1
+    timeout 200 $py scripts/tune_decode.py --headdim 128 --shapes 1:8:32768,1:8:131072,1:32:32768,8:8:32768,1:8:4096 \
+      --configs 128:2:4:0,128:2:4:1,128:2:3:1,128:3:4:1,64:4:4:1,64:4:8:1,128:2:0:1 \
+      --out "$dir/decode-tune-refill-$gpu-d128.json" > /dev/null || rc=1
     timeout 150 $py -m pytest -m gpu -q tests/test_decode.py 2>&1 | tail -3 || rc=1
     exit $rc
     ;;

@@ -2,9 +2,9 @@
 
     python scripts/tune_decode.py --out results/decode-tune-h100.json
     python scripts/tune_decode.py --headdim 128 --configs 128:2,128:3 --splits 0,16
-    python scripts/tune_decode.py --configs 128:2:0,128:2:2 --headdim 128   # third field: l2_prefetch
+    python scripts/tune_decode.py --configs 128:2:0,128:2:2:1 --headdim 128   # l2_prefetch, refill_at_release
 
-Each row: one (head dim, batch, K/V heads, cache length, tile_n:kv_stages[:l2_prefetch], num_splits), 32 query
+Each row: one (head dim, batch, K/V heads, cache length, tile_n:kv_stages[:l2_prefetch[:refill_at_release]], num_splits), 32 query
 heads, q_len 1, bf16, checked against an explicit float64 reference before it is timed, then
 timed by CUDA-graph replay over enough cache copies that every replay reads several times the
 50 MB L2 (``harness.timing.graph_ms``). TB/s counts K and V read once.
@@ -30,8 +30,9 @@ CONFIGS = {128: ((128, 2), (128, 3), (192, 2)), 64: ((128, 2), (128, 4), (256, 2
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--headdim", type=int, choices=sorted(SHAPES), help="one head dim (default: all)")
-    ap.add_argument("--configs", help="tile_n:kv_stages[:l2_prefetch] list, e.g. 128:2,128:3:2 (default: per "
-                    "head dim; l2_prefetch: the head dim's default)")
+    ap.add_argument("--configs", help="tile_n:kv_stages[:l2_prefetch[:refill_at_release]] list, e.g. "
+                    "128:2,128:3:2:1 (default: per head dim; a field left out: the head dim's default)")
+    ap.add_argument("--shapes", help="batch:kv_heads:cache_len list, e.g. 1:8:32768,1:8:131072 (default: per head dim)")
     ap.add_argument("--splits", default="0", help="num_splits list; 0 is the heuristic's choice (default: 0)")
     ap.add_argument("--merge", default="last_cta", choices=("last_cta", "combine"),
                     help="how splits merge: in the main kernel's last CTA (decode) or a Combine launch")
@@ -71,7 +72,9 @@ def main(argv=None) -> int:
     for d in ([args.headdim] if args.headdim else sorted(SHAPES)):
         configs = ([tuple(int(x) for x in c.split(":")) for c in args.configs.split(",")] if args.configs
                    else CONFIGS[d])
-        for b, h_kv, kv_len in SHAPES[d]:
+        shapes = ([tuple(int(x) for x in c.split(":")) for c in args.shapes.split(",")] if args.shapes
+                  else SHAPES[d])
+        for b, h_kv, kv_len in shapes:
             kv_bytes = 2 * b * h_kv * kv_len * d * 2
             copies = cache_copies(kv_bytes)  # enough to read past 4x the L2 (decode_bench's rule)
             caches = [(torch.randn(b, kv_len, h_kv, d, device="cuda", dtype=torch.bfloat16),
@@ -80,17 +83,20 @@ def main(argv=None) -> int:
             lens = torch.full((b,), kv_len, dtype=torch.int32, device="cuda")
             o = torch.empty_like(q)
             lse = torch.empty((b, NHEADS, 1), device="cuda")
-            for tile_n, stages, *prefetch in configs:
-                l2_prefetch = prefetch[0] if prefetch else decode.config(d)["l2_prefetch"]
+            for tile_n, stages, *rest in configs:
+                l2_prefetch = rest[0] if rest else decode.config(d)["l2_prefetch"]
+                early = bool(rest[1]) if len(rest) > 1 else decode.config(d)["refill_at_release"]
                 for asked in splits_list:
                     splits = asked or decode.choose_num_splits(b, h_kv, NHEADS // h_kv, 1, kv_len,
                                                                decode.sm_count(), tile_n)
                     row = dict(device=device, head_dim=d, batch=b, nheads=NHEADS, nheads_kv=h_kv, seqlen_k=kv_len,
-                               tile_n=tile_n, kv_stages=stages, l2_prefetch=l2_prefetch, num_splits=splits,
+                               tile_n=tile_n, kv_stages=stages, l2_prefetch=l2_prefetch, refill_at_release=early,
+                               num_splits=splits,
                                auto_splits=asked == 0)
                     try:
                         la = decode.make_launcher(d, "bfloat16", False, NHEADS // h_kv, splits, True, tile_n=tile_n,
-                                                  kv_stages=stages, l2_prefetch=l2_prefetch, merge=args.merge)
+                                                  kv_stages=stages, l2_prefetch=l2_prefetch,
+                                                  refill_at_release=early, merge=args.merge)
                     except Exception as e:  # a configuration that does not fit: a row that says so
                         row.update(status=f"refused: {e}")
                         print(row)
@@ -110,7 +116,7 @@ def main(argv=None) -> int:
                         ms = graph_ms(step)
                         row.update(status="ok", merge=args.merge, ms=ms, tbps=kv_bytes / (ms * 1e-3) / 1e12)
                     print(f"d={d} b={b} h_kv={h_kv} kv_len={kv_len} tile_n={tile_n} stages={stages} "
-                          f"l2_prefetch={l2_prefetch} S={splits}: "
+                          f"l2_prefetch={l2_prefetch} early={int(early)} S={splits}: "
                           + (f"{row['ms'] * 1e3:.1f} us {row['tbps']:.2f} TB/s" if row.get("ms") else row["status"]),
                           flush=True)
                     if out:
