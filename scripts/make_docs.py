@@ -238,7 +238,10 @@ def ws_steps_table(sweep):
         summary.append([f"`{k}`", f"{g:.3f}×" if g else "—", f"{min(known):.2f}×" if known else "—",
                         sum(x >= 1.0 for x in known), len(known)])
     gpu = gpu_short_name(sweep["meta"].get("device", ""))
-    return (f"TFLOP/s on an {gpu}, bf16, batch = 16384/N, heads = 2048/d, every kernel and peer timed in one run: "
+    rounds = max((len(r.get("ms_rounds", ())) for r in sweep["rows"]), default=0)
+    how = (f"every kernel and peer timed {rounds} times in one run (the order reversed each round; the median)"
+           if rounds > 1 else "every kernel and peer timed in one run")
+    return (f"TFLOP/s on an {gpu}, bf16, batch = 16384/N, heads = 2048/d, {how}: "
             f"`{sweep['meta'].get('command', '')}`, {sweep['meta'].get('date', '')[:10]}, torch "
             f"{sweep['meta'].get('torch', '?')}, nvidia-cutlass-dsl {sweep['meta'].get('nvidia-cutlass-dsl', '?')}.\n\n"
             + markdown_table(header, body) + "\n\nAgainst the faster of cuDNN and flash-attn-4 in each cell:\n\n"
@@ -519,12 +522,16 @@ def decode_tune_table(tune):
     for r in tune["rows"]:
         split = f"{r['num_splits']}" + (" (auto)" if r.get("auto_splits") else "")
         ok = r.get("status") == "ok"
+        # Runs before the L2 prefetch existed have no such field: they ran without it.
         body.append([r["head_dim"], r["batch"], r["nheads_kv"], r["seqlen_k"], f"{r['tile_n']}:{r['kv_stages']}",
+                     r.get("l2_prefetch", 0), "yes" if r.get("refill_at_release") else "no",
                      split, f"{r['ms'] * 1e3:.1f}" if ok else r.get("status", "—")[:40],
                      f"{r['tbps']:.2f}" if ok else "—"])
+    merge = {r.get("merge") for r in tune["rows"] if r.get("merge")}
     return (f"On an {gpu}: `{tune['meta'].get('command', '')}`, {tune['meta'].get('date', '')[:10]}; 32 query "
-            "heads, q_len 1, bf16.\n\n"
-            + markdown_table(["d", "batch", "K/V heads", "keys", "tile_n:stages", "splits", "µs", "TB/s"], body))
+            f"heads, q_len 1, bf16{'; merged by ' + ', '.join(sorted(merge)) if merge else ''}.\n\n"
+            + markdown_table(["d", "batch", "K/V heads", "keys", "tile_n:stages", "L2 prefetch", "refill at release",
+                              "splits", "µs", "TB/s"], body))
 
 
 def ws_readme_table(sweep):
@@ -667,7 +674,9 @@ def main(argv=None):
         if runs and "<!-- table:refcheck -->" in text:
             text = replace_block(text, "refcheck", "\n\n".join(refcheck_table(f, kernels) for f in runs))
         page.write_text(text)
-    ws_sweep = latest("ws-sweep*.json")
+    # The step-by-step tables want a run of every stage; a run of k6 alone in rounds gets its own.
+    ws_sweep = latest_with("ws-sweep*.json", ["k4", "k5"])
+    ws_rounds = latest_with("ws-sweep-rounds*.json", ["k6"])
     if ws_sweep:
         readme = ROOT / "README.md"
         if "<!-- table:ws -->" in readme.read_text():
@@ -681,6 +690,8 @@ def main(argv=None):
         text = page.read_text()
         if ws_sweep and "<!-- table:ws-steps -->" in text:
             text = replace_block(text, "ws-steps", ws_steps_table(ws_sweep))
+        if ws_rounds and "<!-- table:ws-rounds -->" in text:
+            text = replace_block(text, "ws-rounds", ws_steps_table(ws_rounds))
         if compile_files and "<!-- table:ws-compile -->" in text:
             text = replace_block(text, "ws-compile", ws_compile_table(compile_files))
         if ncu_files and "<!-- table:ncu -->" in text:
@@ -737,9 +748,10 @@ def main(argv=None):
     decode_compiles = finished("compile-decode-*.json")
     if decode_compiles and page.exists() and "<!-- table:decode-compile -->" in page.read_text():
         page.write_text(replace_block(page.read_text(), "decode-compile", ws_compile_table(decode_compiles)))
-    decode_tune = latest("decode-tune*.json")
-    if decode_tune and page.exists() and "<!-- table:decode-tune -->" in page.read_text():
-        page.write_text(replace_block(page.read_text(), "decode-tune", decode_tune_table(decode_tune)))
+    decode_tunes = sorted(finished("decode-tune*.json"), key=lambda f: f["meta"].get("date", ""))
+    if decode_tunes and page.exists() and "<!-- table:decode-tune -->" in page.read_text():
+        page.write_text(replace_block(page.read_text(), "decode-tune",
+                                      "\n\n".join(decode_tune_table(t) for t in decode_tunes)))
     if args.plot and sweep:
         plot(sweep, ROOT / "docs" / "plots" / "tflops_vs_seqlen.png")
     if args.plot and ws_sweep:
