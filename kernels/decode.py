@@ -482,8 +482,10 @@ class Combine:
         tidx, _, _ = cute.arch.thread_idx()
         bx, _, _ = cute.arch.block_idx()
         lane = tidx % 32
+        # The next step's main kernel may launch now (its CTAs come up and prefetch as SMs free);
+        # it waits for this grid, which waits for the main kernel: the order holds.
+        cute.arch.griddepcontrol_launch_dependents()
         cute.arch.griddepcontrol_wait()  # the main kernel has finished and its partials are visible
-        cute.arch.griddepcontrol_launch_dependents()  # the next step's CTAs may come up (and prefetch)
         row = bx * self.ROWS_PER_CTA + cute.arch.make_warp_uniform(tidx // 32)
         batch_size, q_len, nheads = mO.shape[0], mO.shape[1], mO.shape[2]
         if row < batch_size * q_len * nheads:

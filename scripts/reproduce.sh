@@ -71,6 +71,16 @@ case "$part" in
     timeout 300 $py scripts/tune.py --kernels k6 --headdim 64 --causal 0 --seqlen 4096 8192 16384 \
       --configs '{"k6":[{}, {"tile_n":160}, {"tile_n":192}, {}, {"tile_n":160}, {"tile_n":192}]}' \
       --out "$dir/ws-tune-$gpu-d64n.json" || rc=1
+    # the overlap at d=64 (128-key tiles: spills 12 bytes non-causal) and 144-key tiles for d=128 causal
+    timeout 250 $py scripts/tune.py --kernels k6 --headdim 64 --causal 1 --seqlen 2048 4096 8192 16384 \
+      --configs '{"k6":[{}, {"overlap":true,"tile_n":128}, {}, {"overlap":true,"tile_n":128}]}' \
+      --out "$dir/ws-tune-$gpu-d64overlap.json" || rc=1
+    timeout 200 $py scripts/tune.py --kernels k6 --headdim 64 --causal 0 --seqlen 4096 8192 16384 \
+      --configs '{"k6":[{}, {"overlap":true,"tile_n":128}, {}, {"overlap":true,"tile_n":128}]}' \
+      --out "$dir/ws-tune-$gpu-d64overlap-nc.json" || rc=1
+    timeout 200 $py scripts/tune.py --kernels k6 --headdim 128 --causal 1 --seqlen 4096 8192 16384 \
+      --configs '{"k6":[{}, {"tile_n":144}, {}, {"tile_n":144}]}' --out "$dir/ws-tune-$gpu-d128c144.json" || rc=1
+    timeout 580 $py bench.py k6 --sweep --rounds 3 --out "$dir/ws-sweep-rounds-$gpu.json" || rc=1
     exit $rc
     ;;
   decode)
