@@ -681,6 +681,13 @@ def main(argv=None):
         readme = ROOT / "README.md"
         if "<!-- table:ws -->" in readme.read_text():
             readme.write_text(replace_block(readme.read_text(), "ws", ws_readme_table(ws_sweep)))
+    if ws_rounds and "<!-- table:ws-rounds-readme -->" in readme.read_text():
+        rows = sweep_rows(ws_rounds)
+        ratios = [x for x in (_vs_best(rows, "k6", n, d, c)[1] for d, c, n in ws_cells(ws_rounds)) if x]
+        readme.write_text(replace_block(readme.read_text(), "ws-rounds-readme", (
+            f"Timed again with each candidate three times per cell, the order reversed each round, the median "
+            f"(`{ws_rounds['meta'].get('command', '')}`, {gpu_short_name(ws_rounds['meta'].get('device', ''))}): "
+            f"`k6` {_geomean(ratios):.3f}× geomean, worst cell {min(ratios):.2f}× ([K6](docs/k6.md) has both runs).")))
     compile_files = finished("compile-ws-*.json")
     ncu_files = sorted(ROOT.glob("results/ncu-tensor-util-*.txt"))
     for stem in ("k5", "k6"):
