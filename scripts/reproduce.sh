@@ -110,6 +110,8 @@ case "$part" in
     timeout 200 $py scripts/tune_decode.py --headdim 128 --shapes 1:8:32768,1:8:131072,1:32:32768,8:8:32768,1:8:4096 \
       --configs 128:2:4:0,128:2:4:1,128:2:3:1,128:3:4:1,64:4:4:1,64:4:8:1,128:2:0:1 \
       --out "$dir/decode-tune-refill-$gpu-d128.json" > /dev/null || rc=1
+    timeout 150 $py scripts/tune_decode.py --headdim 128 --shapes 1:8:32768,1:8:131072,1:32:32768 \
+      --configs 128:2:4,64:2:4,64:2:8 --splits 16,24,32 --out "$dir/decode-tune-twoctas-$gpu-d128.json" > /dev/null || rc=1
     timeout 150 $py -m pytest -m gpu -q tests/test_decode.py 2>&1 | tail -3 || rc=1
     exit $rc
     ;;
