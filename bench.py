@@ -241,7 +241,7 @@ def run_problem(names, problem, check: bool, peers: bool, sweep: bool, emit, rou
         return
     import statistics
 
-    times = {name: [r["ms"]] for r in rows for name in [r["kernel"]] if name in launches}
+    times = {r["kernel"]: [r["ms"]] for r in rows if r["kernel"] in launches}
     for i in range(1, rounds):
         for name in (reversed(list(times)) if i % 2 else list(times)):
             times[name].append(benchmark(launches[name]))

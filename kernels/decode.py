@@ -60,7 +60,7 @@ MAX_GROUP = TILE_M  # query heads per K/V head: one tile must hold a query posit
 # d=128, batch 8), and at d=64 256-key tiles beat 128 (2.94 vs 2.84). The largest tile that
 # fits twice: a deeper ring did not buy bandwidth.
 # l2_prefetch, the tiles each split pulls into L2 before the PDL wait (results/decode-tune-prefetch-h100-*.json,
-# each against 0 in the same run): batch 1, 8 K/V heads, 32k keys went from 2.63 to 2.76 TB/s at d=128,
+# each against 0 in the same run): batch 1, 8 K/V heads, 32k keys went from 2.63 to 2.75 TB/s at d=128,
 # 2.18 to 2.33 at d=64 and 2.79 to 2.91 at d=256 (2 tiles there; 4 tied); rows that already streamed
 # at 3 TB/s did not move. refill_at_release (refill as soon as a stage is released) bought nothing
 # and cost 1-2% on long caches (results/decode-tune-refill-h100-d128.json): off.
@@ -168,7 +168,7 @@ class DecodeFMHA:
         # KV tiles per split pulled into L2 before the wait on the previous kernel (0: none).
         self.l2_prefetch = l2_prefetch
         # Refill a stage as soon as it is released (end of the iteration), not after the next
-        # tile's QK as K4 does: a stream waits on memory, and by then the next tile has arrived.
+        # tile's QK as K4 does (which waits for that tile first). Measured: no gain (DEFAULT_CONFIG).
         self.refill_at_release = refill_at_release
 
     @cute.jit
@@ -540,8 +540,9 @@ def smem_bytes(head_dim: int, tile_n: int, kv_stages: int, dtype_bytes: int = 2,
                                    tile_slots=int(merge == "last_cta"))
 
 
-CAPS = tma_pipeline.smem_capabilities(HEAD_DIMS, lambda d: smem_bytes(d, DEFAULT_CONFIG[d]["tile_n"], DEFAULT_CONFIG[d]["kv_stages"], merge="last_cta"),
-                                      "DEFAULT_CONFIG", gqa=True, unequal_lengths=True, max_group=MAX_GROUP)
+CAPS = tma_pipeline.smem_capabilities(
+    HEAD_DIMS, lambda d: smem_bytes(d, DEFAULT_CONFIG[d]["tile_n"], DEFAULT_CONFIG[d]["kv_stages"], merge="last_cta"),
+    "DEFAULT_CONFIG", gqa=True, unequal_lengths=True, max_group=MAX_GROUP)
 MERGES = ("combine", "last_cta")
 
 

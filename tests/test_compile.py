@@ -193,6 +193,30 @@ def test_decode_last_cta_merge_is_one_kernel(head_dim):
     assert counts["ld/st.local"] == 0
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_decode_prefetches_into_l2_before_the_pdl_wait(head_dim):
+    # The default config pulls each split's first tiles into L2 (TMA prefetch, one elected
+    # thread) before griddepcontrol.wait, aimed by a length read past L1 (ld.global.cg); the real
+    # length is read after the wait. With l2_prefetch=0 there is no prefetch at all.
+    from kernels import decode
+
+    p = Problem(1, 32, 1, head_dim, nheads_kv=8, seqlen_k=32768)
+    ptx = get_kernel("decode").compile(p, keep_ptx=True, num_splits=4).ptx
+    wait = ptx.index("griddepcontrol.wait")
+    prefetches = [m.start() for m in re.finditer(r"cp\.async\.bulk\.prefetch\.tensor\.\S*L2", ptx)]
+    assert decode.config(head_dim)["l2_prefetch"] > 0 and prefetches and max(prefetches) < wait
+    assert ptx.rfind("elect.sync", 0, min(prefetches)) > ptx.rfind("griddepcontrol", 0, min(prefetches))
+    # The ordinary contract has no cache lengths: the hint load exists only in the KV-cache build.
+    lens = decode.compile_decode(head_dim, "bfloat16", False, 4, True, True, keep_ptx=True, merge="last_cta",
+                                 **decode.config(head_dim))
+    from kernels.contract import compiled_ptx
+
+    lens_ptx = compiled_ptx(lens)
+    assert lens_ptx.index("ld.global.cg") < lens_ptx.index("griddepcontrol.wait")
+    off = get_kernel("decode").compile(p, keep_ptx=True, num_splits=4, l2_prefetch=0).ptx
+    assert "cp.async.bulk.prefetch.tensor" not in off
+
+
 @pytest.mark.parametrize("name", ["k7_k4", "k7", "k8"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_fp8_stages_run_both_gemms_in_e4m3(name, head_dim):
