@@ -549,6 +549,16 @@ def ws_readme_table(sweep):
             + markdown_table(["kernel", "what it adds", "geomean × best peer", "worst cell", "d128 N=8k TFLOP/s"], body))
 
 
+def ws_rounds_readme(sweep):
+    """README: k6 over the sweep timed in rounds (``bench.py --rounds``), one sentence."""
+    rows = sweep_rows(sweep)
+    ratios = [x for x in (_vs_best(rows, "k6", n, d, c)[1] for d, c, n in ws_cells(sweep)) if x]
+    rounds = max(len(r.get("ms_rounds", ())) for r in sweep["rows"])
+    return (f"Timed again with each candidate {rounds} times per cell, the order reversed each round, the median "
+            f"(`{sweep['meta'].get('command', '')}`, {gpu_short_name(sweep['meta'].get('device', ''))}): "
+            f"`k6` {_geomean(ratios):.3f}× geomean, worst cell {min(ratios):.2f}× ([K6](docs/k6.md) has both runs).")
+
+
 def k4_steps_table(sweep, tune):
     """docs/k4.md: K4.1 -> K4.2 seed -> K4.2 tuned at the tuning run's seqlen. k4_qk from the
     sweep file, k4_seed and k4 from the tuning run's seed and default rows, peers from the tuning
@@ -682,12 +692,7 @@ def main(argv=None):
         if "<!-- table:ws -->" in readme.read_text():
             readme.write_text(replace_block(readme.read_text(), "ws", ws_readme_table(ws_sweep)))
     if ws_rounds and "<!-- table:ws-rounds-readme -->" in readme.read_text():
-        rows = sweep_rows(ws_rounds)
-        ratios = [x for x in (_vs_best(rows, "k6", n, d, c)[1] for d, c, n in ws_cells(ws_rounds)) if x]
-        readme.write_text(replace_block(readme.read_text(), "ws-rounds-readme", (
-            f"Timed again with each candidate three times per cell, the order reversed each round, the median "
-            f"(`{ws_rounds['meta'].get('command', '')}`, {gpu_short_name(ws_rounds['meta'].get('device', ''))}): "
-            f"`k6` {_geomean(ratios):.3f}× geomean, worst cell {min(ratios):.2f}× ([K6](docs/k6.md) has both runs).")))
+        readme.write_text(replace_block(readme.read_text(), "ws-rounds-readme", ws_rounds_readme(ws_rounds)))
     compile_files = finished("compile-ws-*.json")
     ncu_files = sorted(ROOT.glob("results/ncu-tensor-util-*.txt"))
     for stem in ("k5", "k6"):

@@ -83,9 +83,10 @@ def main(argv=None) -> int:
             lens = torch.full((b,), kv_len, dtype=torch.int32, device="cuda")
             o = torch.empty_like(q)
             lse = torch.empty((b, NHEADS, 1), device="cuda")
+            defaults = decode.config(d)
             for tile_n, stages, *rest in configs:
-                l2_prefetch = rest[0] if rest else decode.config(d)["l2_prefetch"]
-                early = bool(rest[1]) if len(rest) > 1 else decode.config(d)["refill_at_release"]
+                l2_prefetch = rest[0] if rest else defaults["l2_prefetch"]
+                early = bool(rest[1]) if len(rest) > 1 else defaults["refill_at_release"]
                 for asked in splits_list:
                     splits = asked or decode.choose_num_splits(b, h_kv, NHEADS // h_kv, 1, kv_len,
                                                                decode.sm_count(), tile_n)

@@ -205,7 +205,8 @@ def test_decode_prefetches_into_l2_before_the_pdl_wait(head_dim):
     wait = ptx.index("griddepcontrol.wait")
     prefetches = [m.start() for m in re.finditer(r"cp\.async\.bulk\.prefetch\.tensor\.\S*L2", ptx)]
     assert decode.config(head_dim)["l2_prefetch"] > 0 and prefetches and max(prefetches) < wait
-    assert ptx.rfind("elect.sync", 0, min(prefetches)) > ptx.rfind("griddepcontrol", 0, min(prefetches))
+    # one elected thread: an elect.sync after the CTA barrier that follows the mbarrier init
+    assert ptx.rfind("elect.sync", 0, min(prefetches)) > ptx.rfind("bar.sync", 0, min(prefetches)) > 0
     # The ordinary contract has no cache lengths: the hint load exists only in the KV-cache build.
     lens = decode.compile_decode(head_dim, "bfloat16", False, 4, True, True, keep_ptx=True, merge="last_cta",
                                  **decode.config(head_dim))
