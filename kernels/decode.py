@@ -64,9 +64,16 @@ MAX_GROUP = TILE_M  # query heads per K/V head: one tile must hold a query posit
 # 2.18 to 2.33 at d=64 and 2.79 to 2.91 at d=256 (2 tiles there; 4 tied); rows that already streamed
 # at 3 TB/s did not move. refill_at_release (refill as soon as a stage is released) bought nothing
 # and cost 1-2% on long caches (results/decode-tune-refill-h100-d128.json): off.
-DEFAULT_CONFIG = {64: dict(tile_n=256, kv_stages=2, l2_prefetch=4, refill_at_release=False),
-                  128: dict(tile_n=128, kv_stages=2, l2_prefetch=4, refill_at_release=False),
-                  256: dict(tile_n=64, kv_stages=2, l2_prefetch=2, refill_at_release=False)}
+# merge_prefetch, the splits whose partial rows the merge loads together with the LSEs (combine_row),
+# one L2 round trip instead of five at 16 splits: no change at batch 1, 8 K/V heads, 32k keys
+# (results/decode-tune-merge-h100-*.json), so the merge is not what the step boundary costs; off.
+# prefetch_ahead: in the loop, each refill also pulls the tile this many further into L2.
+DEFAULT_CONFIG = {64: dict(tile_n=256, kv_stages=2, l2_prefetch=4, refill_at_release=False, merge_prefetch=0,
+                           prefetch_ahead=0),
+                  128: dict(tile_n=128, kv_stages=2, l2_prefetch=4, refill_at_release=False, merge_prefetch=0,
+                            prefetch_ahead=0),
+                  256: dict(tile_n=64, kv_stages=2, l2_prefetch=2, refill_at_release=False, merge_prefetch=0,
+                            prefetch_ahead=0)}
 MAX_SPLITS = 128
 MAX_SPLIT_TRAFFIC = 0.05  # partials may add at most 5% to the bytes of K and V
 
@@ -148,7 +155,8 @@ def cache_head_dim_major_view(mX: cute.Tensor) -> cute.Tensor:
 
 class DecodeFMHA:
     def __init__(self, head_dim: int, dtype, causal: bool, group: int, tile_n: int, kv_stages: int, split: bool,
-                 last_cta_merge: bool = False, l2_prefetch: int = 0, refill_at_release: bool = False):
+                 merge: str = "combine", l2_prefetch: int = 0, refill_at_release: bool = False,
+                 merge_prefetch: int = 0, prefetch_ahead: int = 0):
         self.head_dim = head_dim
         self.dtype = dtype
         self.causal = causal
@@ -157,9 +165,10 @@ class DecodeFMHA:
         self.tile_n = tile_n
         self.kv_stages = kv_stages
         self.split = split  # write fp32 partials for Combine (S > 1), or O and LSE directly
-        # With a split: the last CTA of each (query tile, K/V head, batch) to finish merges the
-        # partials itself (``merge_if_last``), instead of a second kernel.
-        self.last_cta_merge = split and last_cta_merge
+        # With a split, "last_cta": the last CTA of each (query tile, K/V head, batch) to finish
+        # merges the partials itself (``merge_if_last``), instead of a second kernel; "last_split":
+        # the group's last split waits for the others and merges (``merge_in_last_split``).
+        self.merge = merge if split else "combine"
         # A tile packs (group, q_per_tile) rows: whole query positions, so a group that does not
         # divide 64 (7: Qwen2-7B's 28/4) leaves 64 % group rows idle.
         self.q_per_tile = TILE_M // group
@@ -170,6 +179,10 @@ class DecodeFMHA:
         # Refill a stage as soon as it is released (end of the iteration), not after the next
         # tile's QK as K4 does (which waits for that tile first). Measured: no gain (DEFAULT_CONFIG).
         self.refill_at_release = refill_at_release
+        self.merge_prefetch = merge_prefetch
+        # In the loop, the refill of tile t also prefetches tile t + prefetch_ahead into L2: more
+        # bytes in flight per SM than two SMEM stages hold (0: none).
+        self.prefetch_ahead = prefetch_ahead
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
@@ -194,7 +207,7 @@ class DecodeFMHA:
         tma_atom_K, mK_tma = tma_pipeline.make_tma_load(cache_seq_major_view(mK), sK_layout, (self.tile_n, d))
         tma_atom_V, mV_tma = tma_pipeline.make_tma_load(mVt, sVt_layout, (d, self.tile_n))
         SharedStorage = tma_pipeline.shared_storage(dt, sQ_layout, sK_layout, sVt_layout, self.kv_stages,
-                                                    tile_slots=int(self.last_cta_merge))
+                                                    tile_slots=int(self.merge == "last_cta"))
 
         # One CTA per (query tile, split), K/V head, batch.
         m_blocks = cute.ceil_div(mQ.shape[1], self.q_per_tile)
@@ -219,7 +232,10 @@ class DecodeFMHA:
         m_block, split = bx // num_splits, bx % num_splits
         q_len = mQ.shape[1]
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        hint_len = Int32(0)
         if warp_idx == 0:
+            if const_expr(self.l2_prefetch > 0):  # first, so that its round trip overlaps the setup
+                hint_len = self.cache_len(mK_tma, mSeqlens, batch, hint=True)
             tma_pipeline.prefetch_descriptors(tma_atom_K, tma_atom_V)
 
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
@@ -236,8 +252,7 @@ class DecodeFMHA:
             # or the lengths, but L2 is coherent, so the TMA loads after the wait see its writes;
             # a stale length merely aims the prefetch at other tiles.
             if warp_idx == 0:
-                lo, hi = tile_range(cute.ceil_div(self.cache_len(mK_tma, mSeqlens, batch, hint=True), tile_n),
-                                    num_splits, split)
+                lo, hi = tile_range(cute.ceil_div(hint_len, tile_n), num_splits, split)
                 with cute.arch.elect_one():
                     for t in cutlass.range(cutlass.min(self.l2_prefetch, hi - lo), unroll=1):
                         cute.prefetch(tma_atom_K, tKgK[None, lo + t])
@@ -299,10 +314,13 @@ class DecodeFMHA:
             mO_out, mLSE_out = mO, mLSE
         lse, rO = sm90.finalize_o(acc_O, softmax, mO_out.element_type)
         self.store_packed(rO, lse, tiled_mma_pv, tidx, mO_out, mLSE_out, rows, batch)
-        if const_expr(self.last_cta_merge):
-            counter = (batch * cute.arch.grid_dim()[1] + kv_head) * (cute.arch.grid_dim()[0] // num_splits) + m_block
+        counter = (batch * cute.arch.grid_dim()[1] + kv_head) * (cute.arch.grid_dim()[0] // num_splits) + m_block
+        if const_expr(self.merge == "last_cta"):
             self.merge_if_last(mO_partial, mLSE_partial, mO, mLSE, mCounters, counter, storage.tile_idx.data_ptr(),
                                num_splits, rows, batch, tidx)
+        if const_expr(self.merge == "last_split"):
+            self.merge_in_last_split(mO_partial, mLSE_partial, mO, mLSE, mCounters, counter, split, num_splits, rows,
+                                     batch, tidx)
 
     @cute.jit
     def cache_len(self, mK_tma: cute.Tensor, mSeqlens: Optional[cute.Tensor], batch: Int32,
@@ -340,9 +358,39 @@ class DecodeFMHA:
             for row in cutlass.range(cute.arch.make_warp_uniform(tidx // 32), rows[2], self.num_threads // 32,
                                      unroll=1):
                 q_idx, head = row_coords(rows, row, self.group)
-                combine_row(mO_partial, mLSE_partial, mO, mLSE, num_splits, batch, q_idx, head, lane)
+                combine_row(mO_partial, mLSE_partial, mO, mLSE, num_splits, batch, q_idx, head, lane,
+                            self.merge_prefetch)
             if tidx == 0:
                 mCounters[counter] = 0
+
+    @cute.jit
+    def merge_in_last_split(self, mO_partial: cute.Tensor, mLSE_partial: cute.Tensor, mO: cute.Tensor,
+                            mLSE: cute.Tensor, mCounters: cute.Tensor, counter: Int32, split: Int32,
+                            num_splits: Int32, rows: tuple, batch: Int32, tidx: Int32):
+        """The group's last split merges; every other split counts itself done with a release
+        reduction and exits without waiting for an answer, so that its SM is free for the next
+        kernel's CTA at once. The last split waits (acquire) until the count says every other
+        partial is written: they were all launched before it (lower block index), so none can be
+        waiting for its SM."""
+        cute.arch.sync_threads()  # the CTA's partial stores come before thread 0's release
+        if split < num_splits - 1:
+            if tidx == 0:
+                cute.arch.red(mCounters.iterator + counter, Int32(1), op="add", dtype=Int32, sem="release",
+                              scope="gpu")
+        else:
+            if tidx == 0:
+                arrived = cute.arch.load(mCounters.iterator + counter, Int32, sem="acquire", scope="gpu")
+                while arrived < num_splits - 1:
+                    arrived = cute.arch.load(mCounters.iterator + counter, Int32, sem="acquire", scope="gpu")
+                mCounters[counter] = 0  # every split has counted: ready for the next launch
+            cute.arch.sync_threads()
+            cute.arch.fence_acq_rel_gpu()
+            lane = tidx % 32
+            for row in cutlass.range(cute.arch.make_warp_uniform(tidx // 32), rows[2], self.num_threads // 32,
+                                     unroll=1):
+                q_idx, head = row_coords(rows, row, self.group)
+                combine_row(mO_partial, mLSE_partial, mO, mLSE, num_splits, batch, q_idx, head, lane,
+                            self.merge_prefetch)
 
     @cute.jit
     def load_q(self, mQ: cute.Tensor, sQ: cute.Tensor, rows: tuple, batch: Int32, tidx: Int32):
@@ -380,6 +428,13 @@ class DecodeFMHA:
             if t >= 1 and n_lo + t_refill < n_hi:
                 tma_pipeline.load_kv_stage(pipeline_kv, tma_pipeline.pipe_state(self.kv_stages, t_refill, producer=True),
                                            n_lo + t_refill, *kv_loads)
+            if const_expr(self.prefetch_ahead > 0):
+                t_ahead = t_refill + self.prefetch_ahead
+                if t >= 1 and t_ahead >= self.l2_prefetch and n_lo + t_ahead < n_hi:
+                    tma_atom_K, tKgK, _, tma_atom_V, tVgV, _ = kv_loads
+                    with cute.arch.elect_one():
+                        cute.prefetch(tma_atom_K, tKgK[None, n_lo + t_ahead])
+                        cute.prefetch(tma_atom_V, tVgV[None, n_lo + t_ahead])
         warpgroup.wait_group(0)
         if const_expr(masked):
             # Row r of query tile m_block is query position (m_block * packed_rows + r) // group.
@@ -468,6 +523,9 @@ class Combine:
 
     ROWS_PER_CTA = 4
 
+    def __init__(self, merge_prefetch: int = 0):
+        self.merge_prefetch = merge_prefetch
+
     @cute.jit
     def __call__(self, mO_partial: cute.Tensor, mLSE_partial: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
                  num_splits: Int32, stream):
@@ -490,13 +548,22 @@ class Combine:
         batch_size, q_len, nheads = mO.shape[0], mO.shape[1], mO.shape[2]
         if row < batch_size * q_len * nheads:
             head, q_idx, batch = row % nheads, (row // nheads) % q_len, row // (nheads * q_len)
-            combine_row(mO_partial, mLSE_partial, mO, mLSE, num_splits, batch, q_idx, head, lane)
+            combine_row(mO_partial, mLSE_partial, mO, mLSE, num_splits, batch, q_idx, head, lane,
+                        self.merge_prefetch)
 
 
 @cute.jit
 def combine_row(mO_partial: cute.Tensor, mLSE_partial: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
-                num_splits: Int32, batch: Int32, q_idx: Int32, head: Int32, lane: Int32):
-    """One warp merges the splits of output row (batch, q_idx, head); lanes own d/32 columns."""
+                num_splits: Int32, batch: Int32, q_idx: Int32, head: Int32, lane: Int32,
+                prefetch: cutlass.Constexpr[int]):
+    """One warp merges the splits of output row (batch, q_idx, head); lanes own d/32 columns.
+    The partial rows of the first ``prefetch`` splits are loaded before the LSE passes, so that
+    they and the LSEs cross from L2 in one round trip (the merge is the step's critical path)."""
+    cols = cute.size(mO, mode=[3]) // 32
+    parts = cute.make_rmem_tensor((cols, max(prefetch, 1)), Float32)
+    for s in cutlass.range_constexpr(prefetch):
+        if s < num_splits:
+            parts[None, s].store(cute.local_tile(mO_partial[s, batch, q_idx, head, None], (cols,), (lane,)).load())
     lse_max = -Float32.inf
     for s in cutlass.range(lane, num_splits, 32, unroll=1):
         lse_max = cute.arch.fmax(lse_max, mLSE_partial[s, batch, head, q_idx])
@@ -510,10 +577,13 @@ def combine_row(mO_partial: cute.Tensor, mLSE_partial: cute.Tensor, mO: cute.Ten
     # Every split wrote its partial (an empty one O = 0, LSE = -inf: weight 0), so the sum
     # needs no branch, and unrolled, the loads of several splits are in flight at once.
     lse_safe = Float32(0.0) if lse == -Float32.inf else lse  # all empty: weights exp(-inf) = 0
-    cols = cute.size(mO, mode=[3]) // 32
     acc = cute.make_rmem_tensor(cols, Float32)
     acc.fill(0.0)
-    for s in cutlass.range(num_splits, unroll=4):
+    for s in cutlass.range_constexpr(prefetch):
+        if s < num_splits:
+            weight = cute.math.exp(mLSE_partial[s, batch, head, q_idx] - lse_safe, fastmath=True)
+            acc.store(acc.load() + weight * parts[None, s].load())
+    for s in cutlass.range(prefetch, num_splits, unroll=4):
         weight = cute.math.exp(mLSE_partial[s, batch, head, q_idx] - lse_safe, fastmath=True)
         part = cute.local_tile(mO_partial[s, batch, q_idx, head, None], (cols,), (lane,))
         acc.store(acc.load() + weight * part.load())
@@ -543,7 +613,8 @@ def smem_bytes(head_dim: int, tile_n: int, kv_stages: int, dtype_bytes: int = 2,
 CAPS = tma_pipeline.smem_capabilities(
     HEAD_DIMS, lambda d: smem_bytes(d, DEFAULT_CONFIG[d]["tile_n"], DEFAULT_CONFIG[d]["kv_stages"], merge="last_cta"),
     "DEFAULT_CONFIG", gqa=True, unequal_lengths=True, max_group=MAX_GROUP)
-MERGES = ("combine", "last_cta")
+MERGES = ("combine", "last_cta", "last_split")
+DEFAULT_MERGE = "last_split"  # the registered ``decode``
 
 
 def _fake_decode_args(dtype, head_dim: int, seqlens: bool, split: bool, counters: bool = False) -> tuple:
@@ -571,24 +642,25 @@ def _fake_decode_args(dtype, head_dim: int, seqlens: bool, split: bool, counters
 
 def compile_decode(head_dim: int, dtype: str, causal: bool, group: int, split: bool, seqlens: bool,
                    tile_n: int, kv_stages: int, l2_prefetch: int = 0, refill_at_release: bool = False,
-                   merge: str = "combine", keep_ptx: bool = False):
+                   merge_prefetch: int = 0, prefetch_ahead: int = 0, merge: str = "combine", keep_ptx: bool = False):
     dt = cute_dtype(dtype)
-    last_cta = split and merge == "last_cta"
+    merge = merge if split else "combine"
+    in_kernel = merge != "combine"
     key = ("decode", head_dim, dtype, causal, group, split, seqlens, tile_n, kv_stages, l2_prefetch,
-           refill_at_release, last_cta)
-    return jit_compile(key, lambda: (DecodeFMHA(head_dim, dt, causal, group, tile_n, kv_stages, split, last_cta,
-                                                l2_prefetch, refill_at_release),
-                                     _fake_decode_args(dt, head_dim, seqlens, split, last_cta)), keep_ptx)
+           refill_at_release, merge, merge_prefetch if in_kernel else 0, prefetch_ahead)
+    return jit_compile(key, lambda: (DecodeFMHA(head_dim, dt, causal, group, tile_n, kv_stages, split, merge,
+                                                l2_prefetch, refill_at_release, merge_prefetch, prefetch_ahead),
+                                     _fake_decode_args(dt, head_dim, seqlens, split, in_kernel)), keep_ptx)
 
 
-def compile_combine(head_dim: int, dtype: str, keep_ptx: bool = False):
+def compile_combine(head_dim: int, dtype: str, merge_prefetch: int = 0, keep_ptx: bool = False):
     dt = cute_dtype(dtype)
 
     def build():
         _, _, _, o, lse, _, o_partial, lse_partial, _, _, splits, stream = _fake_decode_args(dt, head_dim, False, True)
-        return Combine(), (o_partial, lse_partial, o, lse, splits, stream)
+        return Combine(merge_prefetch), (o_partial, lse_partial, o, lse, splits, stream)
 
-    return jit_compile(("decode_combine", head_dim, dtype), build, keep_ptx)
+    return jit_compile(("decode_combine", head_dim, dtype, merge_prefetch), build, keep_ptx)
 
 
 def sm_count() -> int:
@@ -655,11 +727,11 @@ class DecodeLauncher:
         if self.num_splits == 1:
             return None, None, None
         s = self.num_splits
-        if self.merge == "last_cta" and counters is None:
+        if self.merge != "combine" and counters is None:
             counters = torch.zeros(self.counters_needed(batch, q_len, nheads), dtype=torch.int32, device=device)
         return (torch.empty((s, batch, q_len, nheads, self.head_dim), device=device, dtype=torch.float32),
                 torch.empty((s, batch, nheads, q_len), device=device, dtype=torch.float32),
-                counters if self.merge == "last_cta" else None)
+                counters if self.merge != "combine" else None)
 
     def launch(self, q, k_cache, v_cache, out, lse, cache_seqlens, scale: float, buffers: tuple):
         o_partial, lse_partial, counters = buffers
@@ -671,14 +743,17 @@ class DecodeLauncher:
     def __call__(self, q, k_cache, v_cache, out, lse, cache_seqlens, scale: float):
         b, q_len, h, _ = q.shape
         counters = (_COUNTERS.get(q.device, self.counters_needed(b, q_len, h))
-                    if self.num_splits > 1 and self.merge == "last_cta" else None)
+                    if self.num_splits > 1 and self.merge != "combine" else None)
         self.launch(q, k_cache, v_cache, out, lse, cache_seqlens, scale, self.buffers(b, q_len, h, q.device, counters))
 
 
-def config(head_dim: int, tile_n=None, kv_stages=None, l2_prefetch=None, refill_at_release=None) -> dict:
+def config(head_dim: int, tile_n=None, kv_stages=None, l2_prefetch=None, refill_at_release=None,
+           merge_prefetch=None, prefetch_ahead=None) -> dict:
     cfg = dict(DEFAULT_CONFIG[head_dim])
     cfg.update({k: v for k, v in dict(tile_n=tile_n, kv_stages=kv_stages, l2_prefetch=l2_prefetch,
-                                      refill_at_release=refill_at_release).items() if v is not None})
+                                      refill_at_release=refill_at_release,
+                                      merge_prefetch=merge_prefetch,
+                                      prefetch_ahead=prefetch_ahead).items() if v is not None})
     return cfg
 
 
@@ -687,18 +762,20 @@ def make_launcher(head_dim: int, dtype: str, causal: bool, group: int, num_split
     if merge not in MERGES:
         raise UnsupportedProblem(f"merge must be one of {MERGES}, got {merge!r}")
     split = num_splits > 1
-    main = compile_decode(head_dim, dtype, causal, group, split, seqlens, merge=merge, keep_ptx=keep_ptx,
-                          **config(head_dim, **cfg))
-    combine = compile_combine(head_dim, dtype, keep_ptx) if split and merge == "combine" else None
+    cfg = config(head_dim, **cfg)
+    main = compile_decode(head_dim, dtype, causal, group, split, seqlens, merge=merge, keep_ptx=keep_ptx, **cfg)
+    combine = (compile_combine(head_dim, dtype, cfg["merge_prefetch"], keep_ptx) if split and merge == "combine"
+               else None)
     return DecodeLauncher(main, combine, num_splits, head_dim, group, merge)
 
 
-def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_splits: int = 0, merge: str = "last_cta", tile_n=None,
-                   kv_stages=None, l2_prefetch=None, refill_at_release=None) -> CompiledAttention:
+def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_splits: int = 0, merge: str = DEFAULT_MERGE, tile_n=None,
+                   kv_stages=None, l2_prefetch=None, refill_at_release=None, merge_prefetch=None,
+                   prefetch_ahead=None) -> CompiledAttention:
     """The ordinary contract (SDPA layout, K/V of the full seqlen_k): the decode kernel with no
     cache lengths. ``num_splits`` 0 picks S for this problem on the current GPU."""
     CAPS.check(p)
-    cfg = config(p.head_dim, tile_n, kv_stages, l2_prefetch, refill_at_release)
+    cfg = config(p.head_dim, tile_n, kv_stages, l2_prefetch, refill_at_release, merge_prefetch, prefetch_ahead)
     if not isinstance(num_splits, int) or not 0 <= num_splits <= MAX_SPLITS:
         raise UnsupportedProblem(f"num_splits must be an int in [0, {MAX_SPLITS}] (0: automatic), got {num_splits!r}")
     splits = num_splits or choose_num_splits(p.batch, p.kv_heads, p.group, p.seqlen, p.kv_len, sm_count(),
@@ -707,7 +784,7 @@ def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_splits: int = 0, m
     ptx = None
     if keep_ptx:
         ptx = "\n".join(filter(None, (compiled_ptx(launcher.main), compiled_ptx(launcher.combine))))
-    name = "decode_nosplit" if num_splits == 1 else ("decode" if merge == "last_cta" else "decode_combine")
+    name = "decode_nosplit" if num_splits == 1 else ("decode_combine" if merge == "combine" else "decode")
     info = dict(cfg, num_splits=splits, merge=merge if splits > 1 else None,
                 smem_bytes=smem_bytes(p.head_dim, cfg["tile_n"], cfg["kv_stages"], merge=merge))
     return CompiledAttention(name, p, launcher, {}, ptx, info)

@@ -143,6 +143,49 @@ def convert_to(src: cute.Tensor, dst: cute.Tensor):
 
 
 # --------------------------------------------------------------------------------------
+# 2^x on the FMA pipe (K6 at d=64: the exponential unit is as busy as the tensor cores)
+# --------------------------------------------------------------------------------------
+
+# 2^f on [0, 1) as 1 + f*(C1 + f*(C2 + f*C3)): a least-squares fit of the relative error, at most
+# 8.6e-5 (bf16 keeps 3.9e-3), exact at f = 0. Refit: scripts/fit_exp2.py.
+EXP2_POLY = (0.6951157450675964, 0.22764979302883148, 0.07706265151500702)
+
+
+def _f32_hex(x: float) -> str:
+    import struct
+
+    return "0f%08X" % struct.unpack("<I", struct.pack("<f", x))[0]
+
+
+@dsl_user_op
+def exp2_poly(x: Float32, *, loc=None, ip=None) -> Float32:
+    """2^x with no MUFU instruction: 2^floor(x) from the exponent bits, 2^frac(x) from a cubic.
+
+    ``add.rm`` of 1.5*2^23 leaves floor(x) in the low mantissa bits of t (x >= -126 keeps
+    2^floor(x) a normal number); shifted into the exponent field and biased, they are 2^floor(x)
+    as a float, and one multiply joins the two halves (so a NaN score stays NaN, as with ex2).
+    Eight FP32 and two integer instructions where ex2 takes one MUFU slot: worth it only for the
+    share of a tile that the MUFU cannot keep up with.
+    """
+    c1, c2, c3 = (_f32_hex(c) for c in EXP2_POLY)
+    magic = _f32_hex(1.5 * 2 ** 23)
+    asm = ("{ .reg .f32 x, t, j, f, p; .reg .b32 e;\n"
+           "max.NaN.f32 x, $1, 0fC2FC0000;\n"  # x >= -126
+           f"add.rm.f32 t, x, {magic};\n"
+           f"sub.f32 j, t, {magic};\n"  # floor(x), exact
+           "sub.f32 f, x, j;\n"
+           f"fma.rn.f32 p, f, {c3}, {c2};\n"
+           f"fma.rn.f32 p, p, f, {c1};\n"
+           "fma.rn.f32 p, p, f, 0f3F800000;\n"
+           "shl.b32 e, t, 23;\n"  # floor(x) * 2^23, two's complement
+           "add.s32 e, e, 1065353216;\n"  # + 127 << 23: the bits of 2^floor(x)
+           "mul.f32 $0, p, e; }")
+    return Float32(llvm.inline_asm(T.f32(), [Float32(x).ir_value(loc=loc, ip=ip)], asm, "=f,f",
+                                   has_side_effects=False, is_align_stack=False,
+                                   asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+# --------------------------------------------------------------------------------------
 # Row reductions over the 4 sibling lanes of a row
 # --------------------------------------------------------------------------------------
 
@@ -185,9 +228,12 @@ class OnlineSoftmax:
 
     scaled_max = False  # K8 (BlockScaledSoftmax): a scale per KV tile, the row max in scaled units
 
-    def __init__(self, num_rows: int, scale_log2: Float32, p_offset: float = 0.0):
+    def __init__(self, num_rows: int, scale_log2: Float32, p_offset: float = 0.0, emulated_exp2: int = 0):
         self.num_rows = num_rows
         self.scale_log2 = scale_log2
+        # K6: of every 8 columns of a tile with no masked score, this many take ``exp2_poly`` (FMA
+        # pipe) instead of ex2 (MUFU). Masked tiles keep ex2: -inf must give exactly 0.
+        self.emulated_exp2 = emulated_exp2
         # K7: P = exp2(... + p_offset) lands in [0, 2^p_offset], away from e4m3's underflow; the
         # row sum carries the same factor (O is unchanged) and the LSE takes it back out.
         self.p_offset = p_offset
@@ -224,8 +270,15 @@ class OnlineSoftmax:
                 row_scale[r] = cute.math.exp2(m_prev * scale - m_scaled, fastmath=True)
             if const_expr(self.p_offset != 0.0):
                 m_scaled = m_scaled - self.p_offset
-            p = cute.math.exp2(row.load() * scale - m_scaled, fastmath=True)
-            row.store(p)
+            if const_expr(self.emulated_exp2 == 0 or check_inf):
+                row.store(cute.math.exp2(row.load() * scale - m_scaled, fastmath=True))
+            else:
+                row.store(row.load() * scale - m_scaled)
+                for c in cutlass.range_constexpr(cute.size(row)):
+                    if const_expr(c % 8 >= 8 - self.emulated_exp2):
+                        row[c] = exp2_poly(row[c])
+                    else:
+                        row[c] = cute.math.exp2(row[c], fastmath=True)
             self.row_sum[r] = self.row_sum[r] * row_scale[r] + row_reduce(row, operator.add)
 
     @cute.jit

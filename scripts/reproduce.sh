@@ -112,6 +112,23 @@ case "$part" in
       --out "$dir/decode-tune-refill-$gpu-d128.json" > /dev/null || rc=1
     timeout 150 $py scripts/tune_decode.py --headdim 128 --shapes 1:8:32768,1:8:131072,1:32:32768 \
       --configs 128:2:4,64:2:4,64:2:8 --splits 16,24,32 --out "$dir/decode-tune-twoctas-$gpu-d128.json" > /dev/null || rc=1
+    # the merge: last split waits and merges (decode's) vs last CTA to count merges, each timed twice
+    timeout 150 $py scripts/tune_decode.py --headdim 128 --shapes 1:8:32768,1:8:4096,1:32:32768,8:8:32768 \
+      --configs 128:2,128:2 --merge last_cta,last_split --out "$dir/decode-tune-merge-$gpu-d128.json" > /dev/null || rc=1
+    for hd in 64 256; do
+      timeout 100 $py scripts/tune_decode.py --headdim $hd --shapes 1:8:32768 --configs $([ $hd = 64 ] && echo 256:2,256:2 || echo 64:2,64:2) \
+        --merge last_cta,last_split --out "$dir/decode-tune-merge-$gpu-d$hd.json" > /dev/null || rc=1
+    done
+    # the merge's partial rows loaded with its LSEs (merge_prefetch), and L2 prefetch ahead in the loop
+    timeout 100 $py scripts/tune_decode.py --headdim 128 --shapes 1:8:32768 --configs 128:2:4:0:0,128:2:4:0:16,128:2:4:0:0,128:2:4:0:16 \
+      --merge last_cta --out "$dir/decode-tune-mergeprefetch-$gpu-d128.json" > /dev/null || rc=1
+    timeout 200 $py scripts/tune_decode.py --headdim 128 --shapes 1:8:32768,1:32:32768,8:8:32768,1:8:131072 \
+      --configs 128:2:4:0:0:0,128:2:4:0:0:1,128:2:4:0:0:2,128:2:4:0:0:4,128:2:4:0:0:0,128:2:4:0:0:2 --merge last_cta \
+      --out "$dir/decode-tune-ahead-$gpu-d128.json" > /dev/null || rc=1
+    timeout 100 $py scripts/tune_decode.py --headdim 64 --shapes 1:8:32768,8:8:32768 --merge last_cta \
+      --configs 256:2:4:0:0:0,256:2:4:0:0:1,256:2:4:0:0:2,256:2:4:0:0:0 --out "$dir/decode-tune-ahead-$gpu-d64.json" > /dev/null || rc=1
+    timeout 100 $py scripts/tune_decode.py --headdim 256 --shapes 1:8:32768,8:8:32768 --merge last_cta \
+      --configs 64:2:2:0:0:0,64:2:2:0:0:2,64:2:2:0:0:4,64:2:2:0:0:0 --out "$dir/decode-tune-ahead-$gpu-d256.json" > /dev/null || rc=1
     timeout 150 $py -m pytest -m gpu -q tests/test_decode.py 2>&1 | tail -3 || rc=1
     exit $rc
     ;;

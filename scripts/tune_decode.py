@@ -3,8 +3,11 @@
     python scripts/tune_decode.py --out results/decode-tune-h100.json
     python scripts/tune_decode.py --headdim 128 --configs 128:2,128:3 --splits 0,16
     python scripts/tune_decode.py --configs 128:2:0,128:2:2:1 --headdim 128   # l2_prefetch, refill_at_release
+    python scripts/tune_decode.py --configs 128:2:4:0:0,128:2:4:0:16 --headdim 128   # merge_prefetch
+    python scripts/tune_decode.py --configs 128:2:4:0:0:0,128:2:4:0:0:2 --headdim 128   # prefetch_ahead
 
-Each row: one (head dim, batch, K/V heads, cache length, tile_n:kv_stages[:l2_prefetch[:refill_at_release]], num_splits), 32 query
+Each row: one (head dim, batch, K/V heads, cache length,
+tile_n:kv_stages[:l2_prefetch[:refill_at_release[:merge_prefetch[:prefetch_ahead]]]], num_splits), 32 query
 heads, q_len 1, bf16, checked against an explicit float64 reference before it is timed, then
 timed by CUDA-graph replay over enough cache copies that every replay reads several times the
 50 MB L2 (``harness.timing.graph_ms``). TB/s counts K and V read once.
@@ -30,12 +33,15 @@ CONFIGS = {128: ((128, 2), (128, 3), (192, 2)), 64: ((128, 2), (128, 4), (256, 2
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--headdim", type=int, choices=sorted(SHAPES), help="one head dim (default: all)")
-    ap.add_argument("--configs", help="tile_n:kv_stages[:l2_prefetch[:refill_at_release]] list, e.g. "
-                    "128:2,128:3:2:1 (default: per head dim; a field left out: the head dim's default)")
+    ap.add_argument("--configs", help="tile_n:kv_stages[:l2_prefetch[:refill_at_release[:merge_prefetch"
+                    "[:prefetch_ahead]]]] list, "
+                    "e.g. 128:2,128:3:2:1 (default: per head dim; a field left out: the head dim's default)")
     ap.add_argument("--shapes", help="batch:kv_heads:cache_len list, e.g. 1:8:32768,1:8:131072 (default: per head dim)")
     ap.add_argument("--splits", default="0", help="num_splits list; 0 is the heuristic's choice (default: 0)")
-    ap.add_argument("--merge", default="last_cta", choices=("last_cta", "combine"),
-                    help="how splits merge: in the main kernel's last CTA (decode) or a Combine launch")
+    ap.add_argument("--merge", default=None,
+                    help="how splits merge, a list of: last_split (decode's default: the group's last split waits "
+                         "and merges), last_cta (whichever CTA counts last merges), combine (a second launch); "
+                         "each configuration is timed with each, in turn (default: the decode kernel's)")
     ap.add_argument("--out", help="write the rows as JSON here, each as it is done")
     return ap.parse_args(argv)
 
@@ -68,6 +74,7 @@ def main(argv=None) -> int:
         return 2
     out = results.open_result_file(args.out, results.command_line("scripts/tune_decode.py", argv))
     splits_list = [int(s) for s in args.splits.split(",")]
+    merges = args.merge.split(",") if args.merge else [decode.DEFAULT_MERGE]
     device = torch.cuda.get_device_name()
     for d in ([args.headdim] if args.headdim else sorted(SHAPES)):
         configs = ([tuple(int(x) for x in c.split(":")) for c in args.configs.split(",")] if args.configs
@@ -87,17 +94,20 @@ def main(argv=None) -> int:
             for tile_n, stages, *rest in configs:
                 l2_prefetch = rest[0] if rest else defaults["l2_prefetch"]
                 early = bool(rest[1]) if len(rest) > 1 else defaults["refill_at_release"]
-                for asked in splits_list:
+                merge_prefetch = rest[2] if len(rest) > 2 else defaults["merge_prefetch"]
+                ahead = rest[3] if len(rest) > 3 else defaults["prefetch_ahead"]
+                for asked, merge in ((a, m) for a in splits_list for m in merges):
                     splits = asked or decode.choose_num_splits(b, h_kv, NHEADS // h_kv, 1, kv_len,
                                                                decode.sm_count(), tile_n)
                     row = dict(device=device, head_dim=d, batch=b, nheads=NHEADS, nheads_kv=h_kv, seqlen_k=kv_len,
                                tile_n=tile_n, kv_stages=stages, l2_prefetch=l2_prefetch, refill_at_release=early,
-                               num_splits=splits,
+                               merge_prefetch=merge_prefetch, prefetch_ahead=ahead, num_splits=splits,
                                auto_splits=asked == 0)
                     try:
                         la = decode.make_launcher(d, "bfloat16", False, NHEADS // h_kv, splits, True, tile_n=tile_n,
                                                   kv_stages=stages, l2_prefetch=l2_prefetch,
-                                                  refill_at_release=early, merge=args.merge)
+                                                  refill_at_release=early, merge_prefetch=merge_prefetch,
+                                                  prefetch_ahead=ahead, merge=merge)
                     except Exception as e:  # a configuration that does not fit: a row that says so
                         row.update(status=f"refused: {e}")
                         print(row)
@@ -115,9 +125,9 @@ def main(argv=None) -> int:
                             la.launch(q, *caches[i % copies], o, lse, lens, d ** -0.5, buffers)
 
                         ms = graph_ms(step)
-                        row.update(status="ok", merge=args.merge, ms=ms, tbps=kv_bytes / (ms * 1e-3) / 1e12)
-                    print(f"d={d} b={b} h_kv={h_kv} kv_len={kv_len} tile_n={tile_n} stages={stages} "
-                          f"l2_prefetch={l2_prefetch} early={int(early)} S={splits}: "
+                        row.update(status="ok", merge=merge, ms=ms, tbps=kv_bytes / (ms * 1e-3) / 1e12)
+                    print(f"{merge} d={d} b={b} h_kv={h_kv} kv_len={kv_len} tile_n={tile_n} stages={stages} "
+                          f"l2_prefetch={l2_prefetch} early={int(early)} merge_prefetch={merge_prefetch} ahead={ahead} S={splits}: "
                           + (f"{row['ms'] * 1e3:.1f} us {row['tbps']:.2f} TB/s" if row.get("ms") else row["status"]),
                           flush=True)
                     if out:
