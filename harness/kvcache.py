@@ -28,7 +28,7 @@ from kernels.contract import Problem, UnsupportedProblem, as_causal, as_scale
 from .inputs import shared_dtype, torch_dtype
 
 # Registered decode steps and how each merges its splits (kernels/decode.py).
-MERGE = {"decode": "last_split", "decode_combine": "combine", "decode_nosplit": "combine"}
+MERGE = {"decode": "last_cta", "decode_combine": "combine", "decode_nosplit": "combine"}
 DECODE_KERNELS = tuple(MERGE)
 
 

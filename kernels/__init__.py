@@ -74,8 +74,8 @@ _ENTRIES = [
                 "packed into the query tile", {"num_splits": 1}),
     KernelEntry("decode_combine", "kernels.decode", "flash decode: the KV walk split across CTAs to fill the SMs, "
                 "a combine kernel merges the splits by LSE", {"merge": "combine"}),
-    KernelEntry("decode", "kernels.decode", "flash decode, the merge in the main kernel: each split group's last "
-                "split waits for the others and combines (one launch)", {"merge": "last_split"}),
+    KernelEntry("decode", "kernels.decode", "flash decode, the merge in the main kernel: the last CTA of each "
+                "split group combines (one launch)", {"merge": "last_cta"}),
 ]
 
 REGISTRY = {e.name: e for e in _ENTRIES}

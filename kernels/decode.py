@@ -64,10 +64,11 @@ MAX_GROUP = TILE_M  # query heads per K/V head: one tile must hold a query posit
 # 2.18 to 2.33 at d=64 and 2.79 to 2.91 at d=256 (2 tiles there; 4 tied); rows that already streamed
 # at 3 TB/s did not move. refill_at_release (refill as soon as a stage is released) bought nothing
 # and cost 1-2% on long caches (results/decode-tune-refill-h100-d128.json): off.
-# merge_prefetch, the splits whose partial rows the merge loads together with the LSEs (combine_row),
-# one L2 round trip instead of five at 16 splits: no change at batch 1, 8 K/V heads, 32k keys
-# (results/decode-tune-merge-h100-*.json), so the merge is not what the step boundary costs; off.
-# prefetch_ahead: in the loop, each refill also pulls the tile this many further into L2.
+# Measured and left at batch 1, 8 K/V heads, d=128 (each timed twice in one run): merge_prefetch, the
+# splits whose partial rows the merge loads together with the LSEs (combine_row), 2.75 -> 2.70 TB/s
+# at 32k keys, 1.47 -> 1.39 at 4k (results/decode-tune-mergeprefetch-h100-d128.json); prefetch_ahead,
+# each refill also pulling the tile 2 or 4 further into L2, 2.74 -> 2.51 / 2.02 at 32k
+# (results/decode-tune-ahead-h100-d128.json): the extra hints compete with the TMA loads.
 DEFAULT_CONFIG = {64: dict(tile_n=256, kv_stages=2, l2_prefetch=4, refill_at_release=False, merge_prefetch=0,
                            prefetch_ahead=0),
                   128: dict(tile_n=128, kv_stages=2, l2_prefetch=4, refill_at_release=False, merge_prefetch=0,
@@ -614,7 +615,7 @@ CAPS = tma_pipeline.smem_capabilities(
     HEAD_DIMS, lambda d: smem_bytes(d, DEFAULT_CONFIG[d]["tile_n"], DEFAULT_CONFIG[d]["kv_stages"], merge="last_cta"),
     "DEFAULT_CONFIG", gqa=True, unequal_lengths=True, max_group=MAX_GROUP)
 MERGES = ("combine", "last_cta", "last_split")
-DEFAULT_MERGE = "last_split"  # the registered ``decode``
+DEFAULT_MERGE = "last_cta"  # the registered ``decode``
 
 
 def _fake_decode_args(dtype, head_dim: int, seqlens: bool, split: bool, counters: bool = False) -> tuple:

@@ -68,17 +68,22 @@ TMA_STORE_UP_TO_SEQLEN = {256: 8192}
 
 
 class K6FMHA(k5.K5FMHA):
-    def __init__(self, *args, pingpong: bool, overlap: bool, emulated_exp2: int = 0, **kw):
+    def __init__(self, *args, pingpong: bool, overlap: bool, emulated_exp2: int = 0, skip_unit_rescale: bool = False,
+                 rescale_o_before_gemm: bool = None, **kw):
         super().__init__(*args, **kw)
         self.warp_scheduler = sm90.WarpScheduler(self.num_wg, pingpong)  # K5's no-op calls come alive
         self.overlap = overlap
-        self.rescale_o_before_gemm = overlap and self.head_dim > 128
+        if rescale_o_before_gemm is None:
+            rescale_o_before_gemm = self.head_dim > 128
+        self.rescale_o_before_gemm = overlap and rescale_o_before_gemm
         self.emulated_exp2 = emulated_exp2
+        self.skip_unit_rescale = skip_unit_rescale
 
     def tile_softmax(self, *args) -> sm90.OnlineSoftmax:
         """K5's, with part of each unmasked tile's exponentials moved to the FMA pipe."""
         softmax = k5.K5FMHA.tile_softmax(self, *args)
         softmax.emulated_exp2 = self.emulated_exp2
+        softmax.skip_unit_rescale = self.skip_unit_rescale and not softmax.scaled_max
         return softmax
 
     @cute.jit
@@ -197,7 +202,8 @@ class K6FMHA(k5.K5FMHA):
 
 def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_wg=None, tile_n=None, kv_stages=None,
                    q_stages=None, scheduler=None, tma_store=None, pingpong=None, overlap=None,
-                   section_bytes=None, emulated_exp2=None) -> CompiledAttention:
+                   section_bytes=None, emulated_exp2=None, skip_unit_rescale=None,
+                   rescale_o_before_gemm=None) -> CompiledAttention:
     CAPS.check(p)
     if overlap is None:
         short = NO_OVERLAP_UP_TO_SEQLEN.get((p.head_dim, p.causal), 0)
@@ -215,5 +221,6 @@ def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_wg=None, tile_n=No
     cfg = k5.default_config(p, dict(num_wg=num_wg, tile_n=tile_n, kv_stages=kv_stages, q_stages=q_stages,
                                     scheduler=scheduler, tma_store=tma_store,
                                     pingpong=pingpong, overlap=overlap, section_bytes=section_bytes,
-                                    emulated_exp2=emulated_exp2))
+                                    emulated_exp2=emulated_exp2, skip_unit_rescale=skip_unit_rescale,
+                                    rescale_o_before_gemm=rescale_o_before_gemm))
     return k5.build("k6", K6FMHA, p, cfg, keep_ptx)

@@ -228,12 +228,15 @@ class OnlineSoftmax:
 
     scaled_max = False  # K8 (BlockScaledSoftmax): a scale per KV tile, the row max in scaled units
 
-    def __init__(self, num_rows: int, scale_log2: Float32, p_offset: float = 0.0, emulated_exp2: int = 0):
+    def __init__(self, num_rows: int, scale_log2: Float32, p_offset: float = 0.0, emulated_exp2: int = 0,
+                 skip_unit_rescale: bool = False):
         self.num_rows = num_rows
         self.scale_log2 = scale_log2
         # K6: of every 8 columns of a tile with no masked score, this many take ``exp2_poly`` (FMA
         # pipe) instead of ex2 (MUFU). Masked tiles keep ex2: -inf must give exactly 0.
         self.emulated_exp2 = emulated_exp2
+        # K6: a warp whose rows all kept their max skips the O rescale (their factor is exactly 1).
+        self.skip_unit_rescale = skip_unit_rescale
         # K7: P = exp2(... + p_offset) lands in [0, 2^p_offset], away from e4m3's underflow; the
         # row sum carries the same factor (O is unchanged) and the LSE takes it back out.
         self.p_offset = p_offset
@@ -268,6 +271,9 @@ class OnlineSoftmax:
             else:
                 m_scaled = m_new * scale
                 row_scale[r] = cute.math.exp2(m_prev * scale - m_scaled, fastmath=True)
+                if const_expr(self.skip_unit_rescale):
+                    # exactly 1 when the max did not move (ex2 of a rounding residue need not be)
+                    row_scale[r] = Float32(1.0) if self.row_max[r] == m_prev else row_scale[r]
             if const_expr(self.p_offset != 0.0):
                 m_scaled = m_scaled - self.p_offset
             if const_expr(self.emulated_exp2 == 0 or check_inf):
@@ -283,6 +289,17 @@ class OnlineSoftmax:
 
     @cute.jit
     def rescale(self, acc_O: cute.Tensor, row_scale: cute.Tensor):
+        if const_expr(self.skip_unit_rescale):
+            moved = row_scale[0] != 1.0
+            for r in cutlass.range_constexpr(1, self.num_rows):
+                moved = moved | (row_scale[r] != 1.0)
+            if cute.arch.vote_any_sync(moved):  # warp-uniform: the 16 rows of this warp
+                self.multiply_rows(acc_O, row_scale)
+        else:
+            self.multiply_rows(acc_O, row_scale)
+
+    @cute.jit
+    def multiply_rows(self, acc_O: cute.Tensor, row_scale: cute.Tensor):
         acc_O_mn = acc_mn_view(acc_O)
         for r in cutlass.range_constexpr(self.num_rows):
             acc_O_mn[r, None].store(acc_O_mn[r, None].load() * row_scale[r])

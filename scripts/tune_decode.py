@@ -39,8 +39,8 @@ def parse_args(argv=None):
     ap.add_argument("--shapes", help="batch:kv_heads:cache_len list, e.g. 1:8:32768,1:8:131072 (default: per head dim)")
     ap.add_argument("--splits", default="0", help="num_splits list; 0 is the heuristic's choice (default: 0)")
     ap.add_argument("--merge", default=None,
-                    help="how splits merge, a list of: last_split (decode's default: the group's last split waits "
-                         "and merges), last_cta (whichever CTA counts last merges), combine (a second launch); "
+                    help="how splits merge, a list of: last_cta (decode's default: whichever CTA counts last merges), "
+                         "last_split (the group's last split waits and merges), combine (a second launch); "
                          "each configuration is timed with each, in turn (default: the decode kernel's)")
     ap.add_argument("--out", help="write the rows as JSON here, each as it is done")
     return ap.parse_args(argv)

@@ -180,23 +180,23 @@ def test_decode_split_has_a_pdl_combine(head_dim):
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_decode_merges_in_the_main_kernel(head_dim):
-    # decode merges in the main kernel: one module, no combine launch. Every split but the last
-    # counts itself done with a release reduction (nothing to wait for), the last split polls
-    # the count with acquire loads; no atomic with a result. The last_cta variant: one acq_rel
-    # atomic between two gpu-scope fences.
+    # decode merges in the main kernel: one module, no combine launch, the split counter bumped
+    # with an acq_rel atomic between two gpu-scope fences (last_cta). The last_split variant:
+    # every split but the last counts itself done with a release reduction (nothing to wait
+    # for), the last split polls the count with acquire loads; no atomic with a result.
     from harness.inspect_ptx import split_modules
 
     p = Problem(1, 32, 1, head_dim, nheads_kv=8, seqlen_k=32768, causal=True)
     compiled = get_kernel("decode").compile(p, keep_ptx=True, num_splits=4)
-    assert compiled.info["merge"] == "last_split" and len(split_modules(compiled.ptx)) == 1
-    assert re.search(r"red\.release\.gpu\.global\.add", compiled.ptx)
-    assert re.search(r"ld\.acquire\.gpu\.global", compiled.ptx) and "atom." not in compiled.ptx
+    assert compiled.info["merge"] == "last_cta" and len(split_modules(compiled.ptx)) == 1
+    assert re.search(r"atom\.global\.acq_rel\.add", compiled.ptx)  # gpu scope is the default
+    assert compiled.ptx.count("fence.acq_rel.gpu") == 2 and "red.release" not in compiled.ptx
     assert count_instructions(compiled.ptx)["ld/st.local"] == 0
     from kernels import decode
 
-    last_cta = decode.compile_kernel(p, keep_ptx=True, num_splits=4, merge="last_cta").ptx
-    assert re.search(r"atom\.global\.acq_rel\.add", last_cta)  # gpu scope is the default
-    assert last_cta.count("fence.acq_rel.gpu") == 2 and "red.release" not in last_cta
+    last_split = decode.compile_kernel(p, keep_ptx=True, num_splits=4, merge="last_split").ptx
+    assert len(split_modules(last_split)) == 1 and re.search(r"red\.release\.gpu\.global\.add", last_split)
+    assert re.search(r"ld\.acquire\.gpu\.global", last_split) and "atom." not in last_split
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
