@@ -137,3 +137,18 @@ def test_k6_takes_its_short_sequence_tiles_by_head_dim_and_seqlen():
     assert entry.compile(Problem(1, 1, 8192, 256, causal=True)).info["tma_store"] is True
     assert entry.compile(Problem(1, 1, 16384, 256)).info["tma_store"] is False
     assert entry.compile(Problem(1, 1, 512, 256), tma_store=False).info["tma_store"] is False
+
+
+def test_k6_softmax_knobs_measured_and_left_off():
+    # Three K6 knobs lost on an H100 (docs/k6.md) and stay off; each must still build what it says.
+    base = _compile("k6", 64, causal=False, tile_n=128)
+    assert "add.rm.f32" not in base.ptx and "vote.sync.any" not in base.ptx
+    # emulated_exp2: of every 8 columns of an unmasked tile, 2 take the cubic on the FMA pipe.
+    emu = _compile("k6", 64, causal=False, tile_n=128, emulated_exp2=2)
+    counts, base_counts = count_instructions(emu.ptx), count_instructions(base.ptx)
+    assert emu.ptx.count("add.rm.f32") == 16 and "max.NaN.f32" in emu.ptx  # 2 rows x 32 columns / 4
+    assert counts["ex2.approx"] == base_counts["ex2.approx"] - 16
+    # skip_unit_rescale: one warp vote per rescale decides whether the O rows are multiplied.
+    skip = _compile("k6", 128, causal=True, skip_unit_rescale=True)
+    assert skip.ptx.count("vote.sync.any.pred") >= 1
+    assert all(r[3] == 0 for r in ptxas_report(emu.ptx) + ptxas_report(skip.ptx))
