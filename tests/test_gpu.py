@@ -95,3 +95,23 @@ def test_cuda_graph_capture_and_replay_match_sdpa(name):
         sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         c = compare(out, ref, lse, ref_lse, "bfloat16", sdpa)
         assert c.verdict == "", c.verdict
+
+
+@pytest.mark.parametrize("cfg", [dict(emulated_exp2=8), dict(skip_unit_rescale=True), dict(rescale_o_before_gemm=True)],
+                         ids=["emulated_exp2", "skip_unit_rescale", "rescale_before_gemm"])
+@pytest.mark.parametrize("d,seqlen,causal", [(64, 1000, False), (128, 4097, True), (256, 1000, False)])
+def test_k6_knobs_left_off_still_match_sdpa(cfg, d, seqlen, causal):
+    # K6's measured-and-left knobs (docs/k6.md) must stay correct: emulated_exp2=8 sends every
+    # score of an unmasked tile through the cubic.
+    from harness.inputs import poisoned_outputs, random_inputs
+    from harness.reference import sdpa
+
+    p = Problem(2, 3, seqlen, d, causal=causal)
+    entry = get_kernel("k6")
+    compiled = entry.compile(p, **cfg)
+    q, k, v = random_inputs(p)
+    out, lse = poisoned_outputs(p)
+    entry.run(compiled, q, k, v, out, lse)
+    ref, ref_lse = reference(q, k, v, p.causal, p.scale)
+    verdict = compare(out, ref, lse, ref_lse, p.dtype, sdpa(q, k, v, p.causal, p.scale)).verdict
+    assert not verdict, verdict
