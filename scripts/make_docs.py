@@ -248,6 +248,10 @@ def ws_steps_table(sweep):
             + markdown_table(["kernel", "geomean", "worst cell", "cells ≥ 1.0×", "cells"], summary))
 
 
+# K6's softmax knobs (measured and left off): their tuning runs get a table block of their own.
+SOFTMAX_KNOBS = ("emulated_exp2", "skip_unit_rescale", "rescale_o_before_gemm")
+
+
 def ws_tune_table(tune):
     """docs/k6.md: configurations from scripts/tune.py, each with its ratio to the best peer."""
     gpu = gpu_short_name(tune["meta"].get("device", ""))
@@ -515,23 +519,32 @@ def fp8_accuracy_table(run):
             + markdown_table(["inputs", "N", "d"] + methods + ["k8 / k7", "k8 / cuDNN FP8"], body))
 
 
+DECODE_LATE_KNOBS = ("merge_prefetch", "prefetch_ahead")
+
+
 def decode_tune_table(tune):
     """docs/decode.md: scripts/tune_decode.py rows (tile configuration x split count)."""
     gpu = gpu_short_name(tune["meta"].get("device", ""))
+    merges = {r.get("merge") for r in tune["rows"] if r.get("merge")}
+    several_merges = len(merges) > 1
+    late_knobs = any(r.get(k) for r in tune["rows"] for k in DECODE_LATE_KNOBS)
     body = []
     for r in tune["rows"]:
         split = f"{r['num_splits']}" + (" (auto)" if r.get("auto_splits") else "")
         ok = r.get("status") == "ok"
         # Runs before the L2 prefetch existed have no such field: they ran without it.
+        # Knobs added later (absent: off), shown only where a run set them.
+        extra = ", ".join(f"{k}={r[k]}" for k in DECODE_LATE_KNOBS if r.get(k))
         body.append([r["head_dim"], r["batch"], r["nheads_kv"], r["seqlen_k"], f"{r['tile_n']}:{r['kv_stages']}",
-                     r.get("l2_prefetch", 0), "yes" if r.get("refill_at_release") else "no",
-                     split, f"{r['ms'] * 1e3:.1f}" if ok else r.get("status", "—")[:40],
-                     f"{r['tbps']:.2f}" if ok else "—"])
-    merge = {r.get("merge") for r in tune["rows"] if r.get("merge")}
+                     r.get("l2_prefetch", 0), "yes" if r.get("refill_at_release") else "no"]
+                    + ([r.get("merge", "—")] if several_merges else []) + ([extra or "—"] if late_knobs else [])
+                    + [split, f"{r['ms'] * 1e3:.1f}" if ok else r.get("status", "—")[:40],
+                       f"{r['tbps']:.2f}" if ok else "—"])
     return (f"On an {gpu}: `{tune['meta'].get('command', '')}`, {tune['meta'].get('date', '')[:10]}; 32 query "
-            f"heads, q_len 1, bf16{'; merged by ' + ', '.join(sorted(merge)) if merge else ''}.\n\n"
-            + markdown_table(["d", "batch", "K/V heads", "keys", "tile_n:stages", "L2 prefetch", "refill at release",
-                              "splits", "µs", "TB/s"], body))
+            f"heads, q_len 1, bf16{'; merged by ' + ', '.join(sorted(merges)) if merges and not several_merges else ''}.\n\n"
+            + markdown_table(["d", "batch", "K/V heads", "keys", "tile_n:stages", "L2 prefetch", "refill at release"]
+                             + (["merge"] if several_merges else []) + (["other"] if late_knobs else [])
+                             + ["splits", "µs", "TB/s"], body))
 
 
 def ws_readme_table(sweep):
@@ -556,7 +569,21 @@ def ws_rounds_readme(sweep):
     rounds = max(len(r.get("ms_rounds", ())) for r in sweep["rows"])
     return (f"Timed again with each candidate {rounds} times per cell, the order reversed each round, the median "
             f"(`{sweep['meta'].get('command', '')}`, {gpu_short_name(sweep['meta'].get('device', ''))}): "
-            f"`k6` {_geomean(ratios):.3f}× geomean, worst cell {min(ratios):.2f}× ([K6](docs/k6.md) has both runs).")
+            f"`k6` {_geomean(ratios):.3f}× geomean, worst cell {min(ratios):.2f}× ([K6](docs/k6.md) lists every run).")
+
+
+def ws_rounds_runs_table(runs):
+    """docs/k6.md: every run of the rounds sweep, one line each, oldest first."""
+    body = []
+    for sweep in sorted(runs, key=lambda f: f["meta"].get("date", "")):
+        rows = sweep_rows(sweep)
+        ratios = [x for x in (_vs_best(rows, "k6", n, d, c)[1] for d, c, n in ws_cells(sweep)) if x]
+        rounds = max(len(r.get("ms_rounds", ())) for r in sweep["rows"])
+        body.append([sweep["meta"].get("date", "")[:16].replace("T", " "), gpu_short_name(sweep["meta"].get("device", "")),
+                     f"`{sweep['meta'].get('command', '')}`", rounds, f"{_geomean(ratios):.3f}×", f"{min(ratios):.2f}×",
+                     sum(x >= 1.0 for x in ratios), len(ratios)])
+    return markdown_table(["date (UTC)", "GPU", "command", "rounds", "`k6` geomean × best peer", "worst cell",
+                           "cells ≥ 1.0×", "cells"], body)
 
 
 def k4_steps_table(sweep, tune):
@@ -704,6 +731,9 @@ def main(argv=None):
             text = replace_block(text, "ws-steps", ws_steps_table(ws_sweep))
         if ws_rounds and "<!-- table:ws-rounds -->" in text:
             text = replace_block(text, "ws-rounds", ws_steps_table(ws_rounds))
+        rounds_runs = [f for f in finished("ws-sweep-rounds*.json") if any(r["kernel"] == "k6" for r in f["rows"])]
+        if rounds_runs and "<!-- table:ws-rounds-runs -->" in text:
+            text = replace_block(text, "ws-rounds-runs", ws_rounds_runs_table(rounds_runs))
         if compile_files and "<!-- table:ws-compile -->" in text:
             text = replace_block(text, "ws-compile", ws_compile_table(compile_files))
         if ncu_files and "<!-- table:ncu -->" in text:
@@ -714,8 +744,10 @@ def main(argv=None):
     if mha and gqa and page.exists() and "<!-- table:gqa -->" in page.read_text():
         page.write_text(replace_block(page.read_text(), "gqa", gqa_table(mha, gqa)))
     ws_tunes = finished("ws-tune*.json")
-    if ws_tunes and page.exists() and "<!-- table:ws-tune -->" in page.read_text():
-        page.write_text(replace_block(page.read_text(), "ws-tune", "\n\n".join(ws_tune_table(t) for t in ws_tunes)))
+    softmax_tunes = [t for t in ws_tunes if any(k in SOFTMAX_KNOBS for r in t["rows"] for k in (r["config"] or {}))]
+    for name, tunes in (("ws-tune", [t for t in ws_tunes if t not in softmax_tunes]), ("ws-tune-softmax", softmax_tunes)):
+        if tunes and page.exists() and f"<!-- table:{name} -->" in page.read_text():
+            page.write_text(replace_block(page.read_text(), name, "\n\n".join(ws_tune_table(t) for t in tunes)))
     tune = latest("k4-tune*.json")
     page = ROOT / "docs" / "k4.md"
     if tune and page.exists() and "<!-- table:tune -->" in page.read_text():
