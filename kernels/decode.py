@@ -355,14 +355,18 @@ class DecodeFMHA:
         cute.arch.sync_threads()
         if flag[0] == 1:
             cute.arch.fence_acq_rel_gpu()
-            lane = tidx % 32
-            for row in cutlass.range(cute.arch.make_warp_uniform(tidx // 32), rows[2], self.num_threads // 32,
-                                     unroll=1):
-                q_idx, head = row_coords(rows, row, self.group)
-                combine_row(mO_partial, mLSE_partial, mO, mLSE, num_splits, batch, q_idx, head, lane,
-                            self.merge_prefetch)
+            self.merge_rows(mO_partial, mLSE_partial, mO, mLSE, num_splits, rows, batch, tidx)
             if tidx == 0:
                 mCounters[counter] = 0
+
+    @cute.jit
+    def merge_rows(self, mO_partial: cute.Tensor, mLSE_partial: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+                   num_splits: Int32, rows: tuple, batch: Int32, tidx: Int32):
+        """The tile's rows merged from every split's partial, a warp per row (as ``Combine``)."""
+        lane = tidx % 32
+        for row in cutlass.range(cute.arch.make_warp_uniform(tidx // 32), rows[2], self.num_threads // 32, unroll=1):
+            q_idx, head = row_coords(rows, row, self.group)
+            combine_row(mO_partial, mLSE_partial, mO, mLSE, num_splits, batch, q_idx, head, lane, self.merge_prefetch)
 
     @cute.jit
     def merge_in_last_split(self, mO_partial: cute.Tensor, mLSE_partial: cute.Tensor, mO: cute.Tensor,
@@ -386,12 +390,7 @@ class DecodeFMHA:
                 mCounters[counter] = 0  # every split has counted: ready for the next launch
             cute.arch.sync_threads()
             cute.arch.fence_acq_rel_gpu()
-            lane = tidx % 32
-            for row in cutlass.range(cute.arch.make_warp_uniform(tidx // 32), rows[2], self.num_threads // 32,
-                                     unroll=1):
-                q_idx, head = row_coords(rows, row, self.group)
-                combine_row(mO_partial, mLSE_partial, mO, mLSE, num_splits, batch, q_idx, head, lane,
-                            self.merge_prefetch)
+            self.merge_rows(mO_partial, mLSE_partial, mO, mLSE, num_splits, rows, batch, tidx)
 
     @cute.jit
     def load_q(self, mQ: cute.Tensor, sQ: cute.Tensor, rows: tuple, batch: Int32, tidx: Int32):
