@@ -70,11 +70,11 @@ MAX_GROUP = TILE_M  # query heads per K/V head: one tile must hold a query posit
 # each refill also pulling the tile 2 or 4 further into L2, 2.74 -> 2.51 / 2.02 at 32k
 # (results/decode-tune-ahead-h100-d128.json): the extra hints compete with the TMA loads.
 DEFAULT_CONFIG = {64: dict(tile_n=256, kv_stages=2, l2_prefetch=4, refill_at_release=False, merge_prefetch=0,
-                           prefetch_ahead=0),
+                           prefetch_ahead=0, prefetch_after_wait=0),
                   128: dict(tile_n=128, kv_stages=2, l2_prefetch=4, refill_at_release=False, merge_prefetch=0,
-                            prefetch_ahead=0),
+                            prefetch_ahead=0, prefetch_after_wait=4),
                   256: dict(tile_n=64, kv_stages=2, l2_prefetch=2, refill_at_release=False, merge_prefetch=0,
-                            prefetch_ahead=0)}
+                            prefetch_ahead=0, prefetch_after_wait=0)}
 MAX_SPLITS = 128
 MAX_SPLIT_TRAFFIC = 0.05  # partials may add at most 5% to the bytes of K and V
 
@@ -157,7 +157,7 @@ def cache_head_dim_major_view(mX: cute.Tensor) -> cute.Tensor:
 class DecodeFMHA:
     def __init__(self, head_dim: int, dtype, causal: bool, group: int, tile_n: int, kv_stages: int, split: bool,
                  merge: str = "combine", l2_prefetch: int = 0, refill_at_release: bool = False,
-                 merge_prefetch: int = 0, prefetch_ahead: int = 0):
+                 merge_prefetch: int = 0, prefetch_ahead: int = 0, prefetch_after_wait: int = 0):
         self.head_dim = head_dim
         self.dtype = dtype
         self.causal = causal
@@ -184,6 +184,10 @@ class DecodeFMHA:
         # In the loop, the refill of tile t also prefetches tile t + prefetch_ahead into L2: more
         # bytes in flight per SM than two SMEM stages hold (0: none).
         self.prefetch_ahead = prefetch_ahead
+        # Once the wait is over, the next tiles after the l2_prefetch ones are hinted into L2 too:
+        # the two SMEM stages drain the L2-resident tiles fast, and HBM would idle until the ring
+        # reaches the first tile not prefetched (0: none).
+        self.prefetch_after_wait = prefetch_after_wait
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
@@ -282,6 +286,12 @@ class DecodeFMHA:
             for t in cutlass.range(cutlass.min(stages, n_hi - n_lo), unroll=1):
                 tma_pipeline.load_kv_stage(pipeline_kv, tma_pipeline.pipe_state(stages, t, producer=True),
                                            n_lo + t, *kv_loads)
+            if const_expr(self.prefetch_after_wait > 0):
+                first = max(self.l2_prefetch, stages)
+                with cute.arch.elect_one():
+                    for t in cutlass.range(first, cutlass.min(first + self.prefetch_after_wait, n_hi - n_lo), unroll=1):
+                        cute.prefetch(tma_atom_K, tKgK[None, n_lo + t])
+                        cute.prefetch(tma_atom_V, tVgV[None, n_lo + t])
 
         # ---- Q: the packed rows, by the threads, while the first K/V tiles are in flight -------
         rows = packed_rows(m_block, kv_head, self.group, self.q_per_tile, q_len)
@@ -642,14 +652,16 @@ def _fake_decode_args(dtype, head_dim: int, seqlens: bool, split: bool, counters
 
 def compile_decode(head_dim: int, dtype: str, causal: bool, group: int, split: bool, seqlens: bool,
                    tile_n: int, kv_stages: int, l2_prefetch: int = 0, refill_at_release: bool = False,
-                   merge_prefetch: int = 0, prefetch_ahead: int = 0, merge: str = "combine", keep_ptx: bool = False):
+                   merge_prefetch: int = 0, prefetch_ahead: int = 0, prefetch_after_wait: int = 0,
+                   merge: str = "combine", keep_ptx: bool = False):
     dt = cute_dtype(dtype)
     merge = merge if split else "combine"
     in_kernel = merge != "combine"
     key = ("decode", head_dim, dtype, causal, group, split, seqlens, tile_n, kv_stages, l2_prefetch,
-           refill_at_release, merge, merge_prefetch if in_kernel else 0, prefetch_ahead)
+           refill_at_release, merge, merge_prefetch if in_kernel else 0, prefetch_ahead, prefetch_after_wait)
     return jit_compile(key, lambda: (DecodeFMHA(head_dim, dt, causal, group, tile_n, kv_stages, split, merge,
-                                                l2_prefetch, refill_at_release, merge_prefetch, prefetch_ahead),
+                                                l2_prefetch, refill_at_release, merge_prefetch, prefetch_ahead,
+                                                prefetch_after_wait),
                                      _fake_decode_args(dt, head_dim, seqlens, split, in_kernel)), keep_ptx)
 
 
@@ -748,12 +760,13 @@ class DecodeLauncher:
 
 
 def config(head_dim: int, tile_n=None, kv_stages=None, l2_prefetch=None, refill_at_release=None,
-           merge_prefetch=None, prefetch_ahead=None) -> dict:
+           merge_prefetch=None, prefetch_ahead=None, prefetch_after_wait=None) -> dict:
     cfg = dict(DEFAULT_CONFIG[head_dim])
     cfg.update({k: v for k, v in dict(tile_n=tile_n, kv_stages=kv_stages, l2_prefetch=l2_prefetch,
                                       refill_at_release=refill_at_release,
                                       merge_prefetch=merge_prefetch,
-                                      prefetch_ahead=prefetch_ahead).items() if v is not None})
+                                      prefetch_ahead=prefetch_ahead,
+                                      prefetch_after_wait=prefetch_after_wait).items() if v is not None})
     return cfg
 
 
@@ -771,11 +784,12 @@ def make_launcher(head_dim: int, dtype: str, causal: bool, group: int, num_split
 
 def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_splits: int = 0, merge: str = DEFAULT_MERGE, tile_n=None,
                    kv_stages=None, l2_prefetch=None, refill_at_release=None, merge_prefetch=None,
-                   prefetch_ahead=None) -> CompiledAttention:
+                   prefetch_ahead=None, prefetch_after_wait=None) -> CompiledAttention:
     """The ordinary contract (SDPA layout, K/V of the full seqlen_k): the decode kernel with no
     cache lengths. ``num_splits`` 0 picks S for this problem on the current GPU."""
     CAPS.check(p)
-    cfg = config(p.head_dim, tile_n, kv_stages, l2_prefetch, refill_at_release, merge_prefetch, prefetch_ahead)
+    cfg = config(p.head_dim, tile_n, kv_stages, l2_prefetch, refill_at_release, merge_prefetch, prefetch_ahead,
+                 prefetch_after_wait)
     if not isinstance(num_splits, int) or not 0 <= num_splits <= MAX_SPLITS:
         raise UnsupportedProblem(f"num_splits must be an int in [0, {MAX_SPLITS}] (0: automatic), got {num_splits!r}")
     splits = num_splits or choose_num_splits(p.batch, p.kv_heads, p.group, p.seqlen, p.kv_len, sm_count(),

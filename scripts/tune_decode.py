@@ -5,9 +5,11 @@
     python scripts/tune_decode.py --configs 128:2:0,128:2:2:1 --headdim 128   # l2_prefetch, refill_at_release
     python scripts/tune_decode.py --configs 128:2:4:0:0,128:2:4:0:16 --headdim 128   # merge_prefetch
     python scripts/tune_decode.py --configs 128:2:4:0:0:0,128:2:4:0:0:2 --headdim 128   # prefetch_ahead
+    python scripts/tune_decode.py --configs 128:2:4:0:0:0:0,128:2:4:0:0:0:4 --headdim 128   # prefetch_after_wait
 
 Each row: one (head dim, batch, K/V heads, cache length,
-tile_n:kv_stages[:l2_prefetch[:refill_at_release[:merge_prefetch[:prefetch_ahead]]]], num_splits), 32 query
+tile_n:kv_stages[:l2_prefetch[:refill_at_release[:merge_prefetch[:prefetch_ahead[:prefetch_after_wait]]]]]],
+num_splits), 32 query
 heads, q_len 1, bf16, checked against an explicit float64 reference before it is timed, then
 timed by CUDA-graph replay over enough cache copies that every replay reads several times the
 50 MB L2 (``harness.timing.graph_ms``). TB/s counts K and V read once.
@@ -34,7 +36,7 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--headdim", type=int, choices=sorted(SHAPES), help="one head dim (default: all)")
     ap.add_argument("--configs", help="tile_n:kv_stages[:l2_prefetch[:refill_at_release[:merge_prefetch"
-                    "[:prefetch_ahead]]]] list, "
+                    "[:prefetch_ahead[:prefetch_after_wait]]]]] list, "
                     "e.g. 128:2,128:3:2:1 (default: per head dim; a field left out: the head dim's default)")
     ap.add_argument("--shapes", help="batch:kv_heads:cache_len list, e.g. 1:8:32768,1:8:131072 (default: per head dim)")
     ap.add_argument("--splits", default="0", help="num_splits list; 0 is the heuristic's choice (default: 0)")
@@ -96,18 +98,20 @@ def main(argv=None) -> int:
                 early = bool(rest[1]) if len(rest) > 1 else defaults["refill_at_release"]
                 merge_prefetch = rest[2] if len(rest) > 2 else defaults["merge_prefetch"]
                 ahead = rest[3] if len(rest) > 3 else defaults["prefetch_ahead"]
+                after_wait = rest[4] if len(rest) > 4 else defaults["prefetch_after_wait"]
                 for asked, merge in ((a, m) for a in splits_list for m in merges):
                     splits = asked or decode.choose_num_splits(b, h_kv, NHEADS // h_kv, 1, kv_len,
                                                                decode.sm_count(), tile_n)
                     row = dict(device=device, head_dim=d, batch=b, nheads=NHEADS, nheads_kv=h_kv, seqlen_k=kv_len,
                                tile_n=tile_n, kv_stages=stages, l2_prefetch=l2_prefetch, refill_at_release=early,
-                               merge_prefetch=merge_prefetch, prefetch_ahead=ahead, num_splits=splits,
+                               merge_prefetch=merge_prefetch, prefetch_ahead=ahead,
+                               prefetch_after_wait=after_wait, num_splits=splits,
                                auto_splits=asked == 0)
                     try:
                         la = decode.make_launcher(d, "bfloat16", False, NHEADS // h_kv, splits, True, tile_n=tile_n,
                                                   kv_stages=stages, l2_prefetch=l2_prefetch,
                                                   refill_at_release=early, merge_prefetch=merge_prefetch,
-                                                  prefetch_ahead=ahead, merge=merge)
+                                                  prefetch_ahead=ahead, prefetch_after_wait=after_wait, merge=merge)
                     except Exception as e:  # a configuration that does not fit: a row that says so
                         row.update(status=f"refused: {e}")
                         print(row)
@@ -127,7 +131,7 @@ def main(argv=None) -> int:
                         ms = graph_ms(step)
                         row.update(status="ok", merge=merge, ms=ms, tbps=kv_bytes / (ms * 1e-3) / 1e12)
                     print(f"{merge} d={d} b={b} h_kv={h_kv} kv_len={kv_len} tile_n={tile_n} stages={stages} "
-                          f"l2_prefetch={l2_prefetch} early={int(early)} merge_prefetch={merge_prefetch} ahead={ahead} S={splits}: "
+                          f"l2_prefetch={l2_prefetch} early={int(early)} merge_prefetch={merge_prefetch} ahead={ahead} after_wait={after_wait} S={splits}: "
                           + (f"{row['ms'] * 1e3:.1f} us {row['tbps']:.2f} TB/s" if row.get("ms") else row["status"]),
                           flush=True)
                     if out:

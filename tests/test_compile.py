@@ -222,6 +222,11 @@ def test_decode_prefetches_into_l2_before_the_pdl_wait(head_dim):
     assert lens_ptx.index("ld.global.cg") < lens_ptx.index("griddepcontrol.wait")
     off = get_kernel("decode").compile(p, keep_ptx=True, num_splits=4, l2_prefetch=0).ptx
     assert "cp.async.bulk.prefetch.tensor" not in off
+    # prefetch_after_wait: more hints once the wait is over, none there by default
+    after = get_kernel("decode").compile(p, keep_ptx=True, num_splits=4, prefetch_after_wait=4).ptx
+    hints = re.compile(r"cp\.async\.bulk\.prefetch\.tensor")
+    assert decode.config(head_dim)["prefetch_after_wait"] == 0 and not hints.search(ptx, wait)
+    assert hints.search(after, after.index("griddepcontrol.wait"))
 
 
 @pytest.mark.parametrize("name", ["k7_k4", "k7", "k8"])
