@@ -68,11 +68,13 @@ MAX_GROUP = TILE_M  # query heads per K/V head: one tile must hold a query posit
 # splits whose partial rows the merge loads together with the LSEs (combine_row), 2.75 -> 2.70 TB/s
 # at 32k keys, 1.47 -> 1.39 at 4k (results/decode-tune-mergeprefetch-h100-d128.json); prefetch_ahead,
 # each refill also pulling the tile 2 or 4 further into L2, 2.74 -> 2.51 / 2.02 at 32k
-# (results/decode-tune-ahead-h100-d128.json): the extra hints compete with the TMA loads.
+# (results/decode-tune-ahead-h100-d128.json); prefetch_after_wait, 2 or 4 more tiles hinted once the
+# wait is over, 2.75 -> 2.72 / 2.63 at 32k and 0.3-2% lower on every other row
+# (results/decode-tune-afterwait-h100-d128.json): the extra hints compete with the TMA loads.
 DEFAULT_CONFIG = {64: dict(tile_n=256, kv_stages=2, l2_prefetch=4, refill_at_release=False, merge_prefetch=0,
                            prefetch_ahead=0, prefetch_after_wait=0),
                   128: dict(tile_n=128, kv_stages=2, l2_prefetch=4, refill_at_release=False, merge_prefetch=0,
-                            prefetch_ahead=0, prefetch_after_wait=4),
+                            prefetch_ahead=0, prefetch_after_wait=0),
                   256: dict(tile_n=64, kv_stages=2, l2_prefetch=2, refill_at_release=False, merge_prefetch=0,
                             prefetch_ahead=0, prefetch_after_wait=0)}
 MAX_SPLITS = 128
@@ -184,9 +186,9 @@ class DecodeFMHA:
         # In the loop, the refill of tile t also prefetches tile t + prefetch_ahead into L2: more
         # bytes in flight per SM than two SMEM stages hold (0: none).
         self.prefetch_ahead = prefetch_ahead
-        # Once the wait is over, the next tiles after the l2_prefetch ones are hinted into L2 too:
-        # the two SMEM stages drain the L2-resident tiles fast, and HBM would idle until the ring
-        # reaches the first tile not prefetched (0: none).
+        # Once the wait is over, the next tiles after the l2_prefetch ones are hinted into L2 too, so
+        # that HBM need not wait for the ring to reach the first tile not prefetched (0: none;
+        # measured: a loss, DEFAULT_CONFIG).
         self.prefetch_after_wait = prefetch_after_wait
 
     @cute.jit

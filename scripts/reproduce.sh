@@ -135,6 +135,9 @@ case "$part" in
       --configs 128:2:4:0:0:0,128:2:4:0:0:2,128:2:4:0:0:4,128:2:4:0:0:0 --out "$dir/decode-tune-ahead-$gpu-d128.json" > /dev/null || rc=1
     timeout 90 $py scripts/tune_decode.py --headdim 128 --shapes 1:8:32768,1:8:4096 --merge last_cta \
       --configs 128:2:4:0:0,128:2:4:0:16,128:2:4:0:0,128:2:4:0:16 --out "$dir/decode-tune-mergeprefetch-$gpu-d128.json" > /dev/null || rc=1
+    timeout 130 $py scripts/tune_decode.py --headdim 128 --shapes 1:8:32768,1:8:131072,1:32:32768,8:8:32768 \
+      --configs 128:2:4:0:0:0:0,128:2:4:0:0:0:2,128:2:4:0:0:0:4,128:2:4:0:0:0:0,128:2:4:0:0:0:4 \
+      --out "$dir/decode-tune-afterwait-$gpu-d128.json" > /dev/null || rc=1
     timeout 150 $py -m pytest -m gpu -q tests/test_decode.py 2>&1 | tail -3 || rc=1
     exit $rc
     ;;
