@@ -80,7 +80,7 @@ class K6FMHA(k5.K5FMHA):
         self.skip_unit_rescale = skip_unit_rescale
 
     def tile_softmax(self, *args) -> sm90.OnlineSoftmax:
-        """K5's, with part of each unmasked tile's exponentials moved to the FMA pipe."""
+        """K5's, with the two softmax knobs (off unless asked for: both lost on an H100, docs/k6.md)."""
         softmax = k5.K5FMHA.tile_softmax(self, *args)
         softmax.emulated_exp2 = self.emulated_exp2
         softmax.skip_unit_rescale = self.skip_unit_rescale and not softmax.scaled_max

@@ -143,7 +143,7 @@ def convert_to(src: cute.Tensor, dst: cute.Tensor):
 
 
 # --------------------------------------------------------------------------------------
-# 2^x on the FMA pipe (K6 at d=64: the exponential unit is as busy as the tensor cores)
+# 2^x on the FMA pipe (a K6 knob, emulated_exp2: measured on an H100 and left off, docs/k6.md)
 # --------------------------------------------------------------------------------------
 
 # 2^f on [0, 1) as 1 + f*(C1 + f*(C2 + f*C3)): a least-squares fit of the relative error, at most
@@ -164,8 +164,8 @@ def exp2_poly(x: Float32, *, loc=None, ip=None) -> Float32:
     ``add.rm`` of 1.5*2^23 leaves floor(x) in the low mantissa bits of t (x >= -126 keeps
     2^floor(x) a normal number); shifted into the exponent field and biased, they are 2^floor(x)
     as a float, and one multiply joins the two halves (so a NaN score stays NaN, as with ex2).
-    Eight FP32 and two integer instructions where ex2 takes one MUFU slot: worth it only for the
-    share of a tile that the MUFU cannot keep up with.
+    Eight FP32 and two integer instructions where ex2 takes one MUFU slot: worth it only where
+    the MUFU, not instruction issue, limits the softmax (not so in K6 on an H100).
     """
     c1, c2, c3 = (_f32_hex(c) for c in EXP2_POLY)
     magic = _f32_hex(1.5 * 2 ** 23)
