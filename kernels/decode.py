@@ -262,8 +262,7 @@ class DecodeFMHA:
                 lo, hi = tile_range(cute.ceil_div(hint_len, tile_n), num_splits, split)
                 with cute.arch.elect_one():
                     for t in cutlass.range(cutlass.min(self.l2_prefetch, hi - lo), unroll=1):
-                        cute.prefetch(tma_atom_K, tKgK[None, lo + t])
-                        cute.prefetch(tma_atom_V, tVgV[None, lo + t])
+                        l2_hint(kv_loads, lo + t)
         # Programmatic dependent launch (PDL) both ways: this grid may start while the previous
         # kernel on the stream finishes (the setup above overlaps its tail; nothing is read from
         # GMEM before the wait but the prefetch's hint), and the next one (Combine, or the next
@@ -292,8 +291,7 @@ class DecodeFMHA:
                 first = max(self.l2_prefetch, stages)
                 with cute.arch.elect_one():
                     for t in cutlass.range(first, cutlass.min(first + self.prefetch_after_wait, n_hi - n_lo), unroll=1):
-                        cute.prefetch(tma_atom_K, tKgK[None, n_lo + t])
-                        cute.prefetch(tma_atom_V, tVgV[None, n_lo + t])
+                        l2_hint(kv_loads, n_lo + t)
 
         # ---- Q: the packed rows, by the threads, while the first K/V tiles are in flight -------
         rows = packed_rows(m_block, kv_head, self.group, self.q_per_tile, q_len)
@@ -443,10 +441,8 @@ class DecodeFMHA:
             if const_expr(self.prefetch_ahead > 0):
                 t_ahead = t_refill + self.prefetch_ahead
                 if t >= 1 and t_ahead >= self.l2_prefetch and n_lo + t_ahead < n_hi:
-                    tma_atom_K, tKgK, _, tma_atom_V, tVgV, _ = kv_loads
                     with cute.arch.elect_one():
-                        cute.prefetch(tma_atom_K, tKgK[None, n_lo + t_ahead])
-                        cute.prefetch(tma_atom_V, tVgV[None, n_lo + t_ahead])
+                        l2_hint(kv_loads, n_lo + t_ahead)
         warpgroup.wait_group(0)
         if const_expr(masked):
             # Row r of query tile m_block is query position (m_block * packed_rows + r) // group.
@@ -565,6 +561,14 @@ class Combine:
 
 
 @cute.jit
+def l2_hint(kv_loads: tuple, n_block: Int32):
+    """Pull K/V tile ``n_block`` into L2 (TMA prefetch: no SMEM, no barrier; call from one thread)."""
+    tma_atom_K, tKgK, _, tma_atom_V, tVgV, _ = kv_loads
+    cute.prefetch(tma_atom_K, tKgK[None, n_block])
+    cute.prefetch(tma_atom_V, tVgV[None, n_block])
+
+
+@cute.jit
 def combine_row(mO_partial: cute.Tensor, mLSE_partial: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
                 num_splits: Int32, batch: Int32, q_idx: Int32, head: Int32, lane: Int32,
                 prefetch: cutlass.Constexpr[int]):
@@ -653,17 +657,15 @@ def _fake_decode_args(dtype, head_dim: int, seqlens: bool, split: bool, counters
 
 
 def compile_decode(head_dim: int, dtype: str, causal: bool, group: int, split: bool, seqlens: bool,
-                   tile_n: int, kv_stages: int, l2_prefetch: int = 0, refill_at_release: bool = False,
-                   merge_prefetch: int = 0, prefetch_ahead: int = 0, prefetch_after_wait: int = 0,
-                   merge: str = "combine", keep_ptx: bool = False):
+                   merge: str = "combine", keep_ptx: bool = False, **cfg):
+    """The main kernel; ``cfg``: a ``config`` (DEFAULT_CONFIG's keys)."""
     dt = cute_dtype(dtype)
     merge = merge if split else "combine"
     in_kernel = merge != "combine"
-    key = ("decode", head_dim, dtype, causal, group, split, seqlens, tile_n, kv_stages, l2_prefetch,
-           refill_at_release, merge, merge_prefetch if in_kernel else 0, prefetch_ahead, prefetch_after_wait)
-    return jit_compile(key, lambda: (DecodeFMHA(head_dim, dt, causal, group, tile_n, kv_stages, split, merge,
-                                                l2_prefetch, refill_at_release, merge_prefetch, prefetch_ahead,
-                                                prefetch_after_wait),
+    if not in_kernel:  # the merge's loads live in Combine then: one main kernel for every value
+        cfg = dict(cfg, merge_prefetch=0)
+    key = ("decode", head_dim, dtype, causal, group, split, seqlens, merge, tuple(sorted(cfg.items())))
+    return jit_compile(key, lambda: (DecodeFMHA(head_dim, dt, causal, group, split=split, merge=merge, **cfg),
                                      _fake_decode_args(dt, head_dim, seqlens, split, in_kernel)), keep_ptx)
 
 
@@ -761,14 +763,13 @@ class DecodeLauncher:
         self.launch(q, k_cache, v_cache, out, lse, cache_seqlens, scale, self.buffers(b, q_len, h, q.device, counters))
 
 
-def config(head_dim: int, tile_n=None, kv_stages=None, l2_prefetch=None, refill_at_release=None,
-           merge_prefetch=None, prefetch_ahead=None, prefetch_after_wait=None) -> dict:
+def config(head_dim: int, **overrides) -> dict:
+    """DEFAULT_CONFIG of the head dim with the caller's overrides (None keeps the default)."""
     cfg = dict(DEFAULT_CONFIG[head_dim])
-    cfg.update({k: v for k, v in dict(tile_n=tile_n, kv_stages=kv_stages, l2_prefetch=l2_prefetch,
-                                      refill_at_release=refill_at_release,
-                                      merge_prefetch=merge_prefetch,
-                                      prefetch_ahead=prefetch_ahead,
-                                      prefetch_after_wait=prefetch_after_wait).items() if v is not None})
+    unknown = sorted(set(overrides) - set(cfg))
+    if unknown:
+        raise TypeError(f"unknown decode configuration keys {unknown}: the keys are {sorted(cfg)}")
+    cfg.update({k: v for k, v in overrides.items() if v is not None})
     return cfg
 
 
@@ -784,14 +785,13 @@ def make_launcher(head_dim: int, dtype: str, causal: bool, group: int, num_split
     return DecodeLauncher(main, combine, num_splits, head_dim, group, merge)
 
 
-def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_splits: int = 0, merge: str = DEFAULT_MERGE, tile_n=None,
-                   kv_stages=None, l2_prefetch=None, refill_at_release=None, merge_prefetch=None,
-                   prefetch_ahead=None, prefetch_after_wait=None) -> CompiledAttention:
+def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_splits: int = 0, merge: str = DEFAULT_MERGE,
+                   **knobs) -> CompiledAttention:
     """The ordinary contract (SDPA layout, K/V of the full seqlen_k): the decode kernel with no
-    cache lengths. ``num_splits`` 0 picks S for this problem on the current GPU."""
+    cache lengths. ``num_splits`` 0 picks S for this problem on the current GPU; ``knobs``
+    override DEFAULT_CONFIG's keys."""
     CAPS.check(p)
-    cfg = config(p.head_dim, tile_n, kv_stages, l2_prefetch, refill_at_release, merge_prefetch, prefetch_ahead,
-                 prefetch_after_wait)
+    cfg = config(p.head_dim, **knobs)
     if not isinstance(num_splits, int) or not 0 <= num_splits <= MAX_SPLITS:
         raise UnsupportedProblem(f"num_splits must be an int in [0, {MAX_SPLITS}] (0: automatic), got {num_splits!r}")
     splits = num_splits or choose_num_splits(p.batch, p.kv_heads, p.group, p.seqlen, p.kv_len, sm_count(),

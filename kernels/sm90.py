@@ -227,16 +227,16 @@ class OnlineSoftmax:
     """
 
     scaled_max = False  # K8 (BlockScaledSoftmax): a scale per KV tile, the row max in scaled units
+    # K6's knobs (K6FMHA.tile_softmax sets them per instance; off: both lost on an H100).
+    # emulated_exp2: of every 8 columns of a tile with no masked score, this many take
+    # ``exp2_poly`` (FMA pipe) instead of ex2 (MUFU). Masked tiles keep ex2: -inf must give exactly 0.
+    emulated_exp2 = 0
+    # skip_unit_rescale: a warp whose rows all kept their max skips the O rescale (factor exactly 1).
+    skip_unit_rescale = False
 
-    def __init__(self, num_rows: int, scale_log2: Float32, p_offset: float = 0.0, emulated_exp2: int = 0,
-                 skip_unit_rescale: bool = False):
+    def __init__(self, num_rows: int, scale_log2: Float32, p_offset: float = 0.0):
         self.num_rows = num_rows
         self.scale_log2 = scale_log2
-        # K6: of every 8 columns of a tile with no masked score, this many take ``exp2_poly`` (FMA
-        # pipe) instead of ex2 (MUFU). Masked tiles keep ex2: -inf must give exactly 0.
-        self.emulated_exp2 = emulated_exp2
-        # K6: a warp whose rows all kept their max skips the O rescale (their factor is exactly 1).
-        self.skip_unit_rescale = skip_unit_rescale
         # K7: P = exp2(... + p_offset) lands in [0, 2^p_offset], away from e4m3's underflow; the
         # row sum carries the same factor (O is unchanged) and the LSE takes it back out.
         self.p_offset = p_offset

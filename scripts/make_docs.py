@@ -562,11 +562,16 @@ def ws_readme_table(sweep):
             + markdown_table(["kernel", "what it adds", "geomean × best peer", "worst cell", "d128 N=8k TFLOP/s"], body))
 
 
-def ws_rounds_readme(sweep):
-    """README: k6 over the sweep timed in rounds (``bench.py --rounds``), one sentence."""
+def k6_rounds(sweep):
+    """(k6's ratio to the best peer in every cell that has one, rounds per cell) of a rounds sweep."""
     rows = sweep_rows(sweep)
     ratios = [x for x in (_vs_best(rows, "k6", n, d, c)[1] for d, c, n in ws_cells(sweep)) if x]
-    rounds = max(len(r.get("ms_rounds", ())) for r in sweep["rows"])
+    return ratios, max(len(r.get("ms_rounds", ())) for r in sweep["rows"])
+
+
+def ws_rounds_readme(sweep):
+    """README: k6 over the sweep timed in rounds (``bench.py --rounds``), one sentence."""
+    ratios, rounds = k6_rounds(sweep)
     return (f"Timed again with each candidate {rounds} times per cell, the order reversed each round, the median "
             f"(`{sweep['meta'].get('command', '')}`, {gpu_short_name(sweep['meta'].get('device', ''))}): "
             f"`k6` {_geomean(ratios):.3f}× geomean, worst cell {min(ratios):.2f}× ([K6](docs/k6.md) lists every run).")
@@ -576,9 +581,7 @@ def ws_rounds_runs_table(runs):
     """docs/k6.md: every run of the rounds sweep, one line each, oldest first."""
     body = []
     for sweep in sorted(runs, key=lambda f: f["meta"].get("date", "")):
-        rows = sweep_rows(sweep)
-        ratios = [x for x in (_vs_best(rows, "k6", n, d, c)[1] for d, c, n in ws_cells(sweep)) if x]
-        rounds = max(len(r.get("ms_rounds", ())) for r in sweep["rows"])
+        ratios, rounds = k6_rounds(sweep)
         body.append([sweep["meta"].get("date", "")[:16].replace("T", " "), gpu_short_name(sweep["meta"].get("device", "")),
                      f"`{sweep['meta'].get('command', '')}`", rounds, f"{_geomean(ratios):.3f}×", f"{min(ratios):.2f}×",
                      sum(x >= 1.0 for x in ratios), len(ratios)])
@@ -713,9 +716,10 @@ def main(argv=None):
         page.write_text(text)
     # The step-by-step tables want a run of every stage; a run of k6 alone in rounds gets its own.
     ws_sweep = latest_with("ws-sweep*.json", ["k4", "k5"])
-    ws_rounds = latest_with("ws-sweep-rounds*.json", ["k6"])
+    rounds_runs = [f for f in finished("ws-sweep-rounds*.json") if any(r["kernel"] == "k6" for r in f["rows"])]
+    ws_rounds = max(rounds_runs, key=lambda f: f["meta"].get("date", "")) if rounds_runs else None
+    readme = ROOT / "README.md"
     if ws_sweep:
-        readme = ROOT / "README.md"
         if "<!-- table:ws -->" in readme.read_text():
             readme.write_text(replace_block(readme.read_text(), "ws", ws_readme_table(ws_sweep)))
     if ws_rounds and "<!-- table:ws-rounds-readme -->" in readme.read_text():
@@ -731,7 +735,6 @@ def main(argv=None):
             text = replace_block(text, "ws-steps", ws_steps_table(ws_sweep))
         if ws_rounds and "<!-- table:ws-rounds -->" in text:
             text = replace_block(text, "ws-rounds", ws_steps_table(ws_rounds))
-        rounds_runs = [f for f in finished("ws-sweep-rounds*.json") if any(r["kernel"] == "k6" for r in f["rows"])]
         if rounds_runs and "<!-- table:ws-rounds-runs -->" in text:
             text = replace_block(text, "ws-rounds-runs", ws_rounds_runs_table(rounds_runs))
         if compile_files and "<!-- table:ws-compile -->" in text:

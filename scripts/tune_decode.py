@@ -30,6 +30,8 @@ SHAPES = {  # head dim -> (batch, nheads_kv, cache length) rows
     256: ((1, 8, 32768), (8, 8, 32768)),
 }
 CONFIGS = {128: ((128, 2), (128, 3), (192, 2)), 64: ((128, 2), (128, 4), (256, 2)), 256: ((64, 2), (64, 3), (96, 2))}
+# --configs fields after tile_n:kv_stages, in order (a field left out: the head dim's default)
+FIELDS = ("l2_prefetch", "refill_at_release", "merge_prefetch", "prefetch_ahead", "prefetch_after_wait")
 
 
 def parse_args(argv=None):
@@ -92,26 +94,17 @@ def main(argv=None) -> int:
             lens = torch.full((b,), kv_len, dtype=torch.int32, device="cuda")
             o = torch.empty_like(q)
             lse = torch.empty((b, NHEADS, 1), device="cuda")
-            defaults = decode.config(d)
             for tile_n, stages, *rest in configs:
-                l2_prefetch = rest[0] if rest else defaults["l2_prefetch"]
-                early = bool(rest[1]) if len(rest) > 1 else defaults["refill_at_release"]
-                merge_prefetch = rest[2] if len(rest) > 2 else defaults["merge_prefetch"]
-                ahead = rest[3] if len(rest) > 3 else defaults["prefetch_ahead"]
-                after_wait = rest[4] if len(rest) > 4 else defaults["prefetch_after_wait"]
+                cfg = decode.config(d, tile_n=tile_n, kv_stages=stages, **dict(zip(FIELDS, rest)))
+                cfg["refill_at_release"] = bool(cfg["refill_at_release"])
                 for asked, merge in ((a, m) for a in splits_list for m in merges):
                     splits = asked or decode.choose_num_splits(b, h_kv, NHEADS // h_kv, 1, kv_len,
                                                                decode.sm_count(), tile_n)
                     row = dict(device=device, head_dim=d, batch=b, nheads=NHEADS, nheads_kv=h_kv, seqlen_k=kv_len,
-                               tile_n=tile_n, kv_stages=stages, l2_prefetch=l2_prefetch, refill_at_release=early,
-                               merge_prefetch=merge_prefetch, prefetch_ahead=ahead,
-                               prefetch_after_wait=after_wait, num_splits=splits,
-                               auto_splits=asked == 0)
+                               **cfg, num_splits=splits, auto_splits=asked == 0)
                     try:
-                        la = decode.make_launcher(d, "bfloat16", False, NHEADS // h_kv, splits, True, tile_n=tile_n,
-                                                  kv_stages=stages, l2_prefetch=l2_prefetch,
-                                                  refill_at_release=early, merge_prefetch=merge_prefetch,
-                                                  prefetch_ahead=ahead, prefetch_after_wait=after_wait, merge=merge)
+                        la = decode.make_launcher(d, "bfloat16", False, NHEADS // h_kv, splits, True, merge=merge,
+                                                  **cfg)
                     except Exception as e:  # a configuration that does not fit: a row that says so
                         row.update(status=f"refused: {e}")
                         print(row)
@@ -130,8 +123,8 @@ def main(argv=None) -> int:
 
                         ms = graph_ms(step)
                         row.update(status="ok", merge=merge, ms=ms, tbps=kv_bytes / (ms * 1e-3) / 1e12)
-                    print(f"{merge} d={d} b={b} h_kv={h_kv} kv_len={kv_len} tile_n={tile_n} stages={stages} "
-                          f"l2_prefetch={l2_prefetch} early={int(early)} merge_prefetch={merge_prefetch} ahead={ahead} after_wait={after_wait} S={splits}: "
+                    print(f"{merge} d={d} b={b} h_kv={h_kv} kv_len={kv_len} "
+                          + " ".join(f"{k}={int(v)}" for k, v in cfg.items()) + f" S={splits}: "
                           + (f"{row['ms'] * 1e3:.1f} us {row['tbps']:.2f} TB/s" if row.get("ms") else row["status"]),
                           flush=True)
                     if out:
