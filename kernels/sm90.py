@@ -10,7 +10,7 @@ helpers below name that pattern so kernels can work on it without an SMEM round 
 * ``row_reduce``         max or sum over the columns of one row this thread owns
 * ``quad_allreduce``     a row is split over 4 sibling lanes: reduce over them with shuffles
 * ``OnlineSoftmax``      the FA2 online softmax, run directly on a C fragment
-* ``mask_tile``          seqlen / causal masking via an identity-tensor coordinate probe
+* ``mask_tile``          seqlen / causal masking: an identity-tensor coordinate probe, a keep-bitmask
 * ``gemm``               issue one tile's WGMMAs (fence, k-loop, commit, optional wait)
 
 TMA descriptors, views and mbarrier pipelines live in ``kernels/tma_pipeline.py``.
@@ -434,6 +434,15 @@ def store_o_tma_and_lse(acc_O: cute.Tensor, softmax: OnlineSoftmax, tiled_mma_pv
 # Masking through an identity-tensor coordinate probe
 # --------------------------------------------------------------------------------------
 
+@dsl_user_op
+def shr_u32(x: cutlass.Uint32, n: cutlass.Uint32, *, loc=None, ip=None) -> cutlass.Uint32:
+    """x >> n with PTX's semantics: 0 for n >= 32 (in LLVM a shift by >= 32 is undefined)."""
+    return cutlass.Uint32(llvm.inline_asm(
+        T.i32(), [cutlass.Uint32(x).ir_value(loc=loc, ip=ip), cutlass.Uint32(n).ir_value(loc=loc, ip=ip)],
+        "shr.b32 $0, $1, $2;", "=r,r,r", has_side_effects=False, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
 @cute.jit
 def mask_tile(acc_S: cute.Tensor, tScS: cute.Tensor, m_block: Int32, n_block: Int32, seqlen: Int32,
               tile_m: cutlass.Constexpr, tile_n: cutlass.Constexpr, causal: cutlass.Constexpr, causal_offset=None,
@@ -444,11 +453,15 @@ def mask_tile(acc_S: cute.Tensor, tScS: cute.Tensor, m_block: Int32, n_block: In
 
     ``tScS`` is the thread's partition of an identity tensor over the (tile_m, tile_n) tile:
     the same C-fragment layout as acc_S, but each slot holds its (row, col) coordinate.
-    Rows and columns are probed once each through the (rows, cols) view.
+    Column c of a row sits at key thr_col + 8 * (c // 2) + c % 2, so the keys below a limit are
+    always the row's first n_keep columns: one 32-bit keep-mask per 32 columns, whose constant
+    bit tests ptxas turns into predicate moves (R2P), instead of one compare per column.
     """
     acc_S_mn = acc_mn_view(acc_S)
     tScS_mn = acc_mn_view(tScS)
-    col_limit_seqlen = seqlen - n_block * tile_n
+    num_cols = cute.size(acc_S_mn, mode=[1])
+    thr_col = tScS_mn[0, 0][1]
+    col_limit_seqlen = seqlen - n_block * tile_n - thr_col
     for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
         col_limit = col_limit_seqlen
         if const_expr(causal):
@@ -457,10 +470,14 @@ def mask_tile(acc_S: cute.Tensor, tScS: cute.Tensor, m_block: Int32, n_block: In
                 q_idx = q_idx // rows_per_query
             if const_expr(causal_offset is not None):
                 q_idx = q_idx + causal_offset
-            col_limit = cutlass.min(col_limit, q_idx + 1 - n_block * tile_n)
-        for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
-            if tScS_mn[0, c][1] >= col_limit:
-                acc_S_mn[r, c] = -Float32.inf
+            col_limit = cutlass.min(col_limit, q_idx + 1 - n_block * tile_n - thr_col)
+        col_limit = cutlass.max(col_limit, 0)
+        n_keep = col_limit // 8 * 2 + cutlass.min(col_limit % 8, 2)
+        for chunk in cutlass.range_constexpr(cute.ceil_div(num_cols, 32)):
+            keep = shr_u32(cutlass.Uint32(0xFFFFFFFF), cutlass.Uint32(cutlass.max(32 * (chunk + 1) - n_keep, 0)))
+            for i in cutlass.range_constexpr(min(32, num_cols - 32 * chunk)):
+                c = 32 * chunk + i
+                acc_S_mn[r, c] = acc_S_mn[r, c] if cutlass.Boolean(keep & cutlass.Uint32(1 << i)) else -Float32.inf
 
 
 # --------------------------------------------------------------------------------------
