@@ -452,9 +452,11 @@ class K5FMHA:
 
 
 def default_config(p: Problem, overrides: dict) -> dict:
-    """DEFAULT_CONFIG for the head dim, persistent (static) non-causal and dynamic causal, then
-    the caller's overrides (None keeps the default)."""
-    cfg = dict(DEFAULT_CONFIG[p.head_dim], scheduler="dynamic" if p.causal else "static")
+    """DEFAULT_CONFIG for the head dim, persistent (static) non-causal and dynamic causal, L2
+    sections by key length (schedule.section_bytes), then the caller's overrides (None keeps the
+    default)."""
+    cfg = dict(DEFAULT_CONFIG[p.head_dim], scheduler="dynamic" if p.causal else "static",
+               section_bytes=schedule.section_bytes(p.kv_len) if p.causal else schedule.SECTION_BYTES)
     cfg.update({k: v for k, v in overrides.items() if v is not None})
     return cfg
 
