@@ -8,8 +8,9 @@ Two things go wrong with that order, and a linear tile index decoded here fixes 
   heads still start last and run alone at the end. Here the heaviest tiles of every head come
   first (longest-processing-time first, "LPT").
 * L2 reuse. Heads are grouped into sections of heads whose K and V fit in an eighth of L2
-  together (``SECTION_BYTES``); a section's tiles run back to back (m-block-major, heads
-  fastest), so every K/V tile is read from HBM about once however many query tiles read it.
+  together (``section_bytes``: all of L2 from 4k keys); a section's tiles run back to back
+  (m-block-major, heads fastest), so every K/V tile is read from HBM about once however many
+  query tiles read it.
 
 ``tile_coords`` is the decoding; ``l2_section_heads`` the section size. A kernel walks tile
 indices ``block_idx.x, block_idx.x + grid_dim.x, ...``: with one CTA per tile (grid = all tiles)

@@ -443,6 +443,13 @@ def shr_u32(x: cutlass.Uint32, n: cutlass.Uint32, *, loc=None, ip=None) -> cutla
         asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
+def columns_below(col_limit):
+    """How many of a row's C-fragment columns lie below ``col_limit`` (relative to the thread's
+    first column): column c sits at 8 * (c // 2) + c % 2. Python ints or DSL integers."""
+    col_limit = cutlass.max(col_limit, 0)
+    return col_limit // 8 * 2 + cutlass.min(col_limit % 8, 2)
+
+
 @cute.jit
 def mask_tile(acc_S: cute.Tensor, tScS: cute.Tensor, m_block: Int32, n_block: Int32, seqlen: Int32,
               tile_m: cutlass.Constexpr, tile_n: cutlass.Constexpr, causal: cutlass.Constexpr, causal_offset=None,
@@ -471,8 +478,7 @@ def mask_tile(acc_S: cute.Tensor, tScS: cute.Tensor, m_block: Int32, n_block: In
             if const_expr(causal_offset is not None):
                 q_idx = q_idx + causal_offset
             col_limit = cutlass.min(col_limit, q_idx + 1 - n_block * tile_n - thr_col)
-        col_limit = cutlass.max(col_limit, 0)
-        n_keep = col_limit // 8 * 2 + cutlass.min(col_limit % 8, 2)
+        n_keep = columns_below(col_limit)
         for chunk in cutlass.range_constexpr(cute.ceil_div(num_cols, 32)):
             keep = shr_u32(cutlass.Uint32(0xFFFFFFFF), cutlass.Uint32(cutlass.max(32 * (chunk + 1) - n_keep, 0)))
             for i in cutlass.range_constexpr(min(32, num_cols - 32 * chunk)):

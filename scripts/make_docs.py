@@ -265,9 +265,34 @@ def ws_tune_table(tune):
         body.append([r["head_dim"], r["causal"], r["seqlen"], label,
                      fmt(r["tflops"]) if r.get("tflops") else r.get("status", "—")[:40],
                      f"{ratio:.2f}×" if ratio else "—"])
+    rounds = max((len(r.get("ms_rounds", ())) for r in tune["rows"]), default=0)
+    timed = (f" and timed {rounds} times, the order reversed each round (the median)" if rounds > 1 else "")
     return (f"On an {gpu}: `{tune['meta'].get('command', '')}`, {tune['meta'].get('date', '')[:10]}. Each "
-            "configuration was checked against SDPA on the same inputs before it was timed.\n\n"
+            f"configuration was checked against SDPA on the same inputs before it was timed{timed}.\n\n"
             + markdown_table(["d", "causal", "N", "configuration", "TFLOP/s", "× best peer"], body))
+
+
+def sass_loops_table(files):
+    """docs/k6.md: instructions per KV tile in the SASS of each loop flavour (scripts/sass_loops.py),
+    one row per (file, kernel, d, causal, masked); copies of one loop (one per Q stage) as a range."""
+    groups = {}
+    for f in files:
+        commit = (f["meta"].get("commit") or "")[:7]
+        for r in f["rows"]:
+            label = f"`{r['kernel']}`" + (f" at {commit}" if r["kernel"] != "fa4" else "")
+            key = (r["head_dim"], r["causal"], r["masked"], r["kernel"] != "fa4", label)
+            groups.setdefault(key, []).append(r)
+    body = []
+    for (d, causal, masked, _, label), rows in sorted(groups.items(), key=lambda kv: kv[0][:4]):
+        counts = sorted({r["instructions"] for r in rows})
+        uniform = sorted({r["uniform"] for r in rows})
+        span = lambda xs: f"{xs[0]}" if len(xs) == 1 else f"{xs[0]}–{xs[-1]}"  # noqa: E731
+        body.append([d, causal, label, rows[0]["tile_n"], "masked" if masked else "unmasked", span(counts),
+                     f"{counts[0] / rows[0]['tile_n']:.2f}", span(uniform)])
+    commands = [f"`{f['meta'].get('command', '')}`" for f in files]
+    return ("From " + "; ".join(commands) + " (SASS of the sm_90a build, no GPU).\n\n"
+            + markdown_table(["d", "causal", "kernel", "tile_n", "loop", "instructions per KV tile",
+                              "per key", "of them uniform"], body))
 
 
 def ws_compile_table(files):
@@ -746,6 +771,9 @@ def main(argv=None):
     mha, gqa = latest("ws-gqa-g1-*.json"), latest("ws-gqa-g4-*.json")
     if mha and gqa and page.exists() and "<!-- table:gqa -->" in page.read_text():
         page.write_text(replace_block(page.read_text(), "gqa", gqa_table(mha, gqa)))
+    sass = finished("sass-loops*.json")
+    if sass and page.exists() and "<!-- table:sass-loops -->" in page.read_text():
+        page.write_text(replace_block(page.read_text(), "sass-loops", sass_loops_table(sass)))
     ws_tunes = finished("ws-tune*.json")
     softmax_tunes = [t for t in ws_tunes if any(k in SOFTMAX_KNOBS for r in t["rows"] for k in (r["config"] or {}))]
     for name, tunes in (("ws-tune", [t for t in ws_tunes if t not in softmax_tunes]), ("ws-tune-softmax", softmax_tunes)):

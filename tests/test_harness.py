@@ -193,3 +193,39 @@ def test_k3_refuses_head_dims_whose_stages_do_not_fit():
     assert 256 in get_kernel("k3_1").caps.head_dims
     with pytest.raises(UnsupportedProblem, match="368 KB of SMEM"):
         get_kernel("k3_3").compile(Problem(1, 1, 64, 256))
+
+
+def test_sass_loops_finds_the_kv_tile_loop_only():
+    # scripts/sass_loops.py: of the backward branches, the innermost one holding one KV tile's
+    # WGMMAs (d/16 + tile_n/16) and exponentials (tile_n/2); spin-waits and the enclosing
+    # query-tile loop are not tile loops.
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "sass_loops.py"
+    spec = importlib.util.spec_from_file_location("sass_loops", path)
+    sass_loops = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sass_loops)
+
+    lines, addr = [], 0
+
+    def emit(text):
+        nonlocal addr
+        lines.append(f"        /*{addr:04x}*/                   {text} ;")
+        addr += 0x10
+        return addr - 0x10
+
+    outer = emit("S2R R0, SR_TID.X")
+    inner = emit("SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R9+URZ+0x20], R0")
+    emit("@!P0 BRA " + hex(inner))  # spin-wait: a short backward branch
+    for _ in range((128 + 128) // 16):
+        emit("HGMMA.64x128x16.F32.BF16 R24, gdesc[UR20], R24")
+    for _ in range(64):
+        emit("MUFU.EX2 R5, R5")
+        emit("FFMA R5, R5, R6, -R7")
+    emit("@P0 BRA " + hex(inner))
+    emit("STG.E [R2], R4")
+    emit("@P1 BRA " + hex(outer))
+    loops = sass_loops.tile_loops("\n".join(lines), 128, 128)
+    assert [(start, ops["HGMMA"], ops["MUFU"]) for start, _, ops in loops] == [(inner, 16, 64)]
+    assert sass_loops.tile_loops("\n".join(lines), 64, 128) == []  # wrong WGMMA count for d=64

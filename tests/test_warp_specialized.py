@@ -170,3 +170,39 @@ def test_exp2_cubic_is_within_bf16_precision():
     assert fit_exp2.max_relative_error(EXP2_POLY) < 1e-4
     assert fit_exp2.max_relative_error((0.69, 0.24, 0.07)) > 1e-4  # the check can fail
     assert max(abs(a - b) for a, b in zip(fit_exp2.fit(), EXP2_POLY)) < 1e-5
+
+
+@pytest.mark.parametrize("num_cols", [20, 32, 36])  # tile_n 80, 128, 144: 4 columns per thread per 16 keys
+def test_keep_mask_counts_the_columns_below_the_limit(num_cols):
+    # mask_tile keeps a row's first columns_below(limit) columns: that must be exactly the columns
+    # whose key offset 8 * (c // 2) + c % 2 (+ the thread's own offset, 0..6) is below the limit.
+    from kernels.sm90 import columns_below
+
+    for thr_col in (0, 2, 4, 6):
+        for limit in range(-20, 8 * num_cols):
+            below = [c for c in range(num_cols) if thr_col + 8 * (c // 2) + c % 2 < limit]
+            assert below == list(range(min(columns_below(limit - thr_col), num_cols))), (limit, thr_col)
+
+
+def test_masking_moves_predicates_and_q_stages_get_a_mainloop_each():
+    # The keep-mask: one shr.b32 per row and 32-column chunk instead of a compare per column.
+    # 2 Q stages: the mainloop (and its masked loop) exists once per stage, Q's stage a constant.
+    compiled = _compile("k6", 128, causal=True)
+    ptx = compiled.ptx
+    masked_loops = 2 * compiled.info["q_stages"]  # prologue tile + masked loop, per mainloop copy
+    assert ptx.count("shr.b32") == masked_loops * 2  # 2 rows, one chunk (a thread holds 32 of 128 keys)
+    assert len(re.findall(r"setp\.\w+\.s32", ptx)) < 64  # was one per column: 135 at d=128 causal
+    one_stage = _compile("k6", 128, causal=True, q_stages=1)
+    wgmma = lambda c: c.ptx.count("wgmma.mma_async")  # noqa: E731
+    assert wgmma(compiled) == 2 * wgmma(one_stage)
+
+
+def test_long_causal_sequences_take_l2_sized_sections():
+    from kernels import schedule
+
+    entry = get_kernel("k6")
+    assert entry.compile(Problem(1, 1, 2048, 128, causal=True)).info["section_bytes"] == schedule.L2_BYTES // 8
+    assert entry.compile(Problem(1, 1, 4096, 128, causal=True)).info["section_bytes"] == schedule.L2_BYTES
+    assert entry.compile(Problem(1, 1, 4096, 128, causal=True), section_bytes=1 << 20).info["section_bytes"] == 1 << 20
+    # Chunked prefill: the key length decides.
+    assert entry.compile(Problem(1, 1, 1024, 128, causal=True, seqlen_k=8192)).info["section_bytes"] == schedule.L2_BYTES
