@@ -330,6 +330,32 @@ def ncu_table(path):
             + markdown_table(["kernel", "tensor pipe active (% of peak)", "duration under ncu (ms)"], body))
 
 
+def ncu_compare_table(path):
+    """docs/k6.md: scripts/ncu_compare.sh output, one row per metric, k6 beside flash-attn-4."""
+    lines = path.read_text().splitlines()
+    values = {}
+    for line in lines[1:]:
+        kernel, metric, value = line.split(maxsplit=2)
+        values.setdefault(metric, {})[kernel] = float(value.replace(",", ""))
+    names = {"gpu__time_duration.sum": "duration under ncu (µs)",
+             "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active": "tensor pipe active (% of peak)",
+             "smsp__issue_active.avg.pct_of_peak_sustained_active": "issue slots used (% of peak)",
+             "sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active": "XU (MUFU) pipe (% of peak)",
+             "smsp__inst_executed.sum": "instructions executed (millions)"}
+    body = []
+    for metric, v in values.items():
+        if "k6" not in v or "fa4" not in v:
+            continue
+        scale = 1e-3 if metric.startswith("gpu__time") else 1e-6 if metric.endswith("inst_executed.sum") else 1
+        stall = re.match(r"smsp__average_warps_issue_stalled_(\w+)_per_issue_active", metric)
+        if stall and max(v["k6"], v["fa4"]) < 0.1:
+            continue  # the reasons that never matter here
+        label = f"stall: {stall.group(1)} (warps per issue)" if stall else names.get(metric, metric)
+        body.append([label, f"{v['k6'] * scale:.2f}", f"{v['fa4'] * scale:.2f}"])
+    return (f"`{path.relative_to(ROOT)}`: {lines[0]}\n\n"
+            + markdown_table(["metric", "`k6`", "flash-attn-4"], body))
+
+
 def gqa_table(mha, gqa):
     """docs/k6.md: the same kernel on the same query shapes with all K/V heads and with grouped ones."""
     def tf(f):
@@ -771,6 +797,9 @@ def main(argv=None):
     mha, gqa = latest("ws-gqa-g1-*.json"), latest("ws-gqa-g4-*.json")
     if mha and gqa and page.exists() and "<!-- table:gqa -->" in page.read_text():
         page.write_text(replace_block(page.read_text(), "gqa", gqa_table(mha, gqa)))
+    compares = sorted(ROOT.glob("results/ncu-compare-*.txt"))
+    if compares and page.exists() and "<!-- table:ncu-compare -->" in page.read_text():
+        page.write_text(replace_block(page.read_text(), "ncu-compare", "\n\n".join(ncu_compare_table(f) for f in compares)))
     sass = finished("sass-loops*.json")
     if sass and page.exists() and "<!-- table:sass-loops -->" in page.read_text():
         page.write_text(replace_block(page.read_text(), "sass-loops", sass_loops_table(sass)))

@@ -9,6 +9,8 @@
 #   bash scripts/reproduce.sh fp8check results # K7/K8: ref_check, sanitizers, GPU tests of the FP8 API
 #   bash scripts/reproduce.sh fp8 results      # K7/K8: sweep beside cuDNN FP8, time split, tuning, accuracy
 # Each file records the command that wrote it; then, anywhere: python scripts/make_docs.py --plot
+# Without a GPU: the SASS census of the KV-tile loops (results/sass-loops*.json, docs/k6.md), e.g.
+#   python scripts/sass_loops.py --headdim 64 128 256 --causal 0 1 --fa4 --out results/sass-loops.json
 set -euo pipefail
 part=${1:?check or perf}
 dir=${2:-results}
@@ -95,6 +97,23 @@ case "$part" in
       --configs '{"k6":[{}, {"rescale_o_before_gemm":true}, {"rescale_o_before_gemm":false}, {}, {"rescale_o_before_gemm":true}, {"rescale_o_before_gemm":false}]}' \
       --out "$dir/ws-tune-$gpu-rescale.json" || rc=1
     timeout 580 $py bench.py k6 --sweep --rounds 3 --out "$dir/ws-sweep-rounds2-$gpu.json" || rc=1  # a second run, another day
+    # the last percent (docs/k6.md): keep-mask masking and a mainloop per Q stage (rounds3), then
+    # causal L2 sections sized to all of L2 from 4k keys (rounds4); each tuning configuration timed 5 times
+    timeout 580 $py bench.py k6 --sweep --rounds 3 --out "$dir/ws-sweep-rounds3-$gpu.json" || rc=1
+    timeout 150 $py scripts/tune.py --kernels k6 --headdim 64 --causal 0 1 --seqlen 4096 8192 16384 --rounds 5 \
+      --configs '[{}, {"overlap":true,"tile_n":128}]' --out "$dir/ws-tune-$gpu-d64overlap-r5.json" || rc=1
+    timeout 120 $py scripts/tune.py --kernels k6 --headdim 128 --causal 0 --seqlen 4096 8192 16384 --rounds 5 \
+      --configs '[{}, {"tile_n":128}]' --out "$dir/ws-tune-$gpu-d128n-r5.json" || rc=1
+    timeout 200 $py scripts/tune.py --kernels k6 --headdim 128 256 --causal 1 --seqlen 2048 4096 8192 --rounds 5 \
+      --configs '[{}, {"scheduler":"single"}, {"section_bytes":52428800}]' --out "$dir/ws-tune-$gpu-causal-sched-r5.json" || rc=1
+    timeout 560 $py scripts/tune.py --kernels k6 --headdim 64 128 256 --causal 1 --seqlen 1024 2048 4096 16384 --rounds 5 \
+      --configs '[{}, {"section_bytes":6553600}, {"section_bytes":52428800}]' --out "$dir/ws-tune-$gpu-sections-r5.json" || rc=1
+    timeout 120 $py scripts/tune.py --kernels k6 --headdim 64 --causal 0 1 --seqlen 8192 16384 --rounds 5 \
+      --configs '[{}, {"kv_stages":3}, {"kv_stages":4}]' --out "$dir/ws-tune-$gpu-d64stages-r5.json" || rc=1
+    timeout 330 $py bench.py k6 --sweep --rounds 3 --out "$dir/ws-sweep-rounds4-$gpu.json" || rc=1
+    for d in 64 128; do  # k6 beside flash-attn-4 under ncu, 16k keys non-causal
+      timeout 250 bash scripts/ncu_compare.sh 16384 $d 0 > "$dir/ncu-compare-d$d-n16k-$gpu.txt" || rc=1
+    done
     exit $rc
     ;;
   decode)
