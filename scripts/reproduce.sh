@@ -111,6 +111,9 @@ case "$part" in
     timeout 120 $py scripts/tune.py --kernels k6 --headdim 64 --causal 0 1 --seqlen 8192 16384 --rounds 5 \
       --configs '[{}, {"kv_stages":3}, {"kv_stages":4}]' --out "$dir/ws-tune-$gpu-d64stages-r5.json" || rc=1
     timeout 330 $py bench.py k6 --sweep --rounds 3 --out "$dir/ws-sweep-rounds4-$gpu.json" || rc=1
+    timeout 330 $py bench.py k6 --sweep --rounds 3 --out "$dir/ws-sweep-rounds5-$gpu.json" || rc=1  # a second run
+    timeout 150 $py ref_check.py k6 k7 k8 --quick --out "$dir/refcheck-final-quick-$gpu.json" || rc=1
+    timeout 100 $py ref_check.py --decode --quick --out "$dir/refcheck-decode-quick-$gpu.json" || rc=1
     for d in 64 128; do  # k6 beside flash-attn-4 under ncu, 16k keys non-causal
       timeout 250 bash scripts/ncu_compare.sh 16384 $d 0 > "$dir/ncu-compare-d$d-n16k-$gpu.txt" || rc=1
     done
