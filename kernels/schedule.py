@@ -26,8 +26,8 @@ L2_BYTES = 50 * 1024 * 1024  # H100 (50 MB) and H200 (60 MB): size sections for 
 # A section's K/V get an eighth of L2, not all of it: its tiles' Q and O stream through L2 too,
 # and a K/V tile must survive from its first reader to its last. Measured on an H100 (causal,
 # results/ws-tune-h100-sections.json): at N = 512 a section sized to all of L2 (200 heads at
-# d = 128) ran at 0.79x the best peer, an eighth of it (25 heads) at 1.04x; from 8k keys a
-# head's K/V alone fills the budget and the size makes no difference.
+# d = 128) ran at 0.79x the best peer, an eighth of it (25 heads) at 1.04x. That run, timed once,
+# showed no clear difference at 8k keys, where a head's K/V alone fills the eighth.
 SECTION_BYTES = L2_BYTES // 8
 # ... up to 2k keys. From 4k keys a causal tile costs anywhere from 1 to N / tile_n KV tiles, and the
 # LPT order holds only inside a section: the heaviest tiles of the *last* section start only when
