@@ -45,9 +45,20 @@ def git_commit():
         return None
 
 
+def kernels_digest() -> str:
+    """SHA-256 of kernels/*.py (names and contents): which kernel code a result came from, even
+    where the checkout's git metadata is stale or missing (a copied working tree)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for path in sorted((ROOT / "kernels").glob("*.py")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
 def environment() -> dict:
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "python": platform.python_version(), "commit": git_commit()}
+            "python": platform.python_version(), "commit": git_commit(), "kernels_sha256": kernels_digest()}
     try:
         import torch
 

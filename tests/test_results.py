@@ -98,6 +98,18 @@ def test_meta_records_commit_and_peer_versions():
         assert len(meta["commit"].removesuffix("-dirty")) == 40
 
 
+def test_meta_records_a_digest_of_the_kernels(monkeypatch, tmp_path):
+    # The digest follows the kernel sources, not git: a copied tree with stale git metadata still
+    # says which code ran.
+    assert results.environment()["kernels_sha256"] == results.kernels_digest()
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "k.py").write_text("a = 1\n")
+    monkeypatch.setattr(results, "ROOT", tmp_path)
+    first = results.kernels_digest()
+    (tmp_path / "kernels" / "k.py").write_text("a = 2\n")
+    assert results.kernels_digest() != first and len(first) == 64
+
+
 def test_commit_is_none_without_git_or_checkout(monkeypatch, tmp_path):
     def no_git(*a, **k):
         raise FileNotFoundError("git")
