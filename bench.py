@@ -184,7 +184,7 @@ def run_problem(names, problem, check: bool, peers: bool, sweep: bool, emit, rou
     """
     from harness.inputs import random_inputs
     from harness.peers import peer_callables
-    from harness.timing import benchmark, tflops
+    from harness.timing import benchmark, more_rounds, tflops
 
     base = dict(batch=problem.batch, nheads=problem.nheads, seqlen=problem.seqlen, head_dim=problem.head_dim,
                 causal=int(problem.causal), dtype=problem.dtype)
@@ -241,14 +241,11 @@ def run_problem(names, problem, check: bool, peers: bool, sweep: bool, emit, rou
         return
     import statistics
 
-    times = {r["kernel"]: [r["ms"]] for r in rows if r["kernel"] in launches}
-    for i in range(1, rounds):
-        for name in (reversed(list(times)) if i % 2 else list(times)):
-            times[name].append(benchmark(launches[name]))
-    for r in rows:
-        if r["kernel"] in times:
-            r.update(ms=statistics.median(times[r["kernel"]]), ms_rounds=times[r["kernel"]])
-            r["tflops"] = tflops(problem.flops, r["ms"])
+    timed = [r for r in rows if r["kernel"] in launches]
+    for r, ms_rounds in zip(timed, more_rounds([launches[r["kernel"]] for r in timed], [r["ms"] for r in timed],
+                                               rounds)):
+        r.update(ms=statistics.median(ms_rounds), ms_rounds=ms_rounds)
+        r["tflops"] = tflops(problem.flops, r["ms"])
     best = best_peer(peer_tflops(), best_of)
     for r in rows:
         if r["kernel"] not in candidates and best and r.get("tflops"):

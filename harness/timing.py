@@ -37,6 +37,18 @@ def benchmark(fn, warmup_ms: float = 100.0, rep_ms: float = 300.0, min_reps: int
     return statistics.median(s.elapsed_time(e) for s, e in events)
 
 
+def more_rounds(launches: list, first_ms: list, rounds: int) -> list:
+    """Each launch timed ``rounds`` times in all: ``first_ms`` is round 1, rounds 2.. run here with
+    the order reversed every other round, so that none is always timed first or last while the
+    GPU's clocks drift. Returns every launch's times, round 1 first."""
+    times = [[ms] for ms in first_ms]
+    order = list(range(len(launches)))
+    for i in range(1, rounds):
+        for j in (reversed(order) if i % 2 else order):
+            times[j].append(benchmark(launches[j]))
+    return times
+
+
 def tflops(flops: float, ms: float) -> float:
     return flops / (ms * 1e-3) / 1e12
 

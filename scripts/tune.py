@@ -27,7 +27,7 @@ from harness.config import default_batch_heads  # noqa: E402
 from harness.inputs import poisoned_outputs, random_inputs  # noqa: E402
 from harness.peers import BEST_OF, peer_callables  # noqa: E402
 from harness.reference import reference, sdpa  # noqa: E402
-from harness.timing import benchmark, tflops  # noqa: E402
+from harness.timing import benchmark, more_rounds, tflops  # noqa: E402
 from kernels import get_kernel  # noqa: E402
 from kernels.contract import Problem, UnsupportedProblem  # noqa: E402
 
@@ -48,23 +48,20 @@ def time_config(name, cfg, p, q, k, v, ref, ref_lse, peer) -> dict:
 
 
 def retime(rows: list, rounds: int, flops: float) -> None:
-    """Rounds 2..n for every timed row of one workload, the order reversed each round (as
-    ``bench.py --rounds``: none is always first or last while the GPU's clocks drift); each row
-    keeps the median (``ms_rounds``: all of them). Configurations that differ by a few percent
-    need this: one pass has shown an identical configuration 5% away from itself."""
+    """Rounds 2..n for every timed row of one workload (``harness.timing.more_rounds``, as
+    ``bench.py --rounds``); each row keeps the median (``ms_rounds``: all of them). Configurations
+    that differ by a few percent need this: one pass has shown an identical configuration 5% away
+    from itself."""
     import statistics
 
-    timed = [r for r in rows if r.get("launch")] if rounds > 1 else []
-    for r in timed:
-        r["ms_rounds"] = [r["ms"]]
-    for i in range(1, rounds):
-        for r in (reversed(timed) if i % 2 else timed):
-            r["ms_rounds"].append(benchmark(r["launch"]))
-    for r in rows:
-        launch = r.pop("launch", None)
-        if launch and rounds > 1:
-            r["ms"] = statistics.median(r["ms_rounds"])
+    timed = [r for r in rows if r.get("launch")]
+    if rounds > 1:
+        all_ms = more_rounds([r["launch"] for r in timed], [r["ms"] for r in timed], rounds)
+        for r, ms_rounds in zip(timed, all_ms):
+            r.update(ms_rounds=ms_rounds, ms=statistics.median(ms_rounds))
             r["tflops"] = tflops(flops, r["ms"])
+    for r in rows:
+        r.pop("launch", None)
 
 
 def main(argv=None) -> int:
