@@ -71,12 +71,10 @@ MAX_GROUP = TILE_M  # query heads per K/V head: one tile must hold a query posit
 # (results/decode-tune-ahead-h100-d128.json); prefetch_after_wait, 2 or 4 more tiles hinted once the
 # wait is over, 2.75 -> 2.72 / 2.63 at 32k and 0.3-2% lower on every other row
 # (results/decode-tune-afterwait-h100-d128.json): the extra hints compete with the TMA loads.
-DEFAULT_CONFIG = {64: dict(tile_n=256, kv_stages=2, l2_prefetch=4, refill_at_release=False, merge_prefetch=0,
-                           prefetch_ahead=0, prefetch_after_wait=0),
-                  128: dict(tile_n=128, kv_stages=2, l2_prefetch=4, refill_at_release=False, merge_prefetch=0,
-                            prefetch_ahead=0, prefetch_after_wait=0),
-                  256: dict(tile_n=64, kv_stages=2, l2_prefetch=2, refill_at_release=False, merge_prefetch=0,
-                            prefetch_ahead=0, prefetch_after_wait=0)}
+MEASURED_AND_OFF = dict(refill_at_release=False, merge_prefetch=0, prefetch_ahead=0, prefetch_after_wait=0)
+DEFAULT_CONFIG = {64: dict(tile_n=256, kv_stages=2, l2_prefetch=4, **MEASURED_AND_OFF),
+                  128: dict(tile_n=128, kv_stages=2, l2_prefetch=4, **MEASURED_AND_OFF),
+                  256: dict(tile_n=64, kv_stages=2, l2_prefetch=2, **MEASURED_AND_OFF)}
 MAX_SPLITS = 128
 MAX_SPLIT_TRAFFIC = 0.05  # partials may add at most 5% to the bytes of K and V
 
@@ -325,13 +323,14 @@ class DecodeFMHA:
             mO_out, mLSE_out = mO, mLSE
         lse, rO = sm90.finalize_o(acc_O, softmax, mO_out.element_type)
         self.store_packed(rO, lse, tiled_mma_pv, tidx, mO_out, mLSE_out, rows, batch)
-        counter = (batch * cute.arch.grid_dim()[1] + kv_head) * (cute.arch.grid_dim()[0] // num_splits) + m_block
-        if const_expr(self.merge == "last_cta"):
-            self.merge_if_last(mO_partial, mLSE_partial, mO, mLSE, mCounters, counter, storage.tile_idx.data_ptr(),
-                               num_splits, rows, batch, tidx)
-        if const_expr(self.merge == "last_split"):
-            self.merge_in_last_split(mO_partial, mLSE_partial, mO, mLSE, mCounters, counter, split, num_splits, rows,
-                                     batch, tidx)
+        if const_expr(self.merge != "combine"):
+            counter = (batch * cute.arch.grid_dim()[1] + kv_head) * (cute.arch.grid_dim()[0] // num_splits) + m_block
+            if const_expr(self.merge == "last_cta"):
+                self.merge_if_last(mO_partial, mLSE_partial, mO, mLSE, mCounters, counter,
+                                   storage.tile_idx.data_ptr(), num_splits, rows, batch, tidx)
+            else:
+                self.merge_in_last_split(mO_partial, mLSE_partial, mO, mLSE, mCounters, counter, split, num_splits,
+                                         rows, batch, tidx)
 
     @cute.jit
     def cache_len(self, mK_tma: cute.Tensor, mSeqlens: Optional[cute.Tensor], batch: Int32,
