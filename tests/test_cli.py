@@ -1,6 +1,5 @@
 """bench.py, ref_check.py and make_docs.py on a CPU machine: help, flags, refusals, result files."""
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ from harness.config import SWEEP_HEAD_DIMS, SWEEP_SEQLENS, default_batch_heads, 
 from harness.results import WORKLOAD_ENV
 from kernels import kernel_names
 from kernels.contract import UnsupportedProblem
+from script_loader import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -174,10 +174,7 @@ def test_ref_check_states_its_grid():
 
 
 def _make_docs():
-    spec = importlib.util.spec_from_file_location("make_docs", ROOT / "scripts" / "make_docs.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("make_docs")
 
 
 def test_make_docs_plot_without_matplotlib_writes_nothing(monkeypatch, tmp_path):

@@ -1,7 +1,6 @@
 """bench.py --decode on a CPU machine: flags and refusals, the grid, the TB/s arithmetic, the
 per-row bookkeeping (with made-up steps in place of GPU work) and the docs tables."""
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -11,11 +10,10 @@ import torch
 import bench
 from harness import decode_bench as db
 from harness.results import WORKLOAD_ENV
+from script_loader import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
-spec = importlib.util.spec_from_file_location("make_docs", ROOT / "scripts" / "make_docs.py")
-make_docs = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(make_docs)
+make_docs = load_script("make_docs")
 
 
 @pytest.fixture(autouse=True)

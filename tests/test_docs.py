@@ -1,13 +1,11 @@
 """The docs generator builds its tables from result files (synthetic ones here)."""
 
-import importlib.util
 from pathlib import Path
 
 from kernels import get_kernel, kernel_names
+from script_loader import load_script
 
-spec = importlib.util.spec_from_file_location("make_docs", Path(__file__).parent.parent / "scripts" / "make_docs.py")
-make_docs = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(make_docs)
+make_docs = load_script("make_docs")
 
 
 def row(kernel, seqlen, causal, tflops, d=128):

@@ -10,6 +10,7 @@ from harness.results import markdown_table, replace_block
 from kernels import get_kernel, kernel_names
 from kernels.contract import Capabilities, Problem, UnsupportedProblem
 from kernels.k1 import check_s_fits, s_bytes
+from script_loader import load_script
 
 
 def test_flops_standard_count_and_causal_half():
@@ -199,13 +200,7 @@ def test_sass_loops_finds_the_kv_tile_loop_only():
     # scripts/sass_loops.py: of the backward branches, the innermost one holding one KV tile's
     # WGMMAs (d/16 + tile_n/16) and exponentials (tile_n/2); spin-waits and the enclosing
     # query-tile loop are not tile loops.
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parent.parent / "scripts" / "sass_loops.py"
-    spec = importlib.util.spec_from_file_location("sass_loops", path)
-    sass_loops = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sass_loops)
+    sass_loops = load_script("sass_loops")
 
     lines, addr = [], 0
 

@@ -14,6 +14,7 @@ from kernels import get_kernel
 from kernels.contract import Problem
 from kernels.k5 import REGISTERS
 from kernels.sm90 import EPILOGUE_BARRIER, EPILOGUE_STORE_BARRIER, WARP_SCHEDULER_BARRIER
+from script_loader import load_script
 
 WS_KERNELS = ("k5", "k6_pp", "k6", "k7", "k8")  # K7/K8: K6 in FP8
 CASES = [(n, d, dt, c) for n in WS_KERNELS for d in (64, 128, 256) for dt in ("bfloat16", "float16")
@@ -158,15 +159,9 @@ def test_k6_softmax_knobs_measured_and_left_off():
 def test_exp2_cubic_is_within_bf16_precision():
     # The cubic of exp2_poly, as float32 constants: under 1e-4 relative error (bf16 keeps 3.9e-3),
     # and what scripts/fit_exp2.py produces.
-    import importlib.util
-    from pathlib import Path
-
     from kernels.sm90 import EXP2_POLY
 
-    path = Path(__file__).resolve().parent.parent / "scripts" / "fit_exp2.py"
-    spec = importlib.util.spec_from_file_location("fit_exp2", path)
-    fit_exp2 = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fit_exp2)
+    fit_exp2 = load_script("fit_exp2")
     assert fit_exp2.max_relative_error(EXP2_POLY) < 1e-4
     assert fit_exp2.max_relative_error((0.69, 0.24, 0.07)) > 1e-4  # the check can fail
     assert max(abs(a - b) for a, b in zip(fit_exp2.fit(), EXP2_POLY)) < 1e-5
