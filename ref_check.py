@@ -18,6 +18,7 @@ exits non-zero if any case fails. The grid is fixed: the workload variables of b
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -162,6 +163,9 @@ def main(argv=None) -> int:
     ap.add_argument("--all-head-dims", action="store_true")
     ap.add_argument("--out", help="write the per-case rows as JSON here, each as it is done")
     ap.add_argument("--decode", action="store_true", help="the KV-cache grid of the decode kernels instead")
+    ap.add_argument("--config", type=json.loads, default=None,
+                    help="compile_kernel keywords for every case, as JSON (e.g. '{\"tile_n\": 128}'): check a "
+                         "configuration before timing it; cases it cannot run are failures")
     args = ap.parse_args(argv)
     # The grid is fixed: a workload variable meant for bench.py would be silently ignored here.
     ignored = [f"{var}={os.environ[var]}" for var in KNOBS.values() if var in os.environ]
@@ -201,7 +205,7 @@ def main(argv=None) -> int:
             continue
         for p in grid:
             try:
-                res = check_kernel(name, p)
+                res = check_kernel(name, p, config=args.config)
                 row = dict(res.row(), status="ok" if res.ok else "failed")
             except Exception as e:  # a crash is a failure of this case, not of the whole grid
                 row = dict(kernel=name, ok=False, status="crashed", reason=f"{type(e).__name__}: {e}"[:200],

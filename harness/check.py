@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from kernels import get_kernel
-from kernels.contract import FP8_DTYPES, Problem
+from kernels.contract import FP8_DTYPES, Problem, UnsupportedProblem
 
 # Against the float32 reference, a kernel's O must be
 #   * no worse than twice the max error of SDPA itself run in the same 16-bit dtype on the same
@@ -96,14 +96,15 @@ def lse_gap(lse, ref_lse):
     return torch.where(l == rl, torch.zeros_like(l), (l - rl).abs()).nan_to_num(nan=math.inf, posinf=math.inf)
 
 
-def launch_once(name: str, p: Problem, seed=None) -> tuple:
-    """(q, k, v, out, lse): fresh random inputs, NaN-poisoned outputs, one launch, synchronized."""
+def launch_once(name: str, p: Problem, seed=None, config=None) -> tuple:
+    """(q, k, v, out, lse): fresh random inputs, NaN-poisoned outputs, one launch, synchronized.
+    ``config``: compile_kernel keywords (a non-default configuration); None: the default build."""
     import torch
 
     from .api import compiled_for
     from .inputs import poisoned_outputs, random_inputs
 
-    compiled = compiled_for(name, p)
+    compiled = get_kernel(name).compile(p, **config) if config else compiled_for(name, p)
     q, k, v = random_inputs(p, seed=seed)
     out, lse = poisoned_outputs(p)
     get_kernel(name).run(compiled, q, k, v, out, lse, p.scale)
@@ -111,14 +112,16 @@ def launch_once(name: str, p: Problem, seed=None) -> tuple:
     return q, k, v, out, lse
 
 
-def check_kernel(name: str, p: Problem, seed=None) -> CheckResult:
+def check_kernel(name: str, p: Problem, seed=None, config=None) -> CheckResult:
     """One case: fresh inputs, poisoned O/LSE, one launch, compare with the float32 reference."""
     if is_fp8_kernel(name):  # FP8: its own criterion (check_fp8_kernel)
+        if config:
+            raise UnsupportedProblem("check_kernel: a config for the FP8 kernels is not supported")
         return check_fp8_kernel(name, p, seed)
 
     from .reference import reference, sdpa
 
-    q, k, v, out, lse = launch_once(name, p, seed)
+    q, k, v, out, lse = launch_once(name, p, seed, config)
     ref, ref_lse = reference(q, k, v, p.causal, p.scale)
     peer = sdpa(q, k, v, p.causal, p.scale)
     c = compare(out, ref, lse, ref_lse, p.dtype, peer)

@@ -99,7 +99,7 @@ def num_sms() -> int:
 class K5FMHA:
     def __init__(self, head_dim: int, dtype, causal: bool, num_wg: int, tile_n: int, kv_stages: int,
                  q_stages: int, scheduler: str, tma_store: bool = False, sm_count: int = 132,
-                 section_bytes: int = schedule.SECTION_BYTES):
+                 section_bytes: int = schedule.SECTION_BYTES, o_store_per_wg: bool = False):
         self.head_dim = head_dim
         self.dtype = dtype
         self.causal = causal
@@ -109,6 +109,7 @@ class K5FMHA:
         self.kv_stages = kv_stages
         self.q_stages = q_stages
         self.tma_store = tma_store
+        self.o_store_per_wg = tma_store and o_store_per_wg
         self.scheduler = scheduler
         self.sm_count = sm_count
         self.section_bytes = section_bytes
@@ -119,6 +120,16 @@ class K5FMHA:
         self.producer_regs, self.consumer_regs = REGISTERS[num_wg]
         # K6 turns this on (ping-pong); in K5 its sync/arrive calls compile to nothing.
         self.warp_scheduler = sm90.WarpScheduler(num_wg, enabled=False)
+
+    def o_store_rows(self) -> int:
+        return 64 if self.o_store_per_wg else self.tile_m
+
+    def o_store_layout(self, sQ_stage):
+        """The SMEM layout one O store reads: a Q stage, or the first 64 rows of one (the same
+        strides, so a warpgroup's slice at any row offset matches it)."""
+        if const_expr(self.o_store_per_wg):
+            return cute.composition(sQ_stage, (64, self.head_dim))
+        return sQ_stage
 
     def smem_bytes(self) -> int:
         return tma_pipeline.smem_bytes(self.tile_m, self.tile_n, self.head_dim, self.dtype.width // 8, self.kv_stages,
@@ -162,10 +173,10 @@ class K5FMHA:
         tma_atom_K, mK_tma = tma_pipeline.make_tma_load(mKt, sK_layout, (self.tile_n, d))
         tma_atom_V, mV_tma = tma_pipeline.make_tma_load(mVt, sVt_layout, (d, self.tile_n))
         tma_atom_O, mO_tma = None, None
-        if const_expr(self.tma_store):  # O in the swizzled layout of one Q stage
+        if const_expr(self.tma_store):  # O in the swizzled layout of one Q stage (or its 64-row slices)
             tma_atom_O, mO_tma = cpasync.make_tiled_tma_atom(
                 cpasync.CopyBulkTensorTileS2GOp(), tma_pipeline.seq_major_view(mO),
-                tma_pipeline.stage_layout(sQ_layout), (self.tile_m, d))
+                self.o_store_layout(tma_pipeline.stage_layout(sQ_layout)), (self.o_store_rows(), d))
 
         SharedStorage = tma_pipeline.shared_storage(dt, sQ_layout, sK_layout, sVt_layout, self.kv_stages,
                                                     **self.storage_options())
@@ -384,10 +395,17 @@ class K5FMHA:
             if const_expr(self.tma_store):
                 tma_atom_O, mO_tma = o_store
                 sO = sQ[None, None, q_consume.index]
-                tOsO, tOgO = tma_pipeline.partition_for_tma(tma_atom_O, mO_tma, sO, (tile_m, d), head, batch,
-                                                            coord=(m_block, 0))
-                sm90.store_o_tma_and_lse(acc_O, softmax, tiled_mma_pv, tidx, sO, tOsO, tOgO, tma_atom_O, mLSE,
-                                         m_block, head, batch, seqlen, tile_m, self.out_dtype, 128 * self.num_wg)
+                if const_expr(self.o_store_per_wg):  # this warpgroup's rows only
+                    tOsO, tOgO = tma_pipeline.partition_for_tma(
+                        tma_atom_O, mO_tma, cute.local_tile(sO, (64, d), (wg_idx, 0)), (64, d), head, batch,
+                        coord=(m_block * self.num_wg + wg_idx, 0))
+                    sm90.store_o_tma_and_lse(acc_O, softmax, tiled_mma_pv, tidx, sO, tOsO, tOgO, tma_atom_O, mLSE,
+                                             m_block, head, batch, seqlen, tile_m, self.out_dtype, 128, wg_idx)
+                else:
+                    tOsO, tOgO = tma_pipeline.partition_for_tma(tma_atom_O, mO_tma, sO, (tile_m, d), head, batch,
+                                                                coord=(m_block, 0))
+                    sm90.store_o_tma_and_lse(acc_O, softmax, tiled_mma_pv, tidx, sO, tOsO, tOgO, tma_atom_O, mLSE,
+                                             m_block, head, batch, seqlen, tile_m, self.out_dtype, 128 * self.num_wg)
                 pipeline_q.consumer_release(q_consume)  # the store has read sO: Q's buffer is free
             else:
                 # Every QK of this tile has retired: the producer may load the next tile's Q.

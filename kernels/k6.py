@@ -64,12 +64,22 @@ SHORT_SEQUENCE_CONFIG = {
 # stores of a 128x256 tile cost more. Measured on an H100 (results/ws-tune-h100-d256short.json,
 # ws-tune-h100-d256tmastore.json, each configuration timed twice): +13-15% at 512 keys, +3-8% at
 # 1k-4k, +2% at 8k, -2% at 16k.
-TMA_STORE_UP_TO_SEQLEN = {256: 8192}
+# d=64 (three consumer warpgroups' register stores) takes it too once each warpgroup stores its own
+# rows (below): +3-6% at 512-2k keys, +3% causal at 8k, -1 to -4% non-causal at 8k-16k
+# (results/ws-tune-h100-perwg-d64-r3.json). Keyed (head_dim, causal).
+TMA_STORE_UP_TO_SEQLEN = {(256, False): 8192, (256, True): 8192, (64, False): 2048, (64, True): 8192}
+# With the TMA store, each consumer warpgroup stores its own 64 rows (K5's o_store_per_wg) instead
+# of all of them waiting for the slowest at the end of every query tile: in a ping-pong the first
+# warpgroup's epilogue then runs under the other's last GEMMs. Measured on an H100, 3 rounds
+# (results/ws-tune-h100-perwg-r3.json, ws-tune-h100-perwg-d128long-r3.json): d=128/256 +1-8% up to
+# 2k keys, causal +0-2% at 4k-16k; but non-causal d=128 at 8k-16k -5%, which we have not explained
+# (it is the static persistent schedule; causal runs the dynamic one). So: causal, or up to 2k keys.
+O_STORE_PER_WG_NON_CAUSAL_UP_TO_SEQLEN = 2048
 
 
 class K6FMHA(k5.K5FMHA):
     def __init__(self, *args, pingpong: bool, overlap: bool, emulated_exp2: int = 0, skip_unit_rescale: bool = False,
-                 rescale_o_before_gemm: bool = None, **kw):
+                 rescale_o_before_gemm: bool = None, pin_pv_wait: bool = False, **kw):
         super().__init__(*args, **kw)
         self.warp_scheduler = sm90.WarpScheduler(self.num_wg, pingpong)  # K5's no-op calls come alive
         self.overlap = overlap
@@ -77,6 +87,7 @@ class K6FMHA(k5.K5FMHA):
             rescale_o_before_gemm = self.head_dim > 128
         self.rescale_o_before_gemm = overlap and rescale_o_before_gemm
         self.emulated_exp2 = emulated_exp2
+        self.pin_pv_wait = overlap and pin_pv_wait
         self.skip_unit_rescale = skip_unit_rescale
 
     def tile_softmax(self, *args) -> sm90.OnlineSoftmax:
@@ -179,12 +190,38 @@ class K6FMHA(k5.K5FMHA):
             sm90.mask_tile(acc_S, tScS, m_block, n_block, mask_lens[0], self.tile_m, self.tile_n, self.causal,
                        mask_lens[1])
         softmax.step(acc_S, row_scale, check_inf=masked, n_block=n_block)
-        warpgroup.wait_group(0)  # PV done: its P and V may be overwritten, O may be touched
-        pipeline_v.consumer_release(kv_prev)
-        self.convert_p(acc_S, tOrP)
-        if const_expr(not self.rescale_o_before_gemm):
-            softmax.rescale(acc_O, row_scale)
+        if const_expr(self.pin_pv_wait):
+            self.wait_pv_then_convert(mask_lens[0] > 0, acc_S, tOrP, acc_O, row_scale)
+            pipeline_v.consumer_release(kv_prev)
+        else:
+            warpgroup.wait_group(0)  # PV done: its P and V may be overwritten, O may be touched
+            pipeline_v.consumer_release(kv_prev)
+            self.convert_p(acc_S, tOrP)
+            if const_expr(not self.rescale_o_before_gemm):
+                softmax.rescale(acc_O, row_scale)
         return kv_consume
+
+    @cute.jit
+    def wait_pv_then_convert(self, always: cutlass.Boolean, acc_S: cute.Tensor, tOrP: cute.Tensor,
+                             acc_O: cute.Tensor, row_scale: cute.Tensor):
+        """wait_group(0), P into tOrP, O rescaled, behind a branch that is always taken.
+
+        ptxas treats the wait as free and hoists it above every exponential that does not need it:
+        in the SASS of the plain version no ``MUFU.EX2`` of the tile is left before the wait, so PV
+        only overlaps the row max. It does not move code across a branch, and a branch whose two
+        sides differ (here, the order of the two steps) is not merged back by LLVM either. The
+        other side is correct too; it just never runs (``always``: the key length, > 0 here).
+        """
+        if always:
+            warpgroup.wait_group(0)
+            self.convert_p(acc_S, tOrP)
+            if const_expr(not self.rescale_o_before_gemm):
+                sm90.scale_rows(acc_O, row_scale)
+        else:
+            warpgroup.wait_group(0)
+            if const_expr(not self.rescale_o_before_gemm):
+                sm90.scale_rows(acc_O, row_scale)
+            self.convert_p(acc_S, tOrP)
 
     @cute.jit
     def last_pv(self, kv_consume: pipeline.PipelineState, pipelines: tuple, mmas: tuple,
@@ -203,7 +240,7 @@ class K6FMHA(k5.K5FMHA):
 def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_wg=None, tile_n=None, kv_stages=None,
                    q_stages=None, scheduler=None, tma_store=None, pingpong=None, overlap=None,
                    section_bytes=None, emulated_exp2=None, skip_unit_rescale=None,
-                   rescale_o_before_gemm=None) -> CompiledAttention:
+                   rescale_o_before_gemm=None, pin_pv_wait=None, o_store_per_wg=None) -> CompiledAttention:
     CAPS.check(p)
     if overlap is None:
         short = NO_OVERLAP_UP_TO_SEQLEN.get((p.head_dim, p.causal), 0)
@@ -216,11 +253,15 @@ def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_wg=None, tile_n=No
     if tile_n is None and overlap:
         tile_n = (NON_CAUSAL_TILE_N_WITH_OVERLAP if not p.causal else {}).get(p.head_dim,
                                                                               TILE_N_WITH_OVERLAP.get(p.head_dim))
-    if tma_store is None and p.kv_len <= TMA_STORE_UP_TO_SEQLEN.get(p.head_dim, 0):
+    if tma_store is None and p.kv_len <= TMA_STORE_UP_TO_SEQLEN.get((p.head_dim, p.causal), 0):
         tma_store = True
+    if o_store_per_wg is None:
+        o_store_per_wg = p.causal or p.kv_len <= O_STORE_PER_WG_NON_CAUSAL_UP_TO_SEQLEN
     cfg = k5.default_config(p, dict(num_wg=num_wg, tile_n=tile_n, kv_stages=kv_stages, q_stages=q_stages,
                                     scheduler=scheduler, tma_store=tma_store,
                                     pingpong=pingpong, overlap=overlap, section_bytes=section_bytes,
                                     emulated_exp2=emulated_exp2, skip_unit_rescale=skip_unit_rescale,
-                                    rescale_o_before_gemm=rescale_o_before_gemm))
+                                    rescale_o_before_gemm=rescale_o_before_gemm, pin_pv_wait=pin_pv_wait,
+                                    o_store_per_wg=o_store_per_wg))
+    cfg["o_store_per_wg"] = bool(cfg["o_store_per_wg"] and cfg["tma_store"])  # only a TMA store has one
     return k5.build("k6", K6FMHA, p, cfg, keep_ptx)

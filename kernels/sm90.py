@@ -34,6 +34,7 @@ from .contract import LN_2
 EPILOGUE_BARRIER = 1  # every consumer is done reading the buffer sO aliases
 # 2, 3, 4: WARP_SCHEDULER_BARRIER (ping-pong), below
 EPILOGUE_STORE_BARRIER = 5  # sO is written and fenced: the storing warp may issue the TMA store
+# 5, 6, 7: the same per consumer warpgroup when each stores its own rows (store_o_tma_and_lse)
 
 
 # --------------------------------------------------------------------------------------
@@ -298,11 +299,8 @@ class OnlineSoftmax:
         else:
             self.multiply_rows(acc_O, row_scale)
 
-    @cute.jit
     def multiply_rows(self, acc_O: cute.Tensor, row_scale: cute.Tensor):
-        acc_O_mn = acc_mn_view(acc_O)
-        for r in cutlass.range_constexpr(self.num_rows):
-            acc_O_mn[r, None].store(acc_O_mn[r, None].load() * row_scale[r])
+        scale_rows(acc_O, row_scale)
 
     @cute.jit
     def finalize(self, acc_O: cute.Tensor, lse: cute.Tensor):
@@ -318,6 +316,14 @@ class OnlineSoftmax:
                       else ((self.row_max[r] if const_expr(self.scaled_max) else self.row_max[r] * self.scale_log2)
                             + cute.math.log2(total, fastmath=True) - self.p_offset) * LN_2)
             acc_O_mn[r, None].store(acc_O_mn[r, None].load() * inv)
+
+
+@cute.jit
+def scale_rows(acc: cute.Tensor, row_scale: cute.Tensor):
+    """Row r of an accumulator (C fragment) times row_scale[r]."""
+    acc_mn = acc_mn_view(acc)
+    for r in cutlass.range_constexpr(cute.size(row_scale)):
+        acc_mn[r, None].store(acc_mn[r, None].load() * row_scale[r])
 
 
 class BlockScaledSoftmax(OnlineSoftmax):
@@ -400,7 +406,8 @@ def finalize_o(acc_O: cute.Tensor, softmax: OnlineSoftmax, dtype: cutlass.Conste
 def store_o_tma_and_lse(acc_O: cute.Tensor, softmax: OnlineSoftmax, tiled_mma_pv: cute.TiledMma, tidx: Int32,
                         sO: cute.Tensor, tOsO: cute.Tensor, tOgO: cute.Tensor, tma_atom_O: cute.CopyAtom,
                         mLSE: cute.Tensor, m_block: Int32, head: Int32, batch: Int32, seqlen: Int32,
-                        tile_m: cutlass.Constexpr, dtype: cutlass.Constexpr, num_threads: cutlass.Constexpr):
+                        tile_m: cutlass.Constexpr, dtype: cutlass.Constexpr, num_threads: cutlass.Constexpr,
+                        wg_idx=None):
     """O through SMEM and one TMA store; LSE from registers as before.
 
     ``sO`` aliases the Q buffer of this tile, so every consumer must be done with its QK first
@@ -408,14 +415,25 @@ def store_o_tma_and_lse(acc_O: cute.Tensor, softmax: OnlineSoftmax, tiled_mma_pv
     async proxy and arrives on barrier 5; the first consumer warp syncs there (the +32) and
     issues the TMA store, which clips the rows past seqlen, and waits until the store has *read*
     sO: only then may the Q buffer be reloaded (the caller releases it after this returns).
+
+    ``wg_idx``: each consumer warpgroup stores its own 64 rows (``tOsO`` and ``tOgO`` are its
+    slice, ``num_threads`` 128, its first warp issues the store). Those rows of Q were read by its
+    own QKs only, so no warpgroup waits for another: in a ping-pong the first one's epilogue runs
+    under the second one's last GEMMs.
     """
     lse, rO = finalize_o(acc_O, softmax, dtype)
-    cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=num_threads)
+    store_barrier = EPILOGUE_STORE_BARRIER
+    storing_warp = cute.arch.make_warp_uniform(tidx // 32) == 0
+    if const_expr(wg_idx is None):
+        cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=num_threads)
+    else:
+        store_barrier = EPILOGUE_STORE_BARRIER + wg_idx
+        storing_warp = cute.arch.make_warp_uniform(tidx // 32) % 4 == 0
     store_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), dtype)
     thr_store = cute.make_tiled_copy_C(store_atom, tiled_mma_pv).get_slice(tidx)
     cute.copy(store_atom, thr_store.retile(rO), thr_store.partition_D(sO))
     cute.arch.fence_view_async_shared()
-    cute.arch.barrier_arrive(barrier_id=EPILOGUE_STORE_BARRIER, number_of_threads=num_threads + 32)
+    cute.arch.barrier_arrive(barrier_id=store_barrier, number_of_threads=num_threads + 32)
     thr_mma_pv = tiled_mma_pv.get_slice(tidx)
     tOcO_mn = acc_mn_view(thr_mma_pv.partition_C(cute.make_identity_tensor((tile_m, cute.size(sO, mode=[1])))))
     rows_left = seqlen - m_block * tile_m
@@ -423,8 +441,8 @@ def store_o_tma_and_lse(acc_O: cute.Tensor, softmax: OnlineSoftmax, tiled_mma_pv
         row = tOcO_mn[r, 0][0]
         if row < rows_left and tOcO_mn[r, 0][1] == 0:
             mLSE[batch, head, m_block * tile_m + row] = lse[r]
-    if cute.arch.make_warp_uniform(tidx // 32) == 0:
-        cute.arch.barrier(barrier_id=EPILOGUE_STORE_BARRIER, number_of_threads=num_threads + 32)
+    if storing_warp:
+        cute.arch.barrier(barrier_id=store_barrier, number_of_threads=num_threads + 32)
         cute.copy(tma_atom_O, tOsO, tOgO)
         cute.arch.cp_async_bulk_commit_group()
         cute.arch.cp_async_bulk_wait_group(0, read=True)

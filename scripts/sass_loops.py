@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import os
 import re
 import shutil
@@ -71,18 +72,29 @@ def tile_loops(sass: str, d: int, tile_n: int) -> list:
         # One KV tile: d/16 QK and tile_n/16 PV k-steps, tile_n/2 exponentials per thread (2 rows)
         # plus the rows' rescale factors. Spans that end in out-of-line code hold more.
         if ops["HGMMA"] == (d + tile_n) // 16 and tile_n // 2 <= ops["MUFU"] <= tile_n // 2 + 2:
-            loops.append((body[0][0], body[-1][0], ops))
+            loops.append((body[0][0], body[-1][0], ops, exps_before_pv_wait([t for _, t in body])))
     return loops
+
+
+def exps_before_pv_wait(body: list):
+    """With the overlap, PV of the previous tile runs under this tile's softmax until
+    ``wgmma.wait_group 0`` (SASS ``WARPGROUP.DEPBAR.LE gsb0, 0x0``). ptxas may hoist that wait
+    above exponentials that do not need it: how many ``MUFU.EX2`` still come before it is how much
+    of the softmax can overlap PV. None for a loop without that wait (no overlap)."""
+    waits = [i for i, t in enumerate(body) if re.search(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x0", t)]
+    if not waits or not any(re.search(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x1", t) for t in body):
+        return None
+    return sum(1 for t in body[:waits[0]] if "MUFU.EX2" in t)
 
 
 def census(kernel: str, d: int, causal: bool, ptx: str, tile_n: int, config: dict) -> list:
     rows = []
-    for start, end, ops in tile_loops(sass_of(ptx), d, tile_n):
+    for start, end, ops, exps_first in tile_loops(sass_of(ptx), d, tile_n):
         total = sum(ops.values())
         rows.append(dict(kernel=kernel, head_dim=d, causal=int(causal), tile_n=tile_n, config=config,
                          loop=f"{start:#x}-{end:#x}", masked=ops["FSEL"] >= tile_n // 4,
                          instructions=total, per_key=total / tile_n,
-                         uniform=sum(v for k, v in ops.items() if UNIFORM.match(k)),
+                         uniform=sum(v for k, v in ops.items() if UNIFORM.match(k)), exps_before_pv_wait=exps_first,
                          mix={k: ops[k] for k in GROUPS if ops[k]}))
     return rows
 
@@ -130,14 +142,17 @@ def main(argv=None) -> int:
     ap.add_argument("--headdim", type=int, nargs="+", default=[128])
     ap.add_argument("--causal", type=int, nargs="+", default=[1], choices=(0, 1))
     ap.add_argument("--seqlen", type=int, default=8192, help="picks the seqlen-dependent variant (K6)")
+    ap.add_argument("--config", default="{}", help="JSON overrides for our kernels' compile_kernel, e.g. "
+                    "'{\"overlap\": true, \"tile_n\": 128}'")
     ap.add_argument("--fa4", action="store_true", help="flash-attn-4's sm90 kernel too")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
+    cfg = json.loads(args.config)
     out = results.open_result_file(args.out, results.command_line("scripts/sass_loops.py", argv))
     rows = []
     for d in args.headdim:
         for causal in map(bool, args.causal):
-            builds = [(name, lambda name=name: ours(name, d, causal, args.seqlen, {})) for name in args.kernels]
+            builds = [(name, lambda name=name: ours(name, d, causal, args.seqlen, cfg)) for name in args.kernels]
             if args.fa4:
                 builds.append(("fa4", lambda: fa4(d, causal)))
             for name, build in builds:
@@ -151,7 +166,8 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"d={r['head_dim']:<4}c={r['causal']} {r['kernel']:<5} tile_n={r['tile_n']:<4}"
               f"{'masked  ' if r['masked'] else 'unmasked'} {r['instructions']:5d} instructions "
-              f"({r['per_key']:.2f} per key, {r['uniform']} uniform)  {r['mix']}")
+              f"({r['per_key']:.2f} per key, {r['uniform']} uniform, {r['exps_before_pv_wait']} ex2 before the PV wait)"
+              f"  {r['mix']}")
     return 0
 
 

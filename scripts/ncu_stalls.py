@@ -1,0 +1,99 @@
+"""Where the warps of one kernel wait, instruction by instruction (Nsight Compute PC sampling).
+
+    python scripts/ncu_stalls.py --seqlen 16384 --headdim 128 --causal 0 --out results/ncu-stalls-d128-n16k-h100.json
+
+Runs ``ncu`` (on PATH, GPU machine) on one launch of k6 and one of flash-attn-4 for the same
+workload as bench.py, with the SourceCounters section (PC sampling), prints the SASS page as CSV,
+and sums the samples per instruction. The summary per kernel: total samples, samples per stall
+reason, and the instructions with the most samples (address, opcode, samples, the top reasons),
+so that e.g. a named-barrier wait shows which ``BAR.SYNC`` it is. Rows go to --out as they are made.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from harness import results  # noqa: E402
+
+KERNELS = {"k6": "FMHA", "fa4": "FlashAttentionForwardSm90"}
+
+
+def profile(regex: str, seqlen: int, d: int, causal: int, raw_dir: str | None) -> str:
+    """The SASS source page of one launch, as ncu's CSV text."""
+    cmd = ["ncu", "--clock-control", "none", "--section", "SourceCounters", "--section", "WarpStateStats",
+           "--kernel-name", f"regex:{regex}", "--launch-count", "1", "--page", "source", "--print-source", "sass",
+           "--csv", sys.executable, "bench.py", "k6", "--seqlen", str(seqlen), "--headdim", str(d),
+           "--causal", str(causal)]
+    text = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent).stdout
+    if raw_dir:
+        Path(raw_dir, f"ncu-source-{regex}-d{d}-n{seqlen}-c{causal}.csv").write_text(text)
+    return text
+
+
+def parse(text: str) -> list:
+    """Rows of the source page: dicts keyed by ncu's column names (the CSV starts at the header)."""
+    lines = text.splitlines()
+    start = next((i for i, l in enumerate(lines) if l.startswith('"Address"') or l.startswith('"#"')), None)
+    if start is None:
+        raise SystemExit("no source page in ncu's output:\n" + text[-2000:])
+    return list(csv.DictReader(io.StringIO("\n".join(lines[start:]))))
+
+
+def number(x) -> float:
+    try:
+        return float(str(x).replace(",", ""))
+    except ValueError:
+        return 0.0
+
+
+def summarize(kernel: str, rows: list, top: int) -> dict:
+    sample_col = next(c for c in rows[0] if c.startswith("Warp Stall Sampling (All"))
+    reasons = [c for c in rows[0] if c.startswith("stall_") or c.startswith("smsp__pcsamp_warps_issue_stalled_")]
+    total = sum(number(r[sample_col]) for r in rows)
+    by_reason = {c: sum(number(r[c]) for r in rows) for c in reasons}
+    hot = sorted(rows, key=lambda r: -number(r[sample_col]))[:top]
+    return dict(kernel=kernel, samples=total,
+                by_reason={k: v for k, v in sorted(by_reason.items(), key=lambda kv: -kv[1]) if v},
+                hot=[dict(address=r.get("Address", r.get("#")), source=r.get("Source", ""),
+                          samples=number(r[sample_col]), share=number(r[sample_col]) / total if total else 0,
+                          reasons={c: number(r[c]) for c in sorted(reasons, key=lambda c: -number(r[c]))[:3]
+                                   if number(r[c])})
+                     for r in hot])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seqlen", type=int, default=16384)
+    ap.add_argument("--headdim", type=int, default=128)
+    ap.add_argument("--causal", type=int, default=0, choices=(0, 1))
+    ap.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=list(KERNELS))
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--raw-dir", help="keep ncu's CSV pages here")
+    ap.add_argument("--out")
+    args = ap.parse_args(argv)
+    out = results.open_result_file(args.out, results.command_line("scripts/ncu_stalls.py", argv))
+    for name in args.kernels:
+        s = summarize(name, parse(profile(KERNELS[name], args.seqlen, args.headdim, args.causal, args.raw_dir)),
+                      args.top)
+        s.update(head_dim=args.headdim, seqlen=args.seqlen, causal=args.causal)
+        if out:
+            out.append(s)
+        print(f"== {name}: {s['samples']:.0f} samples; by reason: "
+              + ", ".join(f"{k.split('_', 1)[1]} {v / s['samples']:.1%}" for k, v in list(s["by_reason"].items())[:8]))
+        for h in s["hot"]:
+            print(f"  {h['address']:>8} {h['share']:6.1%}  {h['source'][:60]:<60} {h['reasons']}")
+    if out:
+        out.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
