@@ -79,7 +79,7 @@ O_STORE_PER_WG_NON_CAUSAL_UP_TO_SEQLEN = 2048
 
 class K6FMHA(k5.K5FMHA):
     def __init__(self, *args, pingpong: bool, overlap: bool, emulated_exp2: int = 0, skip_unit_rescale: bool = False,
-                 rescale_o_before_gemm: bool = None, pin_pv_wait: bool = False, **kw):
+                 rescale_o_before_gemm: bool = None, pin_pv_wait=None, **kw):
         super().__init__(*args, **kw)
         self.warp_scheduler = sm90.WarpScheduler(self.num_wg, pingpong)  # K5's no-op calls come alive
         self.overlap = overlap
@@ -87,7 +87,9 @@ class K6FMHA(k5.K5FMHA):
             rescale_o_before_gemm = self.head_dim > 128
         self.rescale_o_before_gemm = overlap and rescale_o_before_gemm
         self.emulated_exp2 = emulated_exp2
-        self.pin_pv_wait = overlap and pin_pv_wait
+        if pin_pv_wait not in (None, False, "after_softmax", "before_exp2"):
+            raise ValueError(f"pin_pv_wait must be None, 'after_softmax' or 'before_exp2', got {pin_pv_wait!r}")
+        self.pin_pv_wait = pin_pv_wait if overlap else None
         self.skip_unit_rescale = skip_unit_rescale
 
     def tile_softmax(self, *args) -> sm90.OnlineSoftmax:
@@ -189,9 +191,14 @@ class K6FMHA(k5.K5FMHA):
         if const_expr(masked):
             sm90.mask_tile(acc_S, tScS, m_block, n_block, mask_lens[0], self.tile_m, self.tile_n, self.causal,
                        mask_lens[1])
-        softmax.step(acc_S, row_scale, check_inf=masked, n_block=n_block)
+        split = self.pin_pv_wait == "before_exp2"
+        if const_expr(split):  # the exponents only; exp2 runs after the pinned wait
+            softmax.step(acc_S, row_scale, check_inf=masked, n_block=n_block, exponentiate=False)
+        else:
+            softmax.step(acc_S, row_scale, check_inf=masked, n_block=n_block)
         if const_expr(self.pin_pv_wait):
-            self.wait_pv_then_convert(mask_lens[0] > 0, acc_S, tOrP, acc_O, row_scale)
+            self.wait_pv_then_convert(mask_lens[0] > 0, acc_S, tOrP, acc_O, row_scale,
+                                      softmax.row_sum if const_expr(split) else None)
             pipeline_v.consumer_release(kv_prev)
         else:
             warpgroup.wait_group(0)  # PV done: its P and V may be overwritten, O may be touched
@@ -203,7 +210,7 @@ class K6FMHA(k5.K5FMHA):
 
     @cute.jit
     def wait_pv_then_convert(self, always: cutlass.Boolean, acc_S: cute.Tensor, tOrP: cute.Tensor,
-                             acc_O: cute.Tensor, row_scale: cute.Tensor):
+                             acc_O: cute.Tensor, row_scale: cute.Tensor, row_sum):
         """wait_group(0), P into tOrP, O rescaled, behind a branch that is always taken.
 
         ptxas treats the wait as free and hoists it above every exponential that does not need it:
@@ -214,6 +221,8 @@ class K6FMHA(k5.K5FMHA):
         """
         if always:
             warpgroup.wait_group(0)
+            if const_expr(row_sum is not None):
+                sm90.exp2_rows_and_sum(acc_S, row_scale, row_sum)
             self.convert_p(acc_S, tOrP)
             if const_expr(not self.rescale_o_before_gemm):
                 sm90.scale_rows(acc_O, row_scale)
@@ -221,6 +230,8 @@ class K6FMHA(k5.K5FMHA):
             warpgroup.wait_group(0)
             if const_expr(not self.rescale_o_before_gemm):
                 sm90.scale_rows(acc_O, row_scale)
+            if const_expr(row_sum is not None):
+                sm90.exp2_rows_and_sum(acc_S, row_scale, row_sum)
             self.convert_p(acc_S, tOrP)
 
     @cute.jit

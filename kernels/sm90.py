@@ -247,10 +247,12 @@ class OnlineSoftmax:
         self.row_sum.fill(0.0)
 
     @cute.jit
-    def step(self, acc_S: cute.Tensor, row_scale: cute.Tensor, check_inf: cutlass.Constexpr[bool], n_block=None):
+    def step(self, acc_S: cute.Tensor, row_scale: cute.Tensor, check_inf: cutlass.Constexpr[bool], n_block=None,
+             exponentiate: cutlass.Constexpr[bool] = True):
         """Overwrite acc_S with P = exp2(S*scale_log2 - max*scale_log2); row_scale gets the
         factor exp2((old_max - new_max)*scale_log2) that O must be multiplied by. ``n_block``:
-        the KV tile (K8's scales are per tile)."""
+        the KV tile (K8's scales are per tile). ``exponentiate=False`` stops at the exponents
+        (S*scale_log2 - max*scale_log2): ``exp2_rows_and_sum`` finishes the step."""
         acc_S_mn = acc_mn_view(acc_S)
         scale = self.tile_scale_log2(n_block) if const_expr(self.scaled_max) else self.scale_log2
         for r in cutlass.range_constexpr(self.num_rows):
@@ -277,7 +279,10 @@ class OnlineSoftmax:
                     row_scale[r] = Float32(1.0) if self.row_max[r] == m_prev else row_scale[r]
             if const_expr(self.p_offset != 0.0):
                 m_scaled = m_scaled - self.p_offset
-            if const_expr(self.emulated_exp2 == 0 or check_inf):
+            if const_expr(not exponentiate):
+                assert self.emulated_exp2 == 0 and not self.scaled_max, "exponentiate=False: plain ex2 only"
+                row.store(row.load() * scale - m_scaled)
+            elif const_expr(self.emulated_exp2 == 0 or check_inf):
                 row.store(cute.math.exp2(row.load() * scale - m_scaled, fastmath=True))
             else:
                 row.store(row.load() * scale - m_scaled)
@@ -286,7 +291,8 @@ class OnlineSoftmax:
                         row[c] = exp2_poly(row[c])
                     else:
                         row[c] = cute.math.exp2(row[c], fastmath=True)
-            self.row_sum[r] = self.row_sum[r] * row_scale[r] + row_reduce(row, operator.add)
+            if const_expr(exponentiate):
+                self.row_sum[r] = self.row_sum[r] * row_scale[r] + row_reduce(row, operator.add)
 
     @cute.jit
     def rescale(self, acc_O: cute.Tensor, row_scale: cute.Tensor):
@@ -316,6 +322,17 @@ class OnlineSoftmax:
                       else ((self.row_max[r] if const_expr(self.scaled_max) else self.row_max[r] * self.scale_log2)
                             + cute.math.log2(total, fastmath=True) - self.p_offset) * LN_2)
             acc_O_mn[r, None].store(acc_O_mn[r, None].load() * inv)
+
+
+@cute.jit
+def exp2_rows_and_sum(acc_S: cute.Tensor, row_scale: cute.Tensor, row_sum: cute.Tensor):
+    """The second half of ``OnlineSoftmax.step(..., exponentiate=False)``: P = exp2 of the
+    exponents in acc_S, and each row's partial sum rescaled and extended."""
+    acc_S_mn = acc_mn_view(acc_S)
+    for r in cutlass.range_constexpr(cute.size(row_scale)):
+        row = acc_S_mn[r, None]
+        row.store(cute.math.exp2(row.load(), fastmath=True))
+        row_sum[r] = row_sum[r] * row_scale[r] + row_reduce(row, operator.add)
 
 
 @cute.jit
