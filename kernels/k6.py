@@ -87,6 +87,7 @@ class K6FMHA(k5.K5FMHA):
             rescale_o_before_gemm = self.head_dim > 128
         self.rescale_o_before_gemm = overlap and rescale_o_before_gemm
         self.emulated_exp2 = emulated_exp2
+        pin_pv_wait = "after_softmax" if pin_pv_wait is True else pin_pv_wait  # its first form, a bool
         if pin_pv_wait not in (None, False, "after_softmax", "before_exp2"):
             raise ValueError(f"pin_pv_wait must be None, 'after_softmax' or 'before_exp2', got {pin_pv_wait!r}")
         self.pin_pv_wait = pin_pv_wait if overlap else None
