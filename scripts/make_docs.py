@@ -249,7 +249,7 @@ def ws_steps_table(sweep):
 
 
 # K6's softmax knobs (measured and left off): their tuning runs get a table block of their own.
-SOFTMAX_KNOBS = ("emulated_exp2", "skip_unit_rescale", "rescale_o_before_gemm")
+SOFTMAX_KNOBS = ("emulated_exp2", "skip_unit_rescale", "rescale_o_before_gemm", "pin_pv_wait")
 
 
 def ws_tune_table(tune):
@@ -287,12 +287,15 @@ def sass_loops_table(files):
         counts = sorted({r["instructions"] for r in rows})
         uniform = sorted({r["uniform"] for r in rows})
         span = lambda xs: f"{xs[0]}" if len(xs) == 1 else f"{xs[0]}–{xs[-1]}"  # noqa: E731
+        before = sorted({r["exps_before_pv_wait"] for r in rows if r.get("exps_before_pv_wait") is not None})
         body.append([d, causal, label, rows[0]["tile_n"], "masked" if masked else "unmasked", span(counts),
-                     f"{counts[0] / rows[0]['tile_n']:.2f}", span(uniform)])
+                     f"{counts[0] / rows[0]['tile_n']:.2f}", span(uniform), span(before) if before else "—"])
     commands = [f"`{f['meta'].get('command', '')}`" for f in files]
-    return ("From " + "; ".join(commands) + " (SASS of the sm_90a build, no GPU).\n\n"
+    return ("From " + "; ".join(commands) + " (SASS of the sm_90a build, no GPU). The last column: of a tile's "
+            "`MUFU.EX2`, how many ptxas placed before the wait for the previous tile's PV (loops with the "
+            "overlap only; older files do not have it).\n\n"
             + markdown_table(["d", "causal", "kernel", "tile_n", "loop", "instructions per KV tile",
-                              "per key", "of them uniform"], body))
+                              "per key", "of them uniform", "ex2 before the PV wait"], body))
 
 
 def ws_compile_table(files):
@@ -354,6 +357,23 @@ def ncu_compare_table(path):
         body.append([label, f"{v['k6'] * scale:.2f}", f"{v['fa4'] * scale:.2f}"])
     return (f"`{path.relative_to(ROOT)}`: {lines[0]}\n\n"
             + markdown_table(["metric", "`k6`", "flash-attn-4"], body))
+
+
+def ncu_stalls_table(f, top: int = 8):
+    """docs/k6.md: scripts/ncu_stalls.py, per kernel the SASS instructions where most warp-stall
+    samples fell (share of all the kernel's samples, the leading reason)."""
+    r0 = f["rows"][0]
+    head = (f"`{f['meta'].get('command', '')}`, {gpu_short_name(f['meta'].get('device', ''))}, "
+            f"{f['meta'].get('date', '')[:10]}: d={r0['head_dim']}, causal={r0['causal']}, N={r0['seqlen']}.")
+    tables = []
+    for r in f["rows"]:
+        def reason(h):  # ncu files the samples of an issuing HGMMA under no listed reason
+            name, n = next(iter(h["reasons"].items()), ("", 0))
+            return name.replace("stall_", "") if n >= 0.3 * h["samples"] else "(none listed)"
+        body = [[f"`{h['source'].strip()[:60]}`", f"{100 * h['share']:.1f}%", reason(h)] for h in r["hot"][:top]]
+        tables.append(f"**{r['kernel']}** ({r['samples']:.0f} samples):\n\n"
+                      + markdown_table(["instruction", "share of samples", "main reason"], body))
+    return head + "\n\n" + "\n\n".join(tables)
 
 
 def gqa_table(mha, gqa):
@@ -800,6 +820,9 @@ def main(argv=None):
     compares = sorted(ROOT.glob("results/ncu-compare-*.txt"))
     if compares and page.exists() and "<!-- table:ncu-compare -->" in page.read_text():
         page.write_text(replace_block(page.read_text(), "ncu-compare", "\n\n".join(ncu_compare_table(f) for f in compares)))
+    stalls = finished("ncu-stalls-*.json")
+    if stalls and page.exists() and "<!-- table:ncu-stalls -->" in page.read_text():
+        page.write_text(replace_block(page.read_text(), "ncu-stalls", "\n\n".join(ncu_stalls_table(f) for f in stalls)))
     sass = finished("sass-loops*.json")
     if sass and page.exists() and "<!-- table:sass-loops -->" in page.read_text():
         page.write_text(replace_block(page.read_text(), "sass-loops", sass_loops_table(sass)))
