@@ -222,5 +222,16 @@ def test_sass_loops_finds_the_kv_tile_loop_only():
     emit("STG.E [R2], R4")
     emit("@P1 BRA " + hex(outer))
     loops = sass_loops.tile_loops("\n".join(lines), 128, 128)
-    assert [(start, ops["HGMMA"], ops["MUFU"]) for start, _, ops in loops] == [(inner, 16, 64)]
+    assert [(start, ops["HGMMA"], ops["MUFU"], first) for start, _, ops, first in loops] == [(inner, 16, 64, None)]
     assert sass_loops.tile_loops("\n".join(lines), 64, 128) == []  # wrong WGMMA count for d=64
+
+
+def test_sass_loops_counts_the_exponentials_before_the_pv_wait():
+    # With the overlap (a wait_group 1 in the loop), how many MUFU.EX2 precede wait_group 0;
+    # without it (wait_group 0 only: that is QK's wait) there is no such count.
+    sass_loops = load_script("sass_loops")
+    body = ["WARPGROUP.DEPBAR.LE gsb0, 0x1", "MUFU.EX2 R1, R1", "MUFU.EX2 R2, R2",
+            "WARPGROUP.DEPBAR.LE gsb0, 0x0", "MUFU.EX2 R3, R3"]
+    assert sass_loops.exps_before_pv_wait(body) == 2
+    assert sass_loops.exps_before_pv_wait(body[1:]) is None
+    assert sass_loops.exps_before_pv_wait([b for b in body if "DEPBAR" not in b]) is None

@@ -50,8 +50,11 @@ def _named_barriers(ptx):
 
 
 def _ping_pong_barriers(ptx):
+    # The token's barriers count two warpgroups (256 threads); a register id is the DSL's way of
+    # writing an id computed from the warpgroup index (the per-warpgroup O store's count 160).
     ids = {str(WARP_SCHEDULER_BARRIER + i) for i in range(3)}
-    return [b for b in _named_barriers(ptx) if b[1].strip() in ids or b[1].strip().startswith("%r")]
+    return [b for b in _named_barriers(ptx)
+            if b[2] == "256" and (b[1].strip() in ids or b[1].strip().startswith("%r"))]
 
 
 def test_k5_has_separate_k_and_v_pipelines_and_no_ping_pong():
@@ -63,17 +66,45 @@ def test_k5_has_separate_k_and_v_pipelines_and_no_ping_pong():
 
 
 def test_tma_store_epilogue():
-    # d=128: stmatrix into the Q buffer, fence, all consumers sync on barrier 1 (256 threads),
+    # K5, d=128: stmatrix into the Q buffer, fence, all consumers sync on barrier 1 (256 threads),
     # arrive on 5 and one warp syncs there too (288), then the TMA store and its read-wait.
-    ptx = _compile("k6", 128).ptx
+    ptx = _compile("k5", 128).ptx
     assert "stmatrix.sync.aligned" in ptx and "fence.proxy.async.shared::cta" in ptx
     assert re.search(r"cp\.async\.bulk\.tensor\.\w+\.global\.shared::cta", ptx)
     assert re.search(r"cp\.async\.bulk\.wait_group\.read\s+0;", ptx)
     barriers = set(_named_barriers(ptx))
     assert {("sync", str(EPILOGUE_BARRIER), "256"), ("arrive", str(EPILOGUE_STORE_BARRIER), "288"),
             ("sync", str(EPILOGUE_STORE_BARRIER), "288")} <= barriers, barriers
-    # d=64 keeps the register stores (measured faster there).
-    assert "stmatrix" not in _compile("k6", 64).ptx
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_k6_stores_o_per_warpgroup(d):
+    # K6 (short or causal): no barrier across warpgroups; each warpgroup's 128 threads arrive on
+    # its own barrier (5 + wg, a register id) and its first warp syncs there (160), then stores.
+    ptx = _compile("k6", d).ptx
+    barriers = set(_named_barriers(ptx))
+    assert not any(b[1].strip() == str(EPILOGUE_BARRIER) for b in barriers), barriers
+    per_wg = {(kind, count) for kind, bar_id, count in barriers if bar_id.strip().startswith("%r")}
+    assert {("arrive", "160"), ("sync", "160")} <= per_wg, barriers
+    assert re.search(r"cp\.async\.bulk\.wait_group\.read\s+0;", ptx)
+    # The defaults by length (docs/k6.md): per warpgroup for causal or up to 2k keys; d=64 keeps
+    # the register stores from 4k keys non-causal, 16k causal.
+    entry = get_kernel("k6")
+    info = lambda n, causal: entry.compile(Problem(1, 1, n, d, causal=causal)).info  # noqa: E731
+    assert info(2048, False)["o_store_per_wg"] and info(16384, True)["o_store_per_wg"] == info(16384, True)["tma_store"]
+    assert not info(8192, False)["o_store_per_wg"]
+    if d == 64:
+        assert info(2048, False)["tma_store"] and not info(4096, False)["tma_store"]
+        assert info(8192, True)["tma_store"] and not info(16384, True)["tma_store"]
+
+
+def test_pin_pv_wait_is_checked_and_builds():
+    # The measured-and-off PV-wait pinning: both forms compile without spills; a wrong value is refused.
+    for mode in ("after_softmax", "before_exp2"):
+        compiled = _compile("k6", 128, causal=True, pin_pv_wait=mode)
+        assert all(r[3] == 0 for r in ptxas_report(compiled.ptx))
+    with pytest.raises(ValueError, match="pin_pv_wait"):
+        _compile("k6", 128, pin_pv_wait="sometimes")
 
 
 @pytest.mark.parametrize("name", ["k6_pp", "k6", "k7", "k8"])
