@@ -117,6 +117,40 @@ case "$part" in
     for d in 64 128; do  # k6 beside flash-attn-4 under ncu, 16k keys non-causal
       timeout 250 bash scripts/ncu_compare.sh 16384 $d 0 > "$dir/ncu-compare-d$d-n16k-$gpu.txt" || rc=1
     done
+    # Where the warps wait, per SASS instruction (ncu PC sampling); then the PV wait pinned (off),
+    # and each warpgroup storing its own O rows (docs/k6.md), 3 rounds each
+    timeout 200 $py scripts/ncu_stalls.py --seqlen 16384 --headdim 128 --causal 0 --out "$dir/ncu-stalls-d128-n16k-$gpu.json" || rc=1
+    timeout 280 $py scripts/tune.py --kernels k6 --headdim 128 --causal 0 1 --seqlen 4096 8192 16384 --rounds 3 \
+      --configs '[{}, {"pin_pv_wait":"after_softmax"}]' --out "$dir/ws-tune-$gpu-pin-d128-r3.json" || rc=1
+    timeout 250 $py scripts/tune.py --kernels k6 --headdim 64 256 --causal 0 1 --seqlen 8192 16384 --rounds 3 \
+      --configs '[{}, {"pin_pv_wait":"after_softmax"}, {"overlap":true,"tile_n":128,"pin_pv_wait":"after_softmax"}]' \
+      --out "$dir/ws-tune-$gpu-pin-d64d256-r3.json" || rc=1
+    timeout 300 $py scripts/tune.py --kernels k6 --headdim 128 256 --causal 0 1 --seqlen 4096 16384 --rounds 3 \
+      --configs '[{}, {"pin_pv_wait":"before_exp2"}]' --out "$dir/ws-tune-$gpu-pinexp-r3.json" || rc=1
+    timeout 200 $py ref_check.py k6 --quick --all-head-dims --config '{"o_store_per_wg":true}' \
+      --out "$dir/refcheck-k6-perwg-quick-$gpu.json" || rc=1
+    timeout 330 $py scripts/tune.py --kernels k6 --headdim 128 256 --causal 0 1 --seqlen 512 1024 2048 4096 --rounds 3 \
+      --configs '[{"o_store_per_wg":false}, {"o_store_per_wg":true}]' --out "$dir/ws-tune-$gpu-perwg-r3.json" || rc=1
+    timeout 200 $py scripts/tune.py --kernels k6 --headdim 64 --causal 0 1 --seqlen 512 2048 8192 16384 --rounds 3 \
+      --configs '[{"tma_store":false}, {"tma_store":true,"o_store_per_wg":true}]' --out "$dir/ws-tune-$gpu-perwg-d64-r3.json" || rc=1
+    timeout 200 $py scripts/tune.py --kernels k6 --headdim 128 --causal 0 1 --seqlen 8192 16384 --rounds 3 \
+      --configs '[{"o_store_per_wg":false}, {"o_store_per_wg":true}]' --out "$dir/ws-tune-$gpu-perwg-d128long-r3.json" || rc=1
+    timeout 120 $py scripts/tune.py --kernels k6 --headdim 256 --causal 0 1 --seqlen 16384 --rounds 3 \
+      --configs '[{}, {"tma_store":true,"o_store_per_wg":true}]' --out "$dir/ws-tune-$gpu-perwg-d256long-r3.json" || rc=1
+    timeout 330 $py scripts/tune.py --kernels k6 --headdim 128 --causal 0 --seqlen 8192 16384 --rounds 3 \
+      --configs '[{}, {"o_store_per_wg":true}, {"scheduler":"dynamic"}, {"scheduler":"dynamic","o_store_per_wg":true}, {"scheduler":"single","o_store_per_wg":true}]' \
+      --out "$dir/ws-tune-$gpu-perwg-sched-r3.json" || rc=1
+    timeout 200 $py ref_check.py k6 --quick --all-head-dims --out "$dir/refcheck-k6-quick-$gpu.json" || rc=1
+    for args in "--causal 0" "--causal 1" "--headdim 256 --causal 0" "--headdim 64 --causal 0" "--headdim 64 --causal 1 --seqlen 200"; do
+      timeout 120 compute-sanitizer --tool racecheck --kernel-name kns=FMHA $py scripts/sanitize_case.py k6 $args \
+        2>&1 | grep "SUMMARY\|: ok\|FAIL" || { echo "racecheck k6 $args: timed out or failed"; rc=1; }
+    done > "$dir/sanitizer-k6-perwg-$gpu.txt"
+    for args in "--causal 1" "--headdim 64 --causal 0"; do
+      timeout 120 compute-sanitizer --tool synccheck --kernel-name kns=FMHA $py scripts/sanitize_case.py k6 $args \
+        2>&1 | grep "SUMMARY\|: ok\|FAIL" || { echo "synccheck k6 $args: timed out or failed"; rc=1; }
+    done >> "$dir/sanitizer-k6-perwg-$gpu.txt"
+    timeout 400 $py bench.py k6 --sweep --rounds 3 --out "$dir/ws-sweep-rounds6-$gpu.json" || rc=1
+    timeout 400 $py bench.py k6 --sweep --rounds 3 --out "$dir/ws-sweep-rounds7-$gpu.json" || rc=1  # a second run
     exit $rc
     ;;
   decode)
