@@ -71,7 +71,8 @@ DEFAULT_CONFIG = {
 # TMA store instead of predicated register stores; that holds the Q buffer until the store has
 # read it, which only a second Q stage hides (d<=128). Measured on an H100 (docs/k6.md), it pays
 # at d=128 (causal short sequences most) and not at d=64, where three warpgroups' register
-# stores are already small; K6 found it paying at d=256 up to 8k keys too (k6.TMA_STORE_UP_TO_SEQLEN).
+# stores are already small. K6 found it paying at d=256 up to 8k keys, and at d=64 once each
+# warpgroup stores its own rows (o_store_per_wg; k6.TMA_STORE_UP_TO_SEQLEN).
 # Persistent (one CTA per SM looping over tiles) pays where every tile costs the same: with a
 # static round-robin, causal tiles of unequal cost leave some SMs idle at the end (measured on an
 # H100: docs/k5.md), so causal keeps one CTA per tile, launched heaviest first.
@@ -109,7 +110,8 @@ class K5FMHA:
         self.kv_stages = kv_stages
         self.q_stages = q_stages
         self.tma_store = tma_store
-        self.o_store_per_wg = tma_store and o_store_per_wg
+        assert tma_store or not o_store_per_wg, "o_store_per_wg: a per-warpgroup TMA store needs tma_store"
+        self.o_store_per_wg = o_store_per_wg
         self.scheduler = scheduler
         self.sm_count = sm_count
         self.section_bytes = section_bytes

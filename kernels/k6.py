@@ -29,7 +29,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 
 from . import k5, sm90, tma_pipeline
-from .contract import CompiledAttention, Problem, run_kernel  # noqa: F401  (the contract's launch-only entry)
+from .contract import CompiledAttention, Problem, UnsupportedProblem, run_kernel  # noqa: F401  (run_kernel: the contract's launch-only entry)
 
 CAPS = k5.CAPS
 # Ping-pong up to d=128 only (with the overlap, the d=256 GEMMs already dwarf the softmax).
@@ -90,7 +90,14 @@ class K6FMHA(k5.K5FMHA):
         pin_pv_wait = "after_softmax" if pin_pv_wait is True else pin_pv_wait  # its first form, a bool
         if pin_pv_wait not in (None, False, "after_softmax", "before_exp2"):
             raise ValueError(f"pin_pv_wait must be None, 'after_softmax' or 'before_exp2', got {pin_pv_wait!r}")
-        self.pin_pv_wait = pin_pv_wait if overlap else None
+        if pin_pv_wait and not overlap:
+            raise UnsupportedProblem(f"pin_pv_wait={pin_pv_wait!r} pins the wait for the PV of the overlap, "
+                                     "which is off here (overlap=False)")
+        if pin_pv_wait and skip_unit_rescale:
+            raise UnsupportedProblem("pin_pv_wait rescales O with a plain multiply: not with skip_unit_rescale")
+        if pin_pv_wait == "before_exp2" and emulated_exp2:
+            raise UnsupportedProblem("pin_pv_wait='before_exp2' splits a plain ex2 softmax: not with emulated_exp2")
+        self.pin_pv_wait = pin_pv_wait
         self.skip_unit_rescale = skip_unit_rescale
 
     def tile_softmax(self, *args) -> sm90.OnlineSoftmax:
@@ -193,6 +200,8 @@ class K6FMHA(k5.K5FMHA):
             sm90.mask_tile(acc_S, tScS, m_block, n_block, mask_lens[0], self.tile_m, self.tile_n, self.causal,
                        mask_lens[1])
         split = self.pin_pv_wait == "before_exp2"
+        if const_expr(split and softmax.scaled_max):
+            raise UnsupportedProblem("pin_pv_wait='before_exp2' splits a plain softmax: not K8's block-scaled one")
         if const_expr(split):  # the exponents only; exp2 runs after the pinned wait
             softmax.step(acc_S, row_scale, check_inf=masked, n_block=n_block, exponentiate=False)
         else:
@@ -210,7 +219,7 @@ class K6FMHA(k5.K5FMHA):
         return kv_consume
 
     @cute.jit
-    def wait_pv_then_convert(self, always: cutlass.Boolean, acc_S: cute.Tensor, tOrP: cute.Tensor,
+    def wait_pv_then_convert(self, seqlen_k_positive: cutlass.Boolean, acc_S: cute.Tensor, tOrP: cute.Tensor,
                              acc_O: cute.Tensor, row_scale: cute.Tensor, row_sum):
         """wait_group(0), P into tOrP, O rescaled, behind a branch that is always taken.
 
@@ -218,9 +227,9 @@ class K6FMHA(k5.K5FMHA):
         in the SASS of the plain version no ``MUFU.EX2`` of the tile is left before the wait, so PV
         only overlaps the row max. It does not move code across a branch, and a branch whose two
         sides differ (here, the order of the two steps) is not merged back by LLVM either. The
-        other side is correct too; it just never runs (``always``: the key length, > 0 here).
+        other side is correct too; it just never runs (there is a KV tile, so the key length is > 0).
         """
-        if always:
+        if seqlen_k_positive:
             warpgroup.wait_group(0)
             if const_expr(row_sum is not None):
                 sm90.exp2_rows_and_sum(acc_S, row_scale, row_sum)

@@ -305,7 +305,7 @@ class OnlineSoftmax:
         else:
             self.multiply_rows(acc_O, row_scale)
 
-    def multiply_rows(self, acc_O: cute.Tensor, row_scale: cute.Tensor):
+    def multiply_rows(self, acc_O: cute.Tensor, row_scale: cute.Tensor):  # the override point of rescale
         scale_rows(acc_O, row_scale)
 
     @cute.jit

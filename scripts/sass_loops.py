@@ -142,8 +142,9 @@ def main(argv=None) -> int:
     ap.add_argument("--headdim", type=int, nargs="+", default=[128])
     ap.add_argument("--causal", type=int, nargs="+", default=[1], choices=(0, 1))
     ap.add_argument("--seqlen", type=int, default=8192, help="picks the seqlen-dependent variant (K6)")
-    ap.add_argument("--config", default="{}", help="JSON overrides for our kernels' compile_kernel, e.g. "
-                    "'{\"overlap\": true, \"tile_n\": 128}'")
+    ap.add_argument("--config", default="{}", help="JSON overrides for the compile_kernel of every kernel in "
+                    "--kernels, e.g. '{\"overlap\": true, \"tile_n\": 128}'. A loop whose tile's exponentials are "
+                    "compiled twice (pin_pv_wait's two branch sides) is not recognized as a tile loop")
     ap.add_argument("--fa4", action="store_true", help="flash-attn-4's sm90 kernel too")
     ap.add_argument("--out")
     args = ap.parse_args(argv)

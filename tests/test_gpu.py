@@ -109,6 +109,8 @@ def test_k6_knobs_left_off_still_match_sdpa(cfg, d, seqlen, causal):
     from harness.inputs import poisoned_outputs, random_inputs
     from harness.reference import sdpa
 
+    if "pin_pv_wait" in cfg and d == 64:
+        pytest.skip("d=64 runs without the overlap, whose PV wait pin_pv_wait pins (refused there)")
     p = Problem(2, 3, seqlen, d, causal=causal)
     entry = get_kernel("k6")
     compiled = entry.compile(p, **cfg)

@@ -11,7 +11,7 @@ import pytest
 
 from harness.inspect_ptx import count_instructions, ptxas_report
 from kernels import get_kernel
-from kernels.contract import Problem
+from kernels.contract import Problem, UnsupportedProblem
 from kernels.k5 import REGISTERS
 from kernels.sm90 import EPILOGUE_BARRIER, EPILOGUE_STORE_BARRIER, WARP_SCHEDULER_BARRIER
 from script_loader import load_script
@@ -91,7 +91,8 @@ def test_k6_stores_o_per_warpgroup(d):
     # the register stores from 4k keys non-causal, 16k causal.
     entry = get_kernel("k6")
     info = lambda n, causal: entry.compile(Problem(1, 1, n, d, causal=causal)).info  # noqa: E731
-    assert info(2048, False)["o_store_per_wg"] and info(16384, True)["o_store_per_wg"] == info(16384, True)["tma_store"]
+    assert info(2048, False)["o_store_per_wg"]
+    assert info(16384, True)["o_store_per_wg"] == info(16384, True)["tma_store"]  # causal: wherever there is a TMA store
     assert not info(8192, False)["o_store_per_wg"]
     if d == 64:
         assert info(2048, False)["tma_store"] and not info(4096, False)["tma_store"]
@@ -99,12 +100,20 @@ def test_k6_stores_o_per_warpgroup(d):
 
 
 def test_pin_pv_wait_is_checked_and_builds():
-    # The measured-and-off PV-wait pinning: both forms compile without spills; a wrong value is refused.
+    # The measured-and-off PV-wait pinning: both forms compile without spills, and each loop copy
+    # gains a second wait_group 0 (the branch's other side); what it cannot pin is refused.
+    wait0 = r"wgmma\.wait_group\.sync\.aligned\s+0;"
+    base = len(re.findall(wait0, _compile("k6", 128, causal=True).ptx))
     for mode in ("after_softmax", "before_exp2"):
         compiled = _compile("k6", 128, causal=True, pin_pv_wait=mode)
+        assert len(re.findall(wait0, compiled.ptx)) > base
         assert all(r[3] == 0 for r in ptxas_report(compiled.ptx))
     with pytest.raises(ValueError, match="pin_pv_wait"):
         _compile("k6", 128, pin_pv_wait="sometimes")
+    with pytest.raises(UnsupportedProblem, match="overlap"):
+        _compile("k6", 64, pin_pv_wait="after_softmax")  # d=64 runs without the overlap
+    with pytest.raises(UnsupportedProblem, match="skip_unit_rescale"):
+        _compile("k6", 128, pin_pv_wait="after_softmax", skip_unit_rescale=True)
 
 
 @pytest.mark.parametrize("name", ["k6_pp", "k6", "k7", "k8"])
