@@ -65,7 +65,7 @@ SHORT_SEQUENCE_CONFIG = {
 # ws-tune-h100-d256tmastore.json, each configuration timed twice): +13-15% at 512 keys, +3-8% at
 # 1k-4k, +2% at 8k, -2% at 16k.
 # d=64 (three consumer warpgroups' register stores) takes it too once each warpgroup stores its own
-# rows (below): +3-6% at 512-2k keys, +3% causal at 8k, -1 to -4% non-causal at 8k-16k
+# rows (below): +1.5-6% at 512-2k keys, +3% causal at 8k, -1 to -4% non-causal at 8k-16k
 # (results/ws-tune-h100-perwg-d64-r3.json). Keyed (head_dim, causal).
 TMA_STORE_UP_TO_SEQLEN = {(256, False): 8192, (256, True): 8192, (64, False): 2048, (64, True): 8192}
 # With the TMA store, each consumer warpgroup stores its own 64 rows (K5's o_store_per_wg) instead
