@@ -140,6 +140,9 @@ case "$part" in
     timeout 330 $py scripts/tune.py --kernels k6 --headdim 128 --causal 0 --seqlen 8192 16384 --rounds 3 \
       --configs '[{}, {"o_store_per_wg":true}, {"scheduler":"dynamic"}, {"scheduler":"dynamic","o_store_per_wg":true}, {"scheduler":"single","o_store_per_wg":true}]' \
       --out "$dir/ws-tune-$gpu-perwg-sched-r3.json" || rc=1
+    timeout 300 $py scripts/tune.py --kernels k6 --headdim 128 --causal 0 --seqlen 8192 16384 --rounds 3 \
+      --configs '[{}, {"tile_n":128,"kv_stages":3,"q_stages":1}, {"tile_n":128,"kv_stages":3,"q_stages":1,"tma_store":false}, {"tile_n":112,"kv_stages":3,"q_stages":1}]' \
+      --out "$dir/ws-tune-$gpu-d128n-stages3-r3.json" || rc=1
     timeout 200 $py ref_check.py k6 --quick --all-head-dims --out "$dir/refcheck-k6-quick-$gpu.json" || rc=1
     for args in "--causal 0" "--causal 1" "--headdim 256 --causal 0" "--headdim 64 --causal 0" "--headdim 64 --causal 1 --seqlen 200"; do
       timeout 120 compute-sanitizer --tool racecheck --kernel-name kns=FMHA $py scripts/sanitize_case.py k6 $args \
