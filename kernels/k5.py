@@ -397,17 +397,15 @@ class K5FMHA:
             if const_expr(self.tma_store):
                 tma_atom_O, mO_tma = o_store
                 sO = sQ[None, None, q_consume.index]
-                if const_expr(self.o_store_per_wg):  # this warpgroup's rows only
-                    tOsO, tOgO = tma_pipeline.partition_for_tma(
-                        tma_atom_O, mO_tma, cute.local_tile(sO, (64, d), (wg_idx, 0)), (64, d), head, batch,
-                        coord=(m_block * self.num_wg + wg_idx, 0))
-                    sm90.store_o_tma_and_lse(acc_O, softmax, tiled_mma_pv, tidx, sO, tOsO, tOgO, tma_atom_O, mLSE,
-                                             m_block, head, batch, seqlen, tile_m, self.out_dtype, 128, wg_idx)
-                else:
-                    tOsO, tOgO = tma_pipeline.partition_for_tma(tma_atom_O, mO_tma, sO, (tile_m, d), head, batch,
-                                                                coord=(m_block, 0))
-                    sm90.store_o_tma_and_lse(acc_O, softmax, tiled_mma_pv, tidx, sO, tOsO, tOgO, tma_atom_O, mLSE,
-                                             m_block, head, batch, seqlen, tile_m, self.out_dtype, 128 * self.num_wg)
+                # The box one store sends: the whole tile, or (per warpgroup) this warpgroup's rows.
+                sO_box, m_box, store_threads, store_wg = sO, m_block, 128 * self.num_wg, None
+                if const_expr(self.o_store_per_wg):
+                    sO_box, m_box = cute.local_tile(sO, (64, d), (wg_idx, 0)), m_block * self.num_wg + wg_idx
+                    store_threads, store_wg = 128, wg_idx
+                tOsO, tOgO = tma_pipeline.partition_for_tma(tma_atom_O, mO_tma, sO_box, (self.o_store_rows(), d), head,
+                                                            batch, coord=(m_box, 0))
+                sm90.store_o_tma_and_lse(acc_O, softmax, tiled_mma_pv, tidx, sO, tOsO, tOgO, tma_atom_O, mLSE,
+                                         m_block, head, batch, seqlen, tile_m, self.out_dtype, store_threads, store_wg)
                 pipeline_q.consumer_release(q_consume)  # the store has read sO: Q's buffer is free
             else:
                 # Every QK of this tile has retired: the producer may load the next tile's Q.

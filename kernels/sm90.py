@@ -439,13 +439,12 @@ def store_o_tma_and_lse(acc_O: cute.Tensor, softmax: OnlineSoftmax, tiled_mma_pv
     under the second one's last GEMMs.
     """
     lse, rO = finalize_o(acc_O, softmax, dtype)
-    store_barrier = EPILOGUE_STORE_BARRIER
-    storing_warp = cute.arch.make_warp_uniform(tidx // 32) == 0
+    warp = cute.arch.make_warp_uniform(tidx // 32)
     if const_expr(wg_idx is None):
         cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=num_threads)
+        store_barrier, storing_warp = EPILOGUE_STORE_BARRIER, warp == 0
     else:
-        store_barrier = EPILOGUE_STORE_BARRIER + wg_idx
-        storing_warp = cute.arch.make_warp_uniform(tidx // 32) % 4 == 0
+        store_barrier, storing_warp = EPILOGUE_STORE_BARRIER + wg_idx, warp % 4 == 0
     store_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), dtype)
     thr_store = cute.make_tiled_copy_C(store_atom, tiled_mma_pv).get_slice(tidx)
     cute.copy(store_atom, thr_store.retile(rO), thr_store.partition_D(sO))
