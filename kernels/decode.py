@@ -71,10 +71,15 @@ MAX_GROUP = TILE_M  # query heads per K/V head: one tile must hold a query posit
 # (results/decode-tune-ahead-h100-d128.json); prefetch_after_wait, 2 or 4 more tiles hinted once the
 # wait is over, 2.75 -> 2.72 / 2.63 at 32k and 0.3-2% lower on every other row
 # (results/decode-tune-afterwait-h100-d128.json): the extra hints compete with the TMA loads.
+# claim_after (the splits walk their first 4 tiles, then claim the rest from a per-head counter, so
+# that they end together), with l2_prefetch 3 (results/decode-tune-claim5-h100-d*.json, against the
+# fixed shares in the same run): batch 1, 8 K/V heads, 32k keys 2.72 -> 2.79 TB/s at d=128 and 2.36
+# -> 2.40 at d=64; 128k keys 2.99 -> 3.08, batch 8 3.06 -> 3.12 at d=128; 4k keys a tie. At d=256
+# it bought 1% at batch 1 and cost 1% at batch 8 and 4k keys: off there.
 MEASURED_AND_OFF = dict(refill_at_release=False, merge_prefetch=0, prefetch_ahead=0, prefetch_after_wait=0)
-DEFAULT_CONFIG = {64: dict(tile_n=256, kv_stages=2, l2_prefetch=4, **MEASURED_AND_OFF),
-                  128: dict(tile_n=128, kv_stages=2, l2_prefetch=4, **MEASURED_AND_OFF),
-                  256: dict(tile_n=64, kv_stages=2, l2_prefetch=2, **MEASURED_AND_OFF)}
+DEFAULT_CONFIG = {64: dict(tile_n=256, kv_stages=2, l2_prefetch=3, claim_after=4, **MEASURED_AND_OFF),
+                  128: dict(tile_n=128, kv_stages=2, l2_prefetch=3, claim_after=4, **MEASURED_AND_OFF),
+                  256: dict(tile_n=64, kv_stages=2, l2_prefetch=2, claim_after=0, **MEASURED_AND_OFF)}
 MAX_SPLITS = 128
 MAX_SPLIT_TRAFFIC = 0.05  # partials may add at most 5% to the bytes of K and V
 
@@ -119,6 +124,15 @@ def split_range(n_tiles: int, num_splits: int, split: int) -> tuple:
     return lo, min(lo + per, n_tiles)
 
 
+def claimed_split_range(n_tiles: int, num_splits: int, split: int, claim_after: int) -> tuple:
+    """Claiming (``DecodeFMHA.split_tiles`` in Python): (lo, hi, base), the split's own tiles
+    [lo, hi), ``claim_after`` of them but never more than an even share (a short cache would
+    otherwise go to the first splits and leave the rest idle), and the group's tiles
+    [base, n_tiles) that every split claims from the counter until they run out."""
+    own = min(claim_after, n_tiles // num_splits)
+    return split * own, (split + 1) * own, num_splits * own
+
+
 def merge_partials(o_parts, lse_parts):
     """The combine in torch (the oracle for ``Combine``): o_parts (S, ..., d) partial outputs each
     normalized by its own sum, lse_parts (S, ...) their natural-log LSEs. Empty splits carry
@@ -157,7 +171,8 @@ def cache_head_dim_major_view(mX: cute.Tensor) -> cute.Tensor:
 class DecodeFMHA:
     def __init__(self, head_dim: int, dtype, causal: bool, group: int, tile_n: int, kv_stages: int, split: bool,
                  merge: str = "combine", l2_prefetch: int = 0, refill_at_release: bool = False,
-                 merge_prefetch: int = 0, prefetch_ahead: int = 0, prefetch_after_wait: int = 0):
+                 merge_prefetch: int = 0, prefetch_ahead: int = 0, prefetch_after_wait: int = 0,
+                 claim_after: int = 0):
         self.head_dim = head_dim
         self.dtype = dtype
         self.causal = causal
@@ -188,6 +203,15 @@ class DecodeFMHA:
         # that HBM need not wait for the ring to reach the first tile not prefetched (0: none;
         # measured: a loss, DEFAULT_CONFIG).
         self.prefetch_after_wait = prefetch_after_wait
+        # Balance (0: off, every split walks its fixed share): each split walks its own first
+        # claim_after tiles (those the L2 prefetch hints), then claims the group's remaining tiles
+        # one at a time from a counter, so that the splits end together however fast HBM serves
+        # each SM. A partial covers any set of tiles: the merge does not care which.
+        self.claim_after = claim_after
+        assert claim_after == 0 or self.merge != "combine", "the counter is reset by the in-kernel merge"
+        # SMEM slots: the last-CTA merge's flag, then one tile index per K/V stage (claiming).
+        self.flag_slots = int(self.merge == "last_cta")
+        self.tile_slots = self.flag_slots + (kv_stages if self.claim_after else 0)
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
@@ -212,7 +236,7 @@ class DecodeFMHA:
         tma_atom_K, mK_tma = tma_pipeline.make_tma_load(cache_seq_major_view(mK), sK_layout, (self.tile_n, d))
         tma_atom_V, mV_tma = tma_pipeline.make_tma_load(mVt, sVt_layout, (d, self.tile_n))
         SharedStorage = tma_pipeline.shared_storage(dt, sQ_layout, sK_layout, sVt_layout, self.kv_stages,
-                                                    tile_slots=int(self.merge == "last_cta"))
+                                                    tile_slots=self.tile_slots)
 
         # One CTA per (query tile, split), K/V head, batch.
         m_blocks = cute.ceil_div(mQ.shape[1], self.q_per_tile)
@@ -257,7 +281,7 @@ class DecodeFMHA:
             # or the lengths, but L2 is coherent, so the TMA loads after the wait see its writes;
             # a stale length merely aims the prefetch at other tiles.
             if warp_idx == 0:
-                lo, hi = tile_range(cute.ceil_div(hint_len, tile_n), num_splits, split)
+                lo, hi, _ = self.split_tiles(cute.ceil_div(hint_len, tile_n), num_splits, split)
                 with cute.arch.elect_one():
                     for t in cutlass.range(cutlass.min(self.l2_prefetch, hi - lo), unroll=1):
                         l2_hint(kv_loads, lo + t)
@@ -272,7 +296,7 @@ class DecodeFMHA:
         kv_len = self.cache_len(mK_tma, mSeqlens, batch)
         causal_offset = kv_len - q_len  # bottom-right: query i sees keys j <= i + causal_offset
         n_tiles = cute.ceil_div(kv_len, tile_n)
-        n_lo, n_hi = tile_range(n_tiles, num_splits, split)
+        n_lo, n_hi, claim_base = self.split_tiles(n_tiles, num_splits, split)
         # Tiles from n_full on need the element mask: the tail past kv_len and, causal, the tiles
         # past the first packed row's diagonal.
         n_full = kv_len // tile_n
@@ -281,7 +305,20 @@ class DecodeFMHA:
             n_full = cutlass.min(n_full, cutlass.max(first_query + causal_offset + 1, 0) // tile_n)
 
         # Pipeline positions count from the split's first tile: t = n_block - n_lo.
-        if warp_idx == 0:
+        counter = (batch * cute.arch.grid_dim()[1] + kv_head) * (cute.arch.grid_dim()[0] // num_splits) + m_block
+        ctx, pending, live = None, Int32(0), cutlass.Boolean(True)
+        if const_expr(self.claim_after > 0):
+            # (the claim counter, the SMEM tile slots, the tile ranges): the claim counters follow
+            # the merge's, one per (query tile, K/V head, batch).
+            n_counters = cute.arch.grid_dim()[2] * cute.arch.grid_dim()[1] * (cute.arch.grid_dim()[0] // num_splits)
+            slots = cute.make_tensor(storage.tile_idx.data_ptr() + self.flag_slots, cute.make_layout(stages))
+            ctx = (mCounters.iterator + n_counters + counter, slots, n_lo, n_hi, claim_base, n_tiles)
+            if warp_idx == 0:
+                pending = self.claim(ctx[0], pending)  # its round trip overlaps the split's own tiles
+                for t in cutlass.range_constexpr(stages):
+                    if live:
+                        pending, live = self.produce_claimed(pipeline_kv, Int32(t), kv_loads, ctx, pending)
+        elif warp_idx == 0:
             for t in cutlass.range(cutlass.min(stages, n_hi - n_lo), unroll=1):
                 tma_pipeline.load_kv_stage(pipeline_kv, tma_pipeline.pipe_state(stages, t, producer=True),
                                            n_lo + t, *kv_loads)
@@ -310,10 +347,27 @@ class DecodeFMHA:
         loads = (pipeline_kv, *kv_loads)
         mmas = (tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, sVt, tOrVt, tOrP, acc_O, tScS)
         lens = (kv_len, causal_offset, n_lo, n_hi)
-        for n_block in cutlass.range(n_lo, cutlass.min(n_hi, n_full), unroll=1):
-            self.kv_iteration(n_block, m_block, lens, tidx, warp_idx, loads, mmas, softmax, row_scale, masked=False)
-        for n_block in cutlass.range(cutlass.max(n_lo, n_full), n_hi, unroll=1):
-            self.kv_iteration(n_block, m_block, lens, tidx, warp_idx, loads, mmas, softmax, row_scale, masked=True)
+        if const_expr(self.claim_after > 0):
+            # The producer names each stage's tile in its SMEM slot (-1: no more), so the loop runs
+            # until it reads -1; a tile needs the mask from n_full on, wherever it comes in the walk.
+            t = Int32(0)
+            n_block = self.claimed_tile(pipeline_kv, t, ctx[1])
+            while n_block >= 0:
+                if n_block >= n_full:
+                    pending, live = self.kv_iteration(n_block, m_block, lens, tidx, warp_idx, loads, mmas, softmax,
+                                                      row_scale, masked=True, t=t, ctx=ctx, claims=(pending, live))
+                else:
+                    pending, live = self.kv_iteration(n_block, m_block, lens, tidx, warp_idx, loads, mmas, softmax,
+                                                      row_scale, masked=False, t=t, ctx=ctx, claims=(pending, live))
+                t += 1
+                n_block = self.claimed_tile(pipeline_kv, t, ctx[1])
+        else:
+            for n_block in cutlass.range(n_lo, cutlass.min(n_hi, n_full), unroll=1):
+                self.kv_iteration(n_block, m_block, lens, tidx, warp_idx, loads, mmas, softmax, row_scale,
+                                  masked=False)
+            for n_block in cutlass.range(cutlass.max(n_lo, n_full), n_hi, unroll=1):
+                self.kv_iteration(n_block, m_block, lens, tidx, warp_idx, loads, mmas, softmax, row_scale,
+                                  masked=True)
 
         # ---- Epilogue: K4's, into O or into this split's fp32 partial ------------------------
         # An empty split (or a row that saw no key) writes O = 0 and LSE = -inf.
@@ -324,13 +378,15 @@ class DecodeFMHA:
         lse, rO = sm90.finalize_o(acc_O, softmax, mO_out.element_type)
         self.store_packed(rO, lse, tiled_mma_pv, tidx, mO_out, mLSE_out, rows, batch)
         if const_expr(self.merge != "combine"):
-            counter = (batch * cute.arch.grid_dim()[1] + kv_head) * (cute.arch.grid_dim()[0] // num_splits) + m_block
+            # The merging CTA zeroes the counters for the next launch: the claims' too, since every
+            # split's last claim came back before it counted itself done.
+            reset = (mCounters.iterator + counter,) + ((ctx[0],) if const_expr(self.claim_after > 0) else ())
             if const_expr(self.merge == "last_cta"):
-                self.merge_if_last(mO_partial, mLSE_partial, mO, mLSE, mCounters, counter,
+                self.merge_if_last(mO_partial, mLSE_partial, mO, mLSE, mCounters, counter, reset,
                                    storage.tile_idx.data_ptr(), num_splits, rows, batch, tidx)
             else:
-                self.merge_in_last_split(mO_partial, mLSE_partial, mO, mLSE, mCounters, counter, split, num_splits,
-                                         rows, batch, tidx)
+                self.merge_in_last_split(mO_partial, mLSE_partial, mO, mLSE, mCounters, counter, reset, split,
+                                         num_splits, rows, batch, tidx)
 
     @cute.jit
     def cache_len(self, mK_tma: cute.Tensor, mSeqlens: Optional[cute.Tensor], batch: Int32,
@@ -349,8 +405,8 @@ class DecodeFMHA:
 
     @cute.jit
     def merge_if_last(self, mO_partial: cute.Tensor, mLSE_partial: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
-                      mCounters: cute.Tensor, counter: Int32, flag_ptr, num_splits: Int32, rows: tuple,
-                      batch: Int32, tidx: Int32):
+                      mCounters: cute.Tensor, counter: Int32, reset: tuple, flag_ptr, num_splits: Int32,
+                      rows: tuple, batch: Int32, tidx: Int32):
         """Count this split done; the CTA that counts the last one merges the tile's rows (a warp
         per row, as ``Combine``) and zeroes the counter for the next launch. Each thread's fence
         orders its partial stores before the count; the last CTA's fence after it orders its
@@ -366,7 +422,7 @@ class DecodeFMHA:
             cute.arch.fence_acq_rel_gpu()
             self.merge_rows(mO_partial, mLSE_partial, mO, mLSE, num_splits, rows, batch, tidx)
             if tidx == 0:
-                mCounters[counter] = 0
+                zero_counters(reset)
 
     @cute.jit
     def merge_rows(self, mO_partial: cute.Tensor, mLSE_partial: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
@@ -379,8 +435,8 @@ class DecodeFMHA:
 
     @cute.jit
     def merge_in_last_split(self, mO_partial: cute.Tensor, mLSE_partial: cute.Tensor, mO: cute.Tensor,
-                            mLSE: cute.Tensor, mCounters: cute.Tensor, counter: Int32, split: Int32,
-                            num_splits: Int32, rows: tuple, batch: Int32, tidx: Int32):
+                            mLSE: cute.Tensor, mCounters: cute.Tensor, counter: Int32, reset: tuple,
+                            split: Int32, num_splits: Int32, rows: tuple, batch: Int32, tidx: Int32):
         """The group's last split merges; every other split counts itself done with a release
         reduction and exits without waiting for an answer, so that its SM is free for the next
         kernel's CTA at once. The last split waits (acquire) until the count says every other
@@ -396,7 +452,7 @@ class DecodeFMHA:
                 arrived = cute.arch.load(mCounters.iterator + counter, Int32, sem="acquire", scope="gpu")
                 while arrived < num_splits - 1:
                     arrived = cute.arch.load(mCounters.iterator + counter, Int32, sem="acquire", scope="gpu")
-                mCounters[counter] = 0  # every split has counted: ready for the next launch
+                zero_counters(reset)  # every split has counted: ready for the next launch
             cute.arch.sync_threads()
             cute.arch.fence_acq_rel_gpu()
             self.merge_rows(mO_partial, mLSE_partial, mO, mLSE, num_splits, rows, batch, tidx)
@@ -421,18 +477,27 @@ class DecodeFMHA:
     @cute.jit
     def kv_iteration(self, n_block: Int32, m_block: Int32, lens: tuple, tidx: Int32, warp_idx: Int32, loads: tuple,
                      mmas: tuple, softmax: sm90.OnlineSoftmax, row_scale: cute.Tensor,
-                     masked: cutlass.Constexpr[bool]):
+                     masked: cutlass.Constexpr[bool], t: Optional[Int32] = None, ctx: Optional[tuple] = None,
+                     claims: Optional[tuple] = None):
         """K4's iteration, its pipeline position counted from the split's first tile, and on the
-        tail tile V's rows past the cache length zeroed before PV."""
+        tail tile V's rows past the cache length zeroed before PV. Claiming, ``t`` is the
+        position and the refill is ``produce_claimed``'s; returns ``claims`` (the claim in flight,
+        still producing) as it leaves them."""
         pipeline_kv, *kv_loads = loads
         tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, sVt, tOrVt, tOrP, acc_O, tScS = mmas
         kv_len, causal_offset, n_lo, n_hi = lens
-        t = n_block - n_lo
+        if const_expr(t is None):
+            t = n_block - n_lo
         kv_consume = tma_pipeline.pipe_state(self.kv_stages, t, producer=False)
         pipeline_kv.consumer_wait(kv_consume)
         acc_S = cute.make_rmem_tensor(tiled_mma_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
         sm90.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_consume.index], zero_init=True, wg_wait=-1)
-        if warp_idx == 0 and not self.refill_at_release:  # refill the stage released last iteration
+        if const_expr(claims is not None):
+            pending, live = claims
+            if warp_idx == 0 and t >= 1 and live:  # refill the stage released last iteration
+                pending, live = self.produce_claimed(pipeline_kv, t - 1 + self.kv_stages, kv_loads, ctx, pending)
+            claims = (pending, live)
+        elif warp_idx == 0 and not self.refill_at_release:  # refill the stage released last iteration
             t_refill = t - 1 + self.kv_stages
             if t >= 1 and n_lo + t_refill < n_hi:
                 tma_pipeline.load_kv_stage(pipeline_kv, tma_pipeline.pipe_state(self.kv_stages, t_refill, producer=True),
@@ -458,6 +523,58 @@ class DecodeFMHA:
                 tma_pipeline.load_kv_stage(pipeline_kv, tma_pipeline.pipe_state(self.kv_stages, t + self.kv_stages,
                                                                                 producer=True),
                                            n_lo + t + self.kv_stages, *kv_loads)
+        return claims
+
+    @cute.jit
+    def split_tiles(self, n_tiles: Int32, num_splits: Int32, split: Int32):
+        """(lo, hi, claim_base): the split's own tiles [lo, hi), ``tile_range``'s share, or
+        claiming, its first claim_after tiles (``claimed_split_range``); the tiles from
+        claim_base on are claimed."""
+        if const_expr(self.claim_after > 0):
+            own = cutlass.min(self.claim_after, n_tiles // num_splits)
+            return split * own, (split + 1) * own, num_splits * own
+        lo, hi = tile_range(n_tiles, num_splits, split)
+        return lo, hi, n_tiles
+
+    @cute.jit
+    def claim(self, counter_ptr, pending: Int32) -> Int32:
+        """Lane 0 of the producer warp takes the next tile off the counter. The answer is only
+        read at the next produce_claimed that needs it, so its round trip is hidden."""
+        if cute.arch.lane_idx() == 0:
+            pending = cute.arch.atomic_add(counter_ptr, Int32(1), sem="relaxed", scope="gpu")
+        return pending
+
+    @cute.jit
+    def produce_claimed(self, pipeline_kv, j: Int32, kv_loads: tuple, ctx: tuple, pending: Int32):
+        """Producer warp: the CTA's j-th tile (its own, then claimed) into stage j % stages, its
+        index written to the stage's SMEM slot before the full barrier is armed (the consumers'
+        wait on that barrier makes it visible). Out of tiles, it writes -1 and arrives without
+        bytes. Returns (the claim in flight, whether it produced a tile)."""
+        counter_ptr, slots, lo, hi, base, n_tiles = ctx
+        n_block = lo + j
+        if j >= hi - lo:
+            n_block = base + cute.arch.shuffle_sync(pending, 0)
+            if n_block < n_tiles:
+                pending = self.claim(counter_ptr, pending)
+            else:
+                n_block = Int32(-1)
+        state = tma_pipeline.pipe_state(self.kv_stages, j, producer=True)
+        pipeline_kv.sync_object_empty.wait(state.index, state.phase)
+        slots[state.index] = n_block
+        cute.arch.sync_warp()
+        if n_block >= 0:
+            tma_pipeline.load_kv_stage(pipeline_kv, state, n_block, *kv_loads)
+        else:
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive(pipeline_kv.producer_get_barrier(state))
+        return pending, n_block >= 0
+
+    @cute.jit
+    def claimed_tile(self, pipeline_kv, t: Int32, slots: cute.Tensor) -> Int32:
+        """Consumers: wait for the t-th stage and read which tile it holds (-1: the walk is over)."""
+        state = tma_pipeline.pipe_state(self.kv_stages, t, producer=False)
+        pipeline_kv.consumer_wait(state)
+        return slots[state.index]
 
     @cute.jit
     def zero_v_tail(self, sVt_stage: cute.Tensor, keys_left: Int32, tidx: Int32):
@@ -500,6 +617,12 @@ def packed_rows(m_block: Int32, kv_head: Int32, group: int, q_per_tile: int, q_l
     or past q_len are idle."""
     first_q = m_block * q_per_tile
     return first_q, kv_head * group, cutlass.min((q_len - first_q) * group, group * q_per_tile)
+
+
+@cute.jit
+def zero_counters(ptrs: tuple):
+    for ptr in ptrs:
+        cute.make_tensor(ptr, cute.make_layout(1))[0] = Int32(0)
 
 
 def row_coords(rows: tuple, row, group: int) -> tuple:
@@ -619,14 +742,17 @@ def warp_allreduce(x: Float32, op: cutlass.Constexpr) -> Float32:
 # Host: compile and launch
 # --------------------------------------------------------------------------------------
 
-def smem_bytes(head_dim: int, tile_n: int, kv_stages: int, dtype_bytes: int = 2, merge: str = "combine") -> int:
-    # The last-CTA merge broadcasts "I am last" through one SMEM slot (tile_slots=1).
+def smem_bytes(head_dim: int, tile_n: int, kv_stages: int, dtype_bytes: int = 2, merge: str = "combine",
+               claim: bool = False) -> int:
+    # The last-CTA merge broadcasts "I am last" through one SMEM slot; claiming names each stage's
+    # tile in one more (DecodeFMHA.tile_slots).
     return tma_pipeline.smem_bytes(TILE_M, tile_n, head_dim, dtype_bytes, kv_stages,
-                                   tile_slots=int(merge == "last_cta"))
+                                   tile_slots=int(merge == "last_cta") + (kv_stages if claim else 0))
 
 
 CAPS = tma_pipeline.smem_capabilities(
-    HEAD_DIMS, lambda d: smem_bytes(d, DEFAULT_CONFIG[d]["tile_n"], DEFAULT_CONFIG[d]["kv_stages"], merge="last_cta"),
+    HEAD_DIMS, lambda d: smem_bytes(d, DEFAULT_CONFIG[d]["tile_n"], DEFAULT_CONFIG[d]["kv_stages"], merge="last_cta",
+                                    claim=DEFAULT_CONFIG[d]["claim_after"] > 0),
     "DEFAULT_CONFIG", gqa=True, unequal_lengths=True, max_group=MAX_GROUP)
 MERGES = ("combine", "last_cta", "last_split")
 DEFAULT_MERGE = "last_cta"  # the registered ``decode``
@@ -662,7 +788,7 @@ def compile_decode(head_dim: int, dtype: str, causal: bool, group: int, split: b
     merge = merge if split else "combine"
     in_kernel = merge != "combine"
     if not in_kernel:  # the merge's loads live in Combine then: one main kernel for every value
-        cfg = dict(cfg, merge_prefetch=0)
+        cfg = dict(cfg, merge_prefetch=0, claim_after=0)
     key = ("decode", head_dim, dtype, causal, group, split, seqlens, merge, tuple(sorted(cfg.items())))
     return jit_compile(key, lambda: (DecodeFMHA(head_dim, dt, causal, group, split=split, merge=merge, **cfg),
                                      _fake_decode_args(dt, head_dim, seqlens, split, in_kernel)), keep_ptx)
@@ -727,12 +853,13 @@ class DecodeLauncher:
     caller that replays launches (a CUDA graph, a decode plan) makes its own ``buffers`` once and
     calls ``launch``."""
 
-    def __init__(self, main, combine, num_splits: int, head_dim: int, group: int, merge: str):
+    def __init__(self, main, combine, num_splits: int, head_dim: int, group: int, merge: str, claim: bool = False):
         self.main, self.combine, self.num_splits, self.head_dim = main, combine, num_splits, head_dim
-        self.group, self.merge = group, merge
+        self.group, self.merge, self.claim = group, merge, claim
 
     def counters_needed(self, batch: int, q_len: int, nheads: int) -> int:
-        return batch * (nheads // self.group) * -(-q_len // (TILE_M // self.group))
+        """One merge counter per (query tile, K/V head, batch), and as many claim counters."""
+        return batch * (nheads // self.group) * -(-q_len // (TILE_M // self.group)) * (2 if self.claim else 1)
 
     def buffers(self, batch: int, q_len: int, nheads: int, device, counters=None) -> tuple:
         """(partial O, partial LSE, counters) for a split launch; counters zeroed and owned by the
@@ -778,10 +905,16 @@ def make_launcher(head_dim: int, dtype: str, causal: bool, group: int, num_split
         raise UnsupportedProblem(f"merge must be one of {MERGES}, got {merge!r}")
     split = num_splits > 1
     cfg = config(head_dim, **cfg)
+    if not isinstance(cfg["claim_after"], int) or cfg["claim_after"] < 0:
+        raise UnsupportedProblem(f"claim_after must be an int >= 0 (0: fixed shares), got {cfg['claim_after']!r}")
     main = compile_decode(head_dim, dtype, causal, group, split, seqlens, merge=merge, keep_ptx=keep_ptx, **cfg)
     combine = (compile_combine(head_dim, dtype, cfg["merge_prefetch"], keep_ptx) if split and merge == "combine"
                else None)
-    return DecodeLauncher(main, combine, num_splits, head_dim, group, merge)
+    claim = split and merge != "combine" and cfg["claim_after"] > 0  # Combine cannot reset a counter: fixed shares
+    static_only = [k for k in ("refill_at_release", "prefetch_ahead", "prefetch_after_wait") if cfg[k]]
+    if claim and static_only:
+        raise UnsupportedProblem(f"{', '.join(static_only)} act on the fixed shares' walk: pass claim_after=0 with it")
+    return DecodeLauncher(main, combine, num_splits, head_dim, group, merge, claim=claim)
 
 
 def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_splits: int = 0, merge: str = DEFAULT_MERGE,
@@ -790,6 +923,9 @@ def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_splits: int = 0, m
     cache lengths. ``num_splits`` 0 picks S for this problem on the current GPU; ``knobs``
     override DEFAULT_CONFIG's keys."""
     CAPS.check(p)
+    if knobs.get("claim_after") and merge == "combine" and num_splits != 1:
+        raise UnsupportedProblem("claim_after needs an in-kernel merge (last_cta or last_split): the merging CTA "
+                                 "resets the claim counter")
     cfg = config(p.head_dim, **knobs)
     if not isinstance(num_splits, int) or not 0 <= num_splits <= MAX_SPLITS:
         raise UnsupportedProblem(f"num_splits must be an int in [0, {MAX_SPLITS}] (0: automatic), got {num_splits!r}")
@@ -801,7 +937,8 @@ def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_splits: int = 0, m
         ptx = "\n".join(filter(None, (compiled_ptx(launcher.main), compiled_ptx(launcher.combine))))
     name = "decode_nosplit" if num_splits == 1 else ("decode_combine" if merge == "combine" else "decode")
     info = dict(cfg, num_splits=splits, merge=merge if splits > 1 else None,
-                smem_bytes=smem_bytes(p.head_dim, cfg["tile_n"], cfg["kv_stages"], merge=merge))
+                smem_bytes=smem_bytes(p.head_dim, cfg["tile_n"], cfg["kv_stages"], merge=merge,
+                                      claim=launcher.claim))
     return CompiledAttention(name, p, launcher, {}, ptx, info)
 
 

@@ -170,33 +170,43 @@ case "$part" in
     done | tee "$dir/sanitizer-decode-$gpu.txt"
     timeout 200 $py bench.py --decode --out "$dir/decode-$gpu.json" > "$dir/decode-$gpu.log" || rc=1
     timeout 200 $py scripts/tune_decode.py --out "$dir/decode-tune-$gpu.json" > "$dir/decode-tune-$gpu.log" || rc=1
+    # The tuning before claiming (--fixed-shares: each split walks its fixed share of the tiles):
     # l2_prefetch (tiles pulled into L2 before the PDL wait; the repeated 0 times the baseline twice),
     # the Combine launch with it, and refilling a stage as soon as it is released
-    timeout 150 $py scripts/tune_decode.py --headdim 128 --configs 128:2:0,128:2:2,128:2:4,128:2:8,128:2:0 \
+    timeout 150 $py scripts/tune_decode.py --fixed-shares --headdim 128 --configs 128:2:0,128:2:2,128:2:4,128:2:8,128:2:0 \
       --out "$dir/decode-tune-prefetch-$gpu-d128.json" > /dev/null || rc=1
-    timeout 100 $py scripts/tune_decode.py --headdim 64 --configs 256:2:0,256:2:2,256:2:4 \
+    timeout 100 $py scripts/tune_decode.py --fixed-shares --headdim 64 --configs 256:2:0,256:2:2,256:2:4 \
       --out "$dir/decode-tune-prefetch-$gpu-d64.json" > /dev/null || rc=1
-    timeout 100 $py scripts/tune_decode.py --headdim 256 --configs 64:2:0,64:2:2,64:2:4,64:2:8 \
+    timeout 100 $py scripts/tune_decode.py --fixed-shares --headdim 256 --configs 64:2:0,64:2:2,64:2:4,64:2:8 \
       --out "$dir/decode-tune-prefetch-$gpu-d256.json" > /dev/null || rc=1
-    timeout 100 $py scripts/tune_decode.py --headdim 128 --merge combine --shapes 1:8:32768,1:8:4096 \
+    timeout 100 $py scripts/tune_decode.py --fixed-shares --headdim 128 --merge combine --shapes 1:8:32768,1:8:4096 \
       --configs 128:2:0,128:2:4 --out "$dir/decode-tune-prefetch-$gpu-combine.json" > /dev/null || rc=1
-    timeout 200 $py scripts/tune_decode.py --headdim 128 --shapes 1:8:32768,1:8:131072,1:32:32768,8:8:32768,1:8:4096 \
+    timeout 200 $py scripts/tune_decode.py --fixed-shares --headdim 128 --shapes 1:8:32768,1:8:131072,1:32:32768,8:8:32768,1:8:4096 \
       --configs 128:2:4:0,128:2:4:1,128:2:3:1,128:3:4:1,64:4:4:1,64:4:8:1,128:2:0:1 \
       --out "$dir/decode-tune-refill-$gpu-d128.json" > /dev/null || rc=1
-    timeout 150 $py scripts/tune_decode.py --headdim 128 --shapes 1:8:32768,1:8:131072,1:32:32768 \
+    timeout 150 $py scripts/tune_decode.py --fixed-shares --headdim 128 --shapes 1:8:32768,1:8:131072,1:32:32768 \
       --configs 128:2:4,64:2:4,64:2:8 --splits 16,24,32 --out "$dir/decode-tune-twoctas-$gpu-d128.json" > /dev/null || rc=1
     # the seam at batch 1, 8 K/V heads: who merges (last CTA to count, decode's, vs the group's last
     # split), the merge's loads in one round trip (merge_prefetch), L2 hints further ahead in the
     # loop (prefetch_ahead); each configuration timed twice
-    timeout 150 $py scripts/tune_decode.py --headdim 128 --shapes 1:8:32768,1:8:4096,1:32:32768,8:8:32768 \
+    timeout 150 $py scripts/tune_decode.py --fixed-shares --headdim 128 --shapes 1:8:32768,1:8:4096,1:32:32768,8:8:32768 \
       --configs 128:2,128:2 --merge last_cta,last_split --out "$dir/decode-tune-merge-$gpu-d128.json" > /dev/null || rc=1
-    timeout 90 $py scripts/tune_decode.py --headdim 128 --shapes 1:8:32768,1:8:131072 --merge last_split \
+    timeout 90 $py scripts/tune_decode.py --fixed-shares --headdim 128 --shapes 1:8:32768,1:8:131072 --merge last_split \
       --configs 128:2:4:0:0:0,128:2:4:0:0:2,128:2:4:0:0:4,128:2:4:0:0:0 --out "$dir/decode-tune-ahead-$gpu-d128.json" > /dev/null || rc=1
-    timeout 90 $py scripts/tune_decode.py --headdim 128 --shapes 1:8:32768,1:8:4096 --merge last_cta \
+    timeout 90 $py scripts/tune_decode.py --fixed-shares --headdim 128 --shapes 1:8:32768,1:8:4096 --merge last_cta \
       --configs 128:2:4:0:0,128:2:4:0:16,128:2:4:0:0,128:2:4:0:16 --out "$dir/decode-tune-mergeprefetch-$gpu-d128.json" > /dev/null || rc=1
-    timeout 130 $py scripts/tune_decode.py --headdim 128 --shapes 1:8:32768,1:8:131072,1:32:32768,8:8:32768 \
+    timeout 130 $py scripts/tune_decode.py --fixed-shares --headdim 128 --shapes 1:8:32768,1:8:131072,1:32:32768,8:8:32768 \
       --configs 128:2:4:0:0:0:0,128:2:4:0:0:0:2,128:2:4:0:0:0:4,128:2:4:0:0:0:0,128:2:4:0:0:0:4 \
       --out "$dir/decode-tune-afterwait-$gpu-d128.json" > /dev/null || rc=1
+    # claiming (claim_after: the splits claim all but their first tiles from a per-head counter)
+    # against the fixed shares, with 2-4 tiles hinted into L2, both in-kernel merges
+    for d in 128 64 256; do
+      case $d in 128) t=128:2; l=4; s=1:8:32768,1:8:4096,1:8:131072,1:32:32768,8:8:32768;;
+                 64) t=256:2; l=4; s=1:8:32768,1:8:4096,8:8:32768;; 256) t=64:2; l=2; s=1:8:32768,1:8:4096,8:8:32768;; esac
+      timeout 180 $py scripts/tune_decode.py --headdim $d --shapes $s --merge last_cta,last_split \
+        --configs $t:$l:0:0:0:0:0,$t:2:0:0:0:0:4,$t:3:0:0:0:0:4,$t:4:0:0:0:0:4 \
+        --out "$dir/decode-tune-claim5-$gpu-d$d.json" > /dev/null || rc=1
+    done
     timeout 150 $py -m pytest -m gpu -q tests/test_decode.py 2>&1 | tail -3 || rc=1
     exit $rc
     ;;

@@ -6,13 +6,16 @@
     python scripts/tune_decode.py --configs 128:2:4:0:0,128:2:4:0:16 --headdim 128   # merge_prefetch
     python scripts/tune_decode.py --configs 128:2:4:0:0:0,128:2:4:0:0:2 --headdim 128   # prefetch_ahead
     python scripts/tune_decode.py --configs 128:2:4:0:0:0:0,128:2:4:0:0:0:4 --headdim 128   # prefetch_after_wait
+    python scripts/tune_decode.py --configs 128:2:4:0:0:0:0:0,128:2:4:0:0:0:0:4 --headdim 128   # claim_after
 
 Each row: one (head dim, batch, K/V heads, cache length,
-tile_n:kv_stages[:l2_prefetch[:refill_at_release[:merge_prefetch[:prefetch_ahead[:prefetch_after_wait]]]]]],
-num_splits), 32 query
+tile_n:kv_stages[:l2_prefetch[:refill_at_release[:merge_prefetch[:prefetch_ahead[:prefetch_after_wait
+[:claim_after]]]]]]], num_splits), 32 query
 heads, q_len 1, bf16, checked against an explicit float64 reference before it is timed, then
 timed by CUDA-graph replay over enough cache copies that every replay reads several times the
-50 MB L2 (``harness.timing.graph_ms``). TB/s counts K and V read once.
+50 MB L2 (``harness.timing.graph_ms``), and checked once more after the replays, on the
+buffers they used (a merge or claim counter left non-zero would show there). TB/s counts K and
+V read once.
 """
 
 from __future__ import annotations
@@ -31,14 +34,14 @@ SHAPES = {  # head dim -> (batch, nheads_kv, cache length) rows
 }
 CONFIGS = {128: ((128, 2), (128, 3), (192, 2)), 64: ((128, 2), (128, 4), (256, 2)), 256: ((64, 2), (64, 3), (96, 2))}
 # --configs fields after tile_n:kv_stages, in order (a field left out: the head dim's default)
-FIELDS = ("l2_prefetch", "refill_at_release", "merge_prefetch", "prefetch_ahead", "prefetch_after_wait")
+FIELDS = ("l2_prefetch", "refill_at_release", "merge_prefetch", "prefetch_ahead", "prefetch_after_wait", "claim_after")
 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--headdim", type=int, choices=sorted(SHAPES), help="one head dim (default: all)")
     ap.add_argument("--configs", help="tile_n:kv_stages[:l2_prefetch[:refill_at_release[:merge_prefetch"
-                    "[:prefetch_ahead[:prefetch_after_wait]]]]] list, "
+                    "[:prefetch_ahead[:prefetch_after_wait[:claim_after]]]]]] list, "
                     "e.g. 128:2,128:3:2:1 (default: per head dim; a field left out: the head dim's default)")
     ap.add_argument("--shapes", help="batch:kv_heads:cache_len list, e.g. 1:8:32768,1:8:131072 (default: per head dim)")
     ap.add_argument("--splits", default="0", help="num_splits list; 0 is the heuristic's choice (default: 0)")
@@ -46,12 +49,16 @@ def parse_args(argv=None):
                     help="how splits merge, a list of: last_cta (decode's default: whichever CTA counts last merges), "
                          "last_split (the group's last split waits and merges), combine (a second launch); "
                          "each configuration is timed with each, in turn (default: the decode kernel's)")
+    ap.add_argument("--fixed-shares", action="store_true",
+                    help="claim_after=0 wherever a configuration leaves it out: the fixed split shares that the "
+                         "tuning runs before claiming measured")
     ap.add_argument("--out", help="write the rows as JSON here, each as it is done")
     return ap.parse_args(argv)
 
 
-def check_once(launcher, q, k, v, lens, num_splits, scale) -> float:
-    """Max |O - reference| of one launch on NaN-poisoned outputs (float64 reference, no split)."""
+def check_once(launcher, q, k, v, lens, num_splits, scale, buffers=None) -> float:
+    """Max |O - reference| of one launch on NaN-poisoned outputs (float64 reference, no split),
+    on the launcher's own buffers or on ``buffers``."""
     import torch
 
     from harness.reference import reference_kvcache
@@ -59,7 +66,10 @@ def check_once(launcher, q, k, v, lens, num_splits, scale) -> float:
     b, q_len, h, d = q.shape
     out = torch.full_like(q, float("nan"))
     lse = torch.full((b, h, q_len), float("nan"), device=q.device)
-    launcher(q, k, v, out, lse, lens, scale)
+    if buffers is None:
+        launcher(q, k, v, out, lse, lens, scale)
+    else:
+        launcher.launch(q, k, v, out, lse, lens, scale, buffers)
     o_ref, _ = reference_kvcache(q, k, v, lens, False, scale)
     return (out.double() - o_ref.double()).abs().max().item()
 
@@ -95,7 +105,10 @@ def main(argv=None) -> int:
             o = torch.empty_like(q)
             lse = torch.empty((b, NHEADS, 1), device="cuda")
             for tile_n, stages, *rest in configs:
-                cfg = decode.config(d, tile_n=tile_n, kv_stages=stages, **dict(zip(FIELDS, rest)))
+                given = dict(zip(FIELDS, rest))
+                if args.fixed_shares:
+                    given.setdefault("claim_after", 0)
+                cfg = decode.config(d, tile_n=tile_n, kv_stages=stages, **given)
                 cfg["refill_at_release"] = bool(cfg["refill_at_release"])
                 for asked, merge in ((a, m) for a in splits_list for m in merges):
                     splits = asked or decode.choose_num_splits(b, h_kv, NHEADS // h_kv, 1, kv_len,
@@ -123,6 +136,10 @@ def main(argv=None) -> int:
 
                         ms = graph_ms(step)
                         row.update(status="ok", merge=merge, ms=ms, tbps=kv_bytes / (ms * 1e-3) / 1e12)
+                        err = check_once(la, q, *caches[0], lens, splits, d ** -0.5, buffers)
+                        row["max_abs_err_after_replay"] = err
+                        if not err < 2e-2:
+                            row.update(status=f"failed check after the replays: max |O - ref| = {err}")
                     print(f"{merge} d={d} b={b} h_kv={h_kv} kv_len={kv_len} "
                           + " ".join(f"{k}={int(v)}" for k, v in cfg.items()) + f" S={splits}: "
                           + (f"{row['ms'] * 1e3:.1f} us {row['tbps']:.2f} TB/s" if row.get("ms") else row["status"]),

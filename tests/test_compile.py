@@ -196,7 +196,8 @@ def test_decode_merges_in_the_main_kernel(head_dim):
 
     last_split = decode.compile_kernel(p, keep_ptx=True, num_splits=4, merge="last_split").ptx
     assert len(split_modules(last_split)) == 1 and re.search(r"red\.release\.gpu\.global\.add", last_split)
-    assert re.search(r"ld\.acquire\.gpu\.global", last_split) and "atom." not in last_split
+    # no atomic with a result but the claims' relaxed adds (claim_after)
+    assert re.search(r"ld\.acquire\.gpu\.global", last_split) and not re.search(r"atom\.\S*(acq|rel)", last_split)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
@@ -223,10 +224,41 @@ def test_decode_prefetches_into_l2_before_the_pdl_wait(head_dim):
     off = get_kernel("decode").compile(p, keep_ptx=True, num_splits=4, l2_prefetch=0).ptx
     assert "cp.async.bulk.prefetch.tensor" not in off
     # prefetch_after_wait: more hints once the wait is over, none there by default
-    after = get_kernel("decode").compile(p, keep_ptx=True, num_splits=4, prefetch_after_wait=4).ptx
+    after = get_kernel("decode").compile(p, keep_ptx=True, num_splits=4, prefetch_after_wait=4, claim_after=0).ptx
     hints = re.compile(r"cp\.async\.bulk\.prefetch\.tensor")
     assert decode.config(head_dim)["prefetch_after_wait"] == 0 and not hints.search(ptx, wait)
     assert hints.search(after, after.index("griddepcontrol.wait"))
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("merge", ["last_cta", "last_split"])
+def test_decode_claiming_takes_tiles_off_a_counter(head_dim, merge):
+    # claim_after: one relaxed atomic add per claimed tile (by lane 0 of the producer warp, its
+    # answer broadcast by a shuffle), each stage's tile index passed through SMEM before the full
+    # barrier is armed, and a plain arrive (no bytes) when the tiles run out. On by default at
+    # d=64/128; no spills; refused with the two-kernel merge, whose combine cannot reset the
+    # counter (decode_combine walks fixed shares).
+    from kernels import decode
+
+    p = Problem(1, 32, 1, head_dim, nheads_kv=8, seqlen_k=32768)
+    fixed = decode.compile_kernel(p, keep_ptx=True, num_splits=16, merge=merge, claim_after=0).ptx
+    claim = decode.compile_kernel(p, keep_ptx=True, num_splits=16, merge=merge, claim_after=4)
+    relaxed_add = re.compile(r"atom\.global\.add\.u32")  # no .sem: relaxed
+    assert not relaxed_add.search(fixed)
+    default = get_kernel("decode").compile(p, keep_ptx=True, num_splits=16).ptx
+    assert bool(relaxed_add.search(default)) == (head_dim != 256) == (decode.config(head_dim)["claim_after"] > 0)
+    assert not relaxed_add.search(get_kernel("decode_combine").compile(p, keep_ptx=True, num_splits=16).ptx)
+    assert len(relaxed_add.findall(claim.ptx)) >= 2 and "shfl.sync.idx" in claim.ptx
+    assert re.search(r"mbarrier\.arrive\.shared\.b64", claim.ptx)  # the arrive without bytes
+    assert count_instructions(claim.ptx)["ld/st.local"] == 0
+    assert claim.info["smem_bytes"] == decode.smem_bytes(head_dim, decode.config(head_dim)["tile_n"],
+                                                         decode.config(head_dim)["kv_stages"], merge=merge, claim=True)
+    with pytest.raises(UnsupportedProblem, match="in-kernel merge"):
+        decode.compile_kernel(p, num_splits=16, merge="combine", claim_after=4)
+    with pytest.raises(UnsupportedProblem, match="claim_after must be"):
+        decode.compile_kernel(p, num_splits=16, claim_after=-1)
+    with pytest.raises(UnsupportedProblem, match="prefetch_after_wait act on the fixed shares"):
+        decode.compile_kernel(p, num_splits=16, claim_after=4, prefetch_after_wait=2)
 
 
 @pytest.mark.parametrize("name", ["k7_k4", "k7", "k8"])

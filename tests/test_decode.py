@@ -11,8 +11,8 @@ from harness.check import compare, lse_gap
 from harness.kvcache import attention_with_kvcache, decode_plan
 from harness.reference import reference_kvcache, sdpa_kvcache
 from kernels import UnsupportedProblem
-from kernels.decode import (choose_num_splits, merge_partials, num_splits_heuristic, split_range,
-                            split_traffic_cap)
+from kernels.decode import (choose_num_splits, claimed_split_range, merge_partials, num_splits_heuristic,
+                            split_range, split_traffic_cap)
 
 SMS = 132
 
@@ -64,6 +64,19 @@ def test_split_ranges_cover_every_tile_once(n_tiles, splits):
     assert seen == list(range(n_tiles))
     if splits > n_tiles:  # the trailing splits are empty
         assert split_range(n_tiles, splits, splits - 1)[0] == split_range(n_tiles, splits, splits - 1)[1]
+
+
+@pytest.mark.parametrize("n_tiles", [0, 1, 7, 64, 256, 1000])
+@pytest.mark.parametrize("splits,claim_after", [(1, 4), (3, 1), (16, 4), (16, 2), (40, 4), (128, 4)])
+def test_claimed_ranges_leave_every_other_tile_to_the_counter(n_tiles, splits, claim_after):
+    # Claiming: each split's own first tiles, then the counter hands out [base, n_tiles) in any
+    # interleaving; together they must be every tile exactly once.
+    own = []
+    for s in range(splits):
+        lo, hi, base = claimed_split_range(n_tiles, splits, s, claim_after)
+        assert 0 <= lo <= hi <= base <= n_tiles and hi - lo == min(claim_after, n_tiles // splits)
+        own.extend(range(lo, hi))
+    assert sorted(own + list(range(base, n_tiles))) == list(range(n_tiles))
 
 
 # ---- the merge --------------------------------------------------------------------------------
@@ -342,3 +355,38 @@ def test_kvcache_call_under_torch_compile_matches_eager():
     compiled = torch.compile(step, fullgraph=True)(q, k, v, lens)  # a graph break would be an error
     for got, want in zip(compiled, eager):
         assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("merge", ["last_cta", "last_split"])
+@pytest.mark.parametrize("shape,lengths,causal,splits,claim_after", [
+    ((1, 32, 8, 1, 32768), [32768], False, 16, 4),
+    ((4, 32, 8, 1, 8192), [0, 1, 127, 8192], False, 16, 4),  # empty splits, a length of 0
+    ((3, 32, 8, 4, 1000), [1000, 5, 2], True, 7, 1),
+    ((2, 28, 4, 17, 3000), [2999, 1500], True, 5, 2),  # two query tiles: two counters per head
+])
+def test_claimed_tiles_match_the_reference_launch_after_launch(merge, shape, lengths, causal, splits, claim_after):
+    # claim_after (measured and off): the splits take tiles off a per-head counter that the merging
+    # CTA resets. Three launches on one set of buffers: a counter left non-zero would skip tiles.
+    from kernels import decode
+
+    b, h, h_kv, q_len, s_cache = shape
+    la = decode.make_launcher(128, "bfloat16", causal, h // h_kv, splits, True, merge=merge,
+                              claim_after=claim_after)
+    q = torch.randn(b, q_len, h, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(b, s_cache, h_kv, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    for i, n in enumerate(lengths):  # stale rows: NaN, never read
+        k[i, n:], v[i, n:] = float("nan"), float("nan")
+    lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    scale = 128 ** -0.5
+    want_o, want_lse = reference_kvcache(q, k, v, lens, causal, scale)
+    peer = sdpa_kvcache(q, k, v, lens, causal, scale)
+    buffers = la.buffers(b, q_len, h, "cuda")
+    for launch in range(3):
+        out = torch.full_like(q, float("nan"))
+        lse = torch.full((b, h, q_len), float("nan"), device="cuda")
+        la.launch(q, k, v, out, lse, lens, scale, buffers)
+        verdict = compare(out, want_o, lse, want_lse, "bfloat16", peer=peer).verdict
+        assert not verdict, f"launch {launch}: {verdict}"
+    assert int(buffers[2].abs().sum()) == 0  # every counter back at 0
