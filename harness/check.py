@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import math
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -160,9 +162,11 @@ def check_kvcache(case: KVCacheCase, seed=None) -> dict:
     * ``attention_with_kvcache`` (its outputs are its own: the allocator is handed NaN-filled
       blocks of their sizes first, which it usually gives back);
     * a forced split count: LSE within LSE_ATOL of the automatic count's (fp32 summation order);
-    * causal at q_len 1: bitwise equal to non-causal (the one query sees every key);
+    * causal at q_len 1: bitwise equal to non-causal (the one query sees every key), under
+      ``torch.use_deterministic_algorithms`` (by default decode's splits claim tiles at run time);
     * per-sequence lengths: ``decode_plan(...).run`` after a warm-up, its returned (plan-owned)
-      buffers NaN-filled before each run, twice (bitwise equal: the merge is deterministic);
+      buffers NaN-filled before each run, twice; then a plan made under
+      ``torch.use_deterministic_algorithms``, three runs bitwise equal;
       with ``graph``, that run captured in a CUDA graph, q and the lengths rewritten in place,
       the buffers poisoned, and the graph replayed.
     Returns a result row (the worst errors over the checks)."""
@@ -209,8 +213,10 @@ def check_kvcache(case: KVCacheCase, seed=None) -> dict:
         if not gap <= LSE_ATOL:
             reasons.append(f"num_splits={c.num_splits} vs auto: lse apart by {gap:.3g} > {LSE_ATOL:g}")
     if c.causal and c.q_len == 1:
-        o_nc, lse_nc = call(causal=False)
-        if not (torch.equal(out, o_nc) and torch.equal(lse, lse_nc)):
+        with deterministic():  # claimed tiles add up in a different order each call
+            o_c, lse_c = call()
+            o_nc, lse_nc = call(causal=False)
+        if not (torch.equal(o_c, o_nc) and torch.equal(lse_c, lse_nc)):
             reasons.append("causal at q_len 1 differs from non-causal")
     if isinstance(c.lengths, list):  # a plan takes lengths as a tensor only
         plan = decode_plan(c.batch, c.nheads, c.nheads_kv, c.head_dim, c.s_cache, q_len=c.q_len, dtype=c.dtype,
@@ -221,9 +227,19 @@ def check_kvcache(case: KVCacheCase, seed=None) -> dict:
             _poison(o, l)
             o, l = plan.run(q, k, v, lens)
             runs.append((o.clone(), l.clone()))
-        judge("plan.run", *runs[0], want)
-        if not (torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])):
-            reasons.append("plan.run: two runs differ")
+        for run in runs:
+            judge("plan.run", *run, want)
+        with deterministic():  # the plan is fixed when made: its runs must agree to the bit
+            fixed = decode_plan(c.batch, c.nheads, c.nheads_kv, c.head_dim, c.s_cache, q_len=c.q_len, dtype=c.dtype,
+                                causal=c.causal, num_splits=c.num_splits, kernel=c.kernel)
+        same = []
+        for _ in range(3):
+            o_d, l_d = fixed.run(q, k, v, lens)
+            same.append((o_d.clone(), l_d.clone()))
+            _poison(o_d, l_d)
+        judge("deterministic plan.run", *same[0], want)
+        if not all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(same, same[1:])):
+            reasons.append("deterministic plan.run: runs differ")
         if c.graph:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
@@ -239,6 +255,20 @@ def check_kvcache(case: KVCacheCase, seed=None) -> dict:
     return dict(kernel=c.kernel, case=c.label(), batch=c.batch, nheads=c.nheads, nheads_kv=c.nheads_kv, seqlen=c.q_len,
                 seqlen_k=c.s_cache, head_dim=c.head_dim, dtype=c.dtype, causal=int(c.causal), num_splits=c.num_splits,
                 **worst, ok=not reasons, reason="; ".join(reasons)[:300])
+
+
+@contextlib.contextmanager
+def deterministic():
+    """``torch.use_deterministic_algorithms(True)`` for the block (warn_only: torch's own ops
+    inside it may stay as they are), then as it was."""
+    import torch
+
+    was, warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=warn)
 
 
 def _poison(*tensors):

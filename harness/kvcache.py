@@ -131,7 +131,7 @@ def launcher_for(p: Problem, num_splits: int, seqlens: bool, kernel: str):
     """The compiled kernel(s) for a resolved split count; lengths and scale are launch arguments."""
     from kernels import decode
 
-    key = (p.head_dim, p.dtype, p.causal, p.group, num_splits, seqlens, MERGE[kernel])
+    key = (p.head_dim, p.dtype, p.causal, p.group, num_splits, seqlens, MERGE[kernel], decode.deterministic_requested())
     if key not in _LAUNCHERS:
         _LAUNCHERS[key] = decode.make_launcher(p.head_dim, p.dtype, p.causal, p.group, num_splits, seqlens,
                                                merge=MERGE[kernel])
@@ -215,7 +215,8 @@ def _call_signature(q, k_cache, v_cache, cache_seqlens, causal, softmax_scale, n
     else:
         lens = (type(cache_seqlens), cache_seqlens)
     return (kernel, type(causal), causal, type(softmax_scale), softmax_scale, type(num_splits), num_splits,
-            bool(return_lse), _tensor_signature(q), _tensor_signature(k_cache), _tensor_signature(v_cache), lens)
+            bool(return_lse), _tensor_signature(q), _tensor_signature(k_cache), _tensor_signature(v_cache), lens,
+            torch.are_deterministic_algorithms_enabled())  # the prepared launcher walks fixed shares then
 
 
 def _prepare(q, k_cache, v_cache, cache_seqlens, causal, softmax_scale, num_splits, return_lse, kernel):
@@ -253,8 +254,6 @@ class DecodePlan:
     """A decode step compiled, sized and validated once; ``run`` only launches."""
 
     def __init__(self, problem: Problem, kernel: str, num_splits: int, device, max_seqlen_k: int):
-        from kernels import decode
-
         self.problem = problem
         self.scale = problem.scale
         self.launcher = launcher_for(problem, resolve_splits(problem, num_splits, max_seqlen_k), True, kernel)
@@ -266,7 +265,7 @@ class DecodePlan:
         self.buffers = self.launcher.buffers(b, q_len, h, device)  # partials and zeroed merge counters
         self.device = torch.device(device)
         self._checked = None  # the (q, cache, lengths) signature last validated in full
-        self.info = dict(decode.config(d), num_splits=self.num_splits)
+        self.info = dict(self.launcher.config, num_splits=self.num_splits)
 
     def _signature(self, q, k_cache, v_cache, cache_seqlens):
         return (q.shape, q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(), v_cache.shape,

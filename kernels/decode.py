@@ -35,7 +35,7 @@ from typing import Optional
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, Int32, const_expr, pipeline
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
@@ -209,9 +209,9 @@ class DecodeFMHA:
         # each SM. A partial covers any set of tiles: the merge does not care which.
         self.claim_after = claim_after
         assert claim_after == 0 or self.merge != "combine", "the counter is reset by the in-kernel merge"
-        # SMEM slots: the last-CTA merge's flag, then one tile index per K/V stage (claiming).
-        self.flag_slots = int(self.merge == "last_cta")
-        self.tile_slots = self.flag_slots + (kv_stages if self.claim_after else 0)
+        # SMEM slots: one tile index per K/V stage (claiming), then the last-CTA merge's flag.
+        self.claim_slots = kv_stages if self.claim_after else 0
+        self.tile_slots = self.claim_slots + int(self.merge == "last_cta")
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
@@ -269,6 +269,14 @@ class DecodeFMHA:
 
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         sQ, sK, sVt = tma_pipeline.smem_tensors(storage, sQ_layout, sK_layout, sVt_layout)
+        pipeline_tile = None
+        if const_expr(self.claim_after > 0):
+            # K5's tile-index pipeline: one producer thread posts each tile's index in a slot, and
+            # every consumer thread reads it and releases the slot (inited here, fenced below).
+            pipeline_tile = pipeline.PipelineAsync.create(
+                barrier_storage=storage.mbar_tile.data_ptr(), num_stages=stages,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_threads), defer_sync=True)
         pipeline_kv = tma_pipeline.make_kv_pipeline(storage, self.dtype, sK_layout, sVt_layout, stages,
                                                     self.num_threads)
         tKsK, tKgK = tma_pipeline.partition_for_tma(tma_atom_K, mK_tma, sK, (tile_n, d), kv_head, batch, (None, 0))
@@ -308,11 +316,11 @@ class DecodeFMHA:
         counter = (batch * cute.arch.grid_dim()[1] + kv_head) * (cute.arch.grid_dim()[0] // num_splits) + m_block
         ctx, pending, live = None, Int32(0), cutlass.Boolean(True)
         if const_expr(self.claim_after > 0):
-            # (the claim counter, the SMEM tile slots, the tile ranges): the claim counters follow
-            # the merge's, one per (query tile, K/V head, batch).
+            # (the claim counter, the tile pipeline and its slots, the tile ranges): the claim
+            # counters follow the merge's, one per (query tile, K/V head, batch).
             n_counters = cute.arch.grid_dim()[2] * cute.arch.grid_dim()[1] * (cute.arch.grid_dim()[0] // num_splits)
-            slots = cute.make_tensor(storage.tile_idx.data_ptr() + self.flag_slots, cute.make_layout(stages))
-            ctx = (mCounters.iterator + n_counters + counter, slots, n_lo, n_hi, claim_base, n_tiles)
+            slots = cute.make_tensor(storage.tile_idx.data_ptr(), cute.make_layout(stages))
+            ctx = (mCounters.iterator + n_counters + counter, pipeline_tile, slots, n_lo, n_hi, claim_base, n_tiles)
             if warp_idx == 0:
                 pending = self.claim(ctx[0], pending)  # its round trip overlaps the split's own tiles
                 for t in cutlass.range_constexpr(stages):
@@ -351,7 +359,7 @@ class DecodeFMHA:
             # The producer names each stage's tile in its SMEM slot (-1: no more), so the loop runs
             # until it reads -1; a tile needs the mask from n_full on, wherever it comes in the walk.
             t = Int32(0)
-            n_block = self.claimed_tile(pipeline_kv, t, ctx[1])
+            n_block = self.claimed_tile(t, ctx)
             while n_block >= 0:
                 if n_block >= n_full:
                     pending, live = self.kv_iteration(n_block, m_block, lens, tidx, warp_idx, loads, mmas, softmax,
@@ -360,7 +368,7 @@ class DecodeFMHA:
                     pending, live = self.kv_iteration(n_block, m_block, lens, tidx, warp_idx, loads, mmas, softmax,
                                                       row_scale, masked=False, t=t, ctx=ctx, claims=(pending, live))
                 t += 1
-                n_block = self.claimed_tile(pipeline_kv, t, ctx[1])
+                n_block = self.claimed_tile(t, ctx)
         else:
             for n_block in cutlass.range(n_lo, cutlass.min(n_hi, n_full), unroll=1):
                 self.kv_iteration(n_block, m_block, lens, tidx, warp_idx, loads, mmas, softmax, row_scale,
@@ -383,7 +391,7 @@ class DecodeFMHA:
             reset = (mCounters.iterator + counter,) + ((ctx[0],) if const_expr(self.claim_after > 0) else ())
             if const_expr(self.merge == "last_cta"):
                 self.merge_if_last(mO_partial, mLSE_partial, mO, mLSE, mCounters, counter, reset,
-                                   storage.tile_idx.data_ptr(), num_splits, rows, batch, tidx)
+                                   storage.tile_idx.data_ptr() + self.claim_slots, num_splits, rows, batch, tidx)
             else:
                 self.merge_in_last_split(mO_partial, mLSE_partial, mO, mLSE, mCounters, counter, reset, split,
                                          num_splits, rows, batch, tidx)
@@ -546,11 +554,10 @@ class DecodeFMHA:
 
     @cute.jit
     def produce_claimed(self, pipeline_kv, j: Int32, kv_loads: tuple, ctx: tuple, pending: Int32):
-        """Producer warp: the CTA's j-th tile (its own, then claimed) into stage j % stages, its
-        index written to the stage's SMEM slot before the full barrier is armed (the consumers'
-        wait on that barrier makes it visible). Out of tiles, it writes -1 and arrives without
-        bytes. Returns (the claim in flight, whether it produced a tile)."""
-        counter_ptr, slots, lo, hi, base, n_tiles = ctx
+        """Producer warp: the CTA's j-th tile (its own, then claimed) posted in tile slot
+        j % stages, then loaded into K/V stage j % stages; out of tiles, -1 is posted and nothing
+        loaded. Returns (the claim in flight, whether it produced a tile)."""
+        counter_ptr, pipeline_tile, slots, lo, hi, base, n_tiles = ctx
         n_block = lo + j
         if j >= hi - lo:
             n_block = base + cute.arch.shuffle_sync(pending, 0)
@@ -559,22 +566,23 @@ class DecodeFMHA:
             else:
                 n_block = Int32(-1)
         state = tma_pipeline.pipe_state(self.kv_stages, j, producer=True)
-        pipeline_kv.sync_object_empty.wait(state.index, state.phase)
-        slots[state.index] = n_block
-        cute.arch.sync_warp()
+        pipeline_tile.producer_acquire(state)
+        with cute.arch.elect_one():
+            slots[state.index] = n_block
+            pipeline_tile.producer_commit(state)
         if n_block >= 0:
             tma_pipeline.load_kv_stage(pipeline_kv, state, n_block, *kv_loads)
-        else:
-            with cute.arch.elect_one():
-                cute.arch.mbarrier_arrive(pipeline_kv.producer_get_barrier(state))
         return pending, n_block >= 0
 
     @cute.jit
-    def claimed_tile(self, pipeline_kv, t: Int32, slots: cute.Tensor) -> Int32:
-        """Consumers: wait for the t-th stage and read which tile it holds (-1: the walk is over)."""
+    def claimed_tile(self, t: Int32, ctx: tuple) -> Int32:
+        """Consumers: the CTA's t-th tile, from its slot (-1: the walk is over)."""
+        _, pipeline_tile, slots, *_ = ctx
         state = tma_pipeline.pipe_state(self.kv_stages, t, producer=False)
-        pipeline_kv.consumer_wait(state)
-        return slots[state.index]
+        pipeline_tile.consumer_wait(state)
+        n_block = slots[state.index]
+        pipeline_tile.consumer_release(state)
+        return n_block
 
     @cute.jit
     def zero_v_tail(self, sVt_stage: cute.Tensor, keys_left: Int32, tidx: Int32):
@@ -745,7 +753,7 @@ def warp_allreduce(x: Float32, op: cutlass.Constexpr) -> Float32:
 def smem_bytes(head_dim: int, tile_n: int, kv_stages: int, dtype_bytes: int = 2, merge: str = "combine",
                claim: bool = False) -> int:
     # The last-CTA merge broadcasts "I am last" through one SMEM slot; claiming names each stage's
-    # tile in one more (DecodeFMHA.tile_slots).
+    # tile in one more, each with a pair of mbarriers (DecodeFMHA.tile_slots).
     return tma_pipeline.smem_bytes(TILE_M, tile_n, head_dim, dtype_bytes, kv_stages,
                                    tile_slots=int(merge == "last_cta") + (kv_stages if claim else 0))
 
@@ -899,11 +907,23 @@ def config(head_dim: int, **overrides) -> dict:
     return cfg
 
 
+def deterministic_requested() -> bool:
+    """``torch.use_deterministic_algorithms(True)``: the splits walk fixed shares (claim_after=0)
+    unless the caller sets claim_after, so that a launch gives the same bits every time. Claimed
+    tiles land in whichever split is fastest, which changes the fp32 summation order from run to
+    run (as atomics do in torch's own non-deterministic kernels)."""
+    import torch
+
+    return torch.are_deterministic_algorithms_enabled()
+
+
 def make_launcher(head_dim: int, dtype: str, causal: bool, group: int, num_splits: int, seqlens: bool,
                   keep_ptx: bool = False, merge: str = "combine", **cfg) -> DecodeLauncher:
     if merge not in MERGES:
         raise UnsupportedProblem(f"merge must be one of {MERGES}, got {merge!r}")
     split = num_splits > 1
+    if cfg.get("claim_after") is None and deterministic_requested():
+        cfg["claim_after"] = 0
     cfg = config(head_dim, **cfg)
     if not isinstance(cfg["claim_after"], int) or cfg["claim_after"] < 0:
         raise UnsupportedProblem(f"claim_after must be an int >= 0 (0: fixed shares), got {cfg['claim_after']!r}")
@@ -914,7 +934,9 @@ def make_launcher(head_dim: int, dtype: str, causal: bool, group: int, num_split
     static_only = [k for k in ("refill_at_release", "prefetch_ahead", "prefetch_after_wait") if cfg[k]]
     if claim and static_only:
         raise UnsupportedProblem(f"{', '.join(static_only)} act on the fixed shares' walk: pass claim_after=0 with it")
-    return DecodeLauncher(main, combine, num_splits, head_dim, group, merge, claim=claim)
+    launcher = DecodeLauncher(main, combine, num_splits, head_dim, group, merge, claim=claim)
+    launcher.config = dict(cfg, claim_after=cfg["claim_after"] if claim else 0)  # what the launch runs
+    return launcher
 
 
 def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_splits: int = 0, merge: str = DEFAULT_MERGE,
@@ -923,6 +945,8 @@ def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_splits: int = 0, m
     cache lengths. ``num_splits`` 0 picks S for this problem on the current GPU; ``knobs``
     override DEFAULT_CONFIG's keys."""
     CAPS.check(p)
+    if knobs.get("claim_after") is None and deterministic_requested():
+        knobs["claim_after"] = 0
     if knobs.get("claim_after") and merge == "combine" and num_splits != 1:
         raise UnsupportedProblem("claim_after needs an in-kernel merge (last_cta or last_split): the merging CTA "
                                  "resets the claim counter")

@@ -234,8 +234,8 @@ def test_decode_prefetches_into_l2_before_the_pdl_wait(head_dim):
 @pytest.mark.parametrize("merge", ["last_cta", "last_split"])
 def test_decode_claiming_takes_tiles_off_a_counter(head_dim, merge):
     # claim_after: one relaxed atomic add per claimed tile (by lane 0 of the producer warp, its
-    # answer broadcast by a shuffle), each stage's tile index passed through SMEM before the full
-    # barrier is armed, and a plain arrive (no bytes) when the tiles run out. On by default at
+    # answer broadcast by a shuffle), each tile's index posted in an SMEM slot through K5's
+    # tile-index pipeline (mbarriers with plain arrives, no bytes). On by default at
     # d=64/128; no spills; refused with the two-kernel merge, whose combine cannot reset the
     # counter (decode_combine walks fixed shares).
     from kernels import decode
@@ -249,7 +249,7 @@ def test_decode_claiming_takes_tiles_off_a_counter(head_dim, merge):
     assert bool(relaxed_add.search(default)) == (head_dim != 256) == (decode.config(head_dim)["claim_after"] > 0)
     assert not relaxed_add.search(get_kernel("decode_combine").compile(p, keep_ptx=True, num_splits=16).ptx)
     assert len(relaxed_add.findall(claim.ptx)) >= 2 and "shfl.sync.idx" in claim.ptx
-    assert re.search(r"mbarrier\.arrive\.shared\.b64", claim.ptx)  # the arrive without bytes
+    assert re.search(r"mbarrier\.arrive\.shared\.b64", claim.ptx)  # the tile slots' arrives
     assert count_instructions(claim.ptx)["ld/st.local"] == 0
     assert claim.info["smem_bytes"] == decode.smem_bytes(head_dim, decode.config(head_dim)["tile_n"],
                                                          decode.config(head_dim)["kv_stages"], merge=merge, claim=True)

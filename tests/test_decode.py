@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from harness.check import compare, lse_gap
+from harness.check import compare, deterministic, lse_gap
 from harness.kvcache import attention_with_kvcache, decode_plan
 from harness.reference import reference_kvcache, sdpa_kvcache
 from kernels import UnsupportedProblem
@@ -77,6 +77,19 @@ def test_claimed_ranges_leave_every_other_tile_to_the_counter(n_tiles, splits, c
         assert 0 <= lo <= hi <= base <= n_tiles and hi - lo == min(claim_after, n_tiles // splits)
         own.extend(range(lo, hi))
     assert sorted(own + list(range(base, n_tiles))) == list(range(n_tiles))
+
+
+def test_deterministic_algorithms_turn_claiming_off():
+    # torch.use_deterministic_algorithms(True): fixed shares, unless claim_after is set by the caller.
+    from kernels import decode
+
+    assert decode.config(128)["claim_after"] > 0
+    assert decode.make_launcher(128, "bfloat16", False, 4, 16, True, merge="last_cta").claim
+    with deterministic():
+        fixed = decode.make_launcher(128, "bfloat16", False, 4, 16, True, merge="last_cta")
+        asked = decode.make_launcher(128, "bfloat16", False, 4, 16, True, merge="last_cta", claim_after=4)
+    assert not fixed.claim and fixed.config["claim_after"] == 0 and asked.claim
+    assert not torch.are_deterministic_algorithms_enabled()  # restored
 
 
 # ---- the merge --------------------------------------------------------------------------------
@@ -350,9 +363,10 @@ def test_kvcache_call_under_torch_compile_matches_eager():
         out, lse = attention_with_kvcache(q, k, v, lens, causal=True, return_lse=True)
         return out * 2, lse
 
-    eager = step(q, k, v, lens)
-    torch._dynamo.reset()
-    compiled = torch.compile(step, fullgraph=True)(q, k, v, lens)  # a graph break would be an error
+    with deterministic():  # fixed split shares: the same bits on every call (claiming is not)
+        eager = step(q, k, v, lens)
+        torch._dynamo.reset()
+        compiled = torch.compile(step, fullgraph=True)(q, k, v, lens)  # a graph break would be an error
     for got, want in zip(compiled, eager):
         assert torch.equal(got, want)
 
