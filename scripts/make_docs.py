@@ -590,7 +590,7 @@ def fp8_accuracy_table(run):
             + markdown_table(["inputs", "N", "d"] + methods + ["k8 / k7", "k8 / cuDNN FP8"], body))
 
 
-DECODE_LATE_KNOBS = ("merge_prefetch", "prefetch_ahead", "prefetch_after_wait")
+DECODE_LATE_KNOBS = ("merge_prefetch", "prefetch_ahead", "prefetch_after_wait", "claim_after")
 
 
 def decode_tune_table(tune):
