@@ -207,6 +207,22 @@ case "$part" in
         --configs $t:$l:0:0:0:0:0,$t:2:0:0:0:0:4,$t:3:0:0:0:0:4,$t:4:0:0:0:0:4 \
         --out "$dir/decode-tune-claim5-$gpu-d$d.json" > /dev/null || rc=1
     done
+    # claiming with 64-key tiles (two CTAs per SM), and the final code against fixed shares; the
+    # first claiming run (decode-tune-claim-*) predates the even-share cap of the own tiles
+    c=64:2:4:0:0:0:0:4,64:2:8:0:0:0:0:8,64:3:8:0:0:0:0:8
+    timeout 240 $py scripts/tune_decode.py --headdim 128 --shapes 1:8:32768,1:8:4096,1:8:131072,8:8:32768 \
+      --configs 128:2:4:0:0:0:0:0,128:2:4:0:0:0:0:4,$c,128:2:4:0:0:0:0:0,128:2:4:0:0:0:0:4 \
+      --out "$dir/decode-tune-claim2-$gpu-d128.json" > /dev/null || rc=1
+    timeout 150 $py scripts/tune_decode.py --headdim 128 --shapes 1:8:32768,1:8:131072 --splits 32 --configs $c,$c \
+      --out "$dir/decode-tune-claim2-$gpu-d128-s32.json" > /dev/null || rc=1
+    c=128:2:3:0:0:0:0:0,128:2:3:0:0:0:0:4
+    timeout 100 $py scripts/tune_decode.py --headdim 128 --shapes 1:8:32768,1:8:131072 --configs $c,$c \
+      --out "$dir/decode-tune-claim6-$gpu-d128.json" > /dev/null || rc=1
+    for tool in racecheck synccheck; do  # claiming on (the default), 3000 keys: one own tile, then claims
+      timeout 100 compute-sanitizer --tool $tool --kernel-name kns=FMHA $py scripts/sanitize_case.py decode \
+        --seqlen 4 --seqlen-k 3000 --batch-heads 32 --nheads-kv 8 --causal 1 2>&1 | grep "SUMMARY\|: ok\|FAIL" \
+        | sed "s/^/$tool /" || { echo "$tool decode: timed out or failed"; rc=1; }
+    done | tee "$dir/sanitizer-decode-claim-$gpu.txt"
     timeout 150 $py -m pytest -m gpu -q tests/test_decode.py 2>&1 | tail -3 || rc=1
     exit $rc
     ;;
