@@ -32,7 +32,8 @@ def compiled_for(name: str, problem):
     # whose generation lacks the kernel's instructions before compiling for it.
     get_kernel(name).caps.check_device(torch.cuda.get_device_capability())
     problem = problem.with_(softmax_scale=None)
-    key = (name, problem)
+    # decode walks fixed split shares under torch.use_deterministic_algorithms (kernels/decode.py)
+    key = (name, problem, torch.are_deterministic_algorithms_enabled())
     if key in _CACHE:
         _CACHE.move_to_end(key)
         return _CACHE[key]

@@ -232,6 +232,8 @@ def check_kvcache(case: KVCacheCase, seed=None) -> dict:
         with deterministic():  # the plan is fixed when made: its runs must agree to the bit
             fixed = decode_plan(c.batch, c.nheads, c.nheads_kv, c.head_dim, c.s_cache, q_len=c.q_len, dtype=c.dtype,
                                 causal=c.causal, num_splits=c.num_splits, kernel=c.kernel)
+        if fixed.info.get("claim_after"):
+            reasons.append("deterministic plan: still claims tiles")
         same = []
         for _ in range(3):
             o_d, l_d = fixed.run(q, k, v, lens)

@@ -262,7 +262,7 @@ class DecodePlan:
         self.q_shape = (b, q_len, h, d)
         self.out = torch.empty(self.q_shape, device=device, dtype=torch_dtype(problem.dtype))
         self.lse = torch.empty((b, h, q_len), device=device, dtype=torch.float32)
-        self.buffers = self.launcher.buffers(b, q_len, h, device)  # partials and zeroed merge counters
+        self.buffers = self.launcher.buffers(b, q_len, h, device)  # partials and zeroed merge/claim counters
         self.device = torch.device(device)
         self._checked = None  # the (q, cache, lengths) signature last validated in full
         self.info = dict(self.launcher.config, num_splits=self.num_splits)

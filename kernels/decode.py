@@ -9,9 +9,10 @@ New relative to K4:
   loaded once for the whole group instead of once per query head. One warpgroup's 64 rows hold
   64 // group whole query positions; more take more query tiles (m_block). Q is tiny and its
   packed rows are not one box, so it is loaded by the threads, not by TMA.
-* **Split-KV.** A CTA runs (query tile, split, K/V head, batch): split s of S walks only its share
-  of the KV tiles (``split_range``). S = 1 writes O and LSE as K4 does. Otherwise each split
-  writes an fp32 partial O (normalized by its own sum) and its LSE, merged as
+* **Split-KV.** A CTA runs (query tile, split, K/V head, batch): split s of S walks its share of
+  the KV tiles (``split_range``), or its first few and then whichever tiles it claims first from a
+  per-head counter (``claim_after``), so that the splits end together. S = 1 writes O and LSE as K4
+  does. Otherwise each split writes an fp32 partial O (normalized by its own sum) and its LSE, merged as
   LSE = log sum_s exp(LSE_s), O = sum_s exp(LSE_s - LSE) O_s: by a second kernel (``Combine``,
   registered as decode_combine), or by the last CTA of the group to finish (``merge_if_last``,
   decode). ``choose_num_splits`` picks S so the CTAs fill one wave of SMs without the partials'
@@ -74,8 +75,9 @@ MAX_GROUP = TILE_M  # query heads per K/V head: one tile must hold a query posit
 # claim_after (the splits walk their first 4 tiles, then claim the rest from a per-head counter, so
 # that they end together), with l2_prefetch 3 (results/decode-tune-claim5-h100-d*.json, against the
 # fixed shares in the same run): batch 1, 8 K/V heads, 32k keys 2.72 -> 2.79 TB/s at d=128 and 2.36
-# -> 2.40 at d=64; 128k keys 2.99 -> 3.08, batch 8 3.06 -> 3.12 at d=128; 4k keys a tie. At d=256
-# it bought 1% at batch 1 and cost 1% at batch 8 and 4k keys: off there.
+# -> 2.40 at d=64; 128k keys 2.99 -> 3.08, batch 8 3.06 -> 3.12 at d=128; 4k keys 2% lower. At
+# d=256 it bought 1% at batch 1 and cost 1% at batch 8 (and 4% at 4k keys with the last-split
+# merge): off there.
 MEASURED_AND_OFF = dict(refill_at_release=False, merge_prefetch=0, prefetch_ahead=0, prefetch_after_wait=0)
 DEFAULT_CONFIG = {64: dict(tile_n=256, kv_stages=2, l2_prefetch=3, claim_after=4, **MEASURED_AND_OFF),
                   128: dict(tile_n=128, kv_stages=2, l2_prefetch=3, claim_after=4, **MEASURED_AND_OFF),
@@ -204,11 +206,13 @@ class DecodeFMHA:
         # measured: a loss, DEFAULT_CONFIG).
         self.prefetch_after_wait = prefetch_after_wait
         # Balance (0: off, every split walks its fixed share): each split walks its own first
-        # claim_after tiles (those the L2 prefetch hints), then claims the group's remaining tiles
+        # claim_after tiles (the L2 prefetch hints the first of them), then claims the group's remaining tiles
         # one at a time from a counter, so that the splits end together however fast HBM serves
         # each SM. A partial covers any set of tiles: the merge does not care which.
         self.claim_after = claim_after
         assert claim_after == 0 or self.merge != "combine", "the counter is reset by the in-kernel merge"
+        assert claim_after == 0 or not (refill_at_release or prefetch_ahead or prefetch_after_wait), \
+            "these knobs act on the fixed shares' walk"
         # SMEM slots: one tile index per K/V stage (claiming), then the last-CTA merge's flag.
         self.claim_slots = kv_stages if self.claim_after else 0
         self.tile_slots = self.claim_slots + int(self.merge == "last_cta")
@@ -312,7 +316,7 @@ class DecodeFMHA:
             first_query = m_block * self.q_per_tile
             n_full = cutlass.min(n_full, cutlass.max(first_query + causal_offset + 1, 0) // tile_n)
 
-        # Pipeline positions count from the split's first tile: t = n_block - n_lo.
+        # Pipeline positions count from the split's first tile (fixed shares: t = n_block - n_lo).
         counter = (batch * cute.arch.grid_dim()[1] + kv_head) * (cute.arch.grid_dim()[0] // num_splits) + m_block
         ctx, pending, live = None, Int32(0), cutlass.Boolean(True)
         if const_expr(self.claim_after > 0):
@@ -416,7 +420,7 @@ class DecodeFMHA:
                       mCounters: cute.Tensor, counter: Int32, reset: tuple, flag_ptr, num_splits: Int32,
                       rows: tuple, batch: Int32, tidx: Int32):
         """Count this split done; the CTA that counts the last one merges the tile's rows (a warp
-        per row, as ``Combine``) and zeroes the counter for the next launch. Each thread's fence
+        per row, as ``Combine``) and zeroes the counters (``reset``) for the next launch. Each thread's fence
         orders its partial stores before the count; the last CTA's fence after it orders its
         reads after every other CTA's stores."""
         cute.arch.fence_acq_rel_gpu()
@@ -452,7 +456,7 @@ class DecodeFMHA:
         waiting for its SM."""
         cute.arch.sync_threads()  # the CTA's partial stores come before thread 0's release
         if split < num_splits - 1:
-            if tidx == 0:
+            if tidx == 0:  # the claiming thread too: program order puts its claims before this release
                 cute.arch.red(mCounters.iterator + counter, Int32(1), op="add", dtype=Int32, sem="release",
                               scope="gpu")
         else:
@@ -547,7 +551,9 @@ class DecodeFMHA:
     @cute.jit
     def claim(self, counter_ptr, pending: Int32) -> Int32:
         """Lane 0 of the producer warp takes the next tile off the counter. The answer is only
-        read at the next produce_claimed that needs it, so its round trip is hidden."""
+        read at the next produce_claimed that needs it, so its round trip is hidden. Lane 0 is
+        thread 0, the one that later counts the split done: program order puts every claim before
+        that count, which is what lets the merging CTA reset the counter (keep both on one thread)."""
         if cute.arch.lane_idx() == 0:
             pending = cute.arch.atomic_add(counter_ptr, Int32(1), sem="relaxed", scope="gpu")
         return pending
@@ -833,7 +839,7 @@ def _sm_count(device: int) -> int:
 
 
 class MergeCounters:
-    """The last-CTA merge's counters for eager calls: one zeroed int32 buffer per (device, stream),
+    """The in-kernel merge's counters (and the claims') for eager calls: one zeroed int32 buffer per (device, stream),
     grown (zeroed) when a call needs more; each merge leaves its counter at 0 again, so no memset
     per call. Launches on one stream run one after another; two streams get two buffers. A CUDA
     graph must not capture these (a growth would free what it captured): a decode plan owns its own."""
@@ -925,15 +931,15 @@ def make_launcher(head_dim: int, dtype: str, causal: bool, group: int, num_split
     if cfg.get("claim_after") is None and deterministic_requested():
         cfg["claim_after"] = 0
     cfg = config(head_dim, **cfg)
-    if not isinstance(cfg["claim_after"], int) or cfg["claim_after"] < 0:
+    if isinstance(cfg["claim_after"], bool) or not isinstance(cfg["claim_after"], int) or cfg["claim_after"] < 0:
         raise UnsupportedProblem(f"claim_after must be an int >= 0 (0: fixed shares), got {cfg['claim_after']!r}")
-    main = compile_decode(head_dim, dtype, causal, group, split, seqlens, merge=merge, keep_ptx=keep_ptx, **cfg)
-    combine = (compile_combine(head_dim, dtype, cfg["merge_prefetch"], keep_ptx) if split and merge == "combine"
-               else None)
     claim = split and merge != "combine" and cfg["claim_after"] > 0  # Combine cannot reset a counter: fixed shares
     static_only = [k for k in ("refill_at_release", "prefetch_ahead", "prefetch_after_wait") if cfg[k]]
     if claim and static_only:
         raise UnsupportedProblem(f"{', '.join(static_only)} act on the fixed shares' walk: pass claim_after=0 with it")
+    main = compile_decode(head_dim, dtype, causal, group, split, seqlens, merge=merge, keep_ptx=keep_ptx, **cfg)
+    combine = (compile_combine(head_dim, dtype, cfg["merge_prefetch"], keep_ptx) if split and merge == "combine"
+               else None)
     launcher = DecodeLauncher(main, combine, num_splits, head_dim, group, merge, claim=claim)
     launcher.config = dict(cfg, claim_after=cfg["claim_after"] if claim else 0)  # what the launch runs
     return launcher
@@ -947,20 +953,20 @@ def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_splits: int = 0, m
     CAPS.check(p)
     if knobs.get("claim_after") is None and deterministic_requested():
         knobs["claim_after"] = 0
-    if knobs.get("claim_after") and merge == "combine" and num_splits != 1:
-        raise UnsupportedProblem("claim_after needs an in-kernel merge (last_cta or last_split): the merging CTA "
-                                 "resets the claim counter")
     cfg = config(p.head_dim, **knobs)
     if not isinstance(num_splits, int) or not 0 <= num_splits <= MAX_SPLITS:
         raise UnsupportedProblem(f"num_splits must be an int in [0, {MAX_SPLITS}] (0: automatic), got {num_splits!r}")
     splits = num_splits or choose_num_splits(p.batch, p.kv_heads, p.group, p.seqlen, p.kv_len, sm_count(),
                                              cfg["tile_n"])
+    if knobs.get("claim_after") and merge == "combine" and splits > 1:
+        raise UnsupportedProblem("claim_after needs an in-kernel merge (last_cta or last_split): the merging CTA "
+                                 "resets the claim counter")
     launcher = make_launcher(p.head_dim, p.dtype, p.causal, p.group, splits, False, keep_ptx, merge, **cfg)
     ptx = None
     if keep_ptx:
         ptx = "\n".join(filter(None, (compiled_ptx(launcher.main), compiled_ptx(launcher.combine))))
     name = "decode_nosplit" if num_splits == 1 else ("decode_combine" if merge == "combine" else "decode")
-    info = dict(cfg, num_splits=splits, merge=merge if splits > 1 else None,
+    info = dict(launcher.config, num_splits=splits, merge=merge if splits > 1 else None,
                 smem_bytes=smem_bytes(p.head_dim, cfg["tile_n"], cfg["kv_stages"], merge=merge,
                                       claim=launcher.claim))
     return CompiledAttention(name, p, launcher, {}, ptx, info)

@@ -190,7 +190,7 @@ case "$part" in
     # split), the merge's loads in one round trip (merge_prefetch), L2 hints further ahead in the
     # loop (prefetch_ahead); each configuration timed twice
     timeout 150 $py scripts/tune_decode.py --fixed-shares --headdim 128 --shapes 1:8:32768,1:8:4096,1:32:32768,8:8:32768 \
-      --configs 128:2,128:2 --merge last_cta,last_split --out "$dir/decode-tune-merge-$gpu-d128.json" > /dev/null || rc=1
+      --configs 128:2:4,128:2:4 --merge last_cta,last_split --out "$dir/decode-tune-merge-$gpu-d128.json" > /dev/null || rc=1
     timeout 90 $py scripts/tune_decode.py --fixed-shares --headdim 128 --shapes 1:8:32768,1:8:131072 --merge last_split \
       --configs 128:2:4:0:0:0,128:2:4:0:0:2,128:2:4:0:0:4,128:2:4:0:0:0 --out "$dir/decode-tune-ahead-$gpu-d128.json" > /dev/null || rc=1
     timeout 90 $py scripts/tune_decode.py --fixed-shares --headdim 128 --shapes 1:8:32768,1:8:4096 --merge last_cta \

@@ -2,10 +2,10 @@
 
     python scripts/tune_decode.py --out results/decode-tune-h100.json
     python scripts/tune_decode.py --headdim 128 --configs 128:2,128:3 --splits 0,16
-    python scripts/tune_decode.py --configs 128:2:0,128:2:2:1 --headdim 128   # l2_prefetch, refill_at_release
+    python scripts/tune_decode.py --fixed-shares --configs 128:2:0,128:2:2:1 --headdim 128   # l2_prefetch, refill_at_release
     python scripts/tune_decode.py --configs 128:2:4:0:0,128:2:4:0:16 --headdim 128   # merge_prefetch
-    python scripts/tune_decode.py --configs 128:2:4:0:0:0,128:2:4:0:0:2 --headdim 128   # prefetch_ahead
-    python scripts/tune_decode.py --configs 128:2:4:0:0:0:0,128:2:4:0:0:0:4 --headdim 128   # prefetch_after_wait
+    python scripts/tune_decode.py --fixed-shares --configs 128:2:4:0:0:0,128:2:4:0:0:2 --headdim 128   # prefetch_ahead
+    python scripts/tune_decode.py --fixed-shares --configs 128:2:4:0:0:0:0,128:2:4:0:0:0:4 --headdim 128   # prefetch_after_wait
     python scripts/tune_decode.py --configs 128:2:4:0:0:0:0:0,128:2:4:0:0:0:0:4 --headdim 128   # claim_after
 
 Each row: one (head dim, batch, K/V heads, cache length,
@@ -118,6 +118,7 @@ def main(argv=None) -> int:
                     try:
                         la = decode.make_launcher(d, "bfloat16", False, NHEADS // h_kv, splits, True, merge=merge,
                                                   **cfg)
+                        row.update(la.config)  # what runs: a fixed share where claiming cannot (Combine, no split)
                     except Exception as e:  # a configuration that does not fit: a row that says so
                         row.update(status=f"refused: {e}")
                         print(row)

@@ -89,6 +89,14 @@ def test_deterministic_algorithms_turn_claiming_off():
         fixed = decode.make_launcher(128, "bfloat16", False, 4, 16, True, merge="last_cta")
         asked = decode.make_launcher(128, "bfloat16", False, 4, 16, True, merge="last_cta", claim_after=4)
     assert not fixed.claim and fixed.config["claim_after"] == 0 and asked.claim
+    # and through the ordinary contract (compile_kernel), whose info reports what runs
+    from kernels.contract import Problem
+
+    p = Problem(1, 32, 1, 128, nheads_kv=8, seqlen_k=32768)
+    assert decode.compile_kernel(p, num_splits=16).info["claim_after"] == 4
+    with deterministic():
+        assert decode.compile_kernel(p, num_splits=16).info["claim_after"] == 0
+    assert decode.compile_kernel(p, num_splits=16, merge="combine").info["claim_after"] == 0  # Combine: fixed
     assert not torch.are_deterministic_algorithms_enabled()  # restored
 
 
@@ -376,13 +384,14 @@ def test_kvcache_call_under_torch_compile_matches_eager():
 @pytest.mark.parametrize("merge", ["last_cta", "last_split"])
 @pytest.mark.parametrize("shape,lengths,causal,splits,claim_after", [
     ((1, 32, 8, 1, 32768), [32768], False, 16, 4),
-    ((4, 32, 8, 1, 8192), [0, 1, 127, 8192], False, 16, 4),  # empty splits, a length of 0
+    ((4, 32, 8, 1, 8192), [0, 1, 127, 8192], False, 16, 2),  # empty splits, a length of 0; 32 of 64 tiles claimed
     ((3, 32, 8, 4, 1000), [1000, 5, 2], True, 7, 1),
     ((2, 28, 4, 17, 3000), [2999, 1500], True, 5, 2),  # two query tiles: two counters per head
 ])
 def test_claimed_tiles_match_the_reference_launch_after_launch(merge, shape, lengths, causal, splits, claim_after):
-    # claim_after (measured and off): the splits take tiles off a per-head counter that the merging
-    # CTA resets. Three launches on one set of buffers: a counter left non-zero would skip tiles.
+    # claim_after (on by default at d=64/128): the splits take tiles off a per-head counter that the
+    # merging CTA resets. Three launches on one set of buffers: a counter left non-zero would skip
+    # tiles (tune_decode.py checks again after back-to-back graph replays, where PDL overlaps them).
     from kernels import decode
 
     b, h, h_kv, q_len, s_cache = shape
