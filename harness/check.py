@@ -219,8 +219,11 @@ def check_kvcache(case: KVCacheCase, seed=None) -> dict:
         if not (torch.equal(o_c, o_nc) and torch.equal(lse_c, lse_nc)):
             reasons.append("causal at q_len 1 differs from non-causal")
     if isinstance(c.lengths, list):  # a plan takes lengths as a tensor only
-        plan = decode_plan(c.batch, c.nheads, c.nheads_kv, c.head_dim, c.s_cache, q_len=c.q_len, dtype=c.dtype,
-                           causal=c.causal, num_splits=c.num_splits, kernel=c.kernel)
+        def make_plan():
+            return decode_plan(c.batch, c.nheads, c.nheads_kv, c.head_dim, c.s_cache, q_len=c.q_len, dtype=c.dtype,
+                               causal=c.causal, num_splits=c.num_splits, kernel=c.kernel)
+
+        plan = make_plan()
         o, l = plan.run(q, k, v, lens)  # warm-up (compiles); o, l: the plan's buffers, the same every run
         runs = []
         for _ in range(2):
@@ -230,8 +233,7 @@ def check_kvcache(case: KVCacheCase, seed=None) -> dict:
         for run in runs:
             judge("plan.run", *run, want)
         with deterministic():  # the plan is fixed when made: its runs must agree to the bit
-            fixed = decode_plan(c.batch, c.nheads, c.nheads_kv, c.head_dim, c.s_cache, q_len=c.q_len, dtype=c.dtype,
-                                causal=c.causal, num_splits=c.num_splits, kernel=c.kernel)
+            fixed = make_plan()
         if fixed.info.get("claim_after"):
             reasons.append("deterministic plan: still claims tiles")
         same = []

@@ -213,9 +213,8 @@ class DecodeFMHA:
         assert claim_after == 0 or self.merge != "combine", "the counter is reset by the in-kernel merge"
         assert claim_after == 0 or not (refill_at_release or prefetch_ahead or prefetch_after_wait), \
             "these knobs act on the fixed shares' walk"
-        # SMEM slots: one tile index per K/V stage (claiming), then the last-CTA merge's flag.
-        self.claim_slots = kv_stages if self.claim_after else 0
-        self.tile_slots = self.claim_slots + int(self.merge == "last_cta")
+        self.claim_slots = kv_stages if self.claim_after else 0  # the merge's flag slot follows them
+        self.tile_slots = tile_slots(kv_stages, self.merge, self.claim_after > 0)
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
@@ -756,12 +755,16 @@ def warp_allreduce(x: Float32, op: cutlass.Constexpr) -> Float32:
 # Host: compile and launch
 # --------------------------------------------------------------------------------------
 
+def tile_slots(kv_stages: int, merge: str, claim: bool) -> int:
+    """SMEM index slots (each with a pair of mbarriers): claiming names each stage's tile in one,
+    then the last-CTA merge broadcasts "I am last" through one more."""
+    return (kv_stages if claim else 0) + int(merge == "last_cta")
+
+
 def smem_bytes(head_dim: int, tile_n: int, kv_stages: int, dtype_bytes: int = 2, merge: str = "combine",
                claim: bool = False) -> int:
-    # The last-CTA merge broadcasts "I am last" through one SMEM slot; claiming names each stage's
-    # tile in one more, each with a pair of mbarriers (DecodeFMHA.tile_slots).
     return tma_pipeline.smem_bytes(TILE_M, tile_n, head_dim, dtype_bytes, kv_stages,
-                                   tile_slots=int(merge == "last_cta") + (kv_stages if claim else 0))
+                                   tile_slots=tile_slots(kv_stages, merge, claim))
 
 
 CAPS = tma_pipeline.smem_capabilities(
@@ -951,22 +954,20 @@ def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_splits: int = 0, m
     cache lengths. ``num_splits`` 0 picks S for this problem on the current GPU; ``knobs``
     override DEFAULT_CONFIG's keys."""
     CAPS.check(p)
-    if knobs.get("claim_after") is None and deterministic_requested():
-        knobs["claim_after"] = 0
-    cfg = config(p.head_dim, **knobs)
+    tile_n = config(p.head_dim, **knobs)["tile_n"]
     if not isinstance(num_splits, int) or not 0 <= num_splits <= MAX_SPLITS:
         raise UnsupportedProblem(f"num_splits must be an int in [0, {MAX_SPLITS}] (0: automatic), got {num_splits!r}")
-    splits = num_splits or choose_num_splits(p.batch, p.kv_heads, p.group, p.seqlen, p.kv_len, sm_count(),
-                                             cfg["tile_n"])
+    splits = num_splits or choose_num_splits(p.batch, p.kv_heads, p.group, p.seqlen, p.kv_len, sm_count(), tile_n)
     if knobs.get("claim_after") and merge == "combine" and splits > 1:
         raise UnsupportedProblem("claim_after needs an in-kernel merge (last_cta or last_split): the merging CTA "
                                  "resets the claim counter")
-    launcher = make_launcher(p.head_dim, p.dtype, p.causal, p.group, splits, False, keep_ptx, merge, **cfg)
+    launcher = make_launcher(p.head_dim, p.dtype, p.causal, p.group, splits, False, keep_ptx, merge, **knobs)
+    cfg = launcher.config
     ptx = None
     if keep_ptx:
         ptx = "\n".join(filter(None, (compiled_ptx(launcher.main), compiled_ptx(launcher.combine))))
     name = "decode_nosplit" if num_splits == 1 else ("decode_combine" if merge == "combine" else "decode")
-    info = dict(launcher.config, num_splits=splits, merge=merge if splits > 1 else None,
+    info = dict(cfg, num_splits=splits, merge=merge if splits > 1 else None,
                 smem_bytes=smem_bytes(p.head_dim, cfg["tile_n"], cfg["kv_stages"], merge=merge,
                                       claim=launcher.claim))
     return CompiledAttention(name, p, launcher, {}, ptx, info)

@@ -142,7 +142,7 @@ def main(argv=None) -> int:
                         if not err < 2e-2:
                             row.update(status=f"failed check after the replays: max |O - ref| = {err}")
                     print(f"{merge} d={d} b={b} h_kv={h_kv} kv_len={kv_len} "
-                          + " ".join(f"{k}={int(v)}" for k, v in cfg.items()) + f" S={splits}: "
+                          + " ".join(f"{k}={int(v)}" for k, v in la.config.items()) + f" S={splits}: "
                           + (f"{row['ms'] * 1e3:.1f} us {row['tbps']:.2f} TB/s" if row.get("ms") else row["status"]),
                           flush=True)
                     if out:
