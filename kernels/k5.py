@@ -100,7 +100,7 @@ def num_sms() -> int:
 class K5FMHA:
     def __init__(self, head_dim: int, dtype, causal: bool, num_wg: int, tile_n: int, kv_stages: int,
                  q_stages: int, scheduler: str, tma_store: bool = False, sm_count: int = 132,
-                 section_bytes: int = schedule.SECTION_BYTES, o_store_per_wg: bool = False):
+                 section_bytes: int = schedule.SECTION_BYTES, o_store_per_wg: bool = False, split_tail: bool = False):
         self.head_dim = head_dim
         self.dtype = dtype
         self.causal = causal
@@ -115,6 +115,7 @@ class K5FMHA:
         self.scheduler = scheduler
         self.sm_count = sm_count
         self.section_bytes = section_bytes
+        self.split_tail = split_tail  # schedule.tail_runs: the last partial wave cut along KV
         self.out_dtype = dtype  # K7: e4m3 inputs, 16-bit O
         self.p_offset = 0.0  # K7: P scaled into e4m3's range (sm90.OnlineSoftmax)
         self.block_scales = False  # K8: a descale per Q tile and per K / V tile (mDescale rows)
@@ -302,37 +303,56 @@ class K5FMHA:
         kv_produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
         tile_produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, TILE_STAGES)
         tile_idx, step, num_tiles, decode = self.tiles(mO, kv_shape)
-        while tile_idx < num_tiles:
-            m_block, head, batch = schedule.tile_coords(tile_idx, *decode, self.causal)
-            tQsQ, tQgQ = tma_pipeline.partition_for_tma(tma_atom_Q, mQ_tma, sQ, (tile_m, d), head, batch,
-                                                        coord=(m_block, 0))
-            seqlen_k, group = kv_shape
-            tKsK, tKgK = tma_pipeline.partition_for_tma(tma_atom_K, mK_tma, sK, (tile_n, d), head // group, batch)
-            tVsV, tVgV = tma_pipeline.partition_for_tma(tma_atom_V, mV_tma, sVt, (d, tile_n), head // group, batch,
-                                                        coord=(0, None))
-            n_tiles = kv_tile_count(m_block, seqlen, tile_m, tile_n, self.causal, seqlen_k)
-            kv_loads = (pipeline_k, tma_atom_K, tKgK, tKsK, pipeline_v, tma_atom_V, tVgV, tVsV)
-            # Q goes right after the first K: in a persistent CTA it waits for the consumers to
-            # release sQ, and that K need not wait with it.
-            q_load = (pipeline_q, q_produce, tma_atom_Q, tQgQ, tQsQ[None, q_produce.index])
-            kv_produce = self.load_kv_tiles(n_tiles, kv_produce, kv_loads, q_load)
-            q_produce.advance()
-            if const_expr(self.scheduler == "dynamic"):
-                tile_idx = self.claim_next_tile(tile_slots, tile_produce, step, num_tiles)
-                tile_produce.advance()
-            else:
-                tile_idx += step
+        loads = (seqlen, mQ_tma, mK_tma, mV_tma, kv_shape, tma_atom_Q, tma_atom_K, tma_atom_V, sQ, sK, sVt, pipelines, decode)
+        if const_expr(self.split_tail):
+            n_kv = kv_tile_count(0, seqlen, tile_m, tile_n, False, kv_shape[0])
+            waves, _, s0, s1, n_units = schedule.tail_plan(num_tiles, step, tile_idx, n_kv)
+            for u in cutlass.range(n_units, unroll=1):
+                unit_tile, lo, hi = schedule.work_unit(u, tile_idx, step, waves, s0, s1, n_kv)
+                q_produce, kv_produce = self.load_tile(unit_tile, (lo, hi), q_produce, kv_produce, loads)
+        else:
+            while tile_idx < num_tiles:
+                q_produce, kv_produce = self.load_tile(tile_idx, None, q_produce, kv_produce, loads)
+                if const_expr(self.scheduler == "dynamic"):
+                    tile_idx = self.claim_next_tile(tile_slots, tile_produce, step, num_tiles)
+                    tile_produce.advance()
+                else:
+                    tile_idx += step
         # Wait until the consumers have released every V stage: no mbarrier arrive may land
         # after this CTA has exited (K's are released before V's).
         pipeline_v.producer_tail(kv_produce)
 
     @cute.jit
+    def load_tile(self, tile_idx: Int32, span, q_produce: pipeline.PipelineState,
+                  kv_produce: pipeline.PipelineState, loads: tuple):
+        """Q and the K/V tiles of one query tile: all of them, or (split tail) KV tiles [lo, hi)."""
+        seqlen, mQ_tma, mK_tma, mV_tma, kv_shape, tma_atom_Q, tma_atom_K, tma_atom_V, sQ, sK, sVt, pipelines, decode = loads
+        pipeline_q, pipeline_k, pipeline_v = pipelines
+        tile_m, tile_n, d = self.tile_m, self.tile_n, self.head_dim
+        m_block, head, batch = schedule.tile_coords(tile_idx, *decode, self.causal)
+        tQsQ, tQgQ = tma_pipeline.partition_for_tma(tma_atom_Q, mQ_tma, sQ, (tile_m, d), head, batch,
+                                                    coord=(m_block, 0))
+        seqlen_k, group = kv_shape
+        tKsK, tKgK = tma_pipeline.partition_for_tma(tma_atom_K, mK_tma, sK, (tile_n, d), head // group, batch)
+        tVsV, tVgV = tma_pipeline.partition_for_tma(tma_atom_V, mV_tma, sVt, (d, tile_n), head // group, batch,
+                                                    coord=(0, None))
+        n_lo, n_tiles = (0, kv_tile_count(m_block, seqlen, tile_m, tile_n, self.causal, seqlen_k)
+                         ) if const_expr(span is None) else span
+        kv_loads = (pipeline_k, tma_atom_K, tKgK, tKsK, pipeline_v, tma_atom_V, tVgV, tVsV)
+        # Q goes right after the first K: in a persistent CTA it waits for the consumers to
+        # release sQ, and that K need not wait with it.
+        q_load = (pipeline_q, q_produce, tma_atom_Q, tQgQ, tQsQ[None, q_produce.index])
+        kv_produce = self.load_kv_tiles(n_tiles, kv_produce, kv_loads, q_load, n_lo)
+        q_produce.advance()
+        return q_produce, kv_produce
+
+    @cute.jit
     def load_kv_tiles(self, n_tiles: Int32, kv_produce: pipeline.PipelineState, kv_loads: tuple,
-                      q_load: tuple) -> pipeline.PipelineState:
-        """K and V of every KV tile, descending, K_j then V_j, each as soon as its stage is free;
-        Q after the first K."""
+                      q_load: tuple, n_lo=0) -> pipeline.PipelineState:
+        """K and V of KV tiles n_tiles-1 down to n_lo, K_j then V_j, each as soon as its stage is
+        free; Q after the first K."""
         pipeline_k, tma_atom_K, tKgK, tKsK, pipeline_v, tma_atom_V, tVgV, tVsV = kv_loads
-        for i in cutlass.range(n_tiles, unroll=1):
+        for i in cutlass.range(n_tiles - n_lo, unroll=1):
             n_block = n_tiles - 1 - i
             tma_pipeline.load_stage(pipeline_k, kv_produce, tma_atom_K, tKgK[None, n_block],
                                     tKsK[None, kv_produce.index])
@@ -373,61 +393,116 @@ class K5FMHA:
         kv_consume = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
         tile_consume = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, TILE_STAGES)
         tile_idx, step, num_tiles, decode = self.tiles(mO, kv_shape)
-        while tile_idx < num_tiles:
-            m_block, head, batch = schedule.tile_coords(tile_idx, *decode, self.causal)
-            seqlen_k, _ = kv_shape
-            n_tiles = kv_tile_count(m_block, seqlen, tile_m, tile_n, self.causal, seqlen_k)
-            n_unmasked = unmasked_kv_tile_count(m_block, seqlen, tile_m, tile_n, self.causal, seqlen_k)
-            mask_lens = (seqlen_k, seqlen_k - seqlen)  # key length, causal diagonal offset
-            acc_O.fill(0.0)
-            softmax = self.tile_softmax(num_rows, scale_log2, mDescale, m_block, head, batch, seqlen, n_tiles)
-            row_scale = cute.make_rmem_tensor(num_rows, Float32)
-            pipeline_q.consumer_wait(q_consume)
-            # Q's stage as a compile-time index, one mainloop per stage: Q's WGMMA descriptors are then
-            # loop-invariant. With a runtime stage the compiler rebuilds them (64-bit adds) for every
-            # k-block of every KV tile: about 15 more instructions per KV tile at d=128 (SASS, docs/k6.md).
-            for q_stage in cutlass.range_constexpr(self.q_stages):
-                if q_consume.index == q_stage:
-                    mmas = (tiled_mma_qk, tiled_mma_pv, tSrQ[None, None, None, q_stage], tSrK, tOrVt, tOrP, acc_O,
-                            tScS)
-                    kv_consume = self.mainloop(m_block, mask_lens, n_tiles, n_unmasked, kv_consume, pipelines, mmas,
-                                               softmax, row_scale)
-            if const_expr(per_tensor_scales):  # K7: O in v's units
-                acc_O.store(acc_O.load() * mDescale[2])
-            if const_expr(self.tma_store):
-                tma_atom_O, mO_tma = o_store
-                sO = sQ[None, None, q_consume.index]
-                # The box one store sends: the whole tile, or (per warpgroup) this warpgroup's rows.
-                sO_box, m_box, store_threads, store_wg = sO, m_block, 128 * self.num_wg, None
-                if const_expr(self.o_store_per_wg):
-                    sO_box, m_box = cute.local_tile(sO, (64, d), (wg_idx, 0)), m_block * self.num_wg + wg_idx
-                    store_threads, store_wg = 128, wg_idx
-                tOsO, tOgO = tma_pipeline.partition_for_tma(tma_atom_O, mO_tma, sO_box, (self.o_store_rows(), d), head,
-                                                            batch, coord=(m_box, 0))
-                sm90.store_o_tma_and_lse(acc_O, softmax, tiled_mma_pv, tidx, sO, tOsO, tOgO, tma_atom_O, mLSE,
-                                         m_block, head, batch, seqlen, tile_m, self.out_dtype, store_threads, store_wg)
-                pipeline_q.consumer_release(q_consume)  # the store has read sO: Q's buffer is free
+        ctx = (mO, mLSE, mDescale, kv_shape, sQ, pipelines, o_store, decode, tidx, wg_idx, scale_log2,
+               (tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O, tScS), tile_slots)
+        if const_expr(self.split_tail):
+            n_kv = kv_tile_count(0, seqlen, tile_m, tile_n, False, kv_shape[0])
+            waves, steps, s0, s1, n_units = schedule.tail_plan(num_tiles, step, tile_idx, n_kv)
+            for u in cutlass.range(n_units, unroll=1):
+                unit_tile, lo, hi = schedule.work_unit(u, tile_idx, step, waves, s0, s1, n_kv)
+                # A piece of the tail: (tail tile, which of this CTA's runs, steps, grid); whole
+                # tiles (and a tail tile one run covers) end as usual.
+                piece = (unit_tile - waves * step, Int32(0) if u == waves else Int32(1), steps, step, n_kv)
+                q_consume, kv_consume = self.consume_tile(unit_tile, (lo, hi, piece), q_consume, kv_consume, ctx)
+        else:
+            while tile_idx < num_tiles:
+                q_consume, kv_consume = self.consume_tile(tile_idx, None, q_consume, kv_consume, ctx)
+                tile_idx = self.next_tile(tile_idx, step, tile_slots, tile_consume)
+                tile_consume.advance()
+
+    @cute.jit
+    def consume_tile(self, tile_idx: Int32, span, q_consume: pipeline.PipelineState,
+                     kv_consume: pipeline.PipelineState, ctx: tuple):
+        """One query tile (or, split tail, its KV tiles [lo, hi)): mainloop, then the epilogue."""
+        (mO, mLSE, mDescale, kv_shape, sQ, pipelines, o_store, decode, tidx, wg_idx, scale_log2, mmas_all,
+         tile_slots) = ctx
+        tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O, tScS = mmas_all
+        pipeline_q, pipeline_k, pipeline_v = pipelines
+        tile_m, tile_n, d = self.tile_m, self.tile_n, self.head_dim
+        seqlen = mO.shape[2]
+        num_rows = cute.size(sm90.acc_mn_view(acc_O), mode=[0])
+        per_tensor_scales = mDescale is not None and not self.block_scales
+        if const_expr(per_tensor_scales):  # K7: the scores are of q8 . k8, their descales join the scale
+            scale_log2 = scale_log2 * mDescale[0] * mDescale[1]
+        m_block, head, batch = schedule.tile_coords(tile_idx, *decode, self.causal)
+        seqlen_k, _ = kv_shape
+        n_tiles = kv_tile_count(m_block, seqlen, tile_m, tile_n, self.causal, seqlen_k)
+        n_unmasked = unmasked_kv_tile_count(m_block, seqlen, tile_m, tile_n, self.causal, seqlen_k)
+        n_lo, piece = 0, None
+        if const_expr(span is not None):
+            n_lo, n_tiles, piece = span
+        mask_lens = (seqlen_k, seqlen_k - seqlen)  # key length, causal diagonal offset
+        acc_O.fill(0.0)
+        softmax = self.tile_softmax(num_rows, scale_log2, mDescale, m_block, head, batch, seqlen, n_tiles)
+        row_scale = cute.make_rmem_tensor(num_rows, Float32)
+        pipeline_q.consumer_wait(q_consume)
+        # Q's stage as a compile-time index, one mainloop per stage: Q's WGMMA descriptors are then
+        # loop-invariant. With a runtime stage the compiler rebuilds them (64-bit adds) for every
+        # k-block of every KV tile: about 15 more instructions per KV tile at d=128 (SASS, docs/k6.md).
+        for q_stage in cutlass.range_constexpr(self.q_stages):
+            if q_consume.index == q_stage:
+                mmas = (tiled_mma_qk, tiled_mma_pv, tSrQ[None, None, None, q_stage], tSrK, tOrVt, tOrP, acc_O, tScS)
+                kv_consume = self.mainloop(m_block, mask_lens, n_tiles, n_unmasked, kv_consume, pipelines, mmas,
+                                           softmax, row_scale, n_lo)
+        if const_expr(per_tensor_scales):  # K7: O in v's units
+            acc_O.store(acc_O.load() * mDescale[2])
+        if const_expr(span is None):
+            self.epilogue(tile_idx, q_consume, acc_O, softmax, ctx, m_block, head, batch)
+        else:
+            if n_lo == 0 and n_tiles == piece[4]:  # a whole tile
+                self.epilogue(tile_idx, q_consume, acc_O, softmax, ctx, m_block, head, batch)
             else:
-                # Every QK of this tile has retired: the producer may load the next tile's Q.
-                pipeline_q.consumer_release(q_consume)
-                # K4's epilogue: normalize once, O and LSE straight from registers.
-                sm90.store_o_and_lse(acc_O, softmax, tiled_mma_pv, tidx, mO, mLSE, m_block, head, batch, tile_m,
-                                     self.out_dtype)
-            q_consume.advance()
-            tile_idx = self.next_tile(tile_idx, step, tile_slots, tile_consume)
-            tile_consume.advance()
+                pipeline_q.consumer_release(q_consume)  # this piece's QKs have retired
+                self.merge_tail_piece(acc_O, softmax, piece, tiled_mma_pv, tidx, mO, mLSE, tile_slots[2], m_block,
+                                      head, batch)
+        q_consume.advance()
+        return q_consume, kv_consume
+
+    @cute.jit
+    def epilogue(self, tile_idx: Int32, q_consume: pipeline.PipelineState, acc_O: cute.Tensor,
+                 softmax: sm90.OnlineSoftmax, ctx: tuple, m_block: Int32, head: Int32, batch: Int32):
+        """O and LSE of a whole tile: through SMEM and a TMA store, or from registers."""
+        (mO, mLSE, mDescale, kv_shape, sQ, pipelines, o_store, decode, tidx, wg_idx, scale_log2, mmas_all,
+         tile_slots) = ctx
+        tiled_mma_pv = mmas_all[1]
+        pipeline_q = pipelines[0]
+        tile_m, d = self.tile_m, self.head_dim
+        seqlen = mO.shape[2]
+        if const_expr(self.tma_store):
+            tma_atom_O, mO_tma = o_store
+            sO = sQ[None, None, q_consume.index]
+            # The box one store sends: the whole tile, or (per warpgroup) this warpgroup's rows.
+            sO_box, m_box, store_threads, store_wg = sO, m_block, 128 * self.num_wg, None
+            if const_expr(self.o_store_per_wg):
+                sO_box, m_box = cute.local_tile(sO, (64, d), (wg_idx, 0)), m_block * self.num_wg + wg_idx
+                store_threads, store_wg = 128, wg_idx
+            tOsO, tOgO = tma_pipeline.partition_for_tma(tma_atom_O, mO_tma, sO_box, (self.o_store_rows(), d), head,
+                                                        batch, coord=(m_box, 0))
+            sm90.store_o_tma_and_lse(acc_O, softmax, tiled_mma_pv, tidx, sO, tOsO, tOgO, tma_atom_O, mLSE,
+                                     m_block, head, batch, seqlen, tile_m, self.out_dtype, store_threads, store_wg)
+            pipeline_q.consumer_release(q_consume)  # the store has read sO: Q's buffer is free
+        else:
+            # Every QK of this tile has retired: the producer may load the next tile's Q.
+            pipeline_q.consumer_release(q_consume)
+            # K4's epilogue: normalize once, O and LSE straight from registers.
+            sm90.store_o_and_lse(acc_O, softmax, tiled_mma_pv, tidx, mO, mLSE, m_block, head, batch, tile_m,
+                                 self.out_dtype)
 
     @cute.jit
     def mainloop(self, m_block: Int32, mask_lens: tuple, n_tiles: Int32, n_unmasked: Int32,
                  kv_consume: pipeline.PipelineState, pipelines: tuple, mmas: tuple, softmax: sm90.OnlineSoftmax,
-                 row_scale: cute.Tensor) -> pipeline.PipelineState:
+                 row_scale: cute.Tensor, n_lo=0) -> pipeline.PipelineState:
         """One query tile's KV loop, descending: the masked diagonal / seqlen-tail tiles first,
-        then the mask-free rest."""
-        for i in cutlass.range(n_tiles - n_unmasked, unroll=1):
+        then the mask-free rest. A piece of a split tail stops at KV tile ``n_lo``."""
+        n_masked, n_free = n_tiles - n_unmasked, n_unmasked
+        if const_expr(not isinstance(n_lo, int)):
+            n_masked = cutlass.max(n_tiles - cutlass.max(n_unmasked, n_lo), 0)
+            n_free = cutlass.max(cutlass.min(n_unmasked, n_tiles) - n_lo, 0)
+        for i in cutlass.range(n_masked, unroll=1):
             kv_consume = self.kv_iteration(n_tiles - 1 - i, m_block, mask_lens, kv_consume, pipelines, mmas, softmax,
                                            row_scale, masked=True)
-        for i in cutlass.range(n_unmasked, unroll=1):
-            kv_consume = self.kv_iteration(n_unmasked - 1 - i, m_block, mask_lens, kv_consume, pipelines, mmas,
+        for i in cutlass.range(n_free, unroll=1):
+            kv_consume = self.kv_iteration(n_lo + n_free - 1 - i, m_block, mask_lens, kv_consume, pipelines, mmas,
                                            softmax, row_scale, masked=False)
         return kv_consume
 
@@ -458,6 +533,80 @@ class K5FMHA:
         pipeline_v.consumer_release(kv_consume)
         kv_consume.advance()
         return kv_consume
+
+    def tail_counters(self) -> int:
+        """Int32s before the split tail's workspace in the counter buffer: the dynamic scheduler's
+        pair, then one merge counter per (tail tile, consumer warp), rounded to 16 bytes."""
+        return (2 + self.sm_count * 4 * self.num_wg + 3) // 4 * 4
+
+    def tail_buffer_ints(self) -> int:
+        """The whole counter buffer with a split tail: counters, then per (CTA, run, consumer
+        thread) a partial O fragment and its rows' LSE (fp32, 16-byte rows)."""
+        if not self.split_tail:
+            return 2
+        frag = 64 * self.head_dim // 128
+        return self.tail_counters() + self.sm_count * 2 * 128 * self.num_wg * (frag + 4)
+
+    @cute.jit
+    def merge_tail_piece(self, acc_O: cute.Tensor, softmax: sm90.OnlineSoftmax, piece: tuple,
+                         tiled_mma_pv: cute.TiledMma, tidx: Int32, mO: cute.Tensor, mLSE: cute.Tensor,
+                         mCounter: cute.Tensor, m_block: Int32, head: Int32, batch: Int32):
+        """Split tail: write this piece's O (normalized, fp32) and LSE, count it; the warp that
+        counts a tile's last piece of its 16 rows merges every piece's (by LSE weights) and stores O.
+
+        Each warp owns its 16 rows of the tile in every CTA alike (the PV MMA's layout), so warps
+        merge independently: no CTA barrier, and a thread reads back exactly the fragment that the
+        same thread of another CTA wrote. The fence before the count releases the stores; the
+        merging warp's fence after it acquires the others'. It resets the counter for the next
+        launch."""
+        r, run, steps, grid, n_kv = piece
+        lse = cute.make_rmem_tensor(softmax.num_rows, Float32)
+        softmax.finalize(acc_O, lse)
+        frag = cute.size(acc_O)
+        stride = frag + 4
+        consumers = 128 * self.num_wg
+        ws = cute.recast_ptr(mCounter.iterator + self.tail_counters(), dtype=Float32)
+        bx = cute.arch.block_idx()[0]
+        mine = ws + ((bx * 2 + run) * consumers + tidx) * stride
+        cute.make_tensor(mine, acc_O.layout).store(acc_O.load())
+        for j in cutlass.range_constexpr(softmax.num_rows):
+            mine[frag + j] = lse[j]
+        cute.arch.fence_acq_rel_gpu()
+        cute.arch.sync_warp()
+        lane, warp = tidx % 32, tidx // 32
+        counter = mCounter.iterator + 2 + r * (consumers // 32) + warp
+        done = Int32(0)
+        if lane == 0:
+            done = cute.arch.atomic_add(counter, Int32(1), sem="acq_rel", scope="gpu")
+        done = cute.arch.shuffle_sync(done, 0)
+        first = schedule.tail_owner(r * n_kv, steps, grid)
+        last = schedule.tail_owner((r + 1) * n_kv - 1, steps, grid)
+        if done == last - first:
+            cute.arch.fence_acq_rel_gpu()
+            if lane == 0:
+                cute.make_tensor(counter, cute.make_layout(1))[0] = Int32(0)
+            acc_mn = sm90.acc_mn_view(acc_O)
+            total = cute.make_rmem_tensor(softmax.num_rows, Float32)
+            total.fill(1.0)
+            for c in cutlass.range(first, last + 1, unroll=1):
+                if c != bx:
+                    run_c = Int32(0) if (c * steps // grid) // n_kv == r else Int32(1)
+                    theirs = ws + ((c * 2 + run_c) * consumers + tidx) * stride
+                    their_mn = sm90.acc_mn_view(cute.make_tensor(theirs, acc_O.layout))
+                    for j in cutlass.range_constexpr(softmax.num_rows):
+                        lse_c = theirs[frag + j]
+                        m_new = cute.arch.fmax(lse[j], lse_c)
+                        a = cute.math.exp(lse[j] - m_new, fastmath=True)
+                        b = cute.math.exp(lse_c - m_new, fastmath=True)
+                        acc_mn[j, None].store(acc_mn[j, None].load() * a + their_mn[j, None].load() * b)
+                        total[j] = total[j] * a + b
+                        lse[j] = m_new
+            for j in cutlass.range_constexpr(softmax.num_rows):
+                acc_mn[j, None].store(acc_mn[j, None].load() * cute.arch.rcp_approx(total[j]))
+                lse[j] = lse[j] + cute.math.log(total[j], fastmath=True)
+            rO = cute.make_rmem_tensor_like(acc_O, self.out_dtype)
+            sm90.convert_to(acc_O, rO)
+            sm90.store_rows(rO, lse, tiled_mma_pv, tidx, mO, mLSE, m_block, head, batch, self.tile_m)
 
     def tile_softmax(self, num_rows: int, scale_log2: Float32, mDescale, m_block: Int32, head: Int32, batch: Int32,
                      seqlen: Int32, n_tiles: Int32) -> sm90.OnlineSoftmax:
@@ -496,6 +645,9 @@ def check_config(cfg: dict, name: str = "K5") -> None:
         raise UnsupportedProblem(f"{name} config {cfg}: kv_stages and q_stages must be >= 1")
     if cfg["scheduler"] not in SCHEDULERS:
         raise UnsupportedProblem(f"{name} config {cfg}: scheduler must be one of {SCHEDULERS}")
+    if cfg.get("split_tail") and (cfg.get("causal") or cfg["scheduler"] != "static"):
+        raise UnsupportedProblem(f"{name} config {cfg}: split_tail cuts the last wave of equal tiles, so it needs "
+                                 "the static scheduler and a non-causal problem")
 
 
 def build(name: str, kernel_cls, p: Problem, cfg: dict, keep_ptx: bool, fake_args=None) -> CompiledAttention:
@@ -506,9 +658,11 @@ def build(name: str, kernel_cls, p: Problem, cfg: dict, keep_ptx: bool, fake_arg
     ``fake_args(dtype, head_dim)``: the kernel's arguments before the counter (K7: FP8 q, k, V^T
     and descales); by default (q, k, v, o, lse, softmax_scale).
     """
-    check_config(cfg, name.upper())
+    check_config(dict(cfg, causal=p.causal), name.upper())
     dt = cute_dtype(p.out_dtype)  # the inputs' dtype but for K7/K8, whose kernel class fixes e4m3 inputs
-    sm_count = num_sms()
+    # ctas: fewer persistent CTAs than SMs (tests: a split tail on a small problem)
+    cfg = dict(cfg)
+    sm_count = cfg.pop("ctas", None) or num_sms()
     kernel = kernel_cls(p.head_dim, dt, p.causal, sm_count=sm_count, **cfg)
     if kernel.smem_bytes() > SMEM_CAPACITY:
         raise UnsupportedProblem(
@@ -524,8 +678,11 @@ def build(name: str, kernel_cls, p: Problem, cfg: dict, keep_ptx: bool, fake_arg
         return kernel, (*head, make_fake_tensor(Int32, (2,), stride=(1,)), stream)
 
     fn = jit_compile(key, args, keep_ptx)
-    compiled = fused_attention(name, p, fn, keep_ptx, dict(cfg, smem_bytes=kernel.smem_bytes()))
-    counters = schedule.TileCounters()
+    info = dict(cfg, smem_bytes=kernel.smem_bytes(), **({"ctas": sm_count} if sm_count != num_sms() else {}))
+    compiled = fused_attention(name, p, fn, keep_ptx, info)
+    counters = schedule.TileCounters(kernel.tail_buffer_ints())
+    compiled.buffers["counters"] = counters  # tests read them back (a split tail's end at tail_counters())
+    compiled.buffers["tail_counters"] = kernel.tail_counters()
     compiled.launch = lambda q, *args: fn(q, *args, counters.get(q.device))
     return compiled
 

@@ -115,22 +115,22 @@ class K6FMHA(k5.K5FMHA):
     @cute.jit
     def mainloop(self, m_block: Int32, mask_lens: tuple, n_tiles: Int32, n_unmasked: Int32,
                  kv_consume: pipeline.PipelineState, pipelines: tuple, mmas: tuple, softmax: sm90.OnlineSoftmax,
-                 row_scale: cute.Tensor) -> pipeline.PipelineState:
+                 row_scale: cute.Tensor, n_lo=0) -> pipeline.PipelineState:
         if const_expr(not self.overlap):
             # K5's loop with the token around each batch of GEMMs: sync before the first QK,
             # then (inside K5's kv_iteration) arrive after QK j, sync before PV j; arrive after the last.
             self.warp_scheduler.sync()
             kv_consume = k5.K5FMHA.mainloop(self, m_block, mask_lens, n_tiles, n_unmasked, kv_consume, pipelines,
-                                            mmas, softmax, row_scale)
+                                            mmas, softmax, row_scale, n_lo)
             self.warp_scheduler.arrive()
         else:
             # Prologue: QK and softmax of the first (masked) tile; its PV runs in the first step.
             self.first_qk_softmax(n_tiles - 1, m_block, mask_lens, kv_consume, pipelines, mmas, softmax, row_scale)
-            n_masked = cutlass.max(n_tiles - 1 - n_unmasked, 0)
+            n_masked = cutlass.max(n_tiles - 1 - cutlass.max(n_unmasked, n_lo), 0)
             for i in cutlass.range(n_masked, unroll=1):
                 kv_consume = self.overlapped_step(n_tiles - 2 - i, m_block, mask_lens, kv_consume, pipelines, mmas,
                                                   softmax, row_scale, masked=True)
-            for i in cutlass.range(n_tiles - 1 - n_masked, unroll=1):
+            for i in cutlass.range(n_tiles - 1 - n_lo - n_masked, unroll=1):
                 kv_consume = self.overlapped_step(n_tiles - 2 - n_masked - i, m_block, mask_lens, kv_consume, pipelines,
                                                   mmas, softmax, row_scale, masked=False)
             kv_consume = self.last_pv(kv_consume, pipelines, mmas, softmax, row_scale)
@@ -138,24 +138,24 @@ class K6FMHA(k5.K5FMHA):
 
     @cute.jit
     def load_kv_tiles(self, n_tiles: Int32, kv_produce: pipeline.PipelineState, kv_loads: tuple,
-                      q_load: tuple) -> pipeline.PipelineState:
+                      q_load: tuple, n_lo=0) -> pipeline.PipelineState:
         """With the overlap, step j needs K of tile j+1 before V of tile j: load in that order
         (K_first, Q, K_next, V_first, K_next2, V_next, ..., V_last)."""
         if const_expr(not self.overlap):
-            kv_produce = k5.K5FMHA.load_kv_tiles(self, n_tiles, kv_produce, kv_loads, q_load)
+            kv_produce = k5.K5FMHA.load_kv_tiles(self, n_tiles, kv_produce, kv_loads, q_load, n_lo)
         else:
             pipeline_k, tma_atom_K, tKgK, tKsK, pipeline_v, tma_atom_V, tVgV, tVsV = kv_loads
             tma_pipeline.load_stage(pipeline_k, kv_produce, tma_atom_K, tKgK[None, n_tiles - 1],
                                     tKsK[None, kv_produce.index])
             tma_pipeline.load_stage(*q_load)
-            for i in cutlass.range(n_tiles - 1, unroll=1):
+            for i in cutlass.range(n_tiles - 1 - n_lo, unroll=1):
                 kv_prev = kv_produce.clone()
                 kv_produce.advance()
                 tma_pipeline.load_stage(pipeline_k, kv_produce, tma_atom_K, tKgK[None, n_tiles - 2 - i],
                                         tKsK[None, kv_produce.index])
                 tma_pipeline.load_stage(pipeline_v, kv_prev, tma_atom_V, tVgV[None, n_tiles - 1 - i],
                                         tVsV[None, kv_prev.index])
-            tma_pipeline.load_stage(pipeline_v, kv_produce, tma_atom_V, tVgV[None, 0], tVsV[None, kv_produce.index])
+            tma_pipeline.load_stage(pipeline_v, kv_produce, tma_atom_V, tVgV[None, n_lo], tVsV[None, kv_produce.index])
             kv_produce.advance()
         return kv_produce
 
@@ -261,7 +261,8 @@ class K6FMHA(k5.K5FMHA):
 def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_wg=None, tile_n=None, kv_stages=None,
                    q_stages=None, scheduler=None, tma_store=None, pingpong=None, overlap=None,
                    section_bytes=None, emulated_exp2=None, skip_unit_rescale=None,
-                   rescale_o_before_gemm=None, pin_pv_wait=None, o_store_per_wg=None) -> CompiledAttention:
+                   rescale_o_before_gemm=None, pin_pv_wait=None, o_store_per_wg=None, split_tail=None,
+                   ctas=None) -> CompiledAttention:
     CAPS.check(p)
     if overlap is None:
         short = NO_OVERLAP_UP_TO_SEQLEN.get((p.head_dim, p.causal), 0)
@@ -283,6 +284,6 @@ def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_wg=None, tile_n=No
                                     pingpong=pingpong, overlap=overlap, section_bytes=section_bytes,
                                     emulated_exp2=emulated_exp2, skip_unit_rescale=skip_unit_rescale,
                                     rescale_o_before_gemm=rescale_o_before_gemm, pin_pv_wait=pin_pv_wait,
-                                    o_store_per_wg=o_store_per_wg))
+                                    o_store_per_wg=o_store_per_wg, split_tail=split_tail, ctas=ctas))
     cfg["o_store_per_wg"] = bool(cfg["o_store_per_wg"] and cfg["tma_store"])  # only a TMA store has one
     return k5.build("k6", K6FMHA, p, cfg, keep_ptx)

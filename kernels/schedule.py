@@ -84,8 +84,9 @@ class TileCounters:
     one. Allocated on first use: make one eager call before capturing a CUDA graph.
     """
 
-    def __init__(self):
+    def __init__(self, size: int = 2):
         self._pairs = {}
+        self.size = size  # more than the pair with a split tail: its merge counters and partials
 
     def get(self, device):
         import torch
@@ -93,5 +94,74 @@ class TileCounters:
         key = (device, torch.cuda.current_stream(device).cuda_stream)
         pair = self._pairs.get(key)
         if pair is None:
-            pair = self._pairs[key] = torch.zeros(2, dtype=torch.int32, device=device)
+            pair = self._pairs[key] = torch.zeros(self.size, dtype=torch.int32, device=device)
         return pair
+
+
+# --------------------------------------------------------------------------------------
+# Split tail (non-causal, static persistent): the last partial wave shared out by KV steps
+# --------------------------------------------------------------------------------------
+# ``num_tiles`` equal tiles on ``grid`` CTAs take ceil(num_tiles / grid) tile times, and when the
+# last wave is partial the rest of the SMs idle through it: 2048 tiles on 132 SMs (d=128, 8k)
+# are 15.5 waves run as 16, 3% of the kernel. With ``split_tail`` every CTA walks the whole waves
+# round-robin, then the tiles left over (fewer than ``grid``) are cut along their KV tiles into
+# one contiguous run of KV steps per CTA, ``steps // grid`` or one more (stream-K). A run
+# crosses at most one tile boundary, so a CTA gets at most two pieces; each piece ends with a
+# partial O and LSE, and the last warp to finish its rows of a tile merges them (by LSE weights,
+# as split-KV decode does).
+
+def tail_runs(num_tiles: int, grid: int, n_kv: int) -> list:
+    """Per CTA, its pieces of the tail: [(tail tile r, KV lo, KV hi)], at most two. The twin of
+    ``tail_plan`` / ``tail_piece`` for tests."""
+    waves = num_tiles // grid
+    steps = (num_tiles - waves * grid) * n_kv
+    runs = []
+    for c in range(grid):
+        s0, s1 = c * steps // grid, (c + 1) * steps // grid
+        pieces = []
+        s = s0
+        while s < s1:
+            r = s // n_kv
+            hi = min(n_kv, s1 - r * n_kv)
+            pieces.append((r, s - r * n_kv, hi))
+            s = r * n_kv + hi
+        runs.append(pieces)
+    return runs
+
+
+@cute.jit
+def tail_plan(num_tiles: Int32, grid: Int32, bx: Int32, n_kv: Int32):
+    """(whole waves, KV steps of the tail, this CTA's run [s0, s1), its number of work units)."""
+    waves = num_tiles // grid
+    steps = (num_tiles - waves * grid) * n_kv
+    s0 = bx * steps // grid
+    s1 = (bx + 1) * steps // grid
+    pieces = Int32(0)
+    if s1 > s0:
+        pieces = Int32(1) if (s1 - 1) // n_kv == s0 // n_kv else Int32(2)
+    return waves, steps, s0, s1, waves + pieces
+
+
+@cute.jit
+def tail_piece(u: Int32, waves: Int32, s0: Int32, s1: Int32, n_kv: Int32):
+    """Work unit ``u`` (>= waves) of this CTA: (tail tile r, KV lo, KV hi)."""
+    s = s0 if u == waves else (s0 // n_kv + 1) * n_kv
+    r = s // n_kv
+    return r, s - r * n_kv, cutlass.min(n_kv, s1 - r * n_kv)
+
+
+@cute.jit
+def tail_owner(s: Int32, steps: Int32, grid: Int32) -> Int32:
+    """The CTA whose run holds KV step ``s`` of the tail (runs start at c * steps // grid)."""
+    return ((s + 1) * grid - 1) // steps
+
+
+@cute.jit
+def work_unit(u: Int32, bx: Int32, grid: Int32, waves: Int32, s0: Int32, s1: Int32, n_kv: Int32):
+    """Unit ``u`` of CTA ``bx`` with a split tail: (tile index, KV lo, KV hi). Whole tiles first
+    (round-robin), then the CTA's pieces of the tail."""
+    tile_idx, lo, hi = bx + u * grid, Int32(0), n_kv
+    if u >= waves:
+        r, lo, hi = tail_piece(u, waves, s0, s1, n_kv)
+        tile_idx = waves * grid + r
+    return tile_idx, lo, hi

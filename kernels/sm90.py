@@ -390,15 +390,22 @@ def store_o_and_lse(acc_O: cute.Tensor, softmax: OnlineSoftmax, tiled_mma_pv: cu
     Each row segment of the C fragment is (2 adjacent columns) x (pairs 8 apart): 4-byte stores.
     Lane 0 of each quad owns column 0 and writes that row's LSE.
     """
-    d = cute.size(mO, mode=[3])
     lse, rO = finalize_o(acc_O, softmax, dtype)
+    store_rows(rO, lse, tiled_mma_pv, tidx, mO, mLSE, m_block, head, batch, tile_m)
+
+
+@cute.jit
+def store_rows(rO: cute.Tensor, lse: cute.Tensor, tiled_mma_pv: cute.TiledMma, tidx: Int32, mO: cute.Tensor,
+               mLSE: cute.Tensor, m_block: Int32, head: Int32, batch: Int32, tile_m: cutlass.Constexpr):
+    """This thread's rows of O (already narrowed) and their LSE, rows past the sequence skipped."""
+    d = cute.size(mO, mode=[3])
     thr_mma_pv = tiled_mma_pv.get_slice(tidx)
     gO = cute.local_tile(mO[batch, head, None, None], (tile_m, d), (m_block, 0))
     tOgO_mn = acc_mn_view(thr_mma_pv.partition_C(gO))
     tOcO_mn = acc_mn_view(thr_mma_pv.partition_C(cute.make_identity_tensor((tile_m, d))))
     rO_mn = acc_mn_view(rO)
     rows_left = mO.shape[2] - m_block * tile_m
-    for r in cutlass.range_constexpr(softmax.num_rows):
+    for r in cutlass.range_constexpr(cute.size(lse)):
         row = tOcO_mn[r, 0][0]
         if row < rows_left:
             cute.autovec_copy(rO_mn[r, None], tOgO_mn[r, None])

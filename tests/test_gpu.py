@@ -120,3 +120,34 @@ def test_k6_knobs_left_off_still_match_sdpa(cfg, d, seqlen, causal):
     ref, ref_lse = reference(q, k, v, p.causal, p.scale)
     verdict = compare(out, ref, lse, ref_lse, p.dtype, sdpa(q, k, v, p.causal, p.scale)).verdict
     assert not verdict, verdict
+
+
+@pytest.mark.parametrize("d,seqlen,dtype,overlap", [(128, 4097, "bfloat16", True), (128, 1000, "float16", False),
+                                                    (64, 1000, "bfloat16", False), (256, 4097, "bfloat16", True),
+                                                    (128, 17, "bfloat16", True), (128, 1, "bfloat16", False)])
+@pytest.mark.parametrize("ctas", [5, 7])
+def test_k6_split_tail_matches_sdpa_and_leaves_counters_at_zero(d, seqlen, dtype, overlap, ctas):
+    # A few CTAs on a small problem: whole waves, then the leftover tiles cut into runs of KV
+    # tiles, their partial O merged by the last warp (schedule.tail_runs). Three launches on one
+    # counter buffer: the merging warps must leave every counter at 0 for the next.
+    from harness.inputs import poisoned_outputs, random_inputs
+    from harness.reference import sdpa
+    from kernels import schedule
+
+    p = Problem(2, 3, seqlen, d, dtype=dtype)
+    entry = get_kernel("k6")
+    compiled = entry.compile(p, split_tail=True, ctas=ctas, overlap=overlap)
+    tile_m, tile_n = 64 * compiled.info["num_wg"], compiled.info["tile_n"]
+    num_tiles = 6 * -(-seqlen // tile_m)
+    runs = schedule.tail_runs(num_tiles, min(num_tiles, ctas), -(-seqlen // tile_n))
+    for _ in range(3):
+        q, k, v = random_inputs(p)
+        out, lse = poisoned_outputs(p)
+        entry.run(compiled, q, k, v, out, lse)
+        ref, ref_lse = reference(q, k, v, p.causal, p.scale)
+        verdict = compare(out, ref, lse, ref_lse, p.dtype, sdpa(q, k, v, p.causal, p.scale)).verdict
+        assert not verdict, verdict
+    counters = compiled.buffers["counters"].get(q.device)
+    assert int(counters[:compiled.buffers["tail_counters"]].abs().sum()) == 0
+    if num_tiles > ctas and seqlen > tile_n:
+        assert any(len(r) == 2 or (r and r[0][1:] != (0, -(-seqlen // tile_n))) for r in runs)  # pieces exist
