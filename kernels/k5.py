@@ -675,7 +675,7 @@ def build(name: str, kernel_cls, p: Problem, cfg: dict, keep_ptx: bool, fake_arg
             *head, stream = fake_attention_args(dt, p.head_dim, separate_kv=True)
         else:
             *head, stream = fake_args(dt, p.head_dim)
-        return kernel, (*head, make_fake_tensor(Int32, (2,), stride=(1,)), stream)
+        return kernel, (*head, make_fake_tensor(Int32, (kernel.tail_buffer_ints(),), stride=(1,)), stream)
 
     fn = jit_compile(key, args, keep_ptx)
     info = dict(cfg, smem_bytes=kernel.smem_bytes(), **({"ctas": sm_count} if sm_count != num_sms() else {}))
