@@ -241,3 +241,31 @@ def test_long_causal_sequences_take_l2_sized_sections():
     assert entry.compile(Problem(1, 1, 4096, 128, causal=True), section_bytes=1 << 20).info["section_bytes"] == 1 << 20
     # Chunked prefill: the key length decides.
     assert entry.compile(Problem(1, 1, 1024, 128, causal=True, seqlen_k=8192)).info["section_bytes"] == schedule.L2_BYTES
+
+
+@pytest.mark.parametrize("num_tiles,grid,n_kv", [(2048, 132, 57), (4096, 132, 114), (12, 5, 3), (7, 5, 1),
+                                                 (13, 5, 40), (6, 5, 2), (132, 132, 9)])
+def test_split_tail_runs_cover_every_kv_tile_of_the_tail_once(num_tiles, grid, n_kv):
+    from kernels.schedule import tail_runs
+
+    runs = tail_runs(num_tiles, grid, n_kv)
+    tail = num_tiles - num_tiles // grid * grid
+    steps = tail * n_kv
+    covered = [(r, k) for pieces in runs for r, lo, hi in pieces for k in range(lo, hi)]
+    assert sorted(covered) == [(r, k) for r in range(tail) for k in range(n_kv)]
+    for c, pieces in enumerate(runs):
+        assert len(pieces) <= 2 and sum(hi - lo for _, lo, hi in pieces) in (steps // grid, steps // grid + 1)
+        for r, lo, hi in pieces:  # tail_owner finds the CTA of a piece's first step (the merge's loop)
+            assert ((r * n_kv + lo + 1) * grid - 1) // steps == c
+
+
+def test_split_tail_is_a_static_non_causal_knob_with_atomics_and_no_spills():
+    with pytest.raises(UnsupportedProblem, match="split_tail"):
+        _compile("k6", 128, causal=True, split_tail=True)
+    with pytest.raises(UnsupportedProblem, match="split_tail"):
+        _compile("k6", 128, causal=False, split_tail=True, scheduler="single")
+    for d in (64, 128, 256):
+        ptx = _compile("k6", d, causal=False, split_tail=True).ptx
+        assert re.search(r"\batom\.[\w.]*add", ptx) and "fence.acq_rel.gpu" in ptx  # the merge's count
+        assert all(spill == 0 for *_, spill in ptxas_report(ptx))
+    assert not re.search(r"\batom\.", _compile("k6", 128, causal=False).ptx)  # off by default
