@@ -143,6 +143,14 @@ case "$part" in
     timeout 300 $py scripts/tune.py --kernels k6 --headdim 128 --causal 0 --seqlen 8192 16384 --rounds 3 \
       --configs '[{}, {"tile_n":128,"kv_stages":3,"q_stages":1}, {"tile_n":128,"kv_stages":3,"q_stages":1,"tma_store":false}, {"tile_n":112,"kv_stages":3,"q_stages":1}]' \
       --out "$dir/ws-tune-$gpu-d128n-stages3-r3.json" || rc=1
+    # The split tail (docs/k6.md "A split tail"): correctness on forced small grids, then timed.
+    timeout 300 $py -m pytest -m gpu -q tests/test_gpu.py -k split_tail || rc=1
+    timeout 230 $py scripts/tune.py --kernels k6 --headdim 128 --causal 0 --seqlen 4096 8192 16384 --rounds 3 \
+      --configs '[{}, {"split_tail": true}]' --out "$dir/ws-tune-$gpu-splittail-d128-r3.json" || rc=1
+    timeout 150 $py scripts/tune.py --kernels k6 --headdim 64 256 --causal 0 --seqlen 8192 --rounds 3 \
+      --configs '[{}, {"split_tail": true}]' --out "$dir/ws-tune-$gpu-splittail-d64d256-r3.json" || rc=1
+    timeout 150 $py scripts/tune.py --kernels k6 --headdim 128 --causal 0 --seqlen 8192 --nheads 33 --rounds 3 \
+      --configs '[{}, {"split_tail": true}]' --out "$dir/ws-tune-$gpu-splittail-notail-r3.json" || rc=1
     timeout 200 $py ref_check.py k6 --quick --all-head-dims --out "$dir/refcheck-k6-quick-$gpu.json" || rc=1
     for args in "--causal 0" "--causal 1" "--headdim 256 --causal 0" "--headdim 64 --causal 0" "--headdim 64 --causal 1 --seqlen 200"; do
       timeout 120 compute-sanitizer --tool racecheck --kernel-name kns=FMHA $py scripts/sanitize_case.py k6 $args \
