@@ -421,9 +421,7 @@ class K5FMHA:
         tile_m, tile_n, d = self.tile_m, self.tile_n, self.head_dim
         seqlen = mO.shape[2]
         num_rows = cute.size(sm90.acc_mn_view(acc_O), mode=[0])
-        per_tensor_scales = mDescale is not None and not self.block_scales
-        if const_expr(per_tensor_scales):  # K7: the scores are of q8 . k8, their descales join the scale
-            scale_log2 = scale_log2 * mDescale[0] * mDescale[1]
+        per_tensor_scales = mDescale is not None and not self.block_scales  # K7 (scale_log2 has q's and k's)
         m_block, head, batch = schedule.tile_coords(tile_idx, *decode, self.causal)
         seqlen_k, _ = kv_shape
         n_tiles = kv_tile_count(m_block, seqlen, tile_m, tile_n, self.causal, seqlen_k)
