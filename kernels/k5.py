@@ -369,7 +369,6 @@ class K5FMHA:
     def consume(self, mO: cute.Tensor, mLSE: cute.Tensor, mDescale, kv_shape: tuple, sQ: cute.Tensor, sK: cute.Tensor,
                 sVt: cute.Tensor, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, scale_log2: Float32,
                 pipelines: tuple, tile_slots: tuple, o_store: tuple):
-        pipeline_q, pipeline_k, pipeline_v = pipelines
         tile_m, tile_n, d = self.tile_m, self.tile_n, self.head_dim
         tidx = cute.arch.thread_idx()[0] - 128 * (PRODUCER_WARPS // 4)  # thread index among the consumers
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
@@ -384,9 +383,7 @@ class K5FMHA:
         tOrP = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((tile_m, tile_n)))
         acc_O = cute.make_rmem_tensor(tiled_mma_pv.partition_shape_C((tile_m, d)), Float32)
         tScS = thr_mma_qk.partition_C(cute.make_identity_tensor((tile_m, tile_n)))
-        num_rows = cute.size(sm90.acc_mn_view(acc_O), mode=[0])
-        per_tensor_scales = mDescale is not None and not self.block_scales
-        if const_expr(per_tensor_scales):  # K7: the scores are of q8 . k8, their descales join the scale
+        if const_expr(mDescale is not None and not self.block_scales):  # K7: the scores are of q8 . k8, their descales join the scale
             scale_log2 = scale_log2 * mDescale[0] * mDescale[1]
 
         q_consume = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
@@ -417,8 +414,8 @@ class K5FMHA:
         (mO, mLSE, mDescale, kv_shape, sQ, pipelines, o_store, decode, tidx, wg_idx, scale_log2, mmas_all,
          tile_slots) = ctx
         tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O, tScS = mmas_all
-        pipeline_q, pipeline_k, pipeline_v = pipelines
-        tile_m, tile_n, d = self.tile_m, self.tile_n, self.head_dim
+        pipeline_q = pipelines[0]
+        tile_m, tile_n = self.tile_m, self.tile_n
         seqlen = mO.shape[2]
         num_rows = cute.size(sm90.acc_mn_view(acc_O), mode=[0])
         per_tensor_scales = mDescale is not None and not self.block_scales  # K7 (scale_log2 has q's and k's)
@@ -558,8 +555,7 @@ class K5FMHA:
         merging warp's fence after it acquires the others'. It resets the counter for the next
         launch."""
         r, run, steps, grid, n_kv = piece
-        lse = cute.make_rmem_tensor(softmax.num_rows, Float32)
-        softmax.finalize(acc_O, lse)
+        lse, _ = sm90.finalize_o(acc_O, softmax, Float32)  # fp32: O normalized in place
         frag = cute.size(acc_O)
         stride = frag + 4
         consumers = 128 * self.num_wg
@@ -660,7 +656,8 @@ def build(name: str, kernel_cls, p: Problem, cfg: dict, keep_ptx: bool, fake_arg
     dt = cute_dtype(p.out_dtype)  # the inputs' dtype but for K7/K8, whose kernel class fixes e4m3 inputs
     # ctas: fewer persistent CTAs than SMs (tests: a split tail on a small problem)
     cfg = dict(cfg)
-    sm_count = cfg.pop("ctas", None) or num_sms()
+    ctas = cfg.pop("ctas", None)
+    sm_count = ctas or num_sms()
     kernel = kernel_cls(p.head_dim, dt, p.causal, sm_count=sm_count, **cfg)
     if kernel.smem_bytes() > SMEM_CAPACITY:
         raise UnsupportedProblem(
@@ -676,7 +673,7 @@ def build(name: str, kernel_cls, p: Problem, cfg: dict, keep_ptx: bool, fake_arg
         return kernel, (*head, make_fake_tensor(Int32, (kernel.tail_buffer_ints(),), stride=(1,)), stream)
 
     fn = jit_compile(key, args, keep_ptx)
-    info = dict(cfg, smem_bytes=kernel.smem_bytes(), **({"ctas": sm_count} if sm_count != num_sms() else {}))
+    info = dict(cfg, smem_bytes=kernel.smem_bytes(), **({"ctas": ctas} if ctas else {}))
     compiled = fused_attention(name, p, fn, keep_ptx, info)
     counters = schedule.TileCounters(kernel.tail_buffer_ints())
     compiled.buffers["counters"] = counters  # tests read them back (a split tail's end at tail_counters())

@@ -106,20 +106,23 @@ def test_cuda_graph_capture_and_replay_match_sdpa(name):
 def test_k6_knobs_left_off_still_match_sdpa(cfg, d, seqlen, causal):
     # K6's measured-and-left knobs (docs/k6.md) must stay correct: emulated_exp2=8 sends every
     # score of an unmasked tile through the cubic.
-    from harness.inputs import poisoned_outputs, random_inputs
-    from harness.reference import sdpa
-
     if "pin_pv_wait" in cfg and d == 64:
         pytest.skip("d=64 runs without the overlap, whose PV wait pin_pv_wait pins (refused there)")
     p = Problem(2, 3, seqlen, d, causal=causal)
-    entry = get_kernel("k6")
-    compiled = entry.compile(p, **cfg)
+    verdict = _run_against_sdpa("k6", get_kernel("k6").compile(p, **cfg), p)
+    assert not verdict, verdict
+
+
+def _run_against_sdpa(name, compiled, p):
+    """One launch of ``compiled`` on fresh inputs and poisoned outputs; the verdict against SDPA."""
+    from harness.inputs import poisoned_outputs, random_inputs
+    from harness.reference import sdpa
+
     q, k, v = random_inputs(p)
     out, lse = poisoned_outputs(p)
-    entry.run(compiled, q, k, v, out, lse)
+    get_kernel(name).run(compiled, q, k, v, out, lse)
     ref, ref_lse = reference(q, k, v, p.causal, p.scale)
-    verdict = compare(out, ref, lse, ref_lse, p.dtype, sdpa(q, k, v, p.causal, p.scale)).verdict
-    assert not verdict, verdict
+    return compare(out, ref, lse, ref_lse, p.dtype, sdpa(q, k, v, p.causal, p.scale)).verdict
 
 
 @pytest.mark.parametrize("d,seqlen,dtype,overlap", [(128, 4097, "bfloat16", True), (128, 1000, "float16", False),
@@ -130,24 +133,17 @@ def test_k6_split_tail_matches_sdpa_and_leaves_counters_at_zero(d, seqlen, dtype
     # A few CTAs on a small problem: whole waves, then the leftover tiles cut into runs of KV
     # tiles, their partial O merged by the last warp (schedule.tail_runs). Three launches on one
     # counter buffer: the merging warps must leave every counter at 0 for the next.
-    from harness.inputs import poisoned_outputs, random_inputs
-    from harness.reference import sdpa
     from kernels import schedule
 
     p = Problem(2, 3, seqlen, d, dtype=dtype)
-    entry = get_kernel("k6")
-    compiled = entry.compile(p, split_tail=True, ctas=ctas, overlap=overlap)
+    compiled = get_kernel("k6").compile(p, split_tail=True, ctas=ctas, overlap=overlap)
     tile_m, tile_n = 64 * compiled.info["num_wg"], compiled.info["tile_n"]
     num_tiles = 6 * -(-seqlen // tile_m)
     runs = schedule.tail_runs(num_tiles, min(num_tiles, ctas), -(-seqlen // tile_n))
     for _ in range(3):
-        q, k, v = random_inputs(p)
-        out, lse = poisoned_outputs(p)
-        entry.run(compiled, q, k, v, out, lse)
-        ref, ref_lse = reference(q, k, v, p.causal, p.scale)
-        verdict = compare(out, ref, lse, ref_lse, p.dtype, sdpa(q, k, v, p.causal, p.scale)).verdict
+        verdict = _run_against_sdpa("k6", compiled, p)
         assert not verdict, verdict
-    counters = compiled.buffers["counters"].get(q.device)
+    (counters,) = compiled.buffers["counters"]._pairs.values()  # the one buffer the launches used
     assert int(counters[:compiled.buffers["tail_counters"]].abs().sum()) == 0
     if num_tiles > ctas and seqlen > tile_n:
         assert any(len(r) == 2 or (r and r[0][1:] != (0, -(-seqlen // tile_n))) for r in runs)  # pieces exist
