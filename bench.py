@@ -125,9 +125,10 @@ def compile_only(names, problems, out) -> int:
     return 0 if compiled_any else 1
 
 
-def time_one(name, problem, q, k, v, **run_kw):
+def time_one(name, problem, q, k, v, state=None, **run_kw):
     """(ms, status, launch) for kernel ``name``: compile outside timing, then time launches only;
-    ``launch`` times again in later rounds. ``run_kw``: FP8's ``descale``."""
+    ``launch`` times again in later rounds. ``state``: a dict for the GPU's clock and power over the
+    timing. ``run_kw``: FP8's ``descale``."""
     import torch
 
     from harness.api import compiled_for
@@ -144,7 +145,7 @@ def time_one(name, problem, q, k, v, **run_kw):
     def launch():
         entry.run(compiled, q, k, v, out, lse, problem.scale, **run_kw)
 
-    ms = benchmark(launch)
+    ms = benchmark(launch, state=state)
     # The outputs started as NaN: a launch that silently did nothing must not be reported as fast.
     if not (torch.isfinite(out).all() and torch.isfinite(lse).all()):
         return None, "failed: the timed launches left outputs unwritten or non-finite", None
@@ -171,8 +172,10 @@ def kernel_row(name, problem, check: bool, sweep: bool, q, k, v, **run_kw) -> di
               f"{'PASS' if res.ok else 'FAIL: ' + res.reason}")
         if not res.ok:
             raise SystemExit(f"correctness check failed for {name}; not timing it")
-    ms, status, launch = time_one(name, problem, q, k, v, **run_kw)
-    return dict(ms=ms, tflops=tflops(problem.flops, ms) if ms else None, status=status, launch=launch)
+    state = {}
+    ms, status, launch = time_one(name, problem, q, k, v, state=state, **run_kw)
+    return dict(ms=ms, tflops=tflops(problem.flops, ms) if ms else None, status=status, launch=launch,
+                states=[state])
 
 
 def run_problem(names, problem, check: bool, peers: bool, sweep: bool, emit, rounds: int = 1) -> None:
@@ -184,7 +187,7 @@ def run_problem(names, problem, check: bool, peers: bool, sweep: bool, emit, rou
     """
     from harness.inputs import random_inputs
     from harness.peers import peer_callables
-    from harness.timing import benchmark, more_rounds, tflops
+    from harness.timing import benchmark, gpu_fields, more_rounds, tflops
 
     base = dict(batch=problem.batch, nheads=problem.nheads, seqlen=problem.seqlen, head_dim=problem.head_dim,
                 causal=int(problem.causal), dtype=problem.dtype)
@@ -207,12 +210,14 @@ def run_problem(names, problem, check: bool, peers: bool, sweep: bool, emit, rou
     rows, launches = [], {}  # the first round's rows, in order; name -> launch for later rounds
     for name, fn in candidates.items():
         if callable(fn):
-            rows.append(dict(base, kernel=name, ms=benchmark(fn), status="ok"))
+            state = {}
+            rows.append(dict(base, kernel=name, ms=benchmark(fn, state=state), status="ok", states=[state]))
             launches[name] = fn
         else:
             rows.append(dict(base, kernel=name, ms=None, tflops=None, status=fn))
         if rounds == 1:
             rows[-1]["tflops"] = tflops(problem.flops, rows[-1]["ms"]) if rows[-1]["ms"] else None
+            rows[-1].update(gpu_fields(rows[-1].pop("states", [])))
             emit(rows[-1])
     peer_tflops = lambda: {r["kernel"]: tflops(problem.flops, r["ms"]) for r in rows if r["kernel"] in candidates
                            and r["ms"]}  # noqa: E731
@@ -235,6 +240,7 @@ def run_problem(names, problem, check: bool, peers: bool, sweep: bool, emit, rou
         if rounds == 1:
             if best and row["tflops"]:
                 row.update(best_peer=best[0], vs_best_peer=row["tflops"] / best[1])
+            row.update(gpu_fields(row.pop("states", [])))
             emit(row)
         rows.append(row)
     if rounds == 1:
@@ -242,12 +248,15 @@ def run_problem(names, problem, check: bool, peers: bool, sweep: bool, emit, rou
     import statistics
 
     timed = [r for r in rows if r["kernel"] in launches]
-    for r, ms_rounds in zip(timed, more_rounds([launches[r["kernel"]] for r in timed], [r["ms"] for r in timed],
-                                               rounds)):
+    states = [r.get("states", []) for r in timed]
+    for r, ms_rounds, st in zip(timed, more_rounds([launches[r["kernel"]] for r in timed], [r["ms"] for r in timed],
+                                                   rounds, states), states):
         r.update(ms=statistics.median(ms_rounds), ms_rounds=ms_rounds)
         r["tflops"] = tflops(problem.flops, r["ms"])
+        r.update(gpu_fields(st))
     best = best_peer(peer_tflops(), best_of)
     for r in rows:
+        r.pop("states", None)
         if r["kernel"] not in candidates and best and r.get("tflops"):
             r.update(best_peer=best[0], vs_best_peer=r["tflops"] / best[1])
         emit(r)
@@ -258,7 +267,8 @@ def print_row(r) -> None:
         print(f"{r['kernel']:<11}{r['status']}")
     else:
         vs = f"{r['vs_best_peer']:>11.3f}x ({r['best_peer']})" if r.get("vs_best_peer") else ""
-        print(f"{r['kernel']:<11}{r['ms']:>10.3f}{r['tflops']:>10.1f}{vs}", flush=True)
+        clock = f"  [{r['sm_clock_mhz']:.0f} MHz, {r['power_w']:.0f} W]" if r.get("sm_clock_mhz") else ""
+        print(f"{r['kernel']:<11}{r['ms']:>10.3f}{r['tflops']:>10.1f}{vs}{clock}", flush=True)
 
 
 DECODE_ONLY = ("q_len", "num_splits", "grid_only", "splits_curve")

@@ -5,16 +5,22 @@ from __future__ import annotations
 import statistics
 
 
-def benchmark(fn, warmup_ms: float = 100.0, rep_ms: float = 300.0, min_reps: int = 5, max_reps: int = 3000) -> float:
+def benchmark(fn, warmup_ms: float = 100.0, rep_ms: float = 300.0, min_reps: int = 5, max_reps: int = 3000,
+              state: dict | None = None) -> float:
     """Median milliseconds per call of ``fn`` (which only enqueues GPU work).
 
     The first call is made outside any timing (it may JIT-compile or build handles); a rough
     estimate then sizes the warm-up and the number of timed repetitions, each timed by its
     own pair of CUDA events. The repetitions span about ``rep_ms`` whatever the call's length:
     a cap of 200 left a 0.1 ms kernel 20 ms of timing, and two timings of one kernel in one run
-    then differed by up to 9% on an H100 (docs/k6.md).
+    then differed by up to 9% on an H100 (docs/k6.md). ``state``, a dict, receives the GPU's SM
+    clock, power and temperature over the timed launches (``harness.gpu_state``) where NVML answers.
     """
+    import time
+
     import torch
+
+    from harness.gpu_state import sampler
 
     fn()
     torch.cuda.synchronize()
@@ -29,24 +35,46 @@ def benchmark(fn, warmup_ms: float = 100.0, rep_ms: float = 300.0, min_reps: int
         fn()
     n = max(min_reps, min(max_reps, int(rep_ms / est)))
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+    gpu = sampler() if state is not None else None
+    t0 = time.monotonic()  # the warm-up's tail may still run: the same kernel
     for s, e in events:
         s.record()
         fn()
         e.record()
     torch.cuda.synchronize()
+    if gpu:
+        state.update(gpu.window(t0, time.monotonic()) or {})
     return statistics.median(s.elapsed_time(e) for s, e in events)
 
 
-def more_rounds(launches: list, first_ms: list, rounds: int) -> list:
+def more_rounds(launches: list, first_ms: list, rounds: int, states: list | None = None) -> list:
     """Each launch timed ``rounds`` times in all: ``first_ms`` is round 1, rounds 2.. run here with
     the order reversed every other round, so that none is always timed first or last while the
-    GPU's clocks drift. Returns every launch's times, round 1 first."""
+    GPU's clocks drift. Returns every launch's times, round 1 first. ``states``: one list per
+    launch (round 1's state already in it) that each round's GPU state is appended to."""
     times = [[ms] for ms in first_ms]
     order = list(range(len(launches)))
     for i in range(1, rounds):
         for j in (reversed(order) if i % 2 else order):
-            times[j].append(benchmark(launches[j]))
+            state = {}
+            times[j].append(benchmark(launches[j], state=state if states is not None else None))
+            if states is not None:
+                states[j].append(state)
     return times
+
+
+def gpu_fields(states: list) -> dict:
+    """A row's GPU-state fields from its timings' states (one per round): the median SM clock and
+    power over the rounds, the hottest temperature, every clock-lowering reason, and the clock of
+    each round beside ``ms_rounds``. Empty where NVML gave nothing."""
+    states = [s for s in states if s]
+    if not states:
+        return {}
+    return dict(sm_clock_mhz=statistics.median(s["sm_clock_mhz"] for s in states),
+                power_w=round(statistics.median(s["power_w"] for s in states), 1),
+                temp_c=max(s["temp_c"] for s in states),
+                clock_limited_by=sorted({r for s in states for r in s["clock_limited_by"]}),
+                sm_clock_rounds=[s["sm_clock_mhz"] for s in states])
 
 
 def tflops(flops: float, ms: float) -> float:

@@ -27,7 +27,7 @@ from harness.config import default_batch_heads  # noqa: E402
 from harness.inputs import poisoned_outputs, random_inputs  # noqa: E402
 from harness.peers import BEST_OF, peer_callables  # noqa: E402
 from harness.reference import reference, sdpa  # noqa: E402
-from harness.timing import benchmark, more_rounds, tflops  # noqa: E402
+from harness.timing import benchmark, gpu_fields, more_rounds, tflops  # noqa: E402
 from kernels import get_kernel  # noqa: E402
 from kernels.contract import Problem, UnsupportedProblem  # noqa: E402
 
@@ -43,8 +43,10 @@ def time_config(name, cfg, p, q, k, v, ref, ref_lse, peer) -> dict:
     if verdict:
         return dict(ms=None, tflops=None, status=f"check failed: {verdict}")
     launch = lambda: entry.run(compiled, q, k, v, out, lse)  # noqa: E731
-    ms = benchmark(launch)
-    return dict(ms=ms, tflops=tflops(p.flops, ms), status="ok", config_used=compiled.info, launch=launch)
+    state = {}
+    ms = benchmark(launch, state=state)
+    return dict(ms=ms, tflops=tflops(p.flops, ms), status="ok", config_used=compiled.info, launch=launch,
+                states=[state])
 
 
 def retime(rows: list, rounds: int, flops: float) -> None:
@@ -56,12 +58,14 @@ def retime(rows: list, rounds: int, flops: float) -> None:
 
     timed = [r for r in rows if r.get("launch")]
     if rounds > 1:
-        all_ms = more_rounds([r["launch"] for r in timed], [r["ms"] for r in timed], rounds)
+        all_ms = more_rounds([r["launch"] for r in timed], [r["ms"] for r in timed], rounds,
+                             [r["states"] for r in timed])
         for r, ms_rounds in zip(timed, all_ms):
             r.update(ms_rounds=ms_rounds, ms=statistics.median(ms_rounds))
             r["tflops"] = tflops(flops, r["ms"])
     for r in rows:
         r.pop("launch", None)
+        r.update(gpu_fields(r.pop("states", [])))
 
 
 def main(argv=None) -> int:
@@ -104,9 +108,10 @@ def main(argv=None) -> int:
                 peers = peer_callables(q, k, v, p.causal, p.scale) if args.kv_group == 1 else {}
                 for name, fn in peers.items():
                     if name in BEST_OF and callable(fn):
-                        ms = benchmark(fn)
+                        state = {}
+                        ms = benchmark(fn, state=state)
                         here.append(dict(base, kernel=name, config=None, ms=ms, tflops=tflops(p.flops, ms),
-                                         status="ok", launch=fn))
+                                         status="ok", launch=fn, states=[state]))
                 retime(here, args.rounds, p.flops)
                 best = max((r["tflops"] for r in here if r["kernel"] in BEST_OF), default=None)
                 for r in here:
@@ -123,7 +128,8 @@ def main(argv=None) -> int:
         label = r["kernel"] + (" " + json.dumps(r["config"]) if r["config"] else "")
         t = f"{r['tflops']:.1f}" + (f" ({r['vs_best_peer']:.2f}x)" if r["vs_best_peer"] else "") \
             if r["tflops"] else r["status"][:60]
-        print(f"  d={r['head_dim']:<4}c={r['causal']} N={r['seqlen']:<6}{label:<50}{t}")
+        clock = f"  {r['sm_clock_mhz']:.0f} MHz {r['power_w']:.0f} W" if r.get("sm_clock_mhz") else ""
+        print(f"  d={r['head_dim']:<4}c={r['causal']} N={r['seqlen']:<6}{label:<50}{t}{clock}")
     return 0
 
 

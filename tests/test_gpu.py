@@ -147,3 +147,16 @@ def test_k6_split_tail_matches_sdpa_and_leaves_counters_at_zero(d, seqlen, dtype
     assert int(counters[:compiled.buffers["tail_counters"]].abs().sum()) == 0
     if num_tiles > ctas and seqlen > tile_n:
         assert any(len(r) == 2 or (r and r[0][1:] != (0, -(-seqlen // tile_n))) for r in runs)  # pieces exist
+
+
+def test_timing_records_the_gpu_state():
+    from harness.timing import benchmark
+
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    state = {}
+    ms = benchmark(lambda: a @ a, state=state, rep_ms=200)
+    assert ms > 0
+    assert state["samples"] >= 3, state  # a 200 ms window at 20 ms a sample
+    assert 200 <= state["sm_clock_mhz"] <= 3000 and 10 <= state["power_w"] <= 2000 and 0 < state["temp_c"] < 120
+    assert set(state["clock_limited_by"]) <= {"power_cap", "hw_slowdown", "sw_thermal", "hw_thermal",
+                                              "hw_power_brake"}

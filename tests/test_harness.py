@@ -235,3 +235,31 @@ def test_sass_loops_counts_the_exponentials_before_the_pv_wait():
     assert sass_loops.exps_before_pv_wait(body) == 2
     assert sass_loops.exps_before_pv_wait(body[1:]) is None
     assert sass_loops.exps_before_pv_wait([b for b in body if "DEPBAR" not in b]) is None
+
+
+def test_gpu_state_summary_and_reasons():
+    from harness.gpu_state import reasons, summarize
+    from harness.timing import gpu_fields
+
+    assert reasons(0x4 | 0x20) == ["power_cap", "sw_thermal"] and reasons(0x1) == []  # 0x1: idle, not a limit
+    s = summarize([(1500, 690.5, 60, 0x4), (1400, 699.1, 62, 0x0), (1980, 120.0, 40, 0x0)])
+    assert s == dict(sm_clock_mhz=1500, power_w=690.5, temp_c=62, clock_limited_by=["power_cap"], samples=3)
+    assert summarize([]) is None
+    # a row over rounds: median clock, hottest round, every reason; rounds NVML missed are left out
+    row = gpu_fields([{}, s, dict(s, sm_clock_mhz=1300, temp_c=65, clock_limited_by=["hw_thermal"])])
+    assert row["sm_clock_mhz"] == 1400 and row["temp_c"] == 65 and row["sm_clock_rounds"] == [1500, 1300]
+    assert row["clock_limited_by"] == ["hw_thermal", "power_cap"]
+    assert gpu_fields([{}, {}]) == {}
+
+
+def test_gpu_state_window_keeps_the_samples_inside_the_timing():
+    import threading
+
+    from harness.gpu_state import Sampler
+
+    sampler = object.__new__(Sampler)  # no NVML here: the window logic alone
+    sampler.lock = threading.Lock()
+    sampler.samples = [(t, 1000 + t, 100.0, 40 + t, 0x4 if t == 2 else 0) for t in range(6)]
+    assert sampler.window(1.5, 3.5) == dict(sm_clock_mhz=1002.5, power_w=100.0, temp_c=43,
+                                            clock_limited_by=["power_cap"], samples=2)
+    assert sampler.window(7, 8) is None
