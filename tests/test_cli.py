@@ -135,8 +135,11 @@ def test_rounds_alternate_the_order_and_report_medians(monkeypatch):
     values = {"sdpa-cudnn": [1.0, 3.0, 2.0], "fa4": [2.0, 2.0, 9.0], "k6": [4.0, 1.0, 1.5]}
     calls = []
 
-    def fake_benchmark(fn):
+    def fake_benchmark(fn, state=None):
         calls.append(fn.name)
+        if state is not None:  # the GPU state of this timing: its clock tells which call it was
+            state.update(sm_clock_mhz=1000 + len(calls), power_w=700.0, temp_c=50 + len(calls),
+                         clock_limited_by=["power_cap"], samples=5)
         return values[fn.name][sum(c == fn.name for c in calls) - 1]
 
     def named(name):
@@ -148,8 +151,12 @@ def test_rounds_alternate_the_order_and_report_medians(monkeypatch):
     monkeypatch.setattr(harness.inputs, "random_inputs", lambda p: (None, None, None))
     monkeypatch.setattr(harness.peers, "peer_callables",
                         lambda *a: {"sdpa-cudnn": named("sdpa-cudnn"), "sdpa-flash": "unavailable", "fa4": named("fa4")})
-    monkeypatch.setattr(bench, "kernel_row", lambda name, p, *a, **kw: dict(
-        ms=fake_benchmark(named(name)), tflops=None, status="ok", launch=named(name)))
+    def fake_row(name, p, *a, **kw):
+        state = {}
+        return dict(ms=fake_benchmark(named(name), state), tflops=None, status="ok", launch=named(name),
+                    states=[state])
+
+    monkeypatch.setattr(bench, "kernel_row", fake_row)
     rows = []
     p = Problem(batch=1, nheads=1, seqlen=1024, head_dim=128)
     bench.run_problem(["k6"], p, False, True, True, rows.append, rounds=3)
@@ -158,6 +165,10 @@ def test_rounds_alternate_the_order_and_report_medians(monkeypatch):
     assert by_name["sdpa-cudnn"]["ms"] == 2.0 and by_name["fa4"]["ms"] == 2.0 and by_name["k6"]["ms"] == 1.5
     assert by_name["k6"]["ms_rounds"] == [4.0, 1.0, 1.5] and by_name["sdpa-flash"]["status"] == "unavailable"
     assert by_name["k6"]["vs_best_peer"] == pytest.approx(2.0 / 1.5)
+    # each round's GPU state stays with its row: k6 was the 3rd, 4th and 9th timing
+    assert by_name["k6"]["sm_clock_rounds"] == [1003, 1004, 1009] and by_name["k6"]["sm_clock_mhz"] == 1004
+    assert by_name["k6"]["temp_c"] == 59 and by_name["fa4"]["sm_clock_rounds"] == [1002, 1005, 1008]
+    assert all("states" not in r for r in rows)
     assert bench.main(["k6", "--rounds", "0"]) == 2
 
 
