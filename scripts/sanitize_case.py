@@ -11,6 +11,7 @@ run, and more than one tile per CTA when the kernel is persistent (batch*heads >
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -29,10 +30,13 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-heads", type=int, default=140, help="(batch, head) pairs: > #SMs")
     ap.add_argument("--seqlen-k", type=int, help="keys, when not --seqlen (decode: a few queries, many keys)")
     ap.add_argument("--nheads-kv", type=int, help="K/V heads, when fewer than the query heads (GQA)")
+    ap.add_argument("--config", type=json.loads, default=None,
+                    help='compile options, e.g. \'{"split_tail": true}\' (K6\'s stream-K tail)')
     args = ap.parse_args(argv)
     res = check_kernel(args.kernel, Problem(1, args.batch_heads, args.seqlen, args.headdim, causal=bool(args.causal),
-                                            seqlen_k=args.seqlen_k, nheads_kv=args.nheads_kv))
-    print(f"{args.kernel} d={args.headdim} causal={args.causal} N={args.seqlen}: "
+                                            seqlen_k=args.seqlen_k, nheads_kv=args.nheads_kv), config=args.config)
+    print(f"{args.kernel} d={args.headdim} causal={args.causal} N={args.seqlen}"
+          f"{' ' + json.dumps(args.config) if args.config else ''}: "
           f"{'ok' if res.ok else 'FAIL ' + res.reason} (max_abs {res.max_abs:.2e})")
     return 0 if res.ok else 1
 
