@@ -306,7 +306,7 @@ class K5FMHA:
         loads = (seqlen, mQ_tma, mK_tma, mV_tma, kv_shape, tma_atom_Q, tma_atom_K, tma_atom_V, sQ, sK, sVt, pipelines, decode)
         if const_expr(self.split_tail):
             n_kv = kv_tile_count(0, seqlen, tile_m, tile_n, False, kv_shape[0])
-            waves, _, s0, s1, n_units = schedule.tail_plan(num_tiles, step, tile_idx, n_kv)
+            waves, _, _, s0, s1, n_units = schedule.tail_plan(num_tiles, step, tile_idx, n_kv)
             for u in cutlass.range(n_units, unroll=1):
                 unit_tile, lo, hi = schedule.work_unit(u, tile_idx, step, waves, s0, s1, n_kv)
                 q_produce, kv_produce = self.load_tile(unit_tile, (lo, hi), q_produce, kv_produce, loads)
@@ -394,12 +394,12 @@ class K5FMHA:
                (tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O, tScS), tile_slots)
         if const_expr(self.split_tail):
             n_kv = kv_tile_count(0, seqlen, tile_m, tile_n, False, kv_shape[0])
-            waves, steps, s0, s1, n_units = schedule.tail_plan(num_tiles, step, tile_idx, n_kv)
+            waves, steps, parts, s0, s1, n_units = schedule.tail_plan(num_tiles, step, tile_idx, n_kv)
             for u in cutlass.range(n_units, unroll=1):
                 unit_tile, lo, hi = schedule.work_unit(u, tile_idx, step, waves, s0, s1, n_kv)
-                # A piece of the tail: (tail tile, which of this CTA's runs, steps, grid); whole
-                # tiles (and a tail tile one run covers) end as usual.
-                piece = (unit_tile - waves * step, Int32(0) if u == waves else Int32(1), steps, step, n_kv)
+                # A piece of the tail: (tail tile, which of this CTA's runs, steps, CTAs sharing
+                # them); whole tiles (and a tail tile one run covers) end as usual.
+                piece = (unit_tile - waves * step, Int32(0) if u == waves else Int32(1), steps, parts, n_kv)
                 q_consume, kv_consume = self.consume_tile(unit_tile, (lo, hi, piece), q_consume, kv_consume, ctx)
         else:
             while tile_idx < num_tiles:
@@ -554,7 +554,7 @@ class K5FMHA:
         same thread of another CTA wrote. The fence before the count releases the stores; the
         merging warp's fence after it acquires the others'. It resets the counter for the next
         launch."""
-        r, run, steps, grid, n_kv = piece
+        r, run, steps, parts, n_kv = piece
         lse, _ = sm90.finalize_o(acc_O, softmax, Float32)  # fp32: O normalized in place
         frag = cute.size(acc_O)
         stride = frag + 4
@@ -573,8 +573,8 @@ class K5FMHA:
         if lane == 0:
             done = cute.arch.atomic_add(counter, Int32(1), sem="acq_rel", scope="gpu")
         done = cute.arch.shuffle_sync(done, 0)
-        first = schedule.tail_owner(r * n_kv, steps, grid)
-        last = schedule.tail_owner((r + 1) * n_kv - 1, steps, grid)
+        first = schedule.tail_owner(r * n_kv, steps, parts)
+        last = schedule.tail_owner((r + 1) * n_kv - 1, steps, parts)
         if done == last - first:
             cute.arch.fence_acq_rel_gpu()
             if lane == 0:
@@ -584,7 +584,7 @@ class K5FMHA:
             total.fill(1.0)
             for c in cutlass.range(first, last + 1, unroll=1):
                 if c != bx:
-                    run_c = Int32(0) if (c * steps // grid) // n_kv == r else Int32(1)
+                    run_c = Int32(0) if (c * steps // parts) // n_kv == r else Int32(1)
                     theirs = ws + ((c * 2 + run_c) * consumers + tidx) * stride
                     their_mn = sm90.acc_mn_view(cute.make_tensor(theirs, acc_O.layout))
                     for j in cutlass.range_constexpr(softmax.num_rows):

@@ -108,16 +108,19 @@ class TileCounters:
 # one contiguous run of KV steps per CTA, ``steps // grid`` or one more (stream-K). A run
 # crosses at most one tile boundary, so a CTA gets at most two pieces; each piece ends with a
 # partial O and LSE, and the last warp to finish its rows of a tile merges them (by LSE weights,
-# as split-KV decode does).
+# as split-KV decode does). With fewer steps than CTAs only the first ``steps`` CTAs take one
+# each ("parts"): the merge counts a tile's pieces as the CTAs from the owner of its first step to
+# the owner of its last, so no CTA in that range may be left without a piece.
 
 def tail_runs(num_tiles: int, grid: int, n_kv: int) -> list:
     """Per CTA, its pieces of the tail: [(tail tile r, KV lo, KV hi)], at most two. The twin of
     ``tail_plan`` / ``tail_piece`` for tests."""
     waves = num_tiles // grid
     steps = (num_tiles - waves * grid) * n_kv
+    parts = min(grid, steps)
     runs = []
     for c in range(grid):
-        s0, s1 = c * steps // grid, (c + 1) * steps // grid
+        s0, s1 = (c * steps // parts, (c + 1) * steps // parts) if c < parts else (steps, steps)
         pieces = []
         s = s0
         while s < s1:
@@ -131,15 +134,19 @@ def tail_runs(num_tiles: int, grid: int, n_kv: int) -> list:
 
 @cute.jit
 def tail_plan(num_tiles: Int32, grid: Int32, bx: Int32, n_kv: Int32):
-    """(whole waves, KV steps of the tail, this CTA's run [s0, s1), its number of work units)."""
+    """(whole waves, KV steps of the tail, CTAs that share them, this CTA's run [s0, s1), its
+    number of work units)."""
     waves = num_tiles // grid
     steps = (num_tiles - waves * grid) * n_kv
-    s0 = bx * steps // grid
-    s1 = (bx + 1) * steps // grid
+    parts = cutlass.min(grid, steps)
+    s0, s1 = steps, steps
+    if bx < parts:
+        s0 = bx * steps // parts
+        s1 = (bx + 1) * steps // parts
     pieces = Int32(0)
     if s1 > s0:
         pieces = Int32(1) if (s1 - 1) // n_kv == s0 // n_kv else Int32(2)
-    return waves, steps, s0, s1, waves + pieces
+    return waves, steps, parts, s0, s1, waves + pieces
 
 
 @cute.jit
@@ -151,9 +158,9 @@ def tail_piece(u: Int32, waves: Int32, s0: Int32, s1: Int32, n_kv: Int32):
 
 
 @cute.jit
-def tail_owner(s: Int32, steps: Int32, grid: Int32) -> Int32:
-    """The CTA whose run holds KV step ``s`` of the tail (runs start at c * steps // grid)."""
-    return ((s + 1) * grid - 1) // steps
+def tail_owner(s: Int32, steps: Int32, parts: Int32) -> Int32:
+    """The CTA whose run holds KV step ``s`` of the tail (runs start at c * steps // parts)."""
+    return ((s + 1) * parts - 1) // steps
 
 
 @cute.jit

@@ -244,19 +244,27 @@ def test_long_causal_sequences_take_l2_sized_sections():
 
 
 @pytest.mark.parametrize("num_tiles,grid,n_kv", [(2048, 132, 57), (4096, 132, 114), (12, 5, 3), (7, 5, 1),
-                                                 (13, 5, 40), (6, 5, 2), (132, 132, 9)])
+                                                 (13, 5, 40), (6, 5, 2), (132, 132, 9), (420, 132, 3), (11, 5, 3)])
 def test_split_tail_runs_cover_every_kv_tile_of_the_tail_once(num_tiles, grid, n_kv):
     from kernels.schedule import tail_runs
 
     runs = tail_runs(num_tiles, grid, n_kv)
     tail = num_tiles - num_tiles // grid * grid
     steps = tail * n_kv
+    parts = min(grid, steps)  # (420, 132, 3) and (11, 5, 3): fewer KV steps than CTAs
     covered = [(r, k) for pieces in runs for r, lo, hi in pieces for k in range(lo, hi)]
     assert sorted(covered) == [(r, k) for r in range(tail) for k in range(n_kv)]
     for c, pieces in enumerate(runs):
-        assert len(pieces) <= 2 and sum(hi - lo for _, lo, hi in pieces) in (steps // grid, steps // grid + 1)
+        assert len(pieces) <= 2
+        assert sum(hi - lo for _, lo, hi in pieces) in ((steps // parts, steps // parts + 1) if c < parts else (0,))
         for r, lo, hi in pieces:  # tail_owner finds the CTA of a piece's first step (the merge's loop)
-            assert ((r * n_kv + lo + 1) * grid - 1) // steps == c
+            assert ((r * n_kv + lo + 1) * parts - 1) // steps == c
+    # The merge counts a tile's pieces as the CTAs from its first step's owner to its last's: each
+    # of them must hold a piece of the tile (a CTA without one would leave the count short forever).
+    for r in range(tail):
+        first = ((r * n_kv + 1) * parts - 1) // steps
+        last = (((r + 1) * n_kv) * parts - 1) // steps
+        assert [c for c, pieces in enumerate(runs) if any(t == r for t, _, _ in pieces)] == list(range(first, last + 1))
 
 
 def test_split_tail_is_a_static_non_causal_knob_with_atomics_and_no_spills():
