@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import math
 import re
+import statistics
 import sys
 from pathlib import Path
 
@@ -255,21 +256,63 @@ SOFTMAX_KNOBS = ("emulated_exp2", "skip_unit_rescale", "rescale_o_before_gemm", 
 def ws_tune_table(tune):
     """docs/k6.md: configurations from scripts/tune.py, each with its ratio to the best peer."""
     gpu = gpu_short_name(tune["meta"].get("device", ""))
+    clocks = any(r.get("sm_clock_mhz") for r in tune["rows"])  # runs since the timing records the GPU state
     body = []
     for r in tune["rows"]:
-        if r["kernel"] in BEST_OF:
+        if r["kernel"] in BEST_OF and not clocks:
             continue
         label = f"`{r['kernel']}`" + (" " + ", ".join(f"{k}={v}" for k, v in r["config"].items()) if r["config"]
-                                      else " (default)")
+                                      else " (default)" if r["kernel"] not in BEST_OF else "")
         ratio = r.get("vs_best_peer")
-        body.append([r["head_dim"], r["causal"], r["seqlen"], label,
-                     fmt(r["tflops"]) if r.get("tflops") else r.get("status", "—")[:40],
-                     f"{ratio:.2f}×" if ratio else "—"])
+        row = [r["head_dim"], r["causal"], r["seqlen"], label,
+               fmt(r["tflops"]) if r.get("tflops") else r.get("status", "—")[:40], f"{ratio:.2f}×" if ratio else "—"]
+        if clocks:
+            row += ([f"{r['sm_clock_mhz']:.0f}", f"{r['power_w']:.0f}", fmt(per_ghz(r))] if r.get("sm_clock_mhz")
+                    else ["—"] * 3)
+        body.append(row)
     rounds = max((len(r.get("ms_rounds", ())) for r in tune["rows"]), default=0)
     timed = (f" and timed {rounds} times, the order reversed each round (the median)" if rounds > 1 else "")
+    head = ["d", "causal", "N", "configuration", "TFLOP/s", "× best peer"]
+    if clocks:
+        head += ["SM clock (MHz)", "power (W)", "TFLOP/s per GHz"]
     return (f"On an {gpu}: `{tune['meta'].get('command', '')}`, {tune['meta'].get('date', '')[:10]}. Each "
-            f"configuration was checked against SDPA on the same inputs before it was timed{timed}.\n\n"
-            + markdown_table(["d", "causal", "N", "configuration", "TFLOP/s", "× best peer"], body))
+            f"configuration was checked against SDPA on the same inputs before it was timed{timed}."
+            + (" SM clock and power: medians over each timing (NVML, `harness/gpu_state.py`); per GHz: each "
+               "round's TFLOP/s over its clock, the median." if clocks else "") + "\n\n" + markdown_table(head, body))
+
+
+def power_table(sweep) -> str:
+    """docs/k6.md: the long cells of a rounds sweep that recorded the GPU state, each candidate's
+    TFLOP/s, SM clock and work per cycle side by side."""
+    gpu = gpu_short_name(sweep["meta"].get("device", ""))
+    kernels = ["k6", "fa4", "sdpa-cudnn"]
+    cells = {}
+    for r in sweep["rows"]:
+        if r["seqlen"] >= 8192 and r["kernel"] in kernels and r.get("sm_clock_mhz"):
+            cells.setdefault((r["head_dim"], r["causal"], r["seqlen"]), {})[r["kernel"]] = r
+    body, reasons = [], set()
+    for (d, causal, n), rows in sorted(cells.items()):
+        line = [d, causal, n]
+        for k in kernels:
+            r = rows.get(k)
+            line.append(f"{fmt(r['tflops'])} @ {r['sm_clock_mhz']:.0f} ({fmt(per_ghz(r))})" if r else "—")
+            reasons |= set(r.get("clock_limited_by", ())) if r else set()
+        line.append(f"{max(r['power_w'] for r in rows.values()):.0f}")
+        body.append(line)
+    return (f"On an {gpu}: `{sweep['meta'].get('command', '')}`, {sweep['meta'].get('date', '')[:10]}, the cells "
+            f"with 8k and 16k keys. Each entry: TFLOP/s @ median SM clock in MHz (TFLOP/s per GHz, per round, "
+            f"the median). NVML's reasons for the lowered clock in these timings: "
+            f"{', '.join(sorted(reasons)) or 'none'}.\n\n"
+            + markdown_table(["d", "causal", "N"] + [f"`{k}`" for k in kernels] + ["max power (W)"], body))
+
+
+def per_ghz(r) -> float:
+    """TFLOP/s per GHz of SM clock: the work a kernel gets done per cycle, whatever clock the power
+    limit left it. Per round where every round has its clock, else from the medians."""
+    rounds, clocks = r.get("ms_rounds") or [], r.get("sm_clock_rounds") or []
+    if rounds and len(rounds) == len(clocks):
+        return statistics.median(r["tflops"] * r["ms"] / ms / (mhz / 1000) for ms, mhz in zip(rounds, clocks))
+    return r["tflops"] / (r["sm_clock_mhz"] / 1000)
 
 
 def sass_loops_table(files):
@@ -808,6 +851,9 @@ def main(argv=None):
             text = replace_block(text, "ws-rounds", ws_steps_table(ws_rounds))
         if rounds_runs and "<!-- table:ws-rounds-runs -->" in text:
             text = replace_block(text, "ws-rounds-runs", ws_rounds_runs_table(rounds_runs))
+        clocked = [f for f in rounds_runs if any(r.get("sm_clock_mhz") for r in f["rows"])]
+        if clocked and "<!-- table:power -->" in text:
+            text = replace_block(text, "power", power_table(max(clocked, key=lambda f: f["meta"].get("date", ""))))
         if compile_files and "<!-- table:ws-compile -->" in text:
             text = replace_block(text, "ws-compile", ws_compile_table(compile_files))
         if ncu_files and "<!-- table:ncu -->" in text:
