@@ -100,7 +100,8 @@ def num_sms() -> int:
 class K5FMHA:
     def __init__(self, head_dim: int, dtype, causal: bool, num_wg: int, tile_n: int, kv_stages: int,
                  q_stages: int, scheduler: str, tma_store: bool = False, sm_count: int = 132,
-                 section_bytes: int = schedule.SECTION_BYTES, o_store_per_wg: bool = False, split_tail: bool = False):
+                 section_bytes: int = schedule.SECTION_BYTES, o_store_per_wg: bool = False, split_tail: bool = False,
+                 pin_descriptors: bool = True):
         self.head_dim = head_dim
         self.dtype = dtype
         self.causal = causal
@@ -116,6 +117,7 @@ class K5FMHA:
         self.sm_count = sm_count
         self.section_bytes = section_bytes
         self.split_tail = split_tail  # schedule.tail_runs: the last partial wave cut along KV
+        self.pin_descriptors = pin_descriptors  # sm90.StagedOperand for K and V (False: as K4 indexes them)
         self.out_dtype = dtype  # K7: e4m3 inputs, 16-bit O
         self.p_offset = 0.0  # K7: P scaled into e4m3's range (sm90.OnlineSoftmax)
         self.block_scales = False  # K8: a descale per Q tile and per K / V tile (mDescale rows)
@@ -380,6 +382,8 @@ class K5FMHA:
         tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))
         tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK))
         tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(sVt))
+        if const_expr(self.pin_descriptors):  # K's and V's descriptors made once, not in every KV step
+            tSrK, tOrVt = sm90.StagedOperand(tSrK), sm90.StagedOperand(tOrVt)
         tOrP = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((tile_m, tile_n)))
         acc_O = cute.make_rmem_tensor(tiled_mma_pv.partition_shape_C((tile_m, d)), Float32)
         tScS = thr_mma_qk.partition_C(cute.make_identity_tensor((tile_m, tile_n)))

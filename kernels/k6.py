@@ -262,7 +262,7 @@ def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_wg=None, tile_n=No
                    q_stages=None, scheduler=None, tma_store=None, pingpong=None, overlap=None,
                    section_bytes=None, emulated_exp2=None, skip_unit_rescale=None,
                    rescale_o_before_gemm=None, pin_pv_wait=None, o_store_per_wg=None, split_tail=None,
-                   ctas=None) -> CompiledAttention:
+                   ctas=None, pin_descriptors=None) -> CompiledAttention:
     CAPS.check(p)
     if overlap is None:
         short = NO_OVERLAP_UP_TO_SEQLEN.get((p.head_dim, p.causal), 0)
@@ -284,6 +284,7 @@ def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_wg=None, tile_n=No
                                     pingpong=pingpong, overlap=overlap, section_bytes=section_bytes,
                                     emulated_exp2=emulated_exp2, skip_unit_rescale=skip_unit_rescale,
                                     rescale_o_before_gemm=rescale_o_before_gemm, pin_pv_wait=pin_pv_wait,
-                                    o_store_per_wg=o_store_per_wg, split_tail=split_tail, ctas=ctas))
+                                    o_store_per_wg=o_store_per_wg, split_tail=split_tail, ctas=ctas,
+                                    pin_descriptors=pin_descriptors))
     cfg["o_store_per_wg"] = bool(cfg["o_store_per_wg"] and cfg["tma_store"])  # only a TMA store has one
     return k5.build("k6", K6FMHA, p, cfg, keep_ptx)

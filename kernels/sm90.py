@@ -551,6 +551,39 @@ def gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cu
         warpgroup.wait_group(wg_wait)
 
 
+@dsl_user_op
+def pinned_u64(x: cutlass.Int64, *, loc=None, ip=None) -> cutlass.Int64:
+    """x through an opaque move: the compiler can neither recompute it at its uses nor move it."""
+    return cutlass.Int64(llvm.inline_asm(
+        T.i64(), [cutlass.Int64(x).ir_value(loc=loc, ip=ip)], "mov.b64 $0, $1;", "=l,l",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+class StagedOperand:
+    """A staged SMEM operand of WGMMA (K or V^T: ``frag[None, None, None, stage]``) whose 64-bit
+    descriptor is built once, here, and advanced per stage with one multiply-add.
+
+    Indexed with a runtime stage, the fragment itself rebuilds the descriptor from the SMEM
+    address inside every KV step (add, shift, mask, then the stage), and nothing hoists that out
+    of the warp-specialized kernels' loops: the descriptor is made here and pinned (an opaque
+    move), so the loop keeps it in a register. Same descriptors, same WGMMAs."""
+
+    def __init__(self, frag: cute.Tensor):
+        from cutlass.cute.nvgpu.tcgen05 import smem_descriptor_to_int
+
+        self.desc = pinned_u64(smem_descriptor_to_int(frag.iterator))
+        self.layout = frag[None, None, None, 0].layout
+        self.stage_stride = cute.crd2idx((0, 0, 0, 1), frag.layout)  # descriptor units (16 bytes)
+
+    def __getitem__(self, coord: tuple) -> cute.Tensor:
+        from cutlass.cute.nvgpu.tcgen05 import int_to_smem_descriptor
+
+        *rest, stage = coord
+        assert all(c is None for c in rest), "index the stage mode only"
+        return cute.make_tensor(int_to_smem_descriptor(self.desc + cutlass.Int64(stage) * self.stage_stride),
+                                self.layout)
+
+
 # --------------------------------------------------------------------------------------
 # Ping-pong between consumer warpgroups (K6): named barriers pass a token
 # --------------------------------------------------------------------------------------
