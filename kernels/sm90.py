@@ -553,7 +553,7 @@ def gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cu
 
 @dsl_user_op
 def pinned_u64(x: cutlass.Int64, *, loc=None, ip=None) -> cutlass.Int64:
-    """x through an opaque move: the compiler can neither recompute it at its uses nor move it."""
+    """x through a side-effecting ``mov``: LLVM may not recompute it at its uses or move it."""
     return cutlass.Int64(llvm.inline_asm(
         T.i64(), [cutlass.Int64(x).ir_value(loc=loc, ip=ip)], "mov.b64 $0, $1;", "=l,l",
         has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))

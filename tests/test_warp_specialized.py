@@ -277,3 +277,19 @@ def test_split_tail_is_a_static_non_causal_knob_with_atomics_and_no_spills():
         assert re.search(r"\batom\.[\w.]*add", ptx) and "fence.acq_rel.gpu" in ptx  # the merge's count
         assert all(spill == 0 for *_, spill in ptxas_report(ptx))
     assert not re.search(r"\batom\.", _compile("k6", 128, causal=False).ptx)  # off by default
+
+
+def test_k_and_v_descriptors_are_made_once_not_per_kv_step():
+    # sm90.StagedOperand: K's and V's WGMMA descriptors are built once per CTA, pinned by an
+    # inline mov, then advanced per stage. Indexed by the runtime stage instead, the fragments
+    # rebuild them from the SMEM address ((addr >> 4) & 0x3fc0, PTX and.b32 ..., 16320) in every
+    # copy of the KV step.
+    def extractions(ptx):
+        return len(re.findall(r"and\.b32\s+%r\d+, %r\d+, 16320;", ptx))
+
+    p = Problem(1, 1, 8192, 128)  # the long-sequence variant: overlap, 144-key tiles
+    pinned = get_kernel("k6").compile(p, keep_ptx=True).ptx
+    unpinned = get_kernel("k6").compile(p, keep_ptx=True, pin_descriptors=False).ptx
+    assert len(re.findall(r"^\s*mov\.b64 %rd\d+, %rd\d+;", pinned, re.M)) == 2  # K and V
+    assert not re.search(r"^\s*mov\.b64 %rd\d+, %rd\d+;", unpinned, re.M)
+    assert extractions(pinned) <= extractions(unpinned) // 3, (extractions(pinned), extractions(unpinned))
