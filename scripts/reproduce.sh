@@ -11,6 +11,7 @@
 # Each file records the command that wrote it; then, anywhere: python scripts/make_docs.py --plot
 # Without a GPU: the SASS census of the KV-tile loops (results/sass-loops*.json, docs/k6.md), e.g.
 #   python scripts/sass_loops.py --headdim 64 128 256 --causal 0 1 --fa4 --out results/sass-loops.json
+#   python scripts/sass_loops.py --headdim 64 128 256 --causal 0 1 --out results/sass-loops-bc1bd43.json  # at bc1bd43
 set -euo pipefail
 part=${1:?check or perf}
 dir=${2:-results}
@@ -162,6 +163,26 @@ case "$part" in
     done >> "$dir/sanitizer-k6-perwg-$gpu.txt"
     timeout 400 $py bench.py k6 --sweep --rounds 3 --out "$dir/ws-sweep-rounds6-$gpu.json" || rc=1
     timeout 400 $py bench.py k6 --sweep --rounds 3 --out "$dir/ws-sweep-rounds7-$gpu.json" || rc=1  # a second run
+    # The power limit (rows now carry each round's SM clock and power), wider key tiles, the
+    # split tail under the sanitizers, the full ws ref_check, then K/V descriptors made once
+    # (pin_descriptors) against the old indexing and the sweep of that code.
+    timeout 300 $py scripts/tune.py --kernels k6 --headdim 128 --causal 0 --seqlen 8192 16384 --rounds 3 \
+      --configs '[{}, {"tile_n": 176, "q_stages": 1}, {"tile_n": 128}, {"tile_n": 160, "q_stages": 1}]' \
+      --out "$dir/ws-tune-$gpu-d128n176-r3.json" || rc=1
+    timeout 240 $py scripts/tune.py --kernels k6 --headdim 128 --causal 0 --seqlen 8192 16384 --rounds 3 \
+      --configs '[{}, {"tile_n": 128}]' --out "$dir/ws-tune-$gpu-clock-d128-r3.json" || rc=1
+    timeout 480 $py bench.py k6 --sweep --rounds 3 --out "$dir/ws-sweep-rounds8-$gpu.json" || rc=1
+    timeout 420 $py ref_check.py k5 k6_pp k6 --all-head-dims --out "$dir/refcheck-ws-final-$gpu.json" || rc=1
+    for tool in racecheck synccheck; do
+      for d in 64 128 256; do  # 300 keys on 132 CTAs: fewer tail KV steps than CTAs
+        timeout 150 compute-sanitizer --tool $tool --kernel-name kns=FMHA $py scripts/sanitize_case.py k6 --headdim $d \
+          --causal 0 --config '{"split_tail": true}' 2>&1 | grep "SUMMARY\|: ok\|FAIL" || { echo "$tool split_tail d=$d: failed"; rc=1; }
+      done
+    done > "$dir/sanitizer-splittail-$gpu.txt"
+    timeout 400 $py ref_check.py k5 k6_pp k6 k7 k8 --quick --all-head-dims --out "$dir/refcheck-pinned-quick-$gpu.json" || rc=1
+    timeout 300 $py scripts/tune.py --kernels k6 --headdim 128 256 --causal 0 1 --seqlen 8192 16384 --rounds 3 \
+      --configs '[{}, {"pin_descriptors": false}]' --out "$dir/ws-tune-$gpu-pinned-r3.json" || rc=1
+    timeout 400 $py bench.py k6 --sweep --rounds 3 --out "$dir/ws-sweep-rounds9-$gpu.json" || rc=1
     exit $rc
     ;;
   decode)
