@@ -1,8 +1,8 @@
 """What the GPU ran at while a timing ran: SM clock, power, temperature, and why it was held back.
 
 An H100 running attention at full rate hits its 700 W power limit: the driver then lowers the SM
-clock (1.2-1.6 GHz instead of 1.98 measured in this project, docs/k6.md), and a warmer chip leaks
-more and gets less. Two timings of one kernel minutes apart can differ by several percent for that
+clock (1.3-1.8 GHz at the long cells of this project's sweeps, up to 1.965 at the short ones;
+docs/k6.md, "The power limit"), and a warmer chip leaks more and gets less. Two timings of one kernel minutes apart can differ by several percent for that
 reason alone, so each timing records the state it ran in. NVML is read through ctypes (no extra
 package); a background thread samples it every ``period_s`` and a timing asks for the samples
 inside its own window. Without NVML (a CPU machine, a driver without it) every answer is None.

@@ -296,7 +296,8 @@ def power_table(sweep) -> str:
         for k in kernels:
             r = rows.get(k)
             line.append(f"{fmt(r['tflops'])} @ {r['sm_clock_mhz']:.0f} ({fmt(per_ghz(r))})" if r else "—")
-            reasons |= set(r.get("clock_limited_by", ())) if r else set()
+            if r:
+                reasons.update(r.get("clock_limited_by", ()))
         line.append(f"{max(r['power_w'] for r in rows.values()):.0f}")
         body.append(line)
     return (f"On an {gpu}: `{sweep['meta'].get('command', '')}`, {sweep['meta'].get('date', '')[:10]}, the cells "
