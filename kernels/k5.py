@@ -21,12 +21,17 @@ What changes relative to K4 (same WGMMAs, same register softmax, same P handoff)
   (every tile costs the same when non-causal); "dynamic" (causal) has the producer claim the next
   tile from a global atomic counter and pass it to the consumers through SMEM, so an SM that drew
   light tiles takes more of them.
+* A 2-CTA cluster (``cluster=2``, static non-causal only; measured in docs/k6.md): the two CTAs
+  run neighbouring query tiles of one head in lockstep, so they read the same K/V tiles; each
+  loads half of every K/V tile and multicasts it to both. L2 serves each K/V byte once per pair.
 
 Nothing after the role split may ``sync_threads`` (the producer warps are elsewhere): the
 pipelines' mbarriers are the only synchronization between producer and consumers.
 """
 
 from __future__ import annotations
+
+import functools
 
 import cutlass
 import cutlass.cute as cute
@@ -97,11 +102,28 @@ def num_sms() -> int:
     return 132
 
 
+@functools.lru_cache(maxsize=None)
+def max_cluster_ctas(cluster: int) -> int:
+    """CTAs in the largest grid of ``cluster``-CTA clusters that runs in one wave at one CTA per SM:
+    a cluster's CTAs share a GPC, and a GPC with an odd number of free SMs leaves one idle (the
+    driver's occupancy query; without a GPU, the SMs rounded down to whole clusters)."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            from cutlass.utils import HardwareInfo
+
+            return cluster * HardwareInfo(torch.cuda.current_device()).get_max_active_clusters(cluster)
+    except ImportError:
+        pass
+    return num_sms() // cluster * cluster
+
+
 class K5FMHA:
     def __init__(self, head_dim: int, dtype, causal: bool, num_wg: int, tile_n: int, kv_stages: int,
                  q_stages: int, scheduler: str, tma_store: bool = False, sm_count: int = 132,
                  section_bytes: int = schedule.SECTION_BYTES, o_store_per_wg: bool = False, split_tail: bool = False,
-                 pin_descriptors: bool = True):
+                 pin_descriptors: bool = True, cluster: int = 1):
         self.head_dim = head_dim
         self.dtype = dtype
         self.causal = causal
@@ -118,6 +140,8 @@ class K5FMHA:
         self.section_bytes = section_bytes
         self.split_tail = split_tail  # schedule.tail_runs: the last partial wave cut along KV
         self.pin_descriptors = pin_descriptors  # sm90.StagedOperand for K and V (False: as K4 indexes them)
+        self.cluster = cluster  # CTAs sharing each K/V tile through multicast (1: none)
+        self.kv_mcast_mask = (1 << cluster) - 1 if cluster > 1 else None
         self.out_dtype = dtype  # K7: e4m3 inputs, 16-bit O
         self.p_offset = 0.0  # K7: P scaled into e4m3's range (sm90.OnlineSoftmax)
         self.block_scales = False  # K8: a descale per Q tile and per K / V tile (mDescale rows)
@@ -175,8 +199,8 @@ class K5FMHA:
         sVt_layout = sm90_utils.make_smem_layout_b(v_major, (self.tile_m, d, self.tile_n), dt, self.kv_stages)
 
         tma_atom_Q, mQ_tma = tma_pipeline.make_tma_load(mQt, sQ_layout, (self.tile_m, d))
-        tma_atom_K, mK_tma = tma_pipeline.make_tma_load(mKt, sK_layout, (self.tile_n, d))
-        tma_atom_V, mV_tma = tma_pipeline.make_tma_load(mVt, sVt_layout, (d, self.tile_n))
+        tma_atom_K, mK_tma = tma_pipeline.make_tma_load(mKt, sK_layout, (self.tile_n, d), self.cluster)
+        tma_atom_V, mV_tma = tma_pipeline.make_tma_load(mVt, sVt_layout, (d, self.tile_n), self.cluster)
         tma_atom_O, mO_tma = None, None
         if const_expr(self.tma_store):  # O in the swizzled layout of one Q stage (or its 64-row slices)
             tma_atom_O, mO_tma = cpasync.make_tiled_tma_atom(
@@ -190,13 +214,16 @@ class K5FMHA:
         # One linear index per (m_block, head, batch) tile; schedule.tile_coords decodes it.
         num_tiles = cute.ceil_div(mQ.shape[2], self.tile_m) * mQ.shape[1] * mQ.shape[0]
         grid_x = num_tiles if const_expr(self.scheduler == "single") else cutlass.min(num_tiles, self.sm_count)
+        if const_expr(self.cluster > 1):  # one cluster per pair of query tiles, at most sm_count CTAs
+            pairs = cute.ceil_div(mQ.shape[2], self.tile_m * self.cluster) * mQ.shape[1] * mQ.shape[0]
+            grid_x = cutlass.min(pairs, self.sm_count // self.cluster) * self.cluster
         # K/V may have fewer heads (GQA: query head h reads K/V head h // group) and more rows
         # than Q (chunked prefill): the kernel takes both from K's shape.
         kv_shape = (mK.shape[2], mQ.shape[1] // mK.shape[1])
         self.kernel(mQ_tma, mK_tma, mV_tma, mO, mLSE, mDescale, mTileCounter, kv_shape, tma_atom_Q, tma_atom_K, tma_atom_V,
                     (tma_atom_O, mO_tma), scale_log2, sQ_layout, sK_layout, sVt_layout, tiled_mma_qk, tiled_mma_pv, SharedStorage).launch(
             grid=(grid_x, 1, 1), block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(),
-            stream=stream, min_blocks_per_mp=1)
+            stream=stream, min_blocks_per_mp=1, **({"cluster": [self.cluster, 1, 1]} if self.cluster > 1 else {}))
 
     @cute.kernel
     def kernel(self, mQ_tma: cute.Tensor, mK_tma: cute.Tensor, mV_tma: cute.Tensor, mO: cute.Tensor,
@@ -213,7 +240,8 @@ class K5FMHA:
         pipelines = tma_pipeline.make_ws_pipelines(
             storage.mbar_q.data_ptr(), storage.mbar_k.data_ptr(), storage.mbar_v.data_ptr(),
             tma_pipeline.stage_bytes(self.dtype, sQ_layout), tma_pipeline.stage_bytes(self.dtype, sK_layout),
-            tma_pipeline.stage_bytes(self.dtype, sVt_layout), self.q_stages, self.kv_stages, 4 * self.num_wg)
+            tma_pipeline.stage_bytes(self.dtype, sVt_layout), self.q_stages, self.kv_stages, 4 * self.num_wg,
+            self.cluster)
         # Dynamic scheduling: the producer thread posts each claimed tile index in a slot; every
         # consumer thread reads it and releases the slot.
         pipeline_tile = pipeline.PipelineAsync.create(
@@ -222,10 +250,15 @@ class K5FMHA:
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128 * self.num_wg), defer_sync=True)
         tile_slots = (pipeline_tile, storage.tile_idx.get_tensor(cute.make_layout(TILE_STAGES)), mTileCounter)
         sQ, sK, sVt = tma_pipeline.smem_tensors(storage, sQ_layout, sK_layout, sVt_layout)
-        # The mbarrier inits must be visible to the TMA unit and to every thread: the last
-        # CTA-wide barrier of the kernel.
+        # The mbarrier inits must be visible to the TMA unit and to every thread (of the cluster:
+        # the other CTA multicasts into this one's stages and releases them): the last CTA-wide
+        # barrier of the kernel.
         cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
+        if const_expr(self.cluster > 1):
+            cute.arch.cluster_arrive_relaxed()
+            cute.arch.cluster_wait()
+        else:
+            cute.arch.sync_threads()
 
         if warp_idx < PRODUCER_WARPS:
             cute.arch.setmaxregister_decrease(self.producer_regs)
@@ -250,7 +283,22 @@ class K5FMHA:
                    if const_expr(self.causal) else Int32(1))
         bx, _, _ = cute.arch.block_idx()
         gdx, _, _ = cute.arch.grid_dim()
+        if const_expr(self.cluster > 1):  # a cluster walks pairs of query tiles (tile_at splits them)
+            num_m_blocks = cute.ceil_div(num_m_blocks, self.cluster)
+            bx, gdx = bx // self.cluster, gdx // self.cluster
         return bx, gdx, num_m_blocks * nheads * batch, (num_m_blocks, nheads, nheads * batch, section)
+
+    @cute.jit
+    def tile_at(self, tile_idx: Int32, decode: tuple):
+        """(m_block, head, batch) of a tile index from ``tiles``. In a cluster the index names a
+        group of ``cluster`` neighbouring query tiles, and the CTA's rank picks one. With an odd
+        m-block count the last group's second tile lies past the sequence: that CTA still loads
+        its half of every K/V tile for its partner, and computes on zero-filled Q rows that
+        nothing stores (the O store and the LSE stop at seqlen)."""
+        m_block, head, batch = schedule.tile_coords(tile_idx, *decode, self.causal)
+        if const_expr(self.cluster > 1):
+            m_block = m_block * self.cluster + cute.arch.block_idx_in_cluster()
+        return m_block, head, batch
 
     @cute.jit
     def claim_next_tile(self, tile_slots: tuple, tile_produce: pipeline.PipelineState, step: Int32,
@@ -321,7 +369,10 @@ class K5FMHA:
                 else:
                     tile_idx += step
         # Wait until the consumers have released every V stage: no mbarrier arrive may land
-        # after this CTA has exited (K's are released before V's).
+        # after this CTA has exited (K's are released before V's; in a cluster the arrives come
+        # from the other CTA too, so wait for K's as well).
+        if const_expr(self.cluster > 1):
+            pipeline_k.producer_tail(kv_produce.clone())
         pipeline_v.producer_tail(kv_produce)
 
     @cute.jit
@@ -331,13 +382,15 @@ class K5FMHA:
         seqlen, mQ_tma, mK_tma, mV_tma, kv_shape, tma_atom_Q, tma_atom_K, tma_atom_V, sQ, sK, sVt, pipelines, decode = loads
         pipeline_q, pipeline_k, pipeline_v = pipelines
         tile_m, tile_n, d = self.tile_m, self.tile_n, self.head_dim
-        m_block, head, batch = schedule.tile_coords(tile_idx, *decode, self.causal)
+        m_block, head, batch = self.tile_at(tile_idx, decode)
         tQsQ, tQgQ = tma_pipeline.partition_for_tma(tma_atom_Q, mQ_tma, sQ, (tile_m, d), head, batch,
                                                     coord=(m_block, 0))
         seqlen_k, group = kv_shape
-        tKsK, tKgK = tma_pipeline.partition_for_tma(tma_atom_K, mK_tma, sK, (tile_n, d), head // group, batch)
+        cta = (cute.arch.block_idx_in_cluster() if const_expr(self.cluster > 1) else 0, self.cluster)
+        tKsK, tKgK = tma_pipeline.partition_for_tma(tma_atom_K, mK_tma, sK, (tile_n, d), head // group, batch,
+                                                    cta=cta)
         tVsV, tVgV = tma_pipeline.partition_for_tma(tma_atom_V, mV_tma, sVt, (d, tile_n), head // group, batch,
-                                                    coord=(0, None))
+                                                    coord=(0, None), cta=cta)
         n_lo, n_tiles = (0, kv_tile_count(m_block, seqlen, tile_m, tile_n, self.causal, seqlen_k)
                          ) if const_expr(span is None) else span
         kv_loads = (pipeline_k, tma_atom_K, tKgK, tKsK, pipeline_v, tma_atom_V, tVgV, tVsV)
@@ -357,11 +410,11 @@ class K5FMHA:
         for i in cutlass.range(n_tiles - n_lo, unroll=1):
             n_block = n_tiles - 1 - i
             tma_pipeline.load_stage(pipeline_k, kv_produce, tma_atom_K, tKgK[None, n_block],
-                                    tKsK[None, kv_produce.index])
+                                    tKsK[None, kv_produce.index], self.kv_mcast_mask)
             if i == 0:
                 tma_pipeline.load_stage(*q_load)
             tma_pipeline.load_stage(pipeline_v, kv_produce, tma_atom_V, tVgV[None, n_block],
-                                    tVsV[None, kv_produce.index])
+                                    tVsV[None, kv_produce.index], self.kv_mcast_mask)
             kv_produce.advance()
         return kv_produce
 
@@ -423,7 +476,7 @@ class K5FMHA:
         seqlen = mO.shape[2]
         num_rows = cute.size(sm90.acc_mn_view(acc_O), mode=[0])
         per_tensor_scales = mDescale is not None and not self.block_scales  # K7 (scale_log2 has q's and k's)
-        m_block, head, batch = schedule.tile_coords(tile_idx, *decode, self.causal)
+        m_block, head, batch = self.tile_at(tile_idx, decode)
         seqlen_k, _ = kv_shape
         n_tiles = kv_tile_count(m_block, seqlen, tile_m, tile_n, self.causal, seqlen_k)
         n_unmasked = unmasked_kv_tile_count(m_block, seqlen, tile_m, tile_n, self.causal, seqlen_k)
@@ -646,6 +699,11 @@ def check_config(cfg: dict, name: str = "K5") -> None:
     if cfg.get("split_tail") and (cfg.get("causal") or cfg["scheduler"] != "static"):
         raise UnsupportedProblem(f"{name} config {cfg}: split_tail cuts the last wave of equal tiles, so it needs "
                                  "the static scheduler and a non-causal problem")
+    if cfg.get("cluster", 1) not in (1, 2):
+        raise UnsupportedProblem(f"{name} config {cfg}: cluster must be 1 or 2 CTAs")
+    if cfg.get("cluster", 1) > 1 and (cfg.get("causal") or cfg["scheduler"] != "static" or cfg.get("split_tail")):
+        raise UnsupportedProblem(f"{name} config {cfg}: cluster=2 pairs query tiles that read the same K/V tiles in "
+                                 "lockstep, so it needs the static scheduler, a non-causal problem and no split_tail")
 
 
 def build(name: str, kernel_cls, p: Problem, cfg: dict, keep_ptx: bool, fake_args=None) -> CompiledAttention:
@@ -661,7 +719,7 @@ def build(name: str, kernel_cls, p: Problem, cfg: dict, keep_ptx: bool, fake_arg
     # ctas: fewer persistent CTAs than SMs (tests: a split tail on a small problem)
     cfg = dict(cfg)
     ctas = cfg.pop("ctas", None)
-    sm_count = ctas or num_sms()
+    sm_count = ctas or (num_sms() if cfg.get("cluster", 1) == 1 else max_cluster_ctas(cfg["cluster"]))
     kernel = kernel_cls(p.head_dim, dt, p.causal, sm_count=sm_count, **cfg)
     if kernel.smem_bytes() > SMEM_CAPACITY:
         raise UnsupportedProblem(

@@ -145,17 +145,19 @@ class K6FMHA(k5.K5FMHA):
             kv_produce = k5.K5FMHA.load_kv_tiles(self, n_tiles, kv_produce, kv_loads, q_load, n_lo)
         else:
             pipeline_k, tma_atom_K, tKgK, tKsK, pipeline_v, tma_atom_V, tVgV, tVsV = kv_loads
+            mcast = self.kv_mcast_mask
             tma_pipeline.load_stage(pipeline_k, kv_produce, tma_atom_K, tKgK[None, n_tiles - 1],
-                                    tKsK[None, kv_produce.index])
+                                    tKsK[None, kv_produce.index], mcast)
             tma_pipeline.load_stage(*q_load)
             for i in cutlass.range(n_tiles - 1 - n_lo, unroll=1):
                 kv_prev = kv_produce.clone()
                 kv_produce.advance()
                 tma_pipeline.load_stage(pipeline_k, kv_produce, tma_atom_K, tKgK[None, n_tiles - 2 - i],
-                                        tKsK[None, kv_produce.index])
+                                        tKsK[None, kv_produce.index], mcast)
                 tma_pipeline.load_stage(pipeline_v, kv_prev, tma_atom_V, tVgV[None, n_tiles - 1 - i],
-                                        tVsV[None, kv_prev.index])
-            tma_pipeline.load_stage(pipeline_v, kv_produce, tma_atom_V, tVgV[None, n_lo], tVsV[None, kv_produce.index])
+                                        tVsV[None, kv_prev.index], mcast)
+            tma_pipeline.load_stage(pipeline_v, kv_produce, tma_atom_V, tVgV[None, n_lo], tVsV[None, kv_produce.index],
+                                    mcast)
             kv_produce.advance()
         return kv_produce
 
@@ -262,7 +264,7 @@ def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_wg=None, tile_n=No
                    q_stages=None, scheduler=None, tma_store=None, pingpong=None, overlap=None,
                    section_bytes=None, emulated_exp2=None, skip_unit_rescale=None,
                    rescale_o_before_gemm=None, pin_pv_wait=None, o_store_per_wg=None, split_tail=None,
-                   ctas=None, pin_descriptors=None) -> CompiledAttention:
+                   ctas=None, pin_descriptors=None, cluster=None) -> CompiledAttention:
     CAPS.check(p)
     if overlap is None:
         short = NO_OVERLAP_UP_TO_SEQLEN.get((p.head_dim, p.causal), 0)
@@ -285,6 +287,6 @@ def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_wg=None, tile_n=No
                                     emulated_exp2=emulated_exp2, skip_unit_rescale=skip_unit_rescale,
                                     rescale_o_before_gemm=rescale_o_before_gemm, pin_pv_wait=pin_pv_wait,
                                     o_store_per_wg=o_store_per_wg, split_tail=split_tail, ctas=ctas,
-                                    pin_descriptors=pin_descriptors))
+                                    pin_descriptors=pin_descriptors, cluster=cluster))
     cfg["o_store_per_wg"] = bool(cfg["o_store_per_wg"] and cfg["tma_store"])  # only a TMA store has one
     return k5.build("k6", K6FMHA, p, cfg, keep_ptx)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Int32
+from cutlass import Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
 
 from .contract import SMEM_CAPACITY, Capabilities
@@ -61,15 +61,18 @@ def row_major(rows: int, cols: int, stages=None) -> cute.Layout:
     return cute.make_layout((rows, cols, stages), stride=(cols, 1, rows * cols))
 
 
-def make_tma_load(mX_view: cute.Tensor, smem_layout, tile: tuple):
+def make_tma_load(mX_view: cute.Tensor, smem_layout, tile: tuple, multicast: int = 1):
     """Host-built descriptor that copies one ``tile`` box into one stage of ``smem_layout``.
 
     ``smem_layout`` may carry a trailing stage mode: a single TMA writes its first two modes.
     ``tile`` is the box in the view's mode order: (rows, d) for a seq-major view, (d, rows)
     for the head-dim-major one. Returns (atom, tma_tensor). Rows past seqlen are outside the
     descriptor's bounds, so the hardware zero-fills them: no predicate in the kernel.
+    ``multicast`` > 1 (a cluster of that many CTAs sharing the tile): each CTA's TMA writes its
+    1/multicast slice of the box into the same SMEM offset of every CTA of the cluster.
     """
-    return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mX_view, stage_layout(smem_layout), tile)
+    op = cpasync.CopyBulkTensorTileG2SOp() if multicast == 1 else cpasync.CopyBulkTensorTileG2SMulticastOp()
+    return cpasync.make_tiled_tma_atom(op, mX_view, stage_layout(smem_layout), tile, num_multicast=multicast)
 
 
 def stage_layout(smem_layout):
@@ -172,27 +175,30 @@ def smem_tensors(storage, *smem_layouts) -> tuple:
 
 @cute.jit
 def partition_for_tma(tma_atom: cute.CopyAtom, mX_tma: cute.Tensor, sX: cute.Tensor, tile: cutlass.Constexpr,
-                      head: Int32, batch: Int32, coord: tuple = (None, 0)):
+                      head: Int32, batch: Int32, coord: tuple = (None, 0), cta: tuple = (0, 1)):
     """Pair an SMEM buffer (tile[0], tile[1][, stages]) with the GMEM boxes of one (batch, head).
 
     ``coord`` picks the boxes as in ``cute.local_tile``: None on the sequence mode keeps all
     of them ((None, 0) for a seq-major view, (0, None) for the head-dim-major one), a tile
     index there keeps just that one. Returns (tXsX, tXgX): index tXsX[None, stage] (an
     unstaged sX has the box mode only) and tXgX[None, tile] (only the box with a fixed coord).
+    ``cta`` = (rank, CTAs) for a multicast atom: this CTA's slice of each box.
     """
     gX = cute.local_tile(mX_tma[None, None, head, batch], tile, coord)
-    return cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2),
+    return cpasync.tma_partition(tma_atom, cta[0], cute.make_layout(cta[1]), cute.group_modes(sX, 0, 2),
                                  cute.group_modes(gX, 0, 2))
 
 
-def _tma_pipeline(barriers, num_stages: int, consumer_warps: int, tx_bytes: int):
+def _tma_pipeline(barriers, num_stages: int, consumer_warps: int, tx_bytes: int, cluster: int = 1):
     """Full/empty mbarrier pairs per stage. One elected producer thread arms a stage with the
-    expected byte count; the TMA engine completes it; one lane per consumer warp releases it."""
+    expected byte count; the TMA engine completes it; one lane per consumer warp releases it.
+    Shared by a ``cluster`` of CTAs (multicast loads): lane r of each consumer warp releases the
+    stage in CTA r, so a stage is empty once every warp of every CTA is done with it."""
     return pipeline.PipelineTmaAsync.create(
         barrier_storage=barriers, num_stages=num_stages,
         producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_warps),
-        tx_count=tx_bytes, defer_sync=True)
+        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_warps * cluster),
+        tx_count=tx_bytes, cta_layout_vmnk=cute.make_layout((1, cluster, 1, 1)), defer_sync=True)
 
 
 def make_pipelines(storage, dtype, sQ_layout, sK_layout, sV_layout, kv_stages: int, num_threads: int):
@@ -311,23 +317,28 @@ def release_and_refill(pipeline_kv: pipeline.PipelineTmaAsync, kv_consume: pipel
 
 
 def make_ws_pipelines(mbar_q, mbar_k, mbar_v, q_bytes: int, k_bytes: int, v_bytes: int, q_stages: int,
-                      kv_stages: int, consumer_warps: int):
+                      kv_stages: int, consumer_warps: int, cluster: int = 1):
     """Q (``q_stages``: a persistent CTA's next Q loads while this one is read), K and V
-    (``kv_stages`` each, same stage index for the same KV tile).
+    (``kv_stages`` each, same stage index for the same KV tile; shared by the ``cluster``'s CTAs).
 
     K and V get barriers of their own so that a consumer can start QK as soon as K has landed
     (K6 issues the next QK before the current PV). Only the consumer warps release stages; the
     producer warp never consumes. Unlike ``make_pipelines`` this does not sync the CTA: the
     caller does it once, right before the role split (the last barrier all threads reach).
     """
-    return tuple(_tma_pipeline(mbar, stages, consumer_warps, nbytes)
-                 for mbar, stages, nbytes in ((mbar_q, q_stages, q_bytes), (mbar_k, kv_stages, k_bytes),
-                                              (mbar_v, kv_stages, v_bytes)))
+    return tuple(_tma_pipeline(mbar, stages, consumer_warps, nbytes, ctas)
+                 for mbar, stages, nbytes, ctas in ((mbar_q, q_stages, q_bytes, 1), (mbar_k, kv_stages, k_bytes, cluster),
+                                                    (mbar_v, kv_stages, v_bytes, cluster)))
 
 
 @cute.jit
 def load_stage(pipeline_x: pipeline.PipelineTmaAsync, state: pipeline.PipelineState, tma_atom: cute.CopyAtom,
-               tXgX_tile: cute.Tensor, tXsX_stage: cute.Tensor):
-    """Producer: wait until the stage is empty, arm its full barrier, issue one TMA into it."""
+               tXgX_tile: cute.Tensor, tXsX_stage: cute.Tensor, mcast_mask: cutlass.Constexpr = None):
+    """Producer: wait until the stage is empty, arm its full barrier, issue one TMA into it
+    (with ``mcast_mask``, this CTA's slice into every CTA of the mask)."""
     pipeline_x.producer_acquire(state)
-    cute.copy(tma_atom, tXgX_tile, tXsX_stage, tma_bar_ptr=pipeline_x.producer_get_barrier(state))
+    if const_expr(mcast_mask is None):
+        cute.copy(tma_atom, tXgX_tile, tXsX_stage, tma_bar_ptr=pipeline_x.producer_get_barrier(state))
+    else:
+        cute.copy(tma_atom, tXgX_tile, tXsX_stage, tma_bar_ptr=pipeline_x.producer_get_barrier(state),
+                  mcast_mask=cutlass.Int16(mcast_mask))

@@ -151,6 +151,27 @@ def test_k6_split_tail_matches_sdpa_and_leaves_counters_at_zero(d, seqlen, dtype
         assert any(len(r) == 2 or (r and r[0][1:] != (0, -(-seqlen // tile_n))) for r in runs)  # pieces exist
 
 
+@pytest.mark.parametrize("d,seqlen,seqlen_k,dtype,nheads_kv", [
+    (128, 4097, None, "bfloat16", None),  # 33 query tiles per head: the last pair's second lies past the sequence
+    (128, 1000, None, "float16", None),
+    (128, 17, None, "bfloat16", None),
+    (256, 4097, None, "bfloat16", None),
+    (256, 300, None, "float16", None),
+    (128, 300, 1000, "bfloat16", 1),  # GQA, more keys than queries
+])
+@pytest.mark.parametrize("ctas", [6, None])
+def test_k6_cluster_matches_sdpa(d, seqlen, seqlen_k, dtype, nheads_kv, ctas):
+    # Two CTAs per cluster share each K/V tile (multicast); 6 CTAs make each cluster walk several
+    # pairs of query tiles. Three launches: a stage released by the wrong count would hang or
+    # mix tiles by the second.
+    p = Problem(2, 3, seqlen, d, dtype=dtype, seqlen_k=seqlen_k, nheads_kv=nheads_kv)
+    compiled = get_kernel("k6").compile(p, cluster=2, ctas=ctas)
+    assert compiled.info["cluster"] == 2
+    for _ in range(3):
+        verdict = _run_against_sdpa("k6", compiled, p)
+        assert not verdict, verdict
+
+
 def test_timing_records_the_gpu_state():
     from harness.timing import benchmark
 

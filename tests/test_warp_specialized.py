@@ -293,3 +293,25 @@ def test_k_and_v_descriptors_are_made_once_not_per_kv_step():
     assert len(re.findall(r"^\s*mov\.b64 %rd\d+, %rd\d+;", pinned, re.M)) == 2  # K and V
     assert not re.search(r"^\s*mov\.b64 %rd\d+, %rd\d+;", unpinned, re.M)
     assert extractions(pinned) <= extractions(unpinned) // 3, (extractions(pinned), extractions(unpinned))
+
+
+def test_cluster_multicasts_k_and_v_in_static_non_causal_builds_only():
+    # cluster=2: each CTA loads half of every K/V tile and multicasts it to both CTAs of the pair
+    # (cp.async.bulk.tensor ... multicast::cluster), releases stages in both (mapa + a remote
+    # mbarrier.arrive), and the pair syncs once after the barrier inits (barrier.cluster). Q stays local.
+    for bad in (dict(causal=True), dict(causal=False, scheduler="single"), dict(causal=False, split_tail=True)):
+        causal = bad.pop("causal")
+        with pytest.raises(UnsupportedProblem, match="cluster"):
+            _compile("k6", 128, causal=causal, cluster=2, **bad)
+    with pytest.raises(UnsupportedProblem, match="cluster"):
+        _compile("k6", 128, causal=False, cluster=4)
+    for d in (128, 256):
+        ptx = _compile("k6", d, causal=False, cluster=2).ptx
+        loads = re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::\w+\.global[^;]*;", ptx)
+        mcast = [ld for ld in loads if "multicast::cluster" in ld]
+        assert mcast and len(loads) > len(mcast), loads  # Q's loads are not multicast
+        assert re.search(r"mbarrier\.arrive\.shared::cluster", ptx) and "mapa.shared::cluster" in ptx
+        assert "barrier.cluster.arrive" in ptx and "barrier.cluster.wait" in ptx
+        assert not re.search(r"\bbar\.sync\s+0;", ptx)  # the cluster barrier replaces the CTA's
+        assert all(spill == 0 for *_, spill in ptxas_report(ptx))
+    assert "multicast::cluster" not in _compile("k6", 128, causal=False).ptx  # off by default
