@@ -75,6 +75,12 @@ TMA_STORE_UP_TO_SEQLEN = {(256, False): 8192, (256, True): 8192, (64, False): 20
 # 2k keys, causal +0-2% at 4k-16k; but non-causal d=128 at 8k-16k -5%, which we have not explained
 # (it is the static persistent schedule; causal runs the dynamic one). So: causal, or up to 2k keys.
 O_STORE_PER_WG_NON_CAUSAL_UP_TO_SEQLEN = 2048
+# d=128/256 non-causal from 4k keys: two CTAs per cluster share each K/V tile (K5's cluster=2, as
+# FA3 does for these head dims). Measured on an H200, 3 rounds against cluster=1 in one run
+# (results/ws-tune-h200-cluster-r3.json): d=128 +0.2% at 4k, +3.0% at 8k, +1.3% at 16k; d=256
+# +1.7%, +2.0%, +2.7%. The chip runs at its power limit there, and L2 now serves each K/V byte
+# once per pair of SMs instead of once per SM.
+CLUSTER_FROM_SEQLEN = {128: 4096, 256: 4096}
 
 
 class K6FMHA(k5.K5FMHA):
@@ -281,6 +287,8 @@ def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_wg=None, tile_n=No
         tma_store = True
     if o_store_per_wg is None:
         o_store_per_wg = p.causal or p.kv_len <= O_STORE_PER_WG_NON_CAUSAL_UP_TO_SEQLEN
+    if cluster is None and not p.causal and scheduler in (None, "static") and not split_tail:
+        cluster = 2 if p.kv_len >= CLUSTER_FROM_SEQLEN.get(p.head_dim, float("inf")) else None
     cfg = k5.default_config(p, dict(num_wg=num_wg, tile_n=tile_n, kv_stages=kv_stages, q_stages=q_stages,
                                     scheduler=scheduler, tma_store=tma_store,
                                     pingpong=pingpong, overlap=overlap, section_bytes=section_bytes,
