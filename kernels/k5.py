@@ -106,7 +106,8 @@ def num_sms() -> int:
 def max_cluster_ctas(cluster: int) -> int:
     """CTAs in the largest grid of ``cluster``-CTA clusters that runs in one wave at one CTA per SM:
     a cluster's CTAs share a GPC, and a GPC with an odd number of free SMs leaves one idle (the
-    driver's occupancy query; without a GPU, the SMs rounded down to whole clusters)."""
+    driver's occupancy query; without a GPU, or where the query fails (under compute-sanitizer), the
+    SMs rounded down to whole clusters: still correct, the clusters that do not fit run later)."""
     try:
         import torch
 
@@ -114,7 +115,7 @@ def max_cluster_ctas(cluster: int) -> int:
             from cutlass.utils import HardwareInfo
 
             return cluster * HardwareInfo(torch.cuda.current_device()).get_max_active_clusters(cluster)
-    except ImportError:
+    except Exception:  # noqa: BLE001  (only the grid size depends on it)
         pass
     return num_sms() // cluster * cluster
 

@@ -75,12 +75,13 @@ TMA_STORE_UP_TO_SEQLEN = {(256, False): 8192, (256, True): 8192, (64, False): 20
 # 2k keys, causal +0-2% at 4k-16k; but non-causal d=128 at 8k-16k -5%, which we have not explained
 # (it is the static persistent schedule; causal runs the dynamic one). So: causal, or up to 2k keys.
 O_STORE_PER_WG_NON_CAUSAL_UP_TO_SEQLEN = 2048
-# d=128/256 non-causal from 4k keys: two CTAs per cluster share each K/V tile (K5's cluster=2, as
-# FA3 does for these head dims). Measured on an H200, 3 rounds against cluster=1 in one run
-# (results/ws-tune-h200-cluster-r3.json): d=128 +0.2% at 4k, +3.0% at 8k, +1.3% at 16k; d=256
-# +1.7%, +2.0%, +2.7%. The chip runs at its power limit there, and L2 now serves each K/V byte
-# once per pair of SMs instead of once per SM.
-CLUSTER_FROM_SEQLEN = {128: 4096, 256: 4096}
+# d=128 non-causal from 4k keys and d=256 from 2k: two CTAs per cluster share each K/V tile (K5's
+# cluster=2, as FA3 does for these head dims). Measured on an H200, 3 rounds against cluster=1 in
+# one run (results/ws-tune-h200-cluster-r3.json, ws-tune-h200-cluster-short-r3.json): d=128 -5% at
+# 1k (the variant without the overlap), a tie at 2k and 4k, +3.0% at 8k, +1.3% at 16k; d=256 a tie
+# at 512-1k, then +2.6%, +1.7%, +2.0%, +2.7% at 2k-16k. The chip runs at its power limit there,
+# and L2 now serves each K/V byte once per pair of SMs instead of once per SM.
+CLUSTER_FROM_SEQLEN = {128: 4096, 256: 2048}
 
 
 class K6FMHA(k5.K5FMHA):
