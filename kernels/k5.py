@@ -114,7 +114,9 @@ def max_cluster_ctas(cluster: int) -> int:
         if torch.cuda.is_available():
             from cutlass.utils import HardwareInfo
 
-            return cluster * HardwareInfo(torch.cuda.current_device()).get_max_active_clusters(cluster)
+            device = torch.cuda.current_device()
+            torch.zeros(1, device=f"cuda:{device}")  # the query's driver calls need the device's context
+            return cluster * HardwareInfo(device).get_max_active_clusters(cluster)
     except Exception:  # noqa: BLE001  (only the grid size depends on it)
         pass
     return num_sms() // cluster * cluster
