@@ -788,13 +788,22 @@ def latest_with_mode(pattern, mode):
     --decode``: grid, splits, host): a run of one part (--grid-only, --splits-curve) updates its
     tables and leaves the others' be."""
     found = [f for f in finished(pattern) if any(r.get("mode") == mode for r in f["rows"])]
-    return max(found, key=lambda r: r["meta"].get("date", "")) if found else None
+    return newest(found)
 
 
 def latest(pattern):
     """The finished result file matching ``pattern`` with the newest ``meta.date``."""
     found = finished(pattern)
     return max(found, key=lambda r: r["meta"].get("date", "")) if found else None
+
+
+TARGET_GPU = "H100"  # the issues' targets are an H100's: the main tables show its runs, other GPUs get their own
+
+
+def newest(runs, gpu=None):
+    """The newest of ``runs`` (result files), only those from a GPU whose name holds ``gpu`` if given."""
+    runs = [f for f in runs if gpu is None or gpu in f["meta"].get("device", "")]
+    return max(runs, key=lambda f: f["meta"].get("date", "")) if runs else None
 
 
 def main(argv=None):
@@ -832,7 +841,8 @@ def main(argv=None):
     # The step-by-step tables want a run of every stage; a run of k6 alone in rounds gets its own.
     ws_sweep = latest_with("ws-sweep*.json", ["k4", "k5"])
     rounds_runs = [f for f in finished("ws-sweep-rounds*.json") if any(r["kernel"] == "k6" for r in f["rows"])]
-    ws_rounds = max(rounds_runs, key=lambda f: f["meta"].get("date", "")) if rounds_runs else None
+    ws_rounds = newest(rounds_runs, TARGET_GPU) or newest(rounds_runs)
+    other_rounds = [newest(rounds_runs, gpu) for gpu in ("H200",)]
     readme = ROOT / "README.md"
     if ws_sweep:
         if "<!-- table:ws -->" in readme.read_text():
@@ -850,11 +860,15 @@ def main(argv=None):
             text = replace_block(text, "ws-steps", ws_steps_table(ws_sweep))
         if ws_rounds and "<!-- table:ws-rounds -->" in text:
             text = replace_block(text, "ws-rounds", ws_steps_table(ws_rounds))
+        for run in filter(None, other_rounds):
+            block = f"ws-rounds-{gpu_short_name(run['meta']['device']).lower()}"
+            if f"<!-- table:{block} -->" in text:
+                text = replace_block(text, block, ws_steps_table(run))
         if rounds_runs and "<!-- table:ws-rounds-runs -->" in text:
             text = replace_block(text, "ws-rounds-runs", ws_rounds_runs_table(rounds_runs))
         clocked = [f for f in rounds_runs if any(r.get("sm_clock_mhz") for r in f["rows"])]
         if clocked and "<!-- table:power -->" in text:
-            text = replace_block(text, "power", power_table(max(clocked, key=lambda f: f["meta"].get("date", ""))))
+            text = replace_block(text, "power", power_table(newest(clocked, TARGET_GPU) or newest(clocked)))
         if compile_files and "<!-- table:ws-compile -->" in text:
             text = replace_block(text, "ws-compile", ws_compile_table(compile_files))
         if ncu_files and "<!-- table:ncu -->" in text:
@@ -875,7 +889,9 @@ def main(argv=None):
         page.write_text(replace_block(page.read_text(), "sass-loops", sass_loops_table(sass)))
     ws_tunes = finished("ws-tune*.json")
     softmax_tunes = [t for t in ws_tunes if any(k in SOFTMAX_KNOBS for r in t["rows"] for k in (r["config"] or {}))]
-    for name, tunes in (("ws-tune", [t for t in ws_tunes if t not in softmax_tunes]), ("ws-tune-softmax", softmax_tunes)):
+    cluster_tunes = [t for t in ws_tunes if any("cluster" in (r["config"] or {}) for r in t["rows"])]
+    plain_tunes = [t for t in ws_tunes if t not in softmax_tunes and t not in cluster_tunes]
+    for name, tunes in (("ws-tune", plain_tunes), ("ws-tune-softmax", softmax_tunes), ("ws-tune-cluster", cluster_tunes)):
         if tunes and page.exists() and f"<!-- table:{name} -->" in page.read_text():
             page.write_text(replace_block(page.read_text(), name, "\n\n".join(ws_tune_table(t) for t in tunes)))
     tune = latest("k4-tune*.json")
@@ -886,9 +902,16 @@ def main(argv=None):
         k4_sweep = latest_with("sweep*.json", ["k4_qk"])
         page.write_text(replace_block(page.read_text(), "k4-steps", k4_steps_table(k4_sweep, tune)))
     page = ROOT / "docs" / "decode.md"
-    decode_runs = {mode: latest_with_mode("decode-h*.json", mode) for mode in ("grid", "splits", "host")}
+    decode_runs = {mode: latest_with_mode(f"decode-{TARGET_GPU.lower()}*.json", mode) or latest_with_mode("decode-h*.json", mode)
+                   for mode in ("grid", "splits", "host")}
     if page.exists():
         page.write_text(fill_decode_page(page.read_text(), decode_runs))
+        h200 = {mode: latest_with_mode("decode-h200*.json", mode) for mode in ("grid", "host")}
+        text = page.read_text()
+        for name, mode, make in DECODE_TABLES:
+            if h200.get(mode) and f"<!-- table:{name}-h200 -->" in text:
+                text = replace_block(text, f"{name}-h200", make(h200[mode]))
+        page.write_text(text)
     if decode_runs["grid"] and "<!-- table:decode-readme -->" in readme.read_text():
         readme.write_text(replace_block(readme.read_text(), "decode-readme", decode_readme_table(decode_runs["grid"])))
     k7_compiles = finished("compile-k7-*.json")

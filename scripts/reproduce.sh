@@ -183,6 +183,20 @@ case "$part" in
     timeout 300 $py scripts/tune.py --kernels k6 --headdim 128 256 --causal 0 1 --seqlen 8192 16384 --rounds 3 \
       --configs '[{}, {"pin_descriptors": false}]' --out "$dir/ws-tune-$gpu-pinned-r3.json" || rc=1
     timeout 400 $py bench.py k6 --sweep --rounds 3 --out "$dir/ws-sweep-rounds9-$gpu.json" || rc=1
+    # 2-CTA clusters sharing each K/V tile (K5's cluster=2; K6's default at d=128/256 non-causal):
+    # correctness and the sanitizers, each length against cluster=1 in one run, then the sweep.
+    timeout 280 $py ref_check.py k6 --all-head-dims --out "$dir/refcheck-k6-cluster-$gpu.json" || rc=1
+    for tool in racecheck synccheck; do
+      for d in 128 256; do
+        timeout 150 compute-sanitizer --tool $tool --kernel-name kns=FMHA $py scripts/sanitize_case.py k6 --headdim $d \
+          --causal 0 --config '{"cluster": 2}' 2>&1 | grep "SUMMARY\|: ok\|FAIL" || { echo "$tool cluster d=$d: failed"; rc=1; }
+      done
+    done > "$dir/sanitizer-cluster-$gpu.txt"
+    timeout 330 $py scripts/tune.py --kernels k6 --headdim 128 256 --causal 0 --seqlen 4096 8192 16384 --rounds 3 \
+      --configs '[{}, {"cluster": 2}]' --out "$dir/ws-tune-$gpu-cluster-r3.json" || rc=1
+    timeout 200 $py scripts/tune.py --kernels k6 --headdim 128 256 --causal 0 --seqlen 512 1024 2048 --rounds 3 \
+      --configs '[{}, {"cluster": 2}]' --out "$dir/ws-tune-$gpu-cluster-short-r3.json" || rc=1
+    timeout 420 $py bench.py k6 --sweep --rounds 3 --out "$dir/ws-sweep-rounds10-$gpu.json" || rc=1
     exit $rc
     ;;
   decode)
