@@ -30,6 +30,7 @@ layout of the ordinary contract runs on the same compiled kernel through transpo
 
 from __future__ import annotations
 
+import functools
 import operator
 from typing import Optional
 
@@ -78,6 +79,12 @@ MAX_GROUP = TILE_M  # query heads per K/V head: one tile must hold a query posit
 # -> 2.40 at d=64; 128k keys 2.99 -> 3.08, batch 8 3.06 -> 3.12 at d=128; 4k keys 2% lower. At
 # d=256 it bought 1% at batch 1 and cost 1% at batch 8 (and 4% at 4k keys with the last-split
 # merge): off there.
+# claim_after is tuned on an H100. On an H200 (4.8 TB/s) the claims lost at every shape measured,
+# each configuration timed twice in one run (results/decode-tune-claim-h200-d128.json): batch 1,
+# 32 K/V heads, 32k keys 4.35 -> 3.89 TB/s; batch 8, 8 heads, 128k 4.56 -> 4.16; batch 1, 8 heads,
+# 32k 3.33-3.62 -> 3.24-3.40, 128k 3.94-4.23 -> 3.86. There the splits walk fixed shares unless the
+# caller sets claim_after (make_launcher, claims_measured_to_lose).
+NO_CLAIM_GPUS = ("H200",)
 MEASURED_AND_OFF = dict(refill_at_release=False, merge_prefetch=0, prefetch_ahead=0, prefetch_after_wait=0)
 DEFAULT_CONFIG = {64: dict(tile_n=256, kv_stages=2, l2_prefetch=3, claim_after=4, **MEASURED_AND_OFF),
                   128: dict(tile_n=128, kv_stages=2, l2_prefetch=3, claim_after=4, **MEASURED_AND_OFF),
@@ -916,6 +923,12 @@ def config(head_dim: int, **overrides) -> dict:
     return cfg
 
 
+def current_device() -> int:
+    import torch
+
+    return torch.cuda.current_device() if torch.cuda.is_available() else 0
+
+
 def deterministic_requested() -> bool:
     """``torch.use_deterministic_algorithms(True)``: the splits walk fixed shares (claim_after=0)
     unless the caller sets claim_after, so that a launch gives the same bits every time. Claimed
@@ -926,12 +939,20 @@ def deterministic_requested() -> bool:
     return torch.are_deterministic_algorithms_enabled()
 
 
+@functools.lru_cache(maxsize=None)
+def claims_measured_to_lose(device: int = 0) -> bool:
+    """Whether claiming measured slower than the fixed shares on this GPU (``NO_CLAIM_GPUS``)."""
+    import torch
+
+    return torch.cuda.is_available() and any(g in torch.cuda.get_device_name(device) for g in NO_CLAIM_GPUS)
+
+
 def make_launcher(head_dim: int, dtype: str, causal: bool, group: int, num_splits: int, seqlens: bool,
                   keep_ptx: bool = False, merge: str = "combine", **cfg) -> DecodeLauncher:
     if merge not in MERGES:
         raise UnsupportedProblem(f"merge must be one of {MERGES}, got {merge!r}")
     split = num_splits > 1
-    if cfg.get("claim_after") is None and deterministic_requested():
+    if cfg.get("claim_after") is None and (deterministic_requested() or claims_measured_to_lose(current_device())):
         cfg["claim_after"] = 0
     cfg = config(head_dim, **cfg)
     if isinstance(cfg["claim_after"], bool) or not isinstance(cfg["claim_after"], int) or cfg["claim_after"] < 0:

@@ -100,6 +100,17 @@ def test_deterministic_algorithms_turn_claiming_off():
     assert not torch.are_deterministic_algorithms_enabled()  # restored
 
 
+def test_claiming_is_off_on_gpus_where_it_measured_slower(monkeypatch):
+    # An H200: fixed shares by default (NO_CLAIM_GPUS), claim_after still honoured when asked for.
+    from kernels import decode
+
+    monkeypatch.setattr(decode, "claims_measured_to_lose", lambda device=0: True)
+    fixed = decode.make_launcher(128, "bfloat16", False, 4, 16, True, merge="last_cta")
+    asked = decode.make_launcher(128, "bfloat16", False, 4, 16, True, merge="last_cta", claim_after=4)
+    assert not fixed.claim and fixed.config["claim_after"] == 0 and asked.claim
+    assert "H200" in decode.NO_CLAIM_GPUS and "H100" not in decode.NO_CLAIM_GPUS
+
+
 # ---- the merge --------------------------------------------------------------------------------
 
 def test_merge_partials_equals_one_softmax_over_all_keys():
