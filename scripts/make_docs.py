@@ -848,7 +848,9 @@ def main(argv=None):
         if "<!-- table:ws -->" in readme.read_text():
             readme.write_text(replace_block(readme.read_text(), "ws", ws_readme_table(ws_sweep)))
     if ws_rounds and "<!-- table:ws-rounds-readme -->" in readme.read_text():
-        readme.write_text(replace_block(readme.read_text(), "ws-rounds-readme", ws_rounds_readme(ws_rounds)))
+        others = [run for run in other_rounds if run and run is not ws_rounds]
+        readme.write_text(replace_block(readme.read_text(), "ws-rounds-readme",
+                                        "\n\n".join(ws_rounds_readme(run) for run in [ws_rounds] + others)))
     compile_files = finished("compile-ws-*.json")
     ncu_files = sorted(ROOT.glob("results/ncu-tensor-util-*.txt"))
     for stem in ("k5", "k6"):
