@@ -315,3 +315,6 @@ def test_cluster_multicasts_k_and_v_in_static_non_causal_builds_only():
         assert not re.search(r"\bbar\.sync\s+0;", ptx)  # the cluster barrier replaces the CTA's
         assert all(spill == 0 for *_, spill in ptxas_report(ptx))
     assert "multicast::cluster" not in _compile("k6", 128, causal=False).ptx  # off by default
+    for name in ("k7", "k8"):  # not checked on the FP8 tiles: refused there
+        with pytest.raises(UnsupportedProblem, match="cluster"):
+            _compile(name, 128, causal=False, cluster=2)
