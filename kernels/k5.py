@@ -116,7 +116,7 @@ def max_cluster_ctas(cluster: int) -> int:
 
             device = torch.cuda.current_device()
             torch.zeros(1, device=f"cuda:{device}")  # the query's driver calls need the device's context
-            return cluster * HardwareInfo(device).get_max_active_clusters(cluster)
+            return cluster * max(HardwareInfo(device).get_max_active_clusters(cluster), 1)
     except Exception:  # noqa: BLE001  (only the grid size depends on it)
         pass
     return num_sms() // cluster * cluster
@@ -707,6 +707,8 @@ def check_config(cfg: dict, name: str = "K5") -> None:
     if cfg.get("cluster", 1) > 1 and (cfg.get("causal") or cfg["scheduler"] != "static" or cfg.get("split_tail")):
         raise UnsupportedProblem(f"{name} config {cfg}: cluster=2 pairs query tiles that read the same K/V tiles in "
                                  "lockstep, so it needs the static scheduler, a non-causal problem and no split_tail")
+    if cfg.get("ctas") is not None and cfg["ctas"] < cfg.get("cluster", 1):
+        raise UnsupportedProblem(f"{name} config {cfg}: ctas must hold at least one cluster of {cfg['cluster']} CTAs")
 
 
 def build(name: str, kernel_cls, p: Problem, cfg: dict, keep_ptx: bool, fake_args=None) -> CompiledAttention:

@@ -305,6 +305,8 @@ def test_cluster_multicasts_k_and_v_in_static_non_causal_builds_only():
             _compile("k6", 128, causal=causal, cluster=2, **bad)
     with pytest.raises(UnsupportedProblem, match="cluster"):
         _compile("k6", 128, causal=False, cluster=4)
+    with pytest.raises(UnsupportedProblem, match="ctas"):  # a grid of no whole cluster would run nothing
+        _compile("k6", 128, causal=False, cluster=2, ctas=1)
     for d in (128, 256):
         ptx = _compile("k6", d, causal=False, cluster=2).ptx
         loads = re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::\w+\.global[^;]*;", ptx)
