@@ -131,7 +131,8 @@ def launcher_for(p: Problem, num_splits: int, seqlens: bool, kernel: str):
     """The compiled kernel(s) for a resolved split count; lengths and scale are launch arguments."""
     from kernels import decode
 
-    key = (p.head_dim, p.dtype, p.causal, p.group, num_splits, seqlens, MERGE[kernel], decode.deterministic_requested())
+    key = (p.head_dim, p.dtype, p.causal, p.group, num_splits, seqlens, MERGE[kernel], decode.deterministic_requested(),
+           torch.cuda.current_device())  # the defaults may differ by GPU (decode.NO_CLAIM_GPUS)
     if key not in _LAUNCHERS:
         _LAUNCHERS[key] = decode.make_launcher(p.head_dim, p.dtype, p.causal, p.group, num_splits, seqlens,
                                                merge=MERGE[kernel])

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import operator
+import re
 from typing import Optional
 
 import cutlass
@@ -939,12 +940,17 @@ def deterministic_requested() -> bool:
     return torch.are_deterministic_algorithms_enabled()
 
 
+def claims_lose_on(gpu_name: str) -> bool:
+    """Whether claiming measured slower than the fixed shares on a GPU of this name (``NO_CLAIM_GPUS``;
+    whole words: "NVIDIA H200", not "NVIDIA GH200", which was not measured)."""
+    return any(re.search(rf"\b{g}\b", gpu_name) for g in NO_CLAIM_GPUS)
+
+
 @functools.lru_cache(maxsize=None)
 def claims_measured_to_lose(device: int = 0) -> bool:
-    """Whether claiming measured slower than the fixed shares on this GPU (``NO_CLAIM_GPUS``)."""
     import torch
 
-    return torch.cuda.is_available() and any(g in torch.cuda.get_device_name(device) for g in NO_CLAIM_GPUS)
+    return torch.cuda.is_available() and claims_lose_on(torch.cuda.get_device_name(device))
 
 
 def make_launcher(head_dim: int, dtype: str, causal: bool, group: int, num_splits: int, seqlens: bool,

@@ -102,7 +102,6 @@ def num_sms() -> int:
     return 132
 
 
-@functools.lru_cache(maxsize=None)
 def max_cluster_ctas(cluster: int) -> int:
     """CTAs in the largest grid of ``cluster``-CTA clusters that runs in one wave at one CTA per SM:
     a cluster's CTAs share a GPC, and a GPC with an odd number of free SMs leaves one idle (the
@@ -112,14 +111,19 @@ def max_cluster_ctas(cluster: int) -> int:
         import torch
 
         if torch.cuda.is_available():
-            from cutlass.utils import HardwareInfo
-
-            device = torch.cuda.current_device()
-            torch.zeros(1, device=f"cuda:{device}")  # the query's driver calls need the device's context
-            return cluster * max(HardwareInfo(device).get_max_active_clusters(cluster), 1)
+            return _max_cluster_ctas_on(cluster, torch.cuda.current_device())
     except Exception:  # noqa: BLE001  (only the grid size depends on it)
         pass
     return num_sms() // cluster * cluster
+
+
+@functools.lru_cache(maxsize=None)
+def _max_cluster_ctas_on(cluster: int, device: int) -> int:
+    import torch
+    from cutlass.utils import HardwareInfo
+
+    torch.zeros(1, device=f"cuda:{device}")  # the query's driver calls need the device's context
+    return cluster * max(HardwareInfo(device).get_max_active_clusters(cluster), 1)
 
 
 class K5FMHA:
@@ -707,8 +711,9 @@ def check_config(cfg: dict, name: str = "K5") -> None:
     if cfg.get("cluster", 1) > 1 and (cfg.get("causal") or cfg["scheduler"] != "static" or cfg.get("split_tail")):
         raise UnsupportedProblem(f"{name} config {cfg}: cluster=2 pairs query tiles that read the same K/V tiles in "
                                  "lockstep, so it needs the static scheduler, a non-causal problem and no split_tail")
-    if cfg.get("ctas") is not None and cfg["ctas"] < cfg.get("cluster", 1):
-        raise UnsupportedProblem(f"{name} config {cfg}: ctas must hold at least one cluster of {cfg['cluster']} CTAs")
+    if cfg.get("ctas") is not None and (cfg["ctas"] < cfg.get("cluster", 1) or cfg["ctas"] % cfg.get("cluster", 1)):
+        raise UnsupportedProblem(f"{name} config {cfg}: ctas must be a whole number (>= 1) of clusters of "
+                                 f"{cfg['cluster']} CTAs")
 
 
 def build(name: str, kernel_cls, p: Problem, cfg: dict, keep_ptx: bool, fake_args=None) -> CompiledAttention:

@@ -80,7 +80,10 @@ O_STORE_PER_WG_NON_CAUSAL_UP_TO_SEQLEN = 2048
 # one run (results/ws-tune-h200-cluster-r3.json, ws-tune-h200-cluster-short-r3.json): d=128 -5% at
 # 1k (the variant without the overlap), a tie at 2k and 4k, +3.0% at 8k, +1.3% at 16k; d=256 a tie
 # at 512-1k, then +2.6%, +1.7%, +2.0%, +2.7% at 2k-16k. The chip runs at its power limit there,
-# and L2 now serves each K/V byte once per pair of SMs instead of once per SM.
+# and L2 now serves each K/V byte once per pair of SMs instead of once per SM. d=128 starts at 4k,
+# a tie, so that every length of the gains at 8k-16k takes it. Only with an even number of query
+# tiles per head: with an odd one, the last pair's second CTA walks every K/V tile for nothing
+# (a 128-query chunk against a long cache would run twice as many tiles as it has).
 CLUSTER_FROM_SEQLEN = {128: 4096, 256: 2048}
 
 
@@ -288,8 +291,10 @@ def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_wg=None, tile_n=No
         tma_store = True
     if o_store_per_wg is None:
         o_store_per_wg = p.causal or p.kv_len <= O_STORE_PER_WG_NON_CAUSAL_UP_TO_SEQLEN
-    if cluster is None and not p.causal and scheduler in (None, "static") and not split_tail:
-        cluster = 2 if p.kv_len >= CLUSTER_FROM_SEQLEN.get(p.head_dim, float("inf")) else None
+    if cluster is None and not p.causal and scheduler in (None, "static") and not split_tail and ctas is None:
+        tile_m = 64 * (num_wg or k5.DEFAULT_CONFIG[p.head_dim]["num_wg"])
+        pairs_whole = -(-p.seqlen // tile_m) % 2 == 0
+        cluster = 2 if pairs_whole and p.kv_len >= CLUSTER_FROM_SEQLEN.get(p.head_dim, float("inf")) else None
     cfg = k5.default_config(p, dict(num_wg=num_wg, tile_n=tile_n, kv_stages=kv_stages, q_stages=q_stages,
                                     scheduler=scheduler, tma_store=tma_store,
                                     pingpong=pingpong, overlap=overlap, section_bytes=section_bytes,

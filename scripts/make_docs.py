@@ -802,7 +802,7 @@ TARGET_GPU = "H100"  # the issues' targets are an H100's: the main tables show i
 
 def newest(runs, gpu=None):
     """The newest of ``runs`` (result files), only those from a GPU whose name holds ``gpu`` if given."""
-    runs = [f for f in runs if gpu is None or gpu in f["meta"].get("device", "")]
+    runs = [f for f in runs if gpu is None or gpu_short_name(f["meta"].get("device", "")) == gpu]
     return max(runs, key=lambda f: f["meta"].get("date", "")) if runs else None
 
 

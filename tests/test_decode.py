@@ -108,7 +108,8 @@ def test_claiming_is_off_on_gpus_where_it_measured_slower(monkeypatch):
     fixed = decode.make_launcher(128, "bfloat16", False, 4, 16, True, merge="last_cta")
     asked = decode.make_launcher(128, "bfloat16", False, 4, 16, True, merge="last_cta", claim_after=4)
     assert not fixed.claim and fixed.config["claim_after"] == 0 and asked.claim
-    assert "H200" in decode.NO_CLAIM_GPUS and "H100" not in decode.NO_CLAIM_GPUS
+    assert decode.claims_lose_on("NVIDIA H200") and decode.claims_lose_on("NVIDIA H200 NVL")
+    assert not decode.claims_lose_on("NVIDIA H100 80GB HBM3") and not decode.claims_lose_on("NVIDIA GH200 480GB")
 
 
 # ---- the merge --------------------------------------------------------------------------------

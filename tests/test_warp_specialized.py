@@ -317,6 +317,19 @@ def test_cluster_multicasts_k_and_v_in_static_non_causal_builds_only():
         assert not re.search(r"\bbar\.sync\s+0;", ptx)  # the cluster barrier replaces the CTA's
         assert all(spill == 0 for *_, spill in ptxas_report(ptx))
     assert "multicast::cluster" not in _compile("k6", 128, causal=False).ptx  # off by default
+    with pytest.raises(UnsupportedProblem, match="ctas"):  # odd: one CTA would have no partner
+        _compile("k6", 128, causal=False, cluster=2, ctas=7)
+    # K6's default: d=128 from 4k keys, d=256 from 2k, non-causal, an even number of query tiles
+    # per head (an odd one leaves the last pair's second CTA loading K/V for nothing), no ctas override.
+    def cluster_of(problem, **cfg):
+        return get_kernel("k6").compile(problem, **cfg).info.get("cluster")
+
+    assert cluster_of(Problem(1, 1, 8192, 128)) == 2 and cluster_of(Problem(1, 1, 2048, 256)) == 2
+    assert cluster_of(Problem(1, 1, 2048, 128)) is None and cluster_of(Problem(1, 1, 8192, 64)) is None
+    assert cluster_of(Problem(1, 1, 8192, 128, causal=True)) is None
+    assert cluster_of(Problem(1, 1, 4097, 128)) is None  # 33 query tiles
+    assert cluster_of(Problem(4, 32, 128, 128, seqlen_k=8192)) is None  # a chunk of 128 queries: one tile
+    assert cluster_of(Problem(1, 1, 8192, 128), ctas=6) is None and cluster_of(Problem(1, 1, 8192, 128), scheduler="single") is None
     for name in ("k7", "k8"):  # not checked on the FP8 tiles: refused there
         with pytest.raises(UnsupportedProblem, match="cluster"):
             _compile(name, 128, causal=False, cluster=2)
