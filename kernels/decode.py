@@ -924,12 +924,6 @@ def config(head_dim: int, **overrides) -> dict:
     return cfg
 
 
-def current_device() -> int:
-    import torch
-
-    return torch.cuda.current_device() if torch.cuda.is_available() else 0
-
-
 def deterministic_requested() -> bool:
     """``torch.use_deterministic_algorithms(True)``: the splits walk fixed shares (claim_after=0)
     unless the caller sets claim_after, so that a launch gives the same bits every time. Claimed
@@ -946,11 +940,18 @@ def claims_lose_on(gpu_name: str) -> bool:
     return any(re.search(rf"\b{g}\b", gpu_name) for g in NO_CLAIM_GPUS)
 
 
-@functools.lru_cache(maxsize=None)
-def claims_measured_to_lose(device: int = 0) -> bool:
+def claims_measured_to_lose() -> bool:
+    """``claims_lose_on`` for the current GPU (False without one)."""
     import torch
 
-    return torch.cuda.is_available() and claims_lose_on(torch.cuda.get_device_name(device))
+    return torch.cuda.is_available() and _claims_lose_on_device(torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _claims_lose_on_device(device: int) -> bool:
+    import torch
+
+    return claims_lose_on(torch.cuda.get_device_name(device))
 
 
 def make_launcher(head_dim: int, dtype: str, causal: bool, group: int, num_splits: int, seqlens: bool,
@@ -958,7 +959,7 @@ def make_launcher(head_dim: int, dtype: str, causal: bool, group: int, num_split
     if merge not in MERGES:
         raise UnsupportedProblem(f"merge must be one of {MERGES}, got {merge!r}")
     split = num_splits > 1
-    if cfg.get("claim_after") is None and (deterministic_requested() or claims_measured_to_lose(current_device())):
+    if cfg.get("claim_after") is None and (deterministic_requested() or claims_measured_to_lose()):
         cfg["claim_after"] = 0
     cfg = config(head_dim, **cfg)
     if isinstance(cfg["claim_after"], bool) or not isinstance(cfg["claim_after"], int) or cfg["claim_after"] < 0:

@@ -515,12 +515,13 @@ DECODE_TABLES = (("decode", "grid", decode_table), ("decode-splits", "splits", d
                  ("decode-host", "host", decode_host_table))
 
 
-def fill_decode_page(text, runs):
+def fill_decode_page(text, runs, suffix=""):
     """``text`` with each decode block it has regenerated from ``runs`` (mode -> result file or
-    None); a block whose run does not exist yet is left as it is."""
+    None); a block whose run does not exist yet is left as it is. ``suffix`` names another GPU's
+    blocks (``decode-h200``)."""
     for name, mode, make in DECODE_TABLES:
-        if runs.get(mode) and f"<!-- table:{name} -->" in text:
-            text = replace_block(text, name, make(runs[mode]))
+        if runs.get(mode) and f"<!-- table:{name}{suffix} -->" in text:
+            text = replace_block(text, name + suffix, make(runs[mode]))
     return text
 
 
@@ -842,15 +843,15 @@ def main(argv=None):
     ws_sweep = latest_with("ws-sweep*.json", ["k4", "k5"])
     rounds_runs = [f for f in finished("ws-sweep-rounds*.json") if any(r["kernel"] == "k6" for r in f["rows"])]
     ws_rounds = newest(rounds_runs, TARGET_GPU) or newest(rounds_runs)
-    other_rounds = [newest(rounds_runs, gpu) for gpu in ("H200",)]
+    h200_rounds = newest(rounds_runs, "H200")
     readme = ROOT / "README.md"
     if ws_sweep:
         if "<!-- table:ws -->" in readme.read_text():
             readme.write_text(replace_block(readme.read_text(), "ws", ws_readme_table(ws_sweep)))
     if ws_rounds and "<!-- table:ws-rounds-readme -->" in readme.read_text():
-        others = [run for run in other_rounds if run and run is not ws_rounds]
+        runs = [ws_rounds] + ([h200_rounds] if h200_rounds and h200_rounds is not ws_rounds else [])
         readme.write_text(replace_block(readme.read_text(), "ws-rounds-readme",
-                                        "\n\n".join(ws_rounds_readme(run) for run in [ws_rounds] + others)))
+                                        "\n\n".join(ws_rounds_readme(run) for run in runs)))
     compile_files = finished("compile-ws-*.json")
     ncu_files = sorted(ROOT.glob("results/ncu-tensor-util-*.txt"))
     for stem in ("k5", "k6"):
@@ -862,10 +863,8 @@ def main(argv=None):
             text = replace_block(text, "ws-steps", ws_steps_table(ws_sweep))
         if ws_rounds and "<!-- table:ws-rounds -->" in text:
             text = replace_block(text, "ws-rounds", ws_steps_table(ws_rounds))
-        for run in filter(None, other_rounds):
-            block = f"ws-rounds-{gpu_short_name(run['meta']['device']).lower()}"
-            if f"<!-- table:{block} -->" in text:
-                text = replace_block(text, block, ws_steps_table(run))
+        if h200_rounds and "<!-- table:ws-rounds-h200 -->" in text:
+            text = replace_block(text, "ws-rounds-h200", ws_steps_table(h200_rounds))
         if rounds_runs and "<!-- table:ws-rounds-runs -->" in text:
             text = replace_block(text, "ws-rounds-runs", ws_rounds_runs_table(rounds_runs))
         clocked = [f for f in rounds_runs if any(r.get("sm_clock_mhz") for r in f["rows"])]
@@ -907,13 +906,8 @@ def main(argv=None):
     decode_runs = {mode: latest_with_mode(f"decode-{TARGET_GPU.lower()}*.json", mode) or latest_with_mode("decode-h*.json", mode)
                    for mode in ("grid", "splits", "host")}
     if page.exists():
-        page.write_text(fill_decode_page(page.read_text(), decode_runs))
-        h200 = {mode: latest_with_mode("decode-h200*.json", mode) for mode in ("grid", "host")}
-        text = page.read_text()
-        for name, mode, make in DECODE_TABLES:
-            if h200.get(mode) and f"<!-- table:{name}-h200 -->" in text:
-                text = replace_block(text, f"{name}-h200", make(h200[mode]))
-        page.write_text(text)
+        h200 = {mode: latest_with_mode("decode-h200*.json", mode) for mode in ("grid", "splits", "host")}
+        page.write_text(fill_decode_page(fill_decode_page(page.read_text(), decode_runs), h200, suffix="-h200"))
     if decode_runs["grid"] and "<!-- table:decode-readme -->" in readme.read_text():
         readme.write_text(replace_block(readme.read_text(), "decode-readme", decode_readme_table(decode_runs["grid"])))
     k7_compiles = finished("compile-k7-*.json")

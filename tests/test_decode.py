@@ -104,7 +104,7 @@ def test_claiming_is_off_on_gpus_where_it_measured_slower(monkeypatch):
     # An H200: fixed shares by default (NO_CLAIM_GPUS), claim_after still honoured when asked for.
     from kernels import decode
 
-    monkeypatch.setattr(decode, "claims_measured_to_lose", lambda device=0: True)
+    monkeypatch.setattr(decode, "claims_measured_to_lose", lambda: True)
     fixed = decode.make_launcher(128, "bfloat16", False, 4, 16, True, merge="last_cta")
     asked = decode.make_launcher(128, "bfloat16", False, 4, 16, True, merge="last_cta", claim_after=4)
     assert not fixed.claim and fixed.config["claim_after"] == 0 and asked.claim
