@@ -203,7 +203,7 @@ def candidates(inputs: Inputs, peers: bool = True, num_splits: int = 0) -> dict:
         except Exception as e:  # a refused shape or a failed compile: a status, not a crash
             entries[name] = failure(e)
             continue
-        entries[name] = (step, contextlib.nullcontext, dict(num_splits=plan.num_splits))
+        entries[name] = (step, contextlib.nullcontext, dict(num_splits=plan.num_splits, tile_n=plan.info["tile_n"]))
     return entries
 
 

@@ -131,11 +131,13 @@ def launcher_for(p: Problem, num_splits: int, seqlens: bool, kernel: str):
     """The compiled kernel(s) for a resolved split count; lengths and scale are launch arguments."""
     from kernels import decode
 
+    ctas = decode.grid_ctas(p.batch, p.kv_heads, p.group, p.seqlen)
     key = (p.head_dim, p.dtype, p.causal, p.group, num_splits, seqlens, MERGE[kernel], decode.deterministic_requested(),
-           torch.cuda.current_device())  # the defaults may differ by GPU (decode.NO_CLAIM_GPUS)
+           torch.cuda.current_device(),  # the defaults may differ by GPU (decode.NO_CLAIM_GPUS, SHARED_SM_GPUS)
+           ctas > decode.sm_count())
     if key not in _LAUNCHERS:
         _LAUNCHERS[key] = decode.make_launcher(p.head_dim, p.dtype, p.causal, p.group, num_splits, seqlens,
-                                               merge=MERGE[kernel])
+                                               merge=MERGE[kernel], ctas=ctas)
     return _LAUNCHERS[key]
 
 

@@ -84,8 +84,18 @@ MAX_GROUP = TILE_M  # query heads per K/V head: one tile must hold a query posit
 # each configuration timed twice in one run (results/decode-tune-claim-h200-d128.json): batch 1,
 # 32 K/V heads, 32k keys 4.35 -> 3.89 TB/s; batch 8, 8 heads, 128k 4.56 -> 4.16; batch 1, 8 heads,
 # 32k 3.33-3.62 -> 3.24-3.40, 128k 3.94-4.23 -> 3.86. There the splits walk fixed shares unless the
-# caller sets claim_after (make_launcher, claims_measured_to_lose).
+# caller sets claim_after (make_launcher).
 NO_CLAIM_GPUS = ("H200",)
+# With no split (S = 1) and more CTAs than SMs (batch x K/V heads x query tiles > 132), the grid runs
+# in waves of one CTA per SM, and every SM idles while a CTA drains its last tiles and the next one
+# starts. Tiles of half the keys halve the SMEM, so two CTAs share each SM: one streams while the
+# other starts or ends, and a grid of up to two CTAs per SM runs as one wave. Measured on an H200
+# at d=128 (results/decode-tune-stages-h200-d128.json, 128 against 64 keys in one run): batch 64, 32
+# K/V heads, 4k keys 4.36 -> 4.54 TB/s; 8 heads 4.40 -> 4.45; batch 8, 32 heads, 128k 4.42 -> 4.47; and at
+# batch 1 (S = 16, 128 CTAs: two per SM would leave half the SMs idle) 3.63 -> 3.05, hence S = 1 only.
+# Not measured on an H100 yet: there the defaults stay (scripts/reproduce.sh decode has the run).
+SHARED_SM_TILE_N = {64: 128, 128: 64, 256: 32}
+SHARED_SM_GPUS = ("H200",)
 MEASURED_AND_OFF = dict(refill_at_release=False, merge_prefetch=0, prefetch_ahead=0, prefetch_after_wait=0)
 DEFAULT_CONFIG = {64: dict(tile_n=256, kv_stages=2, l2_prefetch=3, claim_after=4, **MEASURED_AND_OFF),
                   128: dict(tile_n=128, kv_stages=2, l2_prefetch=3, claim_after=4, **MEASURED_AND_OFF),
@@ -118,11 +128,15 @@ def split_traffic_cap(group: int, q_len: int, kv_len: int, max_ratio: float = MA
     return max(1, int(max_ratio * kv_len / (2 * group * q_len)))
 
 
+def grid_ctas(batch: int, nheads_kv: int, group: int, q_len: int, tile_m: int = TILE_M) -> int:
+    """CTAs per split: batch x K/V heads x query tiles of whole query positions (packed_rows)."""
+    return batch * nheads_kv * -(-q_len // (tile_m // group))
+
+
 def choose_num_splits(batch: int, nheads_kv: int, group: int, q_len: int, kv_len: int, num_sms: int,
                       tile_n: int, tile_m: int = TILE_M) -> int:
-    m_blocks = -(-q_len // (tile_m // group))  # query tiles of whole query positions (packed_rows)
     n_tiles = -(-kv_len // tile_n)
-    splits = num_splits_heuristic(batch * nheads_kv * m_blocks, n_tiles, num_sms)
+    splits = num_splits_heuristic(grid_ctas(batch, nheads_kv, group, q_len, tile_m), n_tiles, num_sms)
     return max(1, min(splits, split_traffic_cap(group, q_len, kv_len)))
 
 
@@ -934,33 +948,41 @@ def deterministic_requested() -> bool:
     return torch.are_deterministic_algorithms_enabled()
 
 
-def claims_lose_on(gpu_name: str) -> bool:
-    """Whether claiming measured slower than the fixed shares on a GPU of this name (``NO_CLAIM_GPUS``;
-    whole words: "NVIDIA H200", not "NVIDIA GH200", which was not measured)."""
-    return any(re.search(rf"\b{g}\b", gpu_name) for g in NO_CLAIM_GPUS)
+def gpu_listed(gpus: tuple, gpu_name: str) -> bool:
+    """Whether a GPU of this name is one of ``gpus`` (NO_CLAIM_GPUS, SHARED_SM_GPUS), in whole words:
+    "NVIDIA H200" is an H200, "NVIDIA GH200" is not (it was not measured)."""
+    return any(re.search(rf"\b{g}\b", gpu_name) for g in gpus)
 
 
-def claims_measured_to_lose() -> bool:
-    """``claims_lose_on`` for the current GPU (False without one)."""
+def listed_gpu(gpus: tuple) -> bool:
+    """``gpu_listed`` for the current GPU (False without one)."""
     import torch
 
-    return torch.cuda.is_available() and _claims_lose_on_device(torch.cuda.current_device())
+    return torch.cuda.is_available() and gpu_listed(gpus, _device_name(torch.cuda.current_device()))
 
 
 @functools.lru_cache(maxsize=None)
-def _claims_lose_on_device(device: int) -> bool:
+def _device_name(device: int) -> str:
     import torch
 
-    return claims_lose_on(torch.cuda.get_device_name(device))
+    return torch.cuda.get_device_name(device)
+
+
+def shared_sm_tile_n(head_dim: int, num_splits: int, ctas: int, num_sms: int) -> Optional[int]:
+    """SHARED_SM_TILE_N's tile when an unsplit grid has more CTAs than SMs, else None."""
+    return SHARED_SM_TILE_N[head_dim] if num_splits == 1 and ctas > num_sms else None
 
 
 def make_launcher(head_dim: int, dtype: str, causal: bool, group: int, num_splits: int, seqlens: bool,
-                  keep_ptx: bool = False, merge: str = "combine", **cfg) -> DecodeLauncher:
+                  keep_ptx: bool = False, merge: str = "combine", ctas: int = 0, **cfg) -> DecodeLauncher:
+    """``ctas``: the grid's CTAs per split (batch x K/V heads x query tiles), for SHARED_SM_GPUS."""
     if merge not in MERGES:
         raise UnsupportedProblem(f"merge must be one of {MERGES}, got {merge!r}")
     split = num_splits > 1
-    if cfg.get("claim_after") is None and (deterministic_requested() or claims_measured_to_lose()):
+    if cfg.get("claim_after") is None and (deterministic_requested() or listed_gpu(NO_CLAIM_GPUS)):
         cfg["claim_after"] = 0
+    if cfg.get("tile_n") is None and listed_gpu(SHARED_SM_GPUS):
+        cfg["tile_n"] = shared_sm_tile_n(head_dim, num_splits, ctas, sm_count())
     cfg = config(head_dim, **cfg)
     if isinstance(cfg["claim_after"], bool) or not isinstance(cfg["claim_after"], int) or cfg["claim_after"] < 0:
         raise UnsupportedProblem(f"claim_after must be an int >= 0 (0: fixed shares), got {cfg['claim_after']!r}")
@@ -989,7 +1011,8 @@ def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_splits: int = 0, m
     if knobs.get("claim_after") and merge == "combine" and splits > 1:
         raise UnsupportedProblem("claim_after needs an in-kernel merge (last_cta or last_split): the merging CTA "
                                  "resets the claim counter")
-    launcher = make_launcher(p.head_dim, p.dtype, p.causal, p.group, splits, False, keep_ptx, merge, **knobs)
+    launcher = make_launcher(p.head_dim, p.dtype, p.causal, p.group, splits, False, keep_ptx, merge,
+                             ctas=grid_ctas(p.batch, p.kv_heads, p.group, p.seqlen), **knobs)
     cfg = launcher.config
     ptx = None
     if keep_ptx:

@@ -104,12 +104,40 @@ def test_claiming_is_off_on_gpus_where_it_measured_slower(monkeypatch):
     # An H200: fixed shares by default (NO_CLAIM_GPUS), claim_after still honoured when asked for.
     from kernels import decode
 
-    monkeypatch.setattr(decode, "claims_measured_to_lose", lambda: True)
+    monkeypatch.setattr(decode, "listed_gpu", lambda gpus: gpus is decode.NO_CLAIM_GPUS)
     fixed = decode.make_launcher(128, "bfloat16", False, 4, 16, True, merge="last_cta")
     asked = decode.make_launcher(128, "bfloat16", False, 4, 16, True, merge="last_cta", claim_after=4)
     assert not fixed.claim and fixed.config["claim_after"] == 0 and asked.claim
-    assert decode.claims_lose_on("NVIDIA H200") and decode.claims_lose_on("NVIDIA H200 NVL")
-    assert not decode.claims_lose_on("NVIDIA H100 80GB HBM3") and not decode.claims_lose_on("NVIDIA GH200 480GB")
+    assert decode.gpu_listed(decode.NO_CLAIM_GPUS, "NVIDIA H200")
+    assert decode.gpu_listed(decode.NO_CLAIM_GPUS, "NVIDIA H200 NVL")
+    assert not decode.gpu_listed(decode.NO_CLAIM_GPUS, "NVIDIA H100 80GB HBM3")
+    assert not decode.gpu_listed(decode.NO_CLAIM_GPUS, "NVIDIA GH200 480GB")
+
+
+def test_two_ctas_share_an_sm_only_on_a_wide_unsplit_grid(monkeypatch):
+    # SHARED_SM_GPUS: half-width tiles where S = 1 and the grid has more CTAs than SMs; a split
+    # grid (one wave of one CTA per SM by design) and a caller's tile_n keep theirs.
+    from kernels import decode
+
+    assert decode.shared_sm_tile_n(128, 1, 133, 132) == 64
+    assert decode.shared_sm_tile_n(128, 1, 132, 132) is None
+    assert decode.shared_sm_tile_n(128, 2, 512, 132) is None
+    for d, tile_n in decode.SHARED_SM_TILE_N.items():  # two fit in an SM's 227 KB (with 1 KB reserved each)
+        assert tile_n < decode.DEFAULT_CONFIG[d]["tile_n"] and tile_n % 16 == 0
+        assert 2 * (decode.smem_bytes(d, tile_n, decode.DEFAULT_CONFIG[d]["kv_stages"], merge="last_cta") + 1024) \
+            <= 227 * 1024
+    monkeypatch.setattr(decode, "listed_gpu", lambda gpus: gpus is decode.SHARED_SM_GPUS)
+    wide = decode.make_launcher(128, "bfloat16", False, 1, 1, True, merge="last_cta", ctas=64 * 32)
+    narrow = decode.make_launcher(128, "bfloat16", False, 4, 16, True, merge="last_cta", ctas=8)
+    asked = decode.make_launcher(128, "bfloat16", False, 1, 1, True, merge="last_cta", ctas=64 * 32, tile_n=128)
+    assert (wide.config["tile_n"], narrow.config["tile_n"], asked.config["tile_n"]) == (64, 128, 128)
+    assert decode.grid_ctas(64, 32, 1, 1) == 2048 and decode.grid_ctas(1, 8, 4, 17) == 16  # 16 positions a tile
+    # through the ordinary contract too: batch 64 x 32 K/V heads is 2048 CTAs, no split
+    from kernels.contract import Problem
+
+    monkeypatch.setattr(decode, "sm_count", lambda: 132)
+    assert decode.compile_kernel(Problem(64, 32, 1, 128, nheads_kv=32, seqlen_k=4096)).info["tile_n"] == 64
+    assert decode.compile_kernel(Problem(1, 32, 1, 128, nheads_kv=8, seqlen_k=4096)).info["tile_n"] == 128
 
 
 # ---- the merge --------------------------------------------------------------------------------
@@ -425,3 +453,38 @@ def test_claimed_tiles_match_the_reference_launch_after_launch(merge, shape, len
         verdict = compare(out, want_o, lse, want_lse, "bfloat16", peer=peer).verdict
         assert not verdict, f"launch {launch}: {verdict}"
     assert int(buffers[2].abs().sum()) == 0  # every counter back at 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal,q_len", [(False, 1), (True, 4)])
+def test_shared_sm_tiles_match_the_reference(monkeypatch, d, causal, q_len):
+    # SHARED_SM_TILE_N on any GPU: one more sequence x 4 K/V heads (group 8) than fills the SMs (34 on
+    # 132 SMs: 136 CTAs), no split, so the public calls take the half-width tiles; ragged lengths (0, 1,
+    # a partial last tile), NaN past them.
+    from harness import kvcache
+    from kernels import decode
+
+    monkeypatch.setattr(decode, "listed_gpu", lambda gpus: gpus is decode.SHARED_SM_GPUS)
+    monkeypatch.setattr(kvcache, "_LAUNCHERS", {})
+    monkeypatch.setattr(kvcache, "_PREPARED", {})
+    h, h_kv, s_cache = 32, 4, 1000
+    b = decode.sm_count() // h_kv + 1
+    q = torch.randn(b, q_len, h, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(b, s_cache, h_kv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    lengths = [0, 1, 17, 999, 1000] + torch.randint(1, s_cache + 1, (b - 5,)).tolist()
+    for i, n in enumerate(lengths):
+        k[i, n:], v[i, n:] = float("nan"), float("nan")
+    lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    plan = decode_plan(b, h, h_kv, d, s_cache, q_len=q_len, causal=causal)
+    assert plan.num_splits == 1 and plan.info["tile_n"] == decode.SHARED_SM_TILE_N[d]
+    want_o, want_lse = reference_kvcache(q, k, v, lens, causal, d ** -0.5)
+    peer = sdpa_kvcache(q, k, v, lens, causal, d ** -0.5)
+    plan.out.fill_(float("nan"))
+    plan.lse.fill_(float("nan"))
+    out, lse = plan.run(q, k, v, lens)
+    verdict = compare(out, want_o, lse, want_lse, "bfloat16", peer=peer).verdict
+    assert not verdict, verdict
+    got = attention_with_kvcache(q, k, v, lens, causal=causal)  # the one-call API: same kernel, same bits
+    assert torch.equal(got, out)
