@@ -90,6 +90,9 @@ def decode_cases(quick: bool):
         yield C(kernel, 2, 32, 8, 1, 5000, 128, False, None)
         yield C(kernel, 1, 32, 8, 5, 2, 128, True, [2])  # 5 queries, 2 keys: three rows see nothing
         yield C(kernel, 1, 32, 8, 4, 2000, 128, True, [2000], dtype="float16")
+        # No split and more CTAs than SMs (34 x 4 K/V heads on 132): two CTAs per SM on SHARED_SM_GPUS.
+        for d in (128, 256):
+            yield C(kernel, 34, 32, 4, 1, 1000, d, d == 256, [0, 1] + [1000 - 29 * i for i in range(32)])
         # Forced split counts, each also against the automatic one: one per tile, more splits than
         # tiles (empty trailing splits; the 2500-key sequence has fewer tiles still), 128.
         for splits in (1, 2, 3, 7, tiles, tiles + 8, 128):

@@ -93,8 +93,11 @@ NO_CLAIM_GPUS = ("H200",)
 # at d=128 (results/decode-tune-stages-h200-d128.json, 128 against 64 keys in one run): batch 64, 32
 # K/V heads, 4k keys 4.36 -> 4.54 TB/s; 8 heads 4.40 -> 4.45; batch 8, 32 heads, 128k 4.42 -> 4.47; and at
 # batch 1 (S = 16, 128 CTAs: two per SM would leave half the SMs idle) 3.63 -> 3.05, hence S = 1 only.
+# d=256, 32 keys (results/decode-tune-sharedsm-h200-d256.json): batch 64, 32 heads, 4k 4.40 -> 4.53;
+# batch 8, 32k 4.42 -> 4.46. Not d=64: 128-key tiles fit three times, and batch 8 x 32 heads x 32k
+# fell from 4.46 to 3.36 TB/s (256 CTAs packed three to an SM; results/decode-tune-sharedsm-h200-d64.json).
 # Not measured on an H100 yet: there the defaults stay (scripts/reproduce.sh decode has the run).
-SHARED_SM_TILE_N = {64: 128, 128: 64, 256: 32}
+SHARED_SM_TILE_N = {128: 64, 256: 32}
 SHARED_SM_GPUS = ("H200",)
 MEASURED_AND_OFF = dict(refill_at_release=False, merge_prefetch=0, prefetch_ahead=0, prefetch_after_wait=0)
 DEFAULT_CONFIG = {64: dict(tile_n=256, kv_stages=2, l2_prefetch=3, claim_after=4, **MEASURED_AND_OFF),
@@ -970,7 +973,7 @@ def _device_name(device: int) -> str:
 
 def shared_sm_tile_n(head_dim: int, num_splits: int, ctas: int, num_sms: int) -> Optional[int]:
     """SHARED_SM_TILE_N's tile when an unsplit grid has more CTAs than SMs, else None."""
-    return SHARED_SM_TILE_N[head_dim] if num_splits == 1 and ctas > num_sms else None
+    return SHARED_SM_TILE_N.get(head_dim) if num_splits == 1 and ctas > num_sms else None
 
 
 def make_launcher(head_dim: int, dtype: str, causal: bool, group: int, num_splits: int, seqlens: bool,

@@ -261,6 +261,24 @@ case "$part" in
     c=128:2:3:0:0:0:0:0,128:2:3:0:0:0:0:4
     timeout 100 $py scripts/tune_decode.py --headdim 128 --shapes 1:8:32768,1:8:131072 --configs $c,$c \
       --out "$dir/decode-tune-claim6-$gpu-d128.json" > /dev/null || rc=1
+    # Two CTAs per SM on an unsplit grid wider than the GPU (decode.SHARED_SM_TILE_N): half-width
+    # tiles against the default ones, each twice, at d = 128, 64, 256; then the sanitizers on them
+    # (140 K/V heads, no split).
+    timeout 120 $py scripts/tune_decode.py --fixed-shares --headdim 128 --shapes 64:32:4096,8:32:131072,64:8:4096,1:8:32768 \
+      --configs 128:2:3,64:2:3,128:3:3,64:4:3,128:2:3 --out "$dir/decode-tune-stages-$gpu-d128.json" > /dev/null || rc=1
+    timeout 100 $py scripts/tune_decode.py --fixed-shares --headdim 128 --shapes 8:32:4096,8:32:32768,64:8:4096 \
+      --configs 128:2:3,64:2:3,128:2:3,64:2:3 --out "$dir/decode-tune-sharedsm-$gpu-d128.json" > /dev/null || rc=1
+    timeout 100 $py scripts/tune_decode.py --fixed-shares --headdim 64 --shapes 64:32:4096,8:32:32768 \
+      --configs 256:2:3,128:2:3,256:2:3,128:2:3 --out "$dir/decode-tune-sharedsm-$gpu-d64.json" > /dev/null || rc=1
+    timeout 100 $py scripts/tune_decode.py --fixed-shares --headdim 256 --shapes 64:32:4096,8:32:32768 \
+      --configs 64:2:2,32:2:2,64:2:2,32:2:2 --out "$dir/decode-tune-sharedsm-$gpu-d256.json" > /dev/null || rc=1
+    for tool in racecheck synccheck; do
+      for dt in 128:64 256:32; do
+        timeout 100 compute-sanitizer --tool $tool --kernel-name kns=FMHA $py scripts/sanitize_case.py decode \
+          --headdim ${dt%:*} --seqlen 1 --seqlen-k 1000 --batch-heads 140 --nheads-kv 140 --config "{\"tile_n\": ${dt#*:}}" \
+          2>&1 | grep "SUMMARY\|: ok\|FAIL" | sed "s/^/$tool d=${dt%:*} /" || { echo "$tool shared-SM d=${dt%:*}: failed"; rc=1; }
+      done
+    done | tee "$dir/sanitizer-decode-sharedsm-$gpu.txt"
     for tool in racecheck synccheck; do  # claiming on (the default), 3000 keys: one own tile, then claims
       timeout 100 compute-sanitizer --tool $tool --kernel-name kns=FMHA $py scripts/sanitize_case.py decode \
         --seqlen 4 --seqlen-k 3000 --batch-heads 32 --nheads-kv 8 --causal 1 2>&1 | grep "SUMMARY\|: ok\|FAIL" \

@@ -122,10 +122,11 @@ def test_two_ctas_share_an_sm_only_on_a_wide_unsplit_grid(monkeypatch):
     assert decode.shared_sm_tile_n(128, 1, 133, 132) == 64
     assert decode.shared_sm_tile_n(128, 1, 132, 132) is None
     assert decode.shared_sm_tile_n(128, 2, 512, 132) is None
-    for d, tile_n in decode.SHARED_SM_TILE_N.items():  # two fit in an SM's 227 KB (with 1 KB reserved each)
+    assert decode.shared_sm_tile_n(64, 1, 2048, 132) is None  # d=64: three CTAs would share an SM
+    for d, tile_n in decode.SHARED_SM_TILE_N.items():  # two fit in an SM's 227 KB (1 KB reserved each), not three
         assert tile_n < decode.DEFAULT_CONFIG[d]["tile_n"] and tile_n % 16 == 0
-        assert 2 * (decode.smem_bytes(d, tile_n, decode.DEFAULT_CONFIG[d]["kv_stages"], merge="last_cta") + 1024) \
-            <= 227 * 1024
+        cta = decode.smem_bytes(d, tile_n, decode.DEFAULT_CONFIG[d]["kv_stages"], merge="last_cta") + 1024
+        assert 2 * cta <= 227 * 1024 < 3 * cta
     monkeypatch.setattr(decode, "listed_gpu", lambda gpus: gpus is decode.SHARED_SM_GPUS)
     wide = decode.make_launcher(128, "bfloat16", False, 1, 1, True, merge="last_cta", ctas=64 * 32)
     narrow = decode.make_launcher(128, "bfloat16", False, 4, 16, True, merge="last_cta", ctas=8)
@@ -457,7 +458,7 @@ def test_claimed_tiles_match_the_reference_launch_after_launch(merge, shape, len
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("d", [128, 256])
 @pytest.mark.parametrize("causal,q_len", [(False, 1), (True, 4)])
 def test_shared_sm_tiles_match_the_reference(monkeypatch, d, causal, q_len):
     # SHARED_SM_TILE_N on any GPU: one more sequence x 4 K/V heads (group 8) than fills the SMs (34 on
