@@ -174,9 +174,14 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, causal: b
     launcher, scale, kv_rows = prepared
     b, q_len, h, _ = q.shape
     out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
-    lse = torch.empty((b, h, q_len), device=q.device, dtype=torch.float32)
     if launcher is None:  # an int length of 0: no keys, nothing to launch
-        return (out.zero_(), lse.fill_(-math.inf)) if return_lse else out.zero_()
+        return (out.zero_(), torch.full((b, h, q_len), -math.inf, device=q.device)) if return_lse else out.zero_()
+    if return_lse or torch.cuda.is_current_stream_capturing():
+        lse = torch.empty((b, h, q_len), device=q.device, dtype=torch.float32)
+    else:  # the kernel writes an LSE nobody reads: the stream's scratch (an allocation is a launch's worth of host time)
+        from kernels.decode import SCRATCH
+
+        lse = SCRATCH.tensor(q.device.index, (b, h, q_len), torch.float32)
     if kv_rows is not None:  # one int length for all: the caches' first rows are the whole problem (views)
         k_cache, v_cache, cache_seqlens = k_cache[:, :kv_rows], v_cache[:, :kv_rows], None
     if q.device.index == torch.cuda.current_device():

@@ -866,34 +866,57 @@ def _sm_count(device: int) -> int:
     return _SM_COUNTS[device]
 
 
-class MergeCounters:
-    """The in-kernel merge's counters (and the claims') for eager calls: one zeroed int32 buffer per (device, stream),
-    grown (zeroed) when a call needs more; each merge leaves its counter at 0 again, so no memset
-    per call. Launches on one stream run one after another; two streams get two buffers. A CUDA
-    graph must not capture these (a growth would free what it captured): a decode plan owns its own."""
+class StreamScratch:
+    """Scratch of eager calls, per (device, stream): the merge's counters (zeroed once: each merge
+    leaves its counter at 0 again), the fp32 partials and an LSE the caller did not ask for,
+    reused call after call instead of allocated (an allocation costs about as much host time as
+    the launch). Launches on one stream run one after another, so one set per stream is enough;
+    two streams get two. Under CUDA-graph capture nothing comes from here: a growth would free
+    memory the graph holds (``DecodeLauncher.__call__``); a decode plan owns its own buffers."""
+
+    MAX_SHAPES = 64  # distinct (shape, dtype) per stream before starting over (a varying batch)
 
     def __init__(self):
-        self._buffers = {}
+        self._streams = {}
 
-    def get(self, device, n: int):
+    def _slot(self, device_index: int) -> dict:
         import torch
 
-        key = (device, torch.cuda.current_stream(device).cuda_stream)
-        buf = self._buffers.get(key)
+        key = (device_index, torch._C._cuda_getCurrentRawStream(device_index))  # an int: cheap
+        slot = self._streams.get(key)
+        if slot is None:
+            slot = self._streams[key] = {"counters": None, "tensors": {}}
+        return slot
+
+    def counters(self, device_index: int, n: int):
+        import torch
+
+        slot = self._slot(device_index)
+        buf = slot["counters"]
         if buf is None or buf.numel() < n:
-            buf = self._buffers[key] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+            buf = slot["counters"] = torch.zeros(max(n, 1024), dtype=torch.int32, device=f"cuda:{device_index}")
         return buf
 
+    def tensor(self, device_index: int, shape: tuple, dtype):
+        import torch
 
-_COUNTERS = MergeCounters()
+        tensors = self._slot(device_index)["tensors"]
+        t = tensors.get((shape, dtype))
+        if t is None:
+            if len(tensors) >= self.MAX_SHAPES:
+                tensors.clear()
+            t = tensors[(shape, dtype)] = torch.empty(shape, dtype=dtype, device=f"cuda:{device_index}")
+        return t
+
+
+SCRATCH = StreamScratch()
 
 
 class DecodeLauncher:
     """The main kernel and (with S > 1) the merge, bound to a split count: a ``Combine`` launch,
-    or the main kernel's last-CTA merge. Called with tensors in the decode layout, it allocates the
-    fp32 partials per call (the caching allocator makes that cheap and safe across streams); a
-    caller that replays launches (a CUDA graph, a decode plan) makes its own ``buffers`` once and
-    calls ``launch``."""
+    or the main kernel's last-CTA merge. Called with tensors in the decode layout, it takes the fp32
+    partials and counters from the stream's ``SCRATCH``; a caller that replays launches (a decode
+    plan) makes its own ``buffers`` once and calls ``launch``."""
 
     def __init__(self, main, combine, num_splits: int, head_dim: int, group: int, merge: str, claim: bool = False):
         self.main, self.combine, self.num_splits, self.head_dim = main, combine, num_splits, head_dim
@@ -925,10 +948,21 @@ class DecodeLauncher:
             self.combine(o_partial, lse_partial, out, lse, self.num_splits)
 
     def __call__(self, q, k_cache, v_cache, out, lse, cache_seqlens, scale: float):
+        """An eager launch on q's device (the current one): partials and counters from ``SCRATCH``,
+        or, while a CUDA graph is being captured, made for this call (the graph's pool keeps them)."""
+        import torch
+
         b, q_len, h, _ = q.shape
-        counters = (_COUNTERS.get(q.device, self.counters_needed(b, q_len, h))
-                    if self.num_splits > 1 and self.merge != "combine" else None)
-        self.launch(q, k_cache, v_cache, out, lse, cache_seqlens, scale, self.buffers(b, q_len, h, q.device, counters))
+        if self.num_splits == 1:
+            buffers = (None, None, None)
+        elif torch.cuda.is_current_stream_capturing():
+            buffers = self.buffers(b, q_len, h, q.device)
+        else:
+            s, dev = self.num_splits, q.device.index
+            buffers = (SCRATCH.tensor(dev, (s, b, q_len, h, self.head_dim), torch.float32),
+                       SCRATCH.tensor(dev, (s, b, h, q_len), torch.float32),
+                       SCRATCH.counters(dev, self.counters_needed(b, q_len, h)) if self.merge != "combine" else None)
+        self.launch(q, k_cache, v_cache, out, lse, cache_seqlens, scale, buffers)
 
 
 def config(head_dim: int, **overrides) -> dict:

@@ -489,3 +489,53 @@ def test_shared_sm_tiles_match_the_reference(monkeypatch, d, causal, q_len):
     assert not verdict, verdict
     got = attention_with_kvcache(q, k, v, lens, causal=causal)  # the one-call API: same kernel, same bits
     assert torch.equal(got, out)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_one_call_reuses_stream_scratch_and_a_captured_call_owns_its_buffers(monkeypatch):
+    # Eager calls take the split partials, counters and an unrequested LSE from the stream's
+    # scratch (no allocation); a call captured in a CUDA graph gets its own, so a later call
+    # that grows the scratch cannot free what the graph replays.
+    from kernels import decode
+
+    def inputs(b, s_cache):
+        q = torch.randn(b, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(b, s_cache, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        return q, k, v
+
+    q, k, v = inputs(1, 8192)
+    lens = torch.tensor([8000], dtype=torch.int32, device="cuda")
+    with deterministic():  # fixed split shares: eager and replayed calls give the same bits
+        first = attention_with_kvcache(q, k, v, lens)
+        slot = decode.SCRATCH._slot(q.device.index)
+        held = {key: t.data_ptr() for key, t in slot["tensors"].items()}
+        assert len(held) == 3  # partial O, partial LSE, the discarded LSE
+        assert torch.equal(attention_with_kvcache(q, k, v, lens), first)
+        assert {key: t.data_ptr() for key, t in slot["tensors"].items()} == held  # reused, not reallocated
+
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            attention_with_kvcache(q, k, v, lens)  # warm this stream's path before capture
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+
+        def refuse(*args):
+            raise AssertionError("scratch taken under CUDA-graph capture")
+
+        with monkeypatch.context() as patched:
+            patched.setattr(decode.SCRATCH, "tensor", refuse)
+            patched.setattr(decode.SCRATCH, "counters", refuse)
+            with torch.cuda.graph(graph):
+                captured = attention_with_kvcache(q, k, v, lens)
+        decode.SCRATCH._streams.clear()  # as a later, larger call growing the scratch would: freed
+        big_q, big_k, big_v = inputs(2, 16384)
+        attention_with_kvcache(big_q, big_k, big_v, torch.tensor([16384, 9000], dtype=torch.int32, device="cuda"))
+        q.copy_(torch.randn_like(q))
+        lens.fill_(5000)
+        captured.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = attention_with_kvcache(q, k, v, lens)
+    assert not captured.isnan().any() and torch.equal(captured, want)
