@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 
 from kernels import get_kernel
-from kernels.contract import Problem, UnsupportedProblem, as_causal, as_scale
+from kernels.contract import Problem, StreamBuffers, UnsupportedProblem, as_causal, as_scale
 
 from .inputs import shared_dtype, torch_dtype
 
@@ -178,10 +178,9 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, causal: b
         return (out.zero_(), torch.full((b, h, q_len), -math.inf, device=q.device)) if return_lse else out.zero_()
     if return_lse or torch.cuda.is_current_stream_capturing():
         lse = torch.empty((b, h, q_len), device=q.device, dtype=torch.float32)
-    else:  # the kernel writes an LSE nobody reads: the stream's scratch (an allocation is a launch's worth of host time)
-        from kernels.decode import SCRATCH
-
-        lse = SCRATCH.tensor(q.device.index, (b, h, q_len), torch.float32)
+    else:  # the kernel writes an LSE nobody reads: one per shape and stream (an allocation costs a launch's host time)
+        lse = _UNREAD_LSE.get(q.device.index, (b, h, q_len),
+                              lambda: torch.empty((b, h, q_len), device=q.device, dtype=torch.float32))
     if kv_rows is not None:  # one int length for all: the caches' first rows are the whole problem (views)
         k_cache, v_cache, cache_seqlens = k_cache[:, :kv_rows], v_cache[:, :kv_rows], None
     if q.device.index == torch.cuda.current_device():
@@ -193,6 +192,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, causal: b
 
 
 _PREPARED: dict = {}
+_UNREAD_LSE = StreamBuffers()
 
 
 @torch.library.custom_op("fa3_cute::attention_with_kvcache", mutates_args=())

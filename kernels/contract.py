@@ -293,6 +293,30 @@ def jit_compile(key, build: Callable[[], tuple], keep_ptx: bool = False):
     return _JIT_CACHE[full_key]
 
 
+class StreamBuffers:
+    """Buffers of eager calls, one set per (device, stream, shape), made once and reused call after
+    call: an allocation costs about as much host time as the launch. Launches on one stream run one
+    after another, so one set per stream is enough. Not for a call under CUDA-graph capture:
+    dropping a set (``MAX`` shapes, then start over) would free memory that the graph replays
+    (``decode.DecodeLauncher.__call__``)."""
+
+    MAX = 64
+
+    def __init__(self):
+        self._sets = {}
+
+    def get(self, device_index: int, shape_key: tuple, make):
+        import torch
+
+        key = (device_index, torch._C._cuda_getCurrentRawStream(device_index), shape_key)  # an int: cheap
+        got = self._sets.get(key)
+        if got is None:
+            if len(self._sets) >= self.MAX:
+                self._sets.clear()
+            got = self._sets[key] = make()
+        return got
+
+
 def fake_stream():
     from cutlass.cute.runtime import make_fake_stream
 

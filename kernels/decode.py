@@ -47,6 +47,7 @@ from .contract import (
     LOG2_E,
     CompiledAttention,
     Problem,
+    StreamBuffers,
     UnsupportedProblem,
     compiled_ptx,
     cute_dtype,
@@ -866,61 +867,16 @@ def _sm_count(device: int) -> int:
     return _SM_COUNTS[device]
 
 
-class StreamScratch:
-    """Scratch of eager calls, per (device, stream): the merge's counters (zeroed once: each merge
-    leaves its counter at 0 again), the fp32 partials and an LSE the caller did not ask for,
-    reused call after call instead of allocated (an allocation costs about as much host time as
-    the launch). Launches on one stream run one after another, so one set per stream is enough;
-    two streams get two. Under CUDA-graph capture nothing comes from here: a growth would free
-    memory the graph holds (``DecodeLauncher.__call__``); a decode plan owns its own buffers."""
-
-    MAX_SHAPES = 64  # distinct (shape, dtype) per stream before starting over (a varying batch)
-
-    def __init__(self):
-        self._streams = {}
-
-    def _slot(self, device_index: int) -> dict:
-        import torch
-
-        key = (device_index, torch._C._cuda_getCurrentRawStream(device_index))  # an int: cheap
-        slot = self._streams.get(key)
-        if slot is None:
-            slot = self._streams[key] = {"counters": None, "tensors": {}}
-        return slot
-
-    def counters(self, device_index: int, n: int):
-        import torch
-
-        slot = self._slot(device_index)
-        buf = slot["counters"]
-        if buf is None or buf.numel() < n:
-            buf = slot["counters"] = torch.zeros(max(n, 1024), dtype=torch.int32, device=f"cuda:{device_index}")
-        return buf
-
-    def tensor(self, device_index: int, shape: tuple, dtype):
-        import torch
-
-        tensors = self._slot(device_index)["tensors"]
-        t = tensors.get((shape, dtype))
-        if t is None:
-            if len(tensors) >= self.MAX_SHAPES:
-                tensors.clear()
-            t = tensors[(shape, dtype)] = torch.empty(shape, dtype=dtype, device=f"cuda:{device_index}")
-        return t
-
-
-SCRATCH = StreamScratch()
-
-
 class DecodeLauncher:
     """The main kernel and (with S > 1) the merge, bound to a split count: a ``Combine`` launch,
-    or the main kernel's last-CTA merge. Called with tensors in the decode layout, it takes the fp32
-    partials and counters from the stream's ``SCRATCH``; a caller that replays launches (a decode
-    plan) makes its own ``buffers`` once and calls ``launch``."""
+    or the main kernel's last-CTA merge. Called with tensors in the decode layout, it reuses the
+    fp32 partials and counters of the shape on the stream (``eager``); a caller that replays
+    launches (a decode plan) makes its own ``buffers`` once and calls ``launch``."""
 
     def __init__(self, main, combine, num_splits: int, head_dim: int, group: int, merge: str, claim: bool = False):
         self.main, self.combine, self.num_splits, self.head_dim = main, combine, num_splits, head_dim
         self.group, self.merge, self.claim = group, merge, claim
+        self.eager = StreamBuffers()  # eager calls' partials and counters (each merge leaves its counter at 0)
 
     def counters_needed(self, batch: int, q_len: int, nheads: int) -> int:
         """One merge counter per (query tile, K/V head, batch), and as many claim counters."""
@@ -948,8 +904,9 @@ class DecodeLauncher:
             self.combine(o_partial, lse_partial, out, lse, self.num_splits)
 
     def __call__(self, q, k_cache, v_cache, out, lse, cache_seqlens, scale: float):
-        """An eager launch on q's device (the current one): partials and counters from ``SCRATCH``,
-        or, while a CUDA graph is being captured, made for this call (the graph's pool keeps them)."""
+        """An eager launch on q's device (the current one): the partials and counters of this shape
+        on this stream (``eager``), or, while a CUDA graph is being captured, made for this call
+        (the graph's pool keeps them)."""
         import torch
 
         b, q_len, h, _ = q.shape
@@ -958,10 +915,7 @@ class DecodeLauncher:
         elif torch.cuda.is_current_stream_capturing():
             buffers = self.buffers(b, q_len, h, q.device)
         else:
-            s, dev = self.num_splits, q.device.index
-            buffers = (SCRATCH.tensor(dev, (s, b, q_len, h, self.head_dim), torch.float32),
-                       SCRATCH.tensor(dev, (s, b, h, q_len), torch.float32),
-                       SCRATCH.counters(dev, self.counters_needed(b, q_len, h)) if self.merge != "combine" else None)
+            buffers = self.eager.get(q.device.index, (b, q_len, h), lambda: self.buffers(b, q_len, h, q.device))
         self.launch(q, k_cache, v_cache, out, lse, cache_seqlens, scale, buffers)
 
 

@@ -493,45 +493,50 @@ def test_shared_sm_tiles_match_the_reference(monkeypatch, d, causal, q_len):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_one_call_reuses_stream_scratch_and_a_captured_call_owns_its_buffers(monkeypatch):
-    # Eager calls take the split partials, counters and an unrequested LSE from the stream's
-    # scratch (no allocation); a call captured in a CUDA graph gets its own, so a later call
-    # that grows the scratch cannot free what the graph replays.
+def test_one_call_reuses_its_buffers_and_a_captured_call_owns_its_own(monkeypatch):
+    # Eager calls reuse the split partials, counters and an unrequested LSE of their shape and
+    # stream (StreamBuffers); a call captured in a CUDA graph makes its own, so dropping the
+    # eager sets (as MAX shapes would) cannot free what the graph replays.
+    from harness import kvcache
     from kernels import decode
+    from kernels.contract import StreamBuffers
 
-    def inputs(b, s_cache):
-        q = torch.randn(b, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
-        k, v = (torch.randn(b, s_cache, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        return q, k, v
+    made, get = [], StreamBuffers.get
 
-    q, k, v = inputs(1, 8192)
+    def counting(self, device_index, shape_key, make):
+        return get(self, device_index, shape_key, lambda: made.append(shape_key) or make())
+
+    monkeypatch.setattr(StreamBuffers, "get", counting)
+    q = torch.randn(1, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(1, 8192, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     lens = torch.tensor([8000], dtype=torch.int32, device="cuda")
     with deterministic():  # fixed split shares: eager and replayed calls give the same bits
         first = attention_with_kvcache(q, k, v, lens)
-        slot = decode.SCRATCH._slot(q.device.index)
-        held = {key: t.data_ptr() for key, t in slot["tensors"].items()}
-        assert len(held) == 3  # partial O, partial LSE, the discarded LSE
+        launcher = kvcache._PREPARED[kvcache._call_signature(q, k, v, lens, False, None, 0, False, "decode")][0]
+        assert launcher.num_splits > 1
+        n_made = len(made)
         assert torch.equal(attention_with_kvcache(q, k, v, lens), first)
-        assert {key: t.data_ptr() for key, t in slot["tensors"].items()} == held  # reused, not reallocated
+        assert len(made) == n_made  # the second call made nothing
 
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            attention_with_kvcache(q, k, v, lens)  # warm this stream's path before capture
+            attention_with_kvcache(q, k, v, lens)  # warm up off the default stream before capture
         torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
 
         def refuse(*args):
-            raise AssertionError("scratch taken under CUDA-graph capture")
+            raise AssertionError("eager buffers taken under CUDA-graph capture")
 
+        graph = torch.cuda.CUDAGraph()
         with monkeypatch.context() as patched:
-            patched.setattr(decode.SCRATCH, "tensor", refuse)
-            patched.setattr(decode.SCRATCH, "counters", refuse)
+            patched.setattr(StreamBuffers, "get", refuse)
             with torch.cuda.graph(graph):
                 captured = attention_with_kvcache(q, k, v, lens)
-        decode.SCRATCH._streams.clear()  # as a later, larger call growing the scratch would: freed
-        big_q, big_k, big_v = inputs(2, 16384)
-        attention_with_kvcache(big_q, big_k, big_v, torch.tensor([16384, 9000], dtype=torch.int32, device="cuda"))
+        launcher.eager._sets.clear()  # the eager sets freed, then reused by a larger call
+        kvcache._UNREAD_LSE._sets.clear()
+        attention_with_kvcache(*(torch.randn(2, n, 32 if n == 1 else 8, 128, device="cuda", dtype=torch.bfloat16)
+                                 for n in (1, 16384, 16384)), torch.tensor([16384, 9000], dtype=torch.int32,
+                                                                           device="cuda"))
         q.copy_(torch.randn_like(q))
         lens.fill_(5000)
         captured.fill_(float("nan"))
