@@ -166,8 +166,6 @@ def host_us(call, n: int = 200) -> float:
     """Mean host time of ``call`` over n back-to-back calls, nothing synchronized in between."""
     import torch
 
-    for _ in range(10):
-        call()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(n):
@@ -297,20 +295,39 @@ def host_calls(inputs: Inputs) -> dict:
     return calls
 
 
-def run_host(emit, head_dim: int = HEAD_DIM, q_len: int = Q_LEN) -> None:
+HOST_ROUNDS = 9
+
+
+def run_host(emit, head_dim: int = HEAD_DIM, q_len: int = Q_LEN, rounds: int = HOST_ROUNDS) -> None:
     """Host microseconds per call (no graph, no sync inside the loop) at two shapes, and the same
-    calls' per-call time on the GPU clock (event pair around 200 calls: max of host and kernel)."""
+    calls' per-call time on the GPU clock (event pair around 200 calls: max of host and kernel).
+    The calls take turns, ``rounds`` bursts of 200 each after a warm-up; each row is the median
+    burst (a host's timing drifts by tens of percent from one second to the next)."""
+    import statistics
+
     import torch
 
     for batch, kv_len, nheads_kv in ((1, 32768, 8), (64, 4096, 8)):
         inputs = Inputs(batch, kv_len, nheads_kv, head_dim, q_len)
         base = dict(mode="host", batch=batch, nheads=NHEADS, nheads_kv=nheads_kv, seqlen_k=kv_len, q_len=q_len,
                     head_dim=head_dim)
-        for name, call in host_calls(inputs).items():
+        calls, host, failed = host_calls(inputs), {}, {}
+        for name, call in calls.items():
             try:
-                emit(dict(base, kernel=name, host_us=host_us(call), call_us=call_us(call), status="ok"))
+                for _ in range(10):  # warm-up: compiles, first allocations
+                    call()
+                host[name] = []
             except Exception as e:
-                emit(dict(base, kernel=name, status=failure(e)))
+                failed[name] = failure(e)
+        for _ in range(rounds):
+            for name in host:
+                host[name].append(host_us(calls[name]))
+        for name in calls:
+            if name in failed:
+                emit(dict(base, kernel=name, status=failed[name]))
+            else:
+                emit(dict(base, kernel=name, host_us=statistics.median(host[name]), call_us=call_us(calls[name]),
+                          rounds=rounds, status="ok"))
         del inputs
         torch.cuda.empty_cache()
 

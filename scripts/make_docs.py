@@ -504,7 +504,10 @@ def decode_host_table(bench):
             for r in bench["rows"] if r.get("mode") == "host"]
     if not body:
         return "No host-time rows in the newest decode result file."
-    return (f"{gpu_short_name(bench['meta'].get('device', ''))}; host: mean over 200 calls with no synchronization; "
+    rounds = max((r.get("rounds", 1) for r in bench["rows"] if r.get("mode") == "host"), default=1)
+    host = ("mean over 200 calls with no synchronization" if rounds == 1 else
+            f"the median of {rounds} bursts of 200 calls with no synchronization, the calls taking turns")
+    return (f"{gpu_short_name(bench['meta'].get('device', ''))}; host: {host}; "
             "per call: an event pair around the same 200 calls (whichever of host and GPU is slower).\n\n"
             + markdown_table(["call", "batch", "keys", "K/V heads", "host µs per call", "µs per call (GPU clock)"],
                              body))
