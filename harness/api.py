@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from kernels import REGISTRY, get_kernel
-from kernels.contract import FP8_DTYPES, UnsupportedProblem, as_causal, as_scale
+from kernels.contract import FP8_DTYPES, UnsupportedProblem, as_causal, as_scale, fresh_buffers
 
 from .inputs import empty_outputs, problem_from_tensors, require_cuda, require_tensors
 
@@ -33,7 +33,8 @@ def compiled_for(name: str, problem):
     get_kernel(name).caps.check_device(torch.cuda.get_device_capability())
     problem = problem.with_(softmax_scale=None)
     # decode walks fixed split shares under torch.use_deterministic_algorithms (kernels/decode.py)
-    key = (name, problem, torch.are_deterministic_algorithms_enabled())
+    # ... and its split count, claims and tile width depend on the GPU (kernels/decode.py)
+    key = (name, problem, torch.are_deterministic_algorithms_enabled(), torch.cuda.current_device())
     if key in _CACHE:
         _CACHE.move_to_end(key)
         return _CACHE[key]
@@ -61,7 +62,9 @@ def attention_op(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
         check_block_descales(name, problem, dict(descale_q=descale_q, descale_k=descale_k, descale_v=descale_v),
                              q.device)
     require_cuda(q, k, v)
-    with torch.cuda.device(q.device):  # compile-time buffers and the launch follow the inputs
+    # compile-time buffers and the launch follow the inputs; no eager buffer set is kept from a
+    # custom op's body (kernels.contract.fresh_buffers)
+    with torch.cuda.device(q.device), fresh_buffers():
         compiled = compiled_for(name, problem)
         out, lse = empty_outputs(problem, device=q.device)  # the checks poison; a caller needs no fill
         if block:

@@ -320,14 +320,20 @@ def run_host(emit, head_dim: int = HEAD_DIM, q_len: int = Q_LEN, rounds: int = H
             except Exception as e:
                 failed[name] = failure(e)
         for _ in range(rounds):
-            for name in host:
-                host[name].append(host_us(calls[name]))
+            for name in [n for n in host if n not in failed]:
+                try:
+                    host[name].append(host_us(calls[name]))
+                except Exception as e:
+                    failed[name] = failure(e)
         for name in calls:
-            if name in failed:
-                emit(dict(base, kernel=name, status=failed[name]))
-            else:
-                emit(dict(base, kernel=name, host_us=statistics.median(host[name]), call_us=call_us(calls[name]),
-                          rounds=rounds, status="ok"))
+            try:
+                if name not in failed:
+                    emit(dict(base, kernel=name, host_us=statistics.median(host[name]),
+                              call_us=call_us(calls[name]), rounds=rounds, status="ok"))
+                    continue
+            except Exception as e:
+                failed[name] = failure(e)
+            emit(dict(base, kernel=name, status=failed[name]))
         del inputs
         torch.cuda.empty_cache()
 

@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 
 from kernels import get_kernel
-from kernels.contract import Problem, StreamBuffers, UnsupportedProblem, as_causal, as_scale
+from kernels.contract import Problem, StreamBuffers, UnsupportedProblem, as_causal, as_scale, fresh_buffers
 
 from .inputs import shared_dtype, torch_dtype
 
@@ -175,7 +175,8 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, causal: b
     b, q_len, h, _ = q.shape
     out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     if launcher is None:  # an int length of 0: no keys, nothing to launch
-        return (out.zero_(), torch.full((b, h, q_len), -math.inf, device=q.device)) if return_lse else out.zero_()
+        return ((out.zero_(), torch.full((b, h, q_len), -math.inf, device=q.device, dtype=torch.float32))
+                if return_lse else out.zero_())
     if return_lse or torch.cuda.is_current_stream_capturing():
         lse = torch.empty((b, h, q_len), device=q.device, dtype=torch.float32)
     else:  # the kernel writes an LSE nobody reads: one per shape and stream (an allocation costs a launch's host time)
@@ -202,8 +203,9 @@ def _kvcache_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, c
     """What torch.compile sees: (O, LSE) from the eager call (a custom op has a fixed number of
     outputs; the length comes as a tensor or as an int, never both)."""
     lens = cache_seqlens if cache_seqlens is not None else cache_length
-    return attention_with_kvcache(q, k_cache, v_cache, lens, causal=causal, softmax_scale=softmax_scale,
-                                  num_splits=num_splits, return_lse=True, kernel=kernel)
+    with fresh_buffers():  # nothing kept from a custom op's body (kernels.contract.fresh_buffers)
+        return attention_with_kvcache(q, k_cache, v_cache, lens, causal=causal, softmax_scale=softmax_scale,
+                                      num_splits=num_splits, return_lse=True, kernel=kernel)
 
 
 @_kvcache_op.register_fake

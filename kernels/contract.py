@@ -21,6 +21,8 @@ scores of each query row.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 import numbers
 import os
@@ -293,6 +295,21 @@ def jit_compile(key, build: Callable[[], tuple], keep_ptx: bool = False):
     return _JIT_CACHE[full_key]
 
 
+_FRESH_BUFFERS = contextvars.ContextVar("fresh_buffers", default=False)
+
+
+@contextlib.contextmanager
+def fresh_buffers():
+    """Inside, ``StreamBuffers.get`` makes every set anew and keeps nothing. For the torch custom
+    ops' bodies: under torch.compile with CUDA graphs (mode="reduce-overhead") even the warm-up
+    run before capture allocates from the graph's private pool, which a kept set must not hold."""
+    token = _FRESH_BUFFERS.set(True)
+    try:
+        yield
+    finally:
+        _FRESH_BUFFERS.reset(token)
+
+
 class StreamBuffers:
     """Buffers of eager calls, one set per (device, stream, shape), made once and reused call after
     call: an allocation costs about as much host time as the launch. Launches on one stream run one
@@ -308,6 +325,8 @@ class StreamBuffers:
     def get(self, device_index: int, shape_key: tuple, make):
         import torch
 
+        if _FRESH_BUFFERS.get():
+            return make()
         key = (device_index, torch._C._cuda_getCurrentRawStream(device_index), shape_key)  # an int: cheap
         got = self._sets.get(key)
         if got is None:

@@ -279,6 +279,8 @@ case "$part" in
           2>&1 | grep "SUMMARY\|: ok\|FAIL" | sed "s/^/$tool d=${dt%:*} /" || { echo "$tool shared-SM d=${dt%:*}: failed"; rc=1; }
       done
     done | tee "$dir/sanitizer-decode-sharedsm-$gpu.txt"
+    # (the loop runs in a subshell: judge it by what it wrote)
+    ! grep -q "failed\|FAIL\|[1-9][0-9]* hazards\|[1-9][0-9]* errors" "$dir/sanitizer-decode-sharedsm-$gpu.txt" || rc=1
     for tool in racecheck synccheck; do  # claiming on (the default), 3000 keys: one own tile, then claims
       timeout 100 compute-sanitizer --tool $tool --kernel-name kns=FMHA $py scripts/sanitize_case.py decode \
         --seqlen 4 --seqlen-k 3000 --batch-heads 32 --nheads-kv 8 --causal 1 2>&1 | grep "SUMMARY\|: ok\|FAIL" \

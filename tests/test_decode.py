@@ -79,9 +79,11 @@ def test_claimed_ranges_leave_every_other_tile_to_the_counter(n_tiles, splits, c
     assert sorted(own + list(range(base, n_tiles))) == list(range(n_tiles))
 
 
-def test_deterministic_algorithms_turn_claiming_off():
+def test_deterministic_algorithms_turn_claiming_off(monkeypatch):
     # torch.use_deterministic_algorithms(True): fixed shares, unless claim_after is set by the caller.
     from kernels import decode
+
+    monkeypatch.setattr(decode, "listed_gpu", lambda gpus: False)  # an H100's defaults, whatever this host has
 
     assert decode.config(128)["claim_after"] > 0
     assert decode.make_launcher(128, "bfloat16", False, 4, 16, True, merge="last_cta").claim
@@ -544,3 +546,35 @@ def test_one_call_reuses_its_buffers_and_a_captured_call_owns_its_own(monkeypatc
         torch.cuda.synchronize()
         want = attention_with_kvcache(q, k, v, lens)
     assert not captured.isnan().any() and torch.equal(captured, want)
+
+
+def test_fresh_buffers_keep_nothing():
+    # What the custom ops' bodies run under: every set made anew, none kept (no CUDA needed).
+    from kernels.contract import StreamBuffers, fresh_buffers
+
+    sets, made = StreamBuffers(), []
+    with fresh_buffers():
+        for _ in range(2):
+            sets.get(0, (1, 1, 32), lambda: made.append(1) or object())
+    assert len(made) == 2 and not sets._sets
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_kvcache_call_under_reduce_overhead_compile_matches_eager():
+    # torch.compile with CUDA graphs: the op's warm-up run allocates from the graph's pool, so its
+    # body keeps no eager buffer set (fresh_buffers); three replays with new lengths each.
+    q = torch.randn(1, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(1, 8192, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    lens = torch.tensor([8000], dtype=torch.int32, device="cuda")
+
+    def step(q, k, v, lens):
+        return attention_with_kvcache(q, k, v, lens) * 1.0
+
+    with deterministic():
+        torch._dynamo.reset()
+        compiled = torch.compile(step, mode="reduce-overhead", fullgraph=True)
+        for n in (8000, 5000, 123, 8192):
+            lens.fill_(n)
+            got = compiled(q, k, v, lens).clone()
+            assert torch.equal(got, step(q, k, v, lens)), n
