@@ -326,14 +326,16 @@ def run_host(emit, head_dim: int = HEAD_DIM, q_len: int = Q_LEN, rounds: int = H
                 except Exception as e:
                     failed[name] = failure(e)
         for name in calls:
-            try:
-                if name not in failed:
-                    emit(dict(base, kernel=name, host_us=statistics.median(host[name]),
-                              call_us=call_us(calls[name]), rounds=rounds, status="ok"))
-                    continue
-            except Exception as e:
-                failed[name] = failure(e)
-            emit(dict(base, kernel=name, status=failed[name]))
+            if name not in failed:
+                try:
+                    per_call = call_us(calls[name])
+                except Exception as e:
+                    failed[name] = failure(e)
+            if name in failed:
+                emit(dict(base, kernel=name, status=failed[name]))
+            else:
+                emit(dict(base, kernel=name, host_us=statistics.median(host[name]), call_us=per_call, rounds=rounds,
+                          status="ok"))
         del inputs
         torch.cuda.empty_cache()
 

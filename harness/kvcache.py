@@ -177,11 +177,11 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, causal: b
     if launcher is None:  # an int length of 0: no keys, nothing to launch
         return ((out.zero_(), torch.full((b, h, q_len), -math.inf, device=q.device, dtype=torch.float32))
                 if return_lse else out.zero_())
-    if return_lse or torch.cuda.is_current_stream_capturing():
-        lse = torch.empty((b, h, q_len), device=q.device, dtype=torch.float32)
-    else:  # the kernel writes an LSE nobody reads: one per shape and stream (an allocation costs a launch's host time)
-        lse = _UNREAD_LSE.get(q.device.index, (b, h, q_len),
-                              lambda: torch.empty((b, h, q_len), device=q.device, dtype=torch.float32))
+    def new_lse():
+        return torch.empty((b, h, q_len), device=q.device, dtype=torch.float32)
+
+    # An LSE nobody reads: one per shape and stream (an allocation costs a launch's host time).
+    lse = new_lse() if return_lse else _UNREAD_LSE.get(q.device.index, (b, h, q_len), new_lse)
     if kv_rows is not None:  # one int length for all: the caches' first rows are the whole problem (views)
         k_cache, v_cache, cache_seqlens = k_cache[:, :kv_rows], v_cache[:, :kv_rows], None
     if q.device.index == torch.cuda.current_device():

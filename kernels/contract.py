@@ -313,9 +313,9 @@ def fresh_buffers():
 class StreamBuffers:
     """Buffers of eager calls, one set per (device, stream, shape), made once and reused call after
     call: an allocation costs about as much host time as the launch. Launches on one stream run one
-    after another, so one set per stream is enough. Not for a call under CUDA-graph capture:
-    dropping a set (``MAX`` shapes, then start over) would free memory that the graph replays
-    (``decode.DecodeLauncher.__call__``)."""
+    after another, so one set per stream is enough. Under CUDA-graph capture (and ``fresh_buffers``)
+    every set is made for its call and kept by the graph's pool alone: dropping a kept set (``MAX``
+    shapes, then start over) would free memory that the graph replays."""
 
     MAX = 64
 
@@ -325,7 +325,7 @@ class StreamBuffers:
     def get(self, device_index: int, shape_key: tuple, make):
         import torch
 
-        if _FRESH_BUFFERS.get():
+        if _FRESH_BUFFERS.get() or torch.cuda.is_current_stream_capturing():
             return make()
         key = (device_index, torch._C._cuda_getCurrentRawStream(device_index), shape_key)  # an int: cheap
         got = self._sets.get(key)

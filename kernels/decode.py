@@ -882,19 +882,17 @@ class DecodeLauncher:
         """One merge counter per (query tile, K/V head, batch), and as many claim counters."""
         return batch * (nheads // self.group) * -(-q_len // (TILE_M // self.group)) * (2 if self.claim else 1)
 
-    def buffers(self, batch: int, q_len: int, nheads: int, device, counters=None) -> tuple:
-        """(partial O, partial LSE, counters) for a split launch; counters zeroed and owned by the
-        caller unless given."""
+    def buffers(self, batch: int, q_len: int, nheads: int, device) -> tuple:
+        """(partial O, partial LSE, zeroed counters) for a split launch, owned by the caller."""
         import torch
 
         if self.num_splits == 1:
             return None, None, None
         s = self.num_splits
-        if self.merge != "combine" and counters is None:
-            counters = torch.zeros(self.counters_needed(batch, q_len, nheads), dtype=torch.int32, device=device)
+        counters = (torch.zeros(self.counters_needed(batch, q_len, nheads), dtype=torch.int32, device=device)
+                    if self.merge != "combine" else None)
         return (torch.empty((s, batch, q_len, nheads, self.head_dim), device=device, dtype=torch.float32),
-                torch.empty((s, batch, nheads, q_len), device=device, dtype=torch.float32),
-                counters if self.merge != "combine" else None)
+                torch.empty((s, batch, nheads, q_len), device=device, dtype=torch.float32), counters)
 
     def launch(self, q, k_cache, v_cache, out, lse, cache_seqlens, scale: float, buffers: tuple):
         o_partial, lse_partial, counters = buffers
@@ -904,18 +902,11 @@ class DecodeLauncher:
             self.combine(o_partial, lse_partial, out, lse, self.num_splits)
 
     def __call__(self, q, k_cache, v_cache, out, lse, cache_seqlens, scale: float):
-        """An eager launch on q's device (the current one): the partials and counters of this shape
-        on this stream (``eager``), or, while a CUDA graph is being captured, made for this call
-        (the graph's pool keeps them)."""
-        import torch
-
+        """An eager launch on q's device (the current one), with the partials and counters of this
+        shape on this stream (``eager``; made for the call under CUDA-graph capture)."""
         b, q_len, h, _ = q.shape
-        if self.num_splits == 1:
-            buffers = (None, None, None)
-        elif torch.cuda.is_current_stream_capturing():
-            buffers = self.buffers(b, q_len, h, q.device)
-        else:
-            buffers = self.eager.get(q.device.index, (b, q_len, h), lambda: self.buffers(b, q_len, h, q.device))
+        buffers = ((None, None, None) if self.num_splits == 1 else
+                   self.eager.get(q.device.index, (b, q_len, h), lambda: self.buffers(b, q_len, h, q.device)))
         self.launch(q, k_cache, v_cache, out, lse, cache_seqlens, scale, buffers)
 
 

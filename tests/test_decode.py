@@ -497,8 +497,8 @@ def test_shared_sm_tiles_match_the_reference(monkeypatch, d, causal, q_len):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_one_call_reuses_its_buffers_and_a_captured_call_owns_its_own(monkeypatch):
     # Eager calls reuse the split partials, counters and an unrequested LSE of their shape and
-    # stream (StreamBuffers); a call captured in a CUDA graph makes its own, so dropping the
-    # eager sets (as MAX shapes would) cannot free what the graph replays.
+    # stream (StreamBuffers); a call captured in a CUDA graph makes its own and keeps none, so
+    # dropping the eager sets (as MAX shapes would) cannot free what the graph replays.
     from harness import kvcache
     from kernels import decode
     from kernels.contract import StreamBuffers
@@ -526,14 +526,13 @@ def test_one_call_reuses_its_buffers_and_a_captured_call_owns_its_own(monkeypatc
             attention_with_kvcache(q, k, v, lens)  # warm up off the default stream before capture
         torch.cuda.current_stream().wait_stream(stream)
 
-        def refuse(*args):
-            raise AssertionError("eager buffers taken under CUDA-graph capture")
-
+        kept = [dict(sets._sets) for sets in (launcher.eager, kvcache._UNREAD_LSE)]
+        n_made = len(made)
         graph = torch.cuda.CUDAGraph()
-        with monkeypatch.context() as patched:
-            patched.setattr(StreamBuffers, "get", refuse)
-            with torch.cuda.graph(graph):
-                captured = attention_with_kvcache(q, k, v, lens)
+        with torch.cuda.graph(graph):
+            captured = attention_with_kvcache(q, k, v, lens)
+        assert len(made) == n_made + 2  # the partials and the LSE were made for the captured call ...
+        assert [dict(sets._sets) for sets in (launcher.eager, kvcache._UNREAD_LSE)] == kept  # ... and not kept
         launcher.eager._sets.clear()  # the eager sets freed, then reused by a larger call
         kvcache._UNREAD_LSE._sets.clear()
         attention_with_kvcache(*(torch.randn(2, n, 32 if n == 1 else 8, 128, device="cuda", dtype=torch.bfloat16)
