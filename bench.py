@@ -77,6 +77,8 @@ def parse_args(argv=None):
     ap.add_argument("--splits-curve", action="store_true",
                     help="decode: only TB/s against the split count, at batch 1, 32k keys, 8 K/V heads "
                          "unless --batch/--seqlen-k/--nheads-kv say otherwise")
+    ap.add_argument("--host-times", action="store_true",
+                    help="decode: only the host time per call (the one call, the plan, the peers' calls)")
     return ap.parse_args(argv)
 
 
@@ -271,7 +273,7 @@ def print_row(r) -> None:
         print(f"{r['kernel']:<11}{r['ms']:>10.3f}{r['tflops']:>10.1f}{vs}{clock}", flush=True)
 
 
-DECODE_ONLY = ("q_len", "num_splits", "grid_only", "splits_curve")
+DECODE_ONLY = ("q_len", "num_splits", "grid_only", "splits_curve", "host_times")
 
 
 def decode_refusal(args):
@@ -283,7 +285,7 @@ def decode_refusal(args):
              if getattr(args, f) not in (None, False)]
     if other or args.kernels:
         return (f"--decode times its own grid (harness/decode_bench.py); it takes --batch, --seqlen-k, --nheads-kv, "
-                f"--headdim, --q-len, --num-splits, --no-peers, --grid-only, --splits-curve and --out, not "
+                f"--headdim, --q-len, --num-splits, --no-peers, --grid-only, --splits-curve, --host-times and --out, not "
                 f"{other or args.kernels}")
     ignored = [f"{var}={os.environ[var]}" for var in (*KNOBS.values(), "CHECK") if var in os.environ]
     if ignored:
@@ -298,6 +300,10 @@ def decode_refusal(args):
         return f"--num-splits must be in [0, 128] (0: the heuristic), got {args.num_splits}"
     if args.splits_curve and (args.grid_only or args.num_splits is not None):
         return "--splits-curve runs only the split curve (every split count): not with --grid-only or --num-splits"
+    if args.host_times and (args.grid_only or args.splits_curve or args.num_splits is not None
+                            or any(getattr(args, f) is not None for f in ("batch", "seqlen_k", "nheads_kv"))):
+        return ("--host-times runs only the host times, at their two shapes: not with --grid-only, --splits-curve, "
+                "--num-splits, --batch, --seqlen-k or --nheads-kv")
     return None
 
 
@@ -338,6 +344,8 @@ def decode_main(args, argv) -> int:
     if args.splits_curve:
         decode_bench.run_splits(emit, batch=args.batch or 1, kv_len=args.seqlen_k or 32768,
                                 nheads_kv=args.nheads_kv or 8, **shape)
+    elif args.host_times:
+        decode_bench.run_host(emit, **shape)
     else:
         decode_bench.run_grid(decode_bench.grid(args.batch, args.seqlen_k, args.nheads_kv), emit, not args.no_peers,
                               num_splits=args.num_splits or 0, **shape)
@@ -360,7 +368,7 @@ def main(argv=None) -> int:
     if (args.seqlen_k is not None or args.nheads_kv is not None) and not args.compile_only or \
             any(getattr(args, f) not in (None, False) for f in DECODE_ONLY):
         print("error: --seqlen-k and --nheads-kv belong to --decode and --compile-only; --q-len, --num-splits, "
-              "--grid-only and --splits-curve to --decode", file=sys.stderr)
+              "--grid-only, --splits-curve and --host-times to --decode", file=sys.stderr)
         return 2
     try:
         names = resolve_kernels(args.kernels)

@@ -17,13 +17,14 @@ lengths then change in ``cache_seqlens``, never in shapes.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
 import torch
 
 from kernels import get_kernel
-from kernels.contract import Problem, StreamBuffers, UnsupportedProblem, as_causal, as_scale, fresh_buffers
+from kernels.contract import Problem, UnsupportedProblem, as_causal, as_scale, fresh_buffers
 
 from .inputs import shared_dtype, torch_dtype
 
@@ -171,29 +172,46 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, causal: b
             if len(_PREPARED) >= 256:  # many shapes (a varying batch): start over rather than grow
                 _PREPARED.clear()
             _PREPARED[key] = prepared
-    launcher, scale, kv_rows = prepared
-    b, q_len, h, _ = q.shape
-    out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
-    if launcher is None:  # an int length of 0: no keys, nothing to launch
-        return ((out.zero_(), torch.full((b, h, q_len), -math.inf, device=q.device, dtype=torch.float32))
-                if return_lse else out.zero_())
-    def new_lse():
-        return torch.empty((b, h, q_len), device=q.device, dtype=torch.float32)
+    return prepared(q, k_cache, v_cache, cache_seqlens)
 
-    # An LSE nobody reads: one per shape and stream (an allocation costs a launch's host time).
-    lse = new_lse() if return_lse else _UNREAD_LSE.get(q.device.index, (b, h, q_len), new_lse)
-    if kv_rows is not None:  # one int length for all: the caches' first rows are the whole problem (views)
-        k_cache, v_cache, cache_seqlens = k_cache[:, :kv_rows], v_cache[:, :kv_rows], None
-    if q.device.index == torch.cuda.current_device():
-        launcher(q, k_cache, v_cache, out, lse, cache_seqlens, scale)
-    else:
-        with torch.cuda.device(q.device):  # the launch goes to the current device's stream
-            launcher(q, k_cache, v_cache, out, lse, cache_seqlens, scale)
-    return (out, lse) if return_lse else out
+
+class _PreparedCall:
+    """What the checks of one call signature decided, and the launch they allow. Everything the
+    call derives from shapes is worked out here once: a decode call has microseconds to spare."""
+
+    def __init__(self, launcher, scale: float, kv_rows: Optional[int], return_lse: bool, q):
+        b, q_len, h, _ = q.shape
+        self.launcher, self.scale, self.kv_rows, self.return_lse = launcher, scale, kv_rows, return_lse
+        self.device, self.device_index = q.device, q.device.index
+        self.shape, self.lse_shape = (b, q_len, h), (b, h, q_len)
+        if launcher is not None:
+            self.make_set = functools.partial(launcher.eager_set, b, q_len, h, q.device)
+
+    def __call__(self, q, k_cache, v_cache, cache_seqlens):
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)  # cheaper than torch.empty(shape, ...)
+        lse = torch.empty(self.lse_shape, device=self.device, dtype=torch.float32) if self.return_lse else None
+        if self.launcher is None:  # an int length of 0: no keys, nothing to launch
+            out.zero_()
+            return (out, lse.fill_(-math.inf)) if self.return_lse else out
+        if self.kv_rows is not None:  # one int length for all: the caches' first rows are the whole problem (views)
+            k_cache, v_cache, cache_seqlens = k_cache[:, :self.kv_rows], v_cache[:, :self.kv_rows], None
+        if self.device_index == torch.cuda.current_device():
+            self._launch(q, k_cache, v_cache, out, lse, cache_seqlens)
+        else:
+            with torch.cuda.device(self.device_index):  # the launch goes to the current device's stream
+                self._launch(q, k_cache, v_cache, out, lse, cache_seqlens)
+        return (out, lse) if self.return_lse else out
+
+    def _launch(self, q, k_cache, v_cache, out, lse, cache_seqlens):
+        # The launcher's eager set of this shape and stream: split partials, counters, and an LSE
+        # nobody reads (DecodeLauncher.eager_set); made for the call under CUDA-graph capture.
+        o_partial, lse_partial, counters, unread = self.launcher.eager.get(self.device_index, self.shape,
+                                                                           self.make_set)
+        self.launcher.launch(q, k_cache, v_cache, out, unread if lse is None else lse, cache_seqlens, self.scale,
+                             (o_partial, lse_partial, counters))
 
 
 _PREPARED: dict = {}
-_UNREAD_LSE = StreamBuffers()
 
 
 @torch.library.custom_op("fa3_cute::attention_with_kvcache", mutates_args=())
@@ -214,23 +232,26 @@ def _kvcache_fake(q, k_cache, v_cache, cache_seqlens, cache_length, causal, soft
     return q.new_empty(q.shape), q.new_empty((b, h, q_len), dtype=torch.float32)
 
 
-def _tensor_signature(t) -> tuple:
-    return (t.shape, t.stride(), t.dtype, t.device, t.requires_grad, t.data_ptr() % 16)
-
-
 def _call_signature(q, k_cache, v_cache, cache_seqlens, causal, softmax_scale, num_splits, return_lse, kernel):
-    """Everything the checks look at, cheaply: equal signatures pass or fail the checks alike."""
+    """Everything the checks look at, cheaply (one flat tuple): equal signatures pass or fail the
+    checks alike."""
     if isinstance(cache_seqlens, torch.Tensor):
-        lens = _tensor_signature(cache_seqlens)
+        lens = (cache_seqlens.shape, cache_seqlens.stride(), cache_seqlens.dtype, cache_seqlens.device,
+                cache_seqlens.data_ptr() % 16)
     else:
         lens = (type(cache_seqlens), cache_seqlens)
     return (kernel, type(causal), causal, type(softmax_scale), softmax_scale, type(num_splits), num_splits,
-            bool(return_lse), _tensor_signature(q), _tensor_signature(k_cache), _tensor_signature(v_cache), lens,
+            bool(return_lse), lens,
+            q.shape, q.stride(), q.dtype, q.device, q.requires_grad, q.data_ptr() % 16,
+            k_cache.shape, k_cache.stride(), k_cache.dtype, k_cache.device, k_cache.requires_grad,
+            k_cache.data_ptr() % 16,
+            v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.device, v_cache.requires_grad,
+            v_cache.data_ptr() % 16,
             torch.are_deterministic_algorithms_enabled())  # the prepared launcher walks fixed shares then
 
 
 def _prepare(q, k_cache, v_cache, cache_seqlens, causal, softmax_scale, num_splits, return_lse, kernel):
-    """Every check, then (launcher or None for no keys, scale, rows of the caches to use or None)."""
+    """Every check, then the call they allow (``_PreparedCall``)."""
     entry = _check_kernel(kernel)
     causal = as_causal(causal)
     scale = None if softmax_scale is None else as_scale(softmax_scale)
@@ -252,12 +273,12 @@ def _prepare(q, k_cache, v_cache, cache_seqlens, causal, softmax_scale, num_spli
         raise UnsupportedProblem(f"q and the caches must be CUDA tensors, got device {q.device}")
     entry.caps.check_device(_capability(q.device))
     if kv_rows == 0:
-        return None, p.scale, None
+        return _PreparedCall(None, p.scale, None, return_lse, q)
     if kv_rows is not None:
         p = p.with_(seqlen_k=kv_rows)
     with torch.cuda.device(q.device):
         launcher = launcher_for(p, resolve_splits(p, splits), cache_seqlens is not None and kv_rows is None, kernel)
-    return launcher, p.scale, kv_rows
+    return _PreparedCall(launcher, p.scale, kv_rows, return_lse, q)
 
 
 class DecodePlan:

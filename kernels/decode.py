@@ -901,13 +901,23 @@ class DecodeLauncher:
         if self.num_splits > 1 and self.merge == "combine":
             self.combine(o_partial, lse_partial, out, lse, self.num_splits)
 
+    def eager_set(self, batch: int, q_len: int, nheads: int, device) -> tuple:
+        """What an eager call of this shape reuses: ``buffers`` and an LSE for callers that do not
+        want one (an allocation costs about as much host time as the launch)."""
+        import torch
+
+        lse = torch.empty((batch, nheads, q_len), device=device, dtype=torch.float32)
+        return (*self.buffers(batch, q_len, nheads, device), lse)
+
     def __call__(self, q, k_cache, v_cache, out, lse, cache_seqlens, scale: float):
-        """An eager launch on q's device (the current one), with the partials and counters of this
-        shape on this stream (``eager``; made for the call under CUDA-graph capture)."""
+        """An eager launch on q's device (the current one), with the partials, counters and (for
+        ``lse`` None) the LSE of this shape on this stream (``eager``; made for the call under
+        CUDA-graph capture)."""
         b, q_len, h, _ = q.shape
-        buffers = ((None, None, None) if self.num_splits == 1 else
-                   self.eager.get(q.device.index, (b, q_len, h), lambda: self.buffers(b, q_len, h, q.device)))
-        self.launch(q, k_cache, v_cache, out, lse, cache_seqlens, scale, buffers)
+        o_partial, lse_partial, counters, unread = self.eager.get(
+            q.device.index, (b, q_len, h), lambda: self.eager_set(b, q_len, h, q.device))
+        self.launch(q, k_cache, v_cache, out, unread if lse is None else lse, cache_seqlens, scale,
+                    (o_partial, lse_partial, counters))
 
 
 def config(head_dim: int, **overrides) -> dict:

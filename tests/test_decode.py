@@ -497,7 +497,7 @@ def test_shared_sm_tiles_match_the_reference(monkeypatch, d, causal, q_len):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_one_call_reuses_its_buffers_and_a_captured_call_owns_its_own(monkeypatch):
     # Eager calls reuse the split partials, counters and an unrequested LSE of their shape and
-    # stream (StreamBuffers); a call captured in a CUDA graph makes its own and keeps none, so
+    # stream (one StreamBuffers set); a call captured in a CUDA graph makes its own and keeps none, so
     # dropping the eager sets (as MAX shapes would) cannot free what the graph replays.
     from harness import kvcache
     from kernels import decode
@@ -514,7 +514,7 @@ def test_one_call_reuses_its_buffers_and_a_captured_call_owns_its_own(monkeypatc
     lens = torch.tensor([8000], dtype=torch.int32, device="cuda")
     with deterministic():  # fixed split shares: eager and replayed calls give the same bits
         first = attention_with_kvcache(q, k, v, lens)
-        launcher = kvcache._PREPARED[kvcache._call_signature(q, k, v, lens, False, None, 0, False, "decode")][0]
+        launcher = kvcache._PREPARED[kvcache._call_signature(q, k, v, lens, False, None, 0, False, "decode")].launcher
         assert launcher.num_splits > 1
         n_made = len(made)
         assert torch.equal(attention_with_kvcache(q, k, v, lens), first)
@@ -526,15 +526,14 @@ def test_one_call_reuses_its_buffers_and_a_captured_call_owns_its_own(monkeypatc
             attention_with_kvcache(q, k, v, lens)  # warm up off the default stream before capture
         torch.cuda.current_stream().wait_stream(stream)
 
-        kept = [dict(sets._sets) for sets in (launcher.eager, kvcache._UNREAD_LSE)]
+        kept = dict(launcher.eager._sets)
         n_made = len(made)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             captured = attention_with_kvcache(q, k, v, lens)
-        assert len(made) == n_made + 2  # the partials and the LSE were made for the captured call ...
-        assert [dict(sets._sets) for sets in (launcher.eager, kvcache._UNREAD_LSE)] == kept  # ... and not kept
+        assert len(made) == n_made + 1  # the partials, counters and LSE were made for the captured call ...
+        assert launcher.eager._sets == kept  # ... and not kept
         launcher.eager._sets.clear()  # the eager sets freed, then reused by a larger call
-        kvcache._UNREAD_LSE._sets.clear()
         attention_with_kvcache(*(torch.randn(2, n, 32 if n == 1 else 8, 128, device="cuda", dtype=torch.bfloat16)
                                  for n in (1, 16384, 16384)), torch.tensor([16384, 9000], dtype=torch.int32,
                                                                            device="cuda"))

@@ -57,7 +57,8 @@ def test_help_describes_the_decode_mode_and_its_flags(capsys):
     with pytest.raises(SystemExit):
         bench.main(["--help"])
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
-    for flag in ("--decode", "--seqlen-k", "--nheads-kv", "--q-len", "--num-splits", "--grid-only", "--splits-curve"):
+    for flag in ("--decode", "--seqlen-k", "--nheads-kv", "--q-len", "--num-splits", "--grid-only", "--splits-curve",
+                 "--host-times"):
         assert flag in text
     assert "decode: batch 1/8/64 x kv_len 4096/32768/131072 x K/V heads 8/32 (14 rows)" in text
 
@@ -90,8 +91,11 @@ def test_decode_without_a_gpu_exits_2_and_writes_nothing(monkeypatch, tmp_path, 
     (["--decode", "--num-splits", "129"], "--num-splits must be in [0, 128]"),
     (["--decode", "--splits-curve", "--grid-only"], "not with --grid-only"),
     (["--decode", "--splits-curve", "--num-splits", "4"], "not with --grid-only or --num-splits"),
-    (["k4", "--q-len", "2"], "--q-len, --num-splits, --grid-only and --splits-curve to --decode"),
+    (["--decode", "--host-times", "--batch", "8"], "not with --grid-only, --splits-curve"),
+    (["--decode", "--host-times", "--splits-curve"], "runs only the host times"),
+    (["k4", "--q-len", "2"], "--q-len, --num-splits, --grid-only, --splits-curve and --host-times to --decode"),
     (["--splits-curve"], "to --decode"),
+    (["--host-times"], "to --decode"),
     (["--grid-only"], "to --decode"),
 ])
 def test_decode_refusals_come_before_any_work(fake_gpu, capsys, argv, says):
@@ -132,6 +136,11 @@ def test_splits_curve_runs_the_curve_alone_at_the_given_shape(fake_gpu):
     fake_gpu.clear()
     assert bench.main(["--decode", "--splits-curve", "--seqlen-k", "131072"]) == 0
     assert fake_gpu[0][1]["kv_len"] == 131072 and fake_gpu[0][1]["batch"] == 1
+
+
+def test_host_times_run_alone(fake_gpu):
+    assert bench.main(["--decode", "--host-times", "--headdim", "64"]) == 0
+    assert fake_gpu == [("host", dict(head_dim=64, q_len=1))]
 
 
 # --- the grid and the arithmetic --------------------------------------------------------------
