@@ -768,8 +768,10 @@ def plot(sweep, path, head_dim=128, dtype="bf16", peers=BEST_OF):
 def finished(pattern) -> list:
     """The result files matching ``pattern`` whose run ended: one still running, or stopped part
     way, is left out (``meta.complete`` false; files before version 2 were written at the end)."""
-    found = [load(f) for f in sorted(ROOT.glob(f"results/{pattern}"))]
-    for f in found:  # runs on the GPU machine wrote under its $OUT; the files live in results/
+    paths = sorted(ROOT.glob(f"results/{pattern}"))
+    found = [load(f) for f in paths]
+    for f, path in zip(found, paths):  # runs on the GPU machine wrote under its $OUT; the files live in results/
+        f["file"] = path.name
         f["meta"]["command"] = re.sub(r"/root/out/(results/)?", "results/", f["meta"].get("command", ""))
     return [f for f in found if f["meta"].get("complete", True)]
 
@@ -785,6 +787,30 @@ def merged_refcheck():
     """Every case of every finished refcheck run, for the README summary (a kernel's count adds up
     its runs: the full grid and, say, a later GQA run)."""
     return {"meta": {}, "rows": [r for f in finished("refcheck*.json") for r in f["rows"]]}
+
+
+def decode_host_runs_table(runs) -> str:
+    """Every run's host rows side by side (oldest first): host speed differs from machine to
+    machine, so the one call is compared with ``plan.run`` and SDPA's call of the same run."""
+    lines = []
+    for f in sorted(runs, key=lambda f: f["meta"].get("date", "")):
+        host = {(r["kernel"], r["batch"]): r["host_us"] for r in f["rows"] if r.get("mode") == "host" and r.get("host_us")}
+        batches = sorted({b for _, b in host})
+        one, plan, sdpa = ("decode attention_with_kvcache", "decode plan.run", "sdpa (default backend)")
+        if not batches or any((k, b) not in host for k in (one, plan, sdpa) for b in batches):
+            continue
+
+        def cells(fmt):
+            return " / ".join(fmt(b) for b in batches)
+        lines.append([f"`{f['file']}`", 
+                      " / ".join(str(b) for b in batches), cells(lambda b: f"{host[(one, b)]:.1f}"),
+                      cells(lambda b: f"{host[(plan, b)]:.1f}"), cells(lambda b: f"{host[(sdpa, b)]:.1f}"),
+                      cells(lambda b: f"{host[(one, b)] - host[(plan, b)]:.1f}"),
+                      cells(lambda b: f"{host[(one, b)] / host[(sdpa, b)]:.2f}")])
+    if not lines:
+        return "No host-time rows in the result files."
+    return markdown_table(["run", "batch", "one call µs", "`plan.run` µs", "SDPA's call µs", "one call − `plan.run`",
+                           "one call / SDPA's"], lines)
 
 
 def latest_with_mode(pattern, mode):
@@ -911,6 +937,9 @@ def main(argv=None):
     if page.exists():
         h200 = {mode: latest_with_mode("decode-h200*.json", mode) for mode in ("grid", "splits", "host")}
         page.write_text(fill_decode_page(fill_decode_page(page.read_text(), decode_runs), h200, suffix="-h200"))
+        if "<!-- table:decode-host-runs-h200 -->" in page.read_text():
+            page.write_text(replace_block(page.read_text(), "decode-host-runs-h200",
+                                          decode_host_runs_table(finished("decode-h200*.json"))))
     if decode_runs["grid"] and "<!-- table:decode-readme -->" in readme.read_text():
         readme.write_text(replace_block(readme.read_text(), "decode-readme", decode_readme_table(decode_runs["grid"])))
     k7_compiles = finished("compile-k7-*.json")

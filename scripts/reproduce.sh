@@ -287,6 +287,13 @@ case "$part" in
         | sed "s/^/$tool /" || { echo "$tool decode: timed out or failed"; rc=1; }
     done | tee "$dir/sanitizer-decode-claim-$gpu.txt"
     timeout 150 $py -m pytest -m gpu -q tests/test_decode.py 2>&1 | tail -3 || rc=1
+    # Half-width tiles on a split grid, twice the splits (docs/decode.md, "On an H200"), then the
+    # one call's host time with its _PreparedCall, three runs (host speed differs between machines)
+    timeout 150 $py scripts/tune_decode.py --fixed-shares --headdim 128 --shapes 1:8:32768,1:8:131072,1:8:4096 \
+      --configs 128:2,64:2,64:4 --splits 16,32 --out "$dir/decode-tune-splitsm-$gpu-d128.json" > /dev/null || rc=1
+    for run in host host2 host3; do
+      timeout 150 $py bench.py --decode --host-times --out "$dir/decode-$gpu-$run.json" > /dev/null || rc=1
+    done
     exit $rc
     ;;
   fp8check)

@@ -117,3 +117,22 @@ def test_unfinished_result_files_are_not_used(monkeypatch, tmp_path):
     monkeypatch.setattr(make_docs, "ROOT", tmp_path)
     assert [f["meta"]["date"] for f in make_docs.finished("sweep*.json")] == ["2026-01-01", "2026-02-01"]
     assert make_docs.latest("sweep*.json")["meta"]["date"] == "2026-02-01"
+
+
+def test_decode_host_runs_compare_calls_within_each_run():
+    def host(kernel, batch, us):
+        return dict(mode="host", kernel=kernel, batch=batch, host_us=us, status="ok")
+
+    def run(name, date, one, plan, sdpa):
+        rows = [host(k, b, us[i]) for k, us in (("decode attention_with_kvcache", one), ("decode plan.run", plan),
+                                                 ("sdpa (default backend)", sdpa)) for i, b in enumerate((1, 64))]
+        return {"file": name, "meta": {"date": date}, "rows": rows}
+
+    newer = run("decode-h200-b.json", "2026-11-25T02", (20.0, 18.0), (10.0, 9.0), (40.0, 24.0))
+    older = run("decode-h200-a.json", "2026-11-25T01", (30.0, 33.0), (10.0, 11.0), (25.0, 30.0))
+    grid_only = {"file": "decode-h200-c.json", "meta": {"date": "2026-11-25T03"}, "rows": [dict(mode="grid")]}
+    lines = make_docs.decode_host_runs_table([newer, grid_only, older]).splitlines()
+    assert len(lines) == 4  # header, rule, the two runs with host rows, oldest first
+    assert lines[2] == "| `decode-h200-a.json` | 1 / 64 | 30.0 / 33.0 | 10.0 / 11.0 | 25.0 / 30.0 | 20.0 / 22.0 | 1.20 / 1.10 |"
+    assert lines[3] == "| `decode-h200-b.json` | 1 / 64 | 20.0 / 18.0 | 10.0 / 9.0 | 40.0 / 24.0 | 10.0 / 9.0 | 0.50 / 0.75 |"
+    assert "No host-time rows" in make_docs.decode_host_runs_table([grid_only])
