@@ -291,6 +291,9 @@ case "$part" in
     # one call's host time with its _PreparedCall, three runs (host speed differs between machines)
     timeout 150 $py scripts/tune_decode.py --fixed-shares --headdim 128 --shapes 1:8:32768,1:8:131072,1:8:4096 \
       --configs 128:2,64:2,64:4 --splits 16,32 --out "$dir/decode-tune-splitsm-$gpu-d128.json" > /dev/null || rc=1
+    timeout 150 $py scripts/tune_decode.py --fixed-shares --headdim 128 \
+      --shapes 1:8:32768,1:8:4096,1:32:32768,8:8:131072,1:8:131072 --configs 128:2:3,128:3:3,128:3:4,128:3:5,128:2:4,128:2:3 \
+      --out "$dir/decode-tune-ring-$gpu-d128.json" > /dev/null || rc=1
     for run in host host2 host3; do
       timeout 150 $py bench.py --decode --host-times --out "$dir/decode-$gpu-$run.json" > /dev/null || rc=1
     done
