@@ -706,14 +706,15 @@ def check_config(cfg: dict, name: str = "K5") -> None:
     if cfg.get("split_tail") and (cfg.get("causal") or cfg["scheduler"] != "static"):
         raise UnsupportedProblem(f"{name} config {cfg}: split_tail cuts the last wave of equal tiles, so it needs "
                                  "the static scheduler and a non-causal problem")
-    if cfg.get("cluster", 1) not in (1, 2):
+    cluster = cfg.get("cluster", 1)
+    if cluster not in (1, 2):
         raise UnsupportedProblem(f"{name} config {cfg}: cluster must be 1 or 2 CTAs")
-    if cfg.get("cluster", 1) > 1 and (cfg.get("causal") or cfg["scheduler"] != "static" or cfg.get("split_tail")):
+    if cluster > 1 and (cfg.get("causal") or cfg["scheduler"] != "static" or cfg.get("split_tail")):
         raise UnsupportedProblem(f"{name} config {cfg}: cluster=2 pairs query tiles that read the same K/V tiles in "
                                  "lockstep, so it needs the static scheduler, a non-causal problem and no split_tail")
-    if cfg.get("ctas") is not None and (cfg["ctas"] < cfg.get("cluster", 1) or cfg["ctas"] % cfg.get("cluster", 1)):
+    if cfg.get("ctas") is not None and (cfg["ctas"] < cluster or cfg["ctas"] % cluster):
         raise UnsupportedProblem(f"{name} config {cfg}: ctas must be a whole number (>= 1) of clusters of "
-                                 f"{cfg['cluster']} CTAs")
+                                 f"{cluster} CTAs")
 
 
 def build(name: str, kernel_cls, p: Problem, cfg: dict, keep_ptx: bool, fake_args=None) -> CompiledAttention:

@@ -319,6 +319,8 @@ def test_cluster_multicasts_k_and_v_in_static_non_causal_builds_only():
     assert "multicast::cluster" not in _compile("k6", 128, causal=False).ptx  # off by default
     with pytest.raises(UnsupportedProblem, match="ctas"):  # odd: one CTA would have no partner
         _compile("k6", 128, causal=False, cluster=2, ctas=7)
+    with pytest.raises(UnsupportedProblem, match="ctas"):  # no cluster asked for (causal): still a clear refusal
+        _compile("k6", 128, causal=True, ctas=0)
     # K6's default: d=128 from 4k keys, d=256 from 2k, non-causal, an even number of query tiles
     # per head (an odd one leaves the last pair's second CTA loading K/V for nothing), no ctas override.
     def cluster_of(problem, **cfg):
