@@ -195,20 +195,13 @@ class _PreparedCall:
             return (out, lse.fill_(-math.inf)) if self.return_lse else out
         if self.kv_rows is not None:  # one int length for all: the caches' first rows are the whole problem (views)
             k_cache, v_cache, cache_seqlens = k_cache[:, :self.kv_rows], v_cache[:, :self.kv_rows], None
+        args = (self.device_index, self.shape, self.make_set, q, k_cache, v_cache, out, lse, cache_seqlens, self.scale)
         if self.device_index == torch.cuda.current_device():
-            self._launch(q, k_cache, v_cache, out, lse, cache_seqlens)
+            self.launcher.launch_eager(*args)
         else:
             with torch.cuda.device(self.device_index):  # the launch goes to the current device's stream
-                self._launch(q, k_cache, v_cache, out, lse, cache_seqlens)
+                self.launcher.launch_eager(*args)
         return (out, lse) if self.return_lse else out
-
-    def _launch(self, q, k_cache, v_cache, out, lse, cache_seqlens):
-        # The launcher's eager set of this shape and stream: split partials, counters, and an LSE
-        # nobody reads (DecodeLauncher.eager_set); made for the call under CUDA-graph capture.
-        o_partial, lse_partial, counters, unread = self.launcher.eager.get(self.device_index, self.shape,
-                                                                           self.make_set)
-        self.launcher.launch(q, k_cache, v_cache, out, unread if lse is None else lse, cache_seqlens, self.scale,
-                             (o_partial, lse_partial, counters))
 
 
 _PREPARED: dict = {}

@@ -909,15 +909,20 @@ class DecodeLauncher:
         lse = torch.empty((batch, nheads, q_len), device=device, dtype=torch.float32)
         return (*self.buffers(batch, q_len, nheads, device), lse)
 
-    def __call__(self, q, k_cache, v_cache, out, lse, cache_seqlens, scale: float):
-        """An eager launch on q's device (the current one), with the partials, counters and (for
-        ``lse`` None) the LSE of this shape on this stream (``eager``; made for the call under
-        CUDA-graph capture)."""
-        b, q_len, h, _ = q.shape
-        o_partial, lse_partial, counters, unread = self.eager.get(
-            q.device.index, (b, q_len, h), lambda: self.eager_set(b, q_len, h, q.device))
+    def launch_eager(self, device_index: int, shape: tuple, make_set, q, k_cache, v_cache, out, lse, cache_seqlens,
+                     scale: float):
+        """``launch`` with the partials, counters and (for ``lse`` None) the LSE of ``shape`` (batch,
+        q_len, nheads) on this stream (``eager``, filled by ``make_set``; made for the call under
+        CUDA-graph capture). A caller that repeats one shape keeps ``make_set`` (kvcache._PreparedCall)."""
+        o_partial, lse_partial, counters, unread = self.eager.get(device_index, shape, make_set)
         self.launch(q, k_cache, v_cache, out, unread if lse is None else lse, cache_seqlens, scale,
                     (o_partial, lse_partial, counters))
+
+    def __call__(self, q, k_cache, v_cache, out, lse, cache_seqlens, scale: float):
+        """An eager launch on q's device (the current one): ``launch_eager`` for q's shape."""
+        b, q_len, h, _ = q.shape
+        self.launch_eager(q.device.index, (b, q_len, h), lambda: self.eager_set(b, q_len, h, q.device), q, k_cache,
+                          v_cache, out, lse, cache_seqlens, scale)
 
 
 def config(head_dim: int, **overrides) -> dict:

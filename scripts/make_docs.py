@@ -789,24 +789,26 @@ def merged_refcheck():
     return {"meta": {}, "rows": [r for f in finished("refcheck*.json") for r in f["rows"]]}
 
 
+HOST_RUN_CALLS = ("decode attention_with_kvcache", "decode plan.run", "sdpa (default backend)")
+
+
 def decode_host_runs_table(runs) -> str:
     """Every run's host rows side by side (oldest first): host speed differs from machine to
     machine, so the one call is compared with ``plan.run`` and SDPA's call of the same run."""
+    one, plan, sdpa = HOST_RUN_CALLS
     lines = []
     for f in sorted(runs, key=lambda f: f["meta"].get("date", "")):
         host = {(r["kernel"], r["batch"]): r["host_us"] for r in f["rows"] if r.get("mode") == "host" and r.get("host_us")}
         batches = sorted({b for _, b in host})
-        one, plan, sdpa = ("decode attention_with_kvcache", "decode plan.run", "sdpa (default backend)")
-        if not batches or any((k, b) not in host for k in (one, plan, sdpa) for b in batches):
+        if not batches or any((k, b) not in host for k in HOST_RUN_CALLS for b in batches):
             continue
 
-        def cells(fmt):
-            return " / ".join(fmt(b) for b in batches)
-        lines.append([f"`{f['file']}`", 
-                      " / ".join(str(b) for b in batches), cells(lambda b: f"{host[(one, b)]:.1f}"),
-                      cells(lambda b: f"{host[(plan, b)]:.1f}"), cells(lambda b: f"{host[(sdpa, b)]:.1f}"),
-                      cells(lambda b: f"{host[(one, b)] - host[(plan, b)]:.1f}"),
-                      cells(lambda b: f"{host[(one, b)] / host[(sdpa, b)]:.2f}")])
+        def per_batch(value, digits=1):
+            return " / ".join(f"{value(b):.{digits}f}" for b in batches)
+        lines.append([f"`{f['file']}`", " / ".join(str(b) for b in batches),
+                      *(per_batch(lambda b, k=k: host[(k, b)]) for k in HOST_RUN_CALLS),
+                      per_batch(lambda b: host[(one, b)] - host[(plan, b)]),
+                      per_batch(lambda b: host[(one, b)] / host[(sdpa, b)], 2)])
     if not lines:
         return "No host-time rows in the result files."
     return markdown_table(["run", "batch", "one call µs", "`plan.run` µs", "SDPA's call µs", "one call − `plan.run`",
@@ -823,8 +825,7 @@ def latest_with_mode(pattern, mode):
 
 def latest(pattern):
     """The finished result file matching ``pattern`` with the newest ``meta.date``."""
-    found = finished(pattern)
-    return max(found, key=lambda r: r["meta"].get("date", "")) if found else None
+    return newest(finished(pattern))
 
 
 TARGET_GPU = "H100"  # the issues' targets are an H100's: the main tables show its runs, other GPUs get their own
