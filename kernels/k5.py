@@ -24,6 +24,7 @@ What changes relative to K4 (same WGMMAs, same register softmax, same P handoff)
 * A 2-CTA cluster (``cluster=2``, static non-causal only; measured in docs/k6.md): the two CTAs
   run neighbouring query tiles of one head in lockstep, so they read the same K/V tiles; each
   loads half of every K/V tile and multicasts it to both. L2 serves each K/V byte once per pair.
+  ``cluster=4`` runs four such tiles off quarter loads (a knob: it lost, docs/k6.md).
 
 Nothing after the role split may ``sync_threads`` (the producer warps are elsewhere): the
 pipelines' mbarriers are the only synchronization between producer and consumers.
@@ -707,8 +708,8 @@ def check_config(cfg: dict, name: str = "K5") -> None:
         raise UnsupportedProblem(f"{name} config {cfg}: split_tail cuts the last wave of equal tiles, so it needs "
                                  "the static scheduler and a non-causal problem")
     cluster = cfg.get("cluster", 1)
-    if cluster not in (1, 2):
-        raise UnsupportedProblem(f"{name} config {cfg}: cluster must be 1 or 2 CTAs")
+    if cluster not in (1, 2, 4):
+        raise UnsupportedProblem(f"{name} config {cfg}: cluster must be 1, 2 or 4 CTAs")
     if cluster > 1 and (cfg.get("causal") or cfg["scheduler"] != "static" or cfg.get("split_tail")):
         raise UnsupportedProblem(f"{name} config {cfg}: cluster=2 pairs query tiles that read the same K/V tiles in "
                                  "lockstep, so it needs the static scheduler, a non-causal problem and no split_tail")

@@ -159,14 +159,14 @@ def test_k6_split_tail_matches_sdpa_and_leaves_counters_at_zero(d, seqlen, dtype
     (256, 300, None, "float16", None),
     (128, 300, 1000, "bfloat16", 1),  # GQA, more keys than queries
 ])
-@pytest.mark.parametrize("ctas", [6, None])
-def test_k6_cluster_matches_sdpa(d, seqlen, seqlen_k, dtype, nheads_kv, ctas):
-    # Two CTAs per cluster share each K/V tile (multicast); 6 CTAs make each cluster walk several
-    # pairs of query tiles. Three launches: a stage released by the wrong count would hang or
-    # mix tiles by the second.
+@pytest.mark.parametrize("cluster,ctas", [(2, 6), (2, None), (4, 8), (4, None)])
+def test_k6_cluster_matches_sdpa(d, seqlen, seqlen_k, dtype, nheads_kv, cluster, ctas):
+    # Two (four) CTAs per cluster share each K/V tile (multicast); 6 (8) CTAs make each cluster
+    # walk several groups of query tiles. Three launches: a stage released by the wrong count
+    # would hang or mix tiles by the second.
     p = Problem(2, 3, seqlen, d, dtype=dtype, seqlen_k=seqlen_k, nheads_kv=nheads_kv)
-    compiled = get_kernel("k6").compile(p, cluster=2, ctas=ctas)
-    assert compiled.info["cluster"] == 2
+    compiled = get_kernel("k6").compile(p, cluster=cluster, ctas=ctas)
+    assert compiled.info["cluster"] == cluster
     for _ in range(3):
         verdict = _run_against_sdpa("k6", compiled, p)
         assert not verdict, verdict

@@ -304,7 +304,7 @@ def test_cluster_multicasts_k_and_v_in_static_non_causal_builds_only():
         with pytest.raises(UnsupportedProblem, match="cluster"):
             _compile("k6", 128, causal=causal, cluster=2, **bad)
     with pytest.raises(UnsupportedProblem, match="cluster"):
-        _compile("k6", 128, causal=False, cluster=4)
+        _compile("k6", 128, causal=False, cluster=3)
     with pytest.raises(UnsupportedProblem, match="ctas"):  # a grid of no whole cluster would run nothing
         _compile("k6", 128, causal=False, cluster=2, ctas=1)
     for d in (128, 256):
@@ -317,6 +317,11 @@ def test_cluster_multicasts_k_and_v_in_static_non_causal_builds_only():
         assert not re.search(r"\bbar\.sync\s+0;", ptx)  # the cluster barrier replaces the CTA's
         assert all(spill == 0 for *_, spill in ptxas_report(ptx))
     assert "multicast::cluster" not in _compile("k6", 128, causal=False).ptx  # off by default
+    # cluster=4 (a knob): the same loads, each CTA's quarter multicast to all four (CTA mask 0b1111)
+    ptx = _compile("k6", 128, causal=False, cluster=4).ptx
+    assert re.search(r"mov\.(u16|b16)\s+%rs\d+,\s*15;", ptx) and "multicast::cluster" in ptx
+    assert all(spill == 0 for *_, spill in ptxas_report(ptx))
+    assert re.search(r"mov\.(u16|b16)\s+%rs\d+,\s*3;", _compile("k6", 128, causal=False, cluster=2).ptx)
     with pytest.raises(UnsupportedProblem, match="ctas"):  # odd: one CTA would have no partner
         _compile("k6", 128, causal=False, cluster=2, ctas=7)
     with pytest.raises(UnsupportedProblem, match="ctas"):  # no cluster asked for (causal): still a clear refusal
