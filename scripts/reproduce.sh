@@ -196,6 +196,15 @@ case "$part" in
       --configs '[{}, {"cluster": 2}]' --out "$dir/ws-tune-$gpu-cluster-r3.json" || rc=1
     timeout 200 $py scripts/tune.py --kernels k6 --headdim 128 256 --causal 0 --seqlen 512 1024 2048 --rounds 3 \
       --configs '[{}, {"cluster": 2}]' --out "$dir/ws-tune-$gpu-cluster-short-r3.json" || rc=1
+    # with the clusters on: tile width and epilogue again at the target cell, then 4-CTA clusters
+    timeout 250 $py scripts/tune.py --kernels k6 --headdim 128 --causal 0 --seqlen 8192 16384 --rounds 3 \
+      --configs '[{}, {"tile_n": 128}, {"tile_n": 160}, {"o_store_per_wg": true}, {"tma_store": false}]' \
+      --out "$dir/ws-tune-$gpu-cluster-variants-r3.json" || rc=1
+    timeout 330 $py scripts/tune.py --kernels k6 --headdim 128 --causal 0 --seqlen 4096 8192 16384 --rounds 3 \
+      --configs '[{}, {"cluster": 4}, {"cluster": 4, "tile_n": 128}, {"cluster": 4, "tile_n": 160}]' \
+      --out "$dir/ws-tune-$gpu-cluster4-r3.json" || rc=1
+    timeout 200 $py scripts/tune.py --kernels k6 --headdim 256 --causal 0 --seqlen 2048 8192 --rounds 3 \
+      --configs '[{}, {"cluster": 4}]' --out "$dir/ws-tune-$gpu-cluster4-d256-r3.json" || rc=1
     timeout 420 $py bench.py k6 --sweep --rounds 3 --out "$dir/ws-sweep-rounds10-$gpu.json" || rc=1
     exit $rc
     ;;
