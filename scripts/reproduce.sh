@@ -205,6 +205,14 @@ case "$part" in
       --out "$dir/ws-tune-$gpu-cluster4-r3.json" || rc=1
     timeout 200 $py scripts/tune.py --kernels k6 --headdim 256 --causal 0 --seqlen 2048 8192 --rounds 3 \
       --configs '[{}, {"cluster": 4}]' --out "$dir/ws-tune-$gpu-cluster4-d256-r3.json" || rc=1
+    # whole waves on 128 SMs (64 two-CTA clusters) instead of 15.5 on 132
+    T="$py scripts/tune.py --kernels k6 --causal 0 --rounds 3"
+    timeout 200 $T --headdim 128 --seqlen 4096 8192 16384 --configs '[{}, {"cluster": 2, "ctas": 128}]' \
+      --out "$dir/ws-tune-$gpu-grid128-d128-r3.json" || rc=1
+    timeout 150 $T --headdim 256 --seqlen 2048 8192 16384 --configs '[{}, {"cluster": 2, "ctas": 128}]' \
+      --out "$dir/ws-tune-$gpu-grid128-d256-r3.json" || rc=1
+    timeout 100 $T --headdim 128 --seqlen 1024 2048 --configs '[{}, {"ctas": 128}]' \
+      --out "$dir/ws-tune-$gpu-grid128-d128short-r3.json" || rc=1
     timeout 420 $py bench.py k6 --sweep --rounds 3 --out "$dir/ws-sweep-rounds10-$gpu.json" || rc=1
     exit $rc
     ;;
