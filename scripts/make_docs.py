@@ -9,7 +9,9 @@ Result files come from commands run on the GPU machine:
 Nothing here is typed by hand: a table block <!-- table:NAME --> ... <!-- /table:NAME --> is
 replaced whole each time. Each kernel's tables go to docs/<family>.md, the family being the
 name's leading ``k<digits>`` (k3_2 -> k3, k4_qk -> k4), so a newly registered kernel needs no
-change here. Result files of every schema version are read (version 1 has no ``meta.version``).
+change here. A page keeps the tables its text reads from; the long per-run ones (every checked
+case, every tuning run) go to its companion docs/<family>-runs.md: a block is filled in whichever
+of the two holds its marker (``fill``). Result files of every schema version are read (version 1 has no ``meta.version``).
 """
 
 from __future__ import annotations
@@ -180,6 +182,20 @@ def refcheck_table(refcheck, kernels):
                "float32 reference (a case passes within twice SDPA's).")
     return (f"`{refcheck['meta'].get('command', '')}` on an {gpu}, {refcheck['meta'].get('date', '')[:10]}. "
             + how + "\n\n" + markdown_table(header, body))
+
+
+def refcheck_runs_summary(runs, kernels, stem):
+    """A page's correctness in brief: per run (newest first) its GPU, command and, per kernel, the
+    cases that pass; every case is in the companion page's ``refcheck`` table."""
+    body = []
+    for f in runs:
+        mine = [r for r in f["rows"] if r["kernel"] in kernels]
+        counts = ", ".join(f"`{k}` {sum(r['ok'] for r in mine if r['kernel'] == k)}/{sum(r['kernel'] == k for r in mine)}"
+                           for k in dict.fromkeys(r["kernel"] for r in mine))
+        body.append([gpu_short_name(f["meta"].get("device", "")), f["meta"].get("date", "")[:10],
+                     f"`{f['meta'].get('command', '')}`", counts])
+    return (markdown_table(["GPU", "date", "command", "cases that pass"], body)
+            + f"\n\nEvery case of every run, with its errors: [{stem}-runs.md]({stem}-runs.md#correctness).")
 
 
 def tune_table(tune):
@@ -837,6 +853,16 @@ def newest(runs, gpu=None):
     return max(runs, key=lambda f: f["meta"].get("date", "")) if runs else None
 
 
+def fill(stem: str, name: str, make) -> None:
+    """Table ``name`` from ``make()`` (called once, only if needed) into docs/<stem>.md and its
+    companion docs/<stem>-runs.md, wherever the block's marker stands."""
+    table = None
+    for page in (ROOT / "docs" / f"{stem}.md", ROOT / "docs" / f"{stem}-runs.md"):
+        if page.exists() and f"<!-- table:{name} -->" in (text := page.read_text()):
+            table = make() if table is None else table
+            page.write_text(replace_block(text, name, table))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--plot", action="store_true")
@@ -854,21 +880,17 @@ def main(argv=None):
     if bench_files and "<!-- table:headline -->" in text:
         text = replace_block(text, "headline", headline_table(bench_files))
     readme.write_text(text)
+    refchecks = finished("refcheck*.json")
     for family, kernels in families().items():
-        page = ROOT / "docs" / f"{family}.md"
-        if not page.exists():
-            continue
-        text = page.read_text()
-        if sweep and "<!-- table:sweep -->" in text:
-            text = replace_block(text, "sweep", family_table(sweep, kernels))
-        if sweep and "<!-- table:k3depths -->" in text:
-            text = replace_block(text, "k3depths", k3_depth_table(sweep))
-        # Every refcheck run of the family's kernels, newest first, one table each.
-        runs = sorted((f for f in finished("refcheck*.json") if any(r["kernel"] in kernels for r in f["rows"])),
+        if sweep:
+            fill(family, "sweep", lambda: family_table(sweep, kernels))
+            fill(family, "k3depths", lambda: k3_depth_table(sweep))
+        # Every refcheck run of the family's kernels, newest first: in brief, and one table each.
+        runs = sorted((f for f in refchecks if any(r["kernel"] in kernels for r in f["rows"])),
                       key=lambda f: f["meta"].get("date", ""), reverse=True)
-        if runs and "<!-- table:refcheck -->" in text:
-            text = replace_block(text, "refcheck", "\n\n".join(refcheck_table(f, kernels) for f in runs))
-        page.write_text(text)
+        if runs:
+            fill(family, "refcheck-summary", lambda: refcheck_runs_summary(runs, kernels, family))
+            fill(family, "refcheck", lambda: "\n\n".join(refcheck_table(f, kernels) for f in runs))
     # The step-by-step tables want a run of every stage; a run of k6 alone in rounds gets its own.
     ws_sweep = latest_with("ws-sweep*.json", ["k4", "k5"])
     rounds_runs = [f for f in finished("ws-sweep-rounds*.json") if any(r["kernel"] == "k6" for r in f["rows"])]
@@ -923,8 +945,8 @@ def main(argv=None):
     cluster_tunes = [t for t in ws_tunes if any("cluster" in (r["config"] or {}) for r in t["rows"])]
     plain_tunes = [t for t in ws_tunes if t not in softmax_tunes and t not in cluster_tunes]
     for name, tunes in (("ws-tune", plain_tunes), ("ws-tune-softmax", softmax_tunes), ("ws-tune-cluster", cluster_tunes)):
-        if tunes and page.exists() and f"<!-- table:{name} -->" in page.read_text():
-            page.write_text(replace_block(page.read_text(), name, "\n\n".join(ws_tune_table(t) for t in tunes)))
+        if tunes:
+            fill("k6", name, lambda: "\n\n".join(ws_tune_table(t) for t in tunes))
     tune = latest("k4-tune*.json")
     page = ROOT / "docs" / "k4.md"
     if tune and page.exists() and "<!-- table:tune -->" in page.read_text():
@@ -975,9 +997,8 @@ def main(argv=None):
     if decode_compiles and page.exists() and "<!-- table:decode-compile -->" in page.read_text():
         page.write_text(replace_block(page.read_text(), "decode-compile", ws_compile_table(decode_compiles)))
     decode_tunes = sorted(finished("decode-tune*.json"), key=lambda f: f["meta"].get("date", ""))
-    if decode_tunes and page.exists() and "<!-- table:decode-tune -->" in page.read_text():
-        page.write_text(replace_block(page.read_text(), "decode-tune",
-                                      "\n\n".join(decode_tune_table(t) for t in decode_tunes)))
+    if decode_tunes:
+        fill("decode", "decode-tune", lambda: "\n\n".join(decode_tune_table(t) for t in decode_tunes))
     if args.plot and sweep:
         plot(sweep, ROOT / "docs" / "plots" / "tflops_vs_seqlen.png")
     if args.plot and ws_sweep:

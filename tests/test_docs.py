@@ -136,3 +136,27 @@ def test_decode_host_runs_compare_calls_within_each_run():
     assert lines[2] == "| `decode-h200-a.json` | 1 / 64 | 30.0 / 33.0 | 10.0 / 11.0 | 25.0 / 30.0 | 20.0 / 22.0 | 1.20 / 1.10 |"
     assert lines[3] == "| `decode-h200-b.json` | 1 / 64 | 20.0 / 18.0 | 10.0 / 9.0 | 40.0 / 24.0 | 10.0 / 9.0 | 0.50 / 0.75 |"
     assert "No host-time rows" in make_docs.decode_host_runs_table([grid_only])
+
+
+def test_refcheck_runs_summary_counts_each_kernels_cases_and_links_the_companion():
+    runs = [REFCHECK, {"meta": {"device": "NVIDIA H100 80GB HBM3", "command": "python ref_check.py k1 k2"},
+                       "rows": [dict(REFCHECK["rows"][0], kernel="k2"), REFCHECK["rows"][0]]}]
+    table = make_docs.refcheck_runs_summary(runs, ["k1"], "k1")
+    lines = [line for line in table.splitlines() if line.startswith("| H")]
+    assert lines[0].startswith("| H200 |") and lines[0].endswith("| `k1` 1/2 |")
+    assert lines[1].startswith("| H100 |") and lines[1].endswith("| `k1` 1/1 |")  # k2's case is another page's
+    assert "(k1-runs.md#correctness)" in table
+
+
+def test_fill_writes_a_block_into_whichever_page_of_the_stem_holds_its_marker(tmp_path, monkeypatch):
+    (tmp_path / "docs").mkdir()
+    main, runs = tmp_path / "docs" / "kx.md", tmp_path / "docs" / "kx-runs.md"
+    main.write_text("# KX\n<!-- table:a -->\nold\n<!-- /table:a -->\n")
+    runs.write_text("# KX runs\n<!-- table:b -->\n<!-- /table:b -->\n")
+    monkeypatch.setattr(make_docs, "ROOT", tmp_path)
+    made = []
+    make_docs.fill("kx", "a", lambda: made.append("a") or "A")
+    make_docs.fill("kx", "b", lambda: made.append("b") or "B")
+    make_docs.fill("kx", "c", lambda: made.append("c") or "C")  # no marker anywhere: never built
+    assert "\nA\n" in main.read_text() and "old" not in main.read_text() and "\nB\n" in runs.read_text()
+    assert made == ["a", "b"]
