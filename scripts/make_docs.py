@@ -906,40 +906,34 @@ def main(argv=None):
                                         "\n\n".join(ws_rounds_readme(run) for run in runs)))
     compile_files = finished("compile-ws-*.json")
     ncu_files = sorted(ROOT.glob("results/ncu-tensor-util-*.txt"))
+    clocked = [f for f in rounds_runs if any(r.get("sm_clock_mhz") for r in f["rows"])]
     for stem in ("k5", "k6"):
-        page = ROOT / "docs" / f"{stem}.md"
-        if not page.exists():
-            continue
-        text = page.read_text()
-        if ws_sweep and "<!-- table:ws-steps -->" in text:
-            text = replace_block(text, "ws-steps", ws_steps_table(ws_sweep))
-        if ws_rounds and "<!-- table:ws-rounds -->" in text:
-            text = replace_block(text, "ws-rounds", ws_steps_table(ws_rounds))
-        if h200_rounds and "<!-- table:ws-rounds-h200 -->" in text:
-            text = replace_block(text, "ws-rounds-h200", ws_steps_table(h200_rounds))
-        if rounds_runs and "<!-- table:ws-rounds-runs -->" in text:
-            text = replace_block(text, "ws-rounds-runs", ws_rounds_runs_table(rounds_runs))
-        clocked = [f for f in rounds_runs if any(r.get("sm_clock_mhz") for r in f["rows"])]
-        if clocked and "<!-- table:power -->" in text:
-            text = replace_block(text, "power", power_table(newest(clocked, TARGET_GPU) or newest(clocked)))
-        if compile_files and "<!-- table:ws-compile -->" in text:
-            text = replace_block(text, "ws-compile", ws_compile_table(compile_files))
-        if ncu_files and "<!-- table:ncu -->" in text:
-            text = replace_block(text, "ncu", "\n\n".join(ncu_table(f) for f in ncu_files))
-        page.write_text(text)
-    page = ROOT / "docs" / "k6.md"
+        if ws_sweep:
+            fill(stem, "ws-steps", lambda: ws_steps_table(ws_sweep))
+        if ws_rounds:
+            fill(stem, "ws-rounds", lambda: ws_steps_table(ws_rounds))
+        if h200_rounds:
+            fill(stem, "ws-rounds-h200", lambda: ws_steps_table(h200_rounds))
+        if rounds_runs:
+            fill(stem, "ws-rounds-runs", lambda: ws_rounds_runs_table(rounds_runs))
+        if clocked:
+            fill(stem, "power", lambda: power_table(newest(clocked, TARGET_GPU) or newest(clocked)))
+        if compile_files:
+            fill(stem, "ws-compile", lambda: ws_compile_table(compile_files))
+        if ncu_files:
+            fill(stem, "ncu", lambda: "\n\n".join(ncu_table(f) for f in ncu_files))
     mha, gqa = latest("ws-gqa-g1-*.json"), latest("ws-gqa-g4-*.json")
-    if mha and gqa and page.exists() and "<!-- table:gqa -->" in page.read_text():
-        page.write_text(replace_block(page.read_text(), "gqa", gqa_table(mha, gqa)))
+    if mha and gqa:
+        fill("k6", "gqa", lambda: gqa_table(mha, gqa))
     compares = sorted(ROOT.glob("results/ncu-compare-*.txt"))
-    if compares and page.exists() and "<!-- table:ncu-compare -->" in page.read_text():
-        page.write_text(replace_block(page.read_text(), "ncu-compare", "\n\n".join(ncu_compare_table(f) for f in compares)))
+    if compares:
+        fill("k6", "ncu-compare", lambda: "\n\n".join(ncu_compare_table(f) for f in compares))
     stalls = finished("ncu-stalls-*.json")
-    if stalls and page.exists() and "<!-- table:ncu-stalls -->" in page.read_text():
-        page.write_text(replace_block(page.read_text(), "ncu-stalls", "\n\n".join(ncu_stalls_table(f) for f in stalls)))
+    if stalls:
+        fill("k6", "ncu-stalls", lambda: "\n\n".join(ncu_stalls_table(f) for f in stalls))
     sass = finished("sass-loops*.json")
-    if sass and page.exists() and "<!-- table:sass-loops -->" in page.read_text():
-        page.write_text(replace_block(page.read_text(), "sass-loops", sass_loops_table(sass)))
+    if sass:
+        fill("k6", "sass-loops", lambda: sass_loops_table(sass))
     ws_tunes = finished("ws-tune*.json")
     softmax_tunes = [t for t in ws_tunes if any(k in SOFTMAX_KNOBS for r in t["rows"] for k in (r["config"] or {}))]
     cluster_tunes = [t for t in ws_tunes if any("cluster" in (r["config"] or {}) for r in t["rows"])]
@@ -948,54 +942,43 @@ def main(argv=None):
         if tunes:
             fill("k6", name, lambda: "\n\n".join(ws_tune_table(t) for t in tunes))
     tune = latest("k4-tune*.json")
-    page = ROOT / "docs" / "k4.md"
-    if tune and page.exists() and "<!-- table:tune -->" in page.read_text():
-        page.write_text(replace_block(page.read_text(), "tune", tune_table(tune)))
-    if tune and page.exists() and "<!-- table:k4-steps -->" in page.read_text():
-        k4_sweep = latest_with("sweep*.json", ["k4_qk"])
-        page.write_text(replace_block(page.read_text(), "k4-steps", k4_steps_table(k4_sweep, tune)))
+    if tune:
+        fill("k4", "tune", lambda: tune_table(tune))
+        fill("k4", "k4-steps", lambda: k4_steps_table(latest_with("sweep*.json", ["k4_qk"]), tune))
     page = ROOT / "docs" / "decode.md"
     decode_runs = {mode: latest_with_mode(f"decode-{TARGET_GPU.lower()}*.json", mode) or latest_with_mode("decode-h*.json", mode)
                    for mode in ("grid", "splits", "host")}
     if page.exists():
         h200 = {mode: latest_with_mode("decode-h200*.json", mode) for mode in ("grid", "splits", "host")}
         page.write_text(fill_decode_page(fill_decode_page(page.read_text(), decode_runs), h200, suffix="-h200"))
-        if "<!-- table:decode-host-runs-h200 -->" in page.read_text():
-            page.write_text(replace_block(page.read_text(), "decode-host-runs-h200",
-                                          decode_host_runs_table(finished("decode-h200*.json"))))
+    fill("decode", "decode-host-runs-h200", lambda: decode_host_runs_table(finished("decode-h200*.json")))
     if decode_runs["grid"] and "<!-- table:decode-readme -->" in readme.read_text():
         readme.write_text(replace_block(readme.read_text(), "decode-readme", decode_readme_table(decode_runs["grid"])))
     k7_compiles = finished("compile-k7-*.json")
-    if k7_compiles and (ROOT / "docs" / "k7.md").exists() and "<!-- table:k7-compile -->" in (ROOT / "docs" / "k7.md").read_text():
-        (ROOT / "docs" / "k7.md").write_text(replace_block((ROOT / "docs" / "k7.md").read_text(), "k7-compile",
-                                                           ws_compile_table(k7_compiles)))
+    if k7_compiles:
+        fill("k7", "k7-compile", lambda: ws_compile_table(k7_compiles))
     k7_time = latest("k7-time-*.json")
-    page_k7 = ROOT / "docs" / "k7.md"
-    if k7_time and page_k7.exists() and "<!-- table:k7-time -->" in page_k7.read_text():
-        page_k7.write_text(replace_block(page_k7.read_text(), "k7-time", k7_time_table(k7_time)))
+    if k7_time:
+        fill("k7", "k7-time", lambda: k7_time_table(k7_time))
     fp8_sweep = latest("fp8-sweep-*.json")
-    if fp8_sweep and page_k7.exists() and "<!-- table:fp8-sweep -->" in page_k7.read_text():
-        page_k7.write_text(replace_block(page_k7.read_text(), "fp8-sweep", fp8_sweep_table(fp8_sweep)))
+    if fp8_sweep:
+        fill("k7", "fp8-sweep", lambda: fp8_sweep_table(fp8_sweep))
     if fp8_sweep and "<!-- table:fp8-readme -->" in readme.read_text():
         gpu = gpu_short_name(fp8_sweep["meta"].get("device", ""))
         readme.write_text(replace_block(readme.read_text(), "fp8-readme",
                                         f"On an {gpu}, d 128/256 × causal 0/1 × N 2k–16k, one run "
                                         f"(`{fp8_sweep['meta'].get('command', '')}`):\n\n" + fp8_summary(fp8_sweep)))
     fp8_tunes = finished("fp8-tune-*.json")
-    if fp8_tunes and page_k7.exists() and "<!-- table:fp8-tune -->" in page_k7.read_text():
-        page_k7.write_text(replace_block(page_k7.read_text(), "fp8-tune", fp8_tune_table(fp8_tunes)))
-    page_k8 = ROOT / "docs" / "k8.md"
-    if page_k8.exists():
-        text = page_k8.read_text()
-        if k7_time and any("k8_kernel_ms" in r for r in k7_time["rows"]) and "<!-- table:k8-time -->" in text:
-            text = replace_block(text, "k8-time", k8_time_table(k7_time))
-        accuracy = latest("fp8-accuracy-*.json")
-        if accuracy and "<!-- table:fp8-accuracy -->" in text:
-            text = replace_block(text, "fp8-accuracy", fp8_accuracy_table(accuracy))
-        page_k8.write_text(text)
+    if fp8_tunes:
+        fill("k7", "fp8-tune", lambda: fp8_tune_table(fp8_tunes))
+    if k7_time and any("k8_kernel_ms" in r for r in k7_time["rows"]):
+        fill("k8", "k8-time", lambda: k8_time_table(k7_time))
+    accuracy = latest("fp8-accuracy-*.json")
+    if accuracy:
+        fill("k8", "fp8-accuracy", lambda: fp8_accuracy_table(accuracy))
     decode_compiles = finished("compile-decode-*.json")
-    if decode_compiles and page.exists() and "<!-- table:decode-compile -->" in page.read_text():
-        page.write_text(replace_block(page.read_text(), "decode-compile", ws_compile_table(decode_compiles)))
+    if decode_compiles:
+        fill("decode", "decode-compile", lambda: ws_compile_table(decode_compiles))
     decode_tunes = sorted(finished("decode-tune*.json"), key=lambda f: f["meta"].get("date", ""))
     if decode_tunes:
         fill("decode", "decode-tune", lambda: "\n\n".join(decode_tune_table(t) for t in decode_tunes))
