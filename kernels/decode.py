@@ -880,7 +880,7 @@ class DecodeLauncher:
 
     def counters_needed(self, batch: int, q_len: int, nheads: int) -> int:
         """One merge counter per (query tile, K/V head, batch), and as many claim counters."""
-        return batch * (nheads // self.group) * -(-q_len // (TILE_M // self.group)) * (2 if self.claim else 1)
+        return grid_ctas(batch, nheads // self.group, self.group, q_len) * (2 if self.claim else 1)
 
     def buffers(self, batch: int, q_len: int, nheads: int, device) -> tuple:
         """(partial O, partial LSE, zeroed counters) for a split launch, owned by the caller."""

@@ -711,8 +711,9 @@ def check_config(cfg: dict, name: str = "K5") -> None:
     if cluster not in (1, 2, 4):
         raise UnsupportedProblem(f"{name} config {cfg}: cluster must be 1, 2 or 4 CTAs")
     if cluster > 1 and (cfg.get("causal") or cfg["scheduler"] != "static" or cfg.get("split_tail")):
-        raise UnsupportedProblem(f"{name} config {cfg}: cluster=2 pairs query tiles that read the same K/V tiles in "
-                                 "lockstep, so it needs the static scheduler, a non-causal problem and no split_tail")
+        raise UnsupportedProblem(f"{name} config {cfg}: cluster={cluster} runs query tiles that read the same K/V "
+                                 "tiles in lockstep, so it needs the static scheduler, a non-causal problem and no "
+                                 "split_tail")
     if cfg.get("ctas") is not None and (cfg["ctas"] < cluster or cfg["ctas"] % cluster):
         raise UnsupportedProblem(f"{name} config {cfg}: ctas must be a whole number (>= 1) of clusters of "
                                  f"{cluster} CTAs")
