@@ -59,6 +59,14 @@ SHORT_SEQUENCE_CONFIG = {
     (256, True): (2048, dict(tile_n=64)),
     (256, False): (1024, dict(tile_n=64)),
 }
+# ... and long ones wider key tiles, (head_dim, causal) -> (from this many keys, tile_n): d=64
+# non-causal from 16k keys takes 176 (FA3 takes 192 there, which spills 24 bytes here). Fewer,
+# wider tiles pay the per-tile costs (row max, O rescale, barriers) fewer times, while a partial
+# last tile wastes up to 175 keys of work: under 1% of a row only from 16k keys. Measured on an
+# H200, 3 rounds (results/ws-tune-h200-d64long-r3.json): +2.5% at 16k, +1.9% at 32k, a tie at 8k;
+# 160 keys +1.8%, +2.4%, -1%; cluster=2 on top adds nothing (ws-tune-h200-cluster-d64-r3.json).
+# An H100 had shown 192 keys +3% at 16k, +1% at 8k (ws-tune-h100-d64n.json).
+LONG_SEQUENCE_TILE_N = {(64, False): (16384, 176)}
 # d=256 sends O through SMEM and one TMA store (K5's tma_store) up to 8k keys: with one Q stage the
 # store holds the Q buffer until it has been read, but at these lengths the predicated register
 # stores of a 128x256 tile cost more. Measured on an H100 (results/ws-tune-h100-d256short.json,
@@ -284,6 +292,9 @@ def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_wg=None, tile_n=No
     if p.kv_len <= short:
         num_wg = short_config.get("num_wg") if num_wg is None else num_wg
         tile_n = short_config.get("tile_n") if tile_n is None else tile_n
+    long_from, long_tile_n = LONG_SEQUENCE_TILE_N.get((p.head_dim, p.causal), (float("inf"), None))
+    if tile_n is None and p.kv_len >= long_from:
+        tile_n = long_tile_n
     if tile_n is None and overlap:
         tile_n = (NON_CAUSAL_TILE_N_WITH_OVERLAP if not p.causal else {}).get(p.head_dim,
                                                                               TILE_N_WITH_OVERLAP.get(p.head_dim))

@@ -291,7 +291,9 @@ def ws_tune_table(tune):
     head = ["d", "causal", "N", "configuration", "TFLOP/s", "× best peer"]
     if clocks:
         head += ["SM clock (MHz)", "power (W)", "TFLOP/s per GHz"]
-    return (f"On an {gpu}: `{tune['meta'].get('command', '')}`, {tune['meta'].get('date', '')[:10]}. Each "
+    commit = tune["meta"].get("commit", "")[:7]  # "(default)" is that commit's default
+    return (f"On an {gpu}" + (f" at {commit}" if commit else "") + f": `{tune['meta'].get('command', '')}`, "
+            f"{tune['meta'].get('date', '')[:10]}. Each "
             f"configuration was checked against SDPA on the same inputs before it was timed{timed}."
             + (" SM clock and power: medians over each timing (NVML, `harness/gpu_state.py`); per GHz: each "
                "round's TFLOP/s over its clock, the median." if clocks else "") + "\n\n" + markdown_table(head, body))

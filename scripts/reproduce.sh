@@ -213,6 +213,12 @@ case "$part" in
       --out "$dir/ws-tune-$gpu-grid128-d256-r3.json" || rc=1
     timeout 100 $T --headdim 128 --seqlen 1024 2048 --configs '[{}, {"ctas": 128}]' \
       --out "$dir/ws-tune-$gpu-grid128-d128short-r3.json" || rc=1
+    # d=64 non-causal: clusters (no gain), then wider key tiles at long sequences, now the default
+    # from 16k keys (k6.LONG_SEQUENCE_TILE_N; its first configuration was the default of 128 keys)
+    timeout 330 $T --headdim 64 --seqlen 2048 4096 8192 16384 \
+      --configs '[{}, {"cluster": 2}, {"cluster": 2, "tile_n": 160}]' --out "$dir/ws-tune-$gpu-cluster-d64-r3.json" || rc=1
+    timeout 400 $T --headdim 64 --seqlen 8192 16384 32768 --configs '[{"tile_n": 128}, {"tile_n": 160}, {"tile_n": 176}, \
+      {"cluster": 2, "tile_n": 160}, {"cluster": 2, "tile_n": 176}]' --out "$dir/ws-tune-$gpu-d64long-r3.json" || rc=1
     timeout 420 $py bench.py k6 --sweep --rounds 3 --out "$dir/ws-sweep-rounds10-$gpu.json" || rc=1
     exit $rc
     ;;

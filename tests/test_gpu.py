@@ -151,6 +151,17 @@ def test_k6_split_tail_matches_sdpa_and_leaves_counters_at_zero(d, seqlen, dtype
         assert any(len(r) == 2 or (r and r[0][1:] != (0, -(-seqlen // tile_n))) for r in runs)  # pieces exist
 
 
+@pytest.mark.parametrize("seqlen,seqlen_k,dtype,nheads_kv", [(16385, None, "bfloat16", None), (300, 20001, "float16", 1)])
+def test_k6_long_sequence_tiles_match_sdpa(seqlen, seqlen_k, dtype, nheads_kv):
+    # d=64 non-causal from 16k keys runs 176-key tiles by default; neither length is a multiple of
+    # 176, so the last KV tile is a partial one (masked past the keys).
+    p = Problem(1, 2, seqlen, 64, dtype=dtype, seqlen_k=seqlen_k, nheads_kv=nheads_kv)
+    compiled = get_kernel("k6").compile(p)
+    assert compiled.info["tile_n"] == 176
+    verdict = _run_against_sdpa("k6", compiled, p)
+    assert not verdict, verdict
+
+
 @pytest.mark.parametrize("d,seqlen,seqlen_k,dtype,nheads_kv", [
     (128, 4097, None, "bfloat16", None),  # 33 query tiles per head: the last pair's second lies past the sequence
     (128, 1000, None, "float16", None),

@@ -174,6 +174,16 @@ def test_k6_takes_its_short_sequence_tiles_by_head_dim_and_seqlen():
     assert entry.compile(Problem(1, 1, 2048, 128)).info["tile_n"] == 128
     assert entry.compile(Problem(1, 1, 4096, 128)).info["tile_n"] == 144
     assert entry.compile(Problem(1, 1, 4096, 128, causal=True)).info["tile_n"] == 128
+    # d=64 non-causal: 176-key tiles from 16k keys (counted in keys: a short query chunk too), 128
+    # below and causal; they build without spills.
+    assert entry.compile(Problem(1, 1, 8192, 64)).info["tile_n"] == 128
+    assert entry.compile(Problem(1, 1, 16384, 64, causal=True)).info["tile_n"] == 128
+    assert entry.compile(Problem(1, 1, 16384, 64), tile_n=128).info["tile_n"] == 128
+    assert entry.compile(Problem(2, 4, 128, 64, seqlen_k=16384, nheads_kv=1)).info["tile_n"] == 176
+    long = entry.compile(Problem(1, 1, 16384, 64), keep_ptx=True)
+    assert long.info["tile_n"] == 176
+    report = ptxas_report(long.ptx)
+    assert all(spill == 0 for _, _, _, spill in report), report
     # d=256: O through SMEM and a TMA store up to 8k keys, register stores beyond; explicit wins.
     assert entry.compile(Problem(1, 1, 8192, 256, causal=True)).info["tma_store"] is True
     assert entry.compile(Problem(1, 1, 16384, 256)).info["tma_store"] is False
