@@ -219,6 +219,8 @@ case "$part" in
       --configs '[{}, {"cluster": 2}, {"cluster": 2, "tile_n": 160}]' --out "$dir/ws-tune-$gpu-cluster-d64-r3.json" || rc=1
     timeout 400 $T --headdim 64 --seqlen 8192 16384 32768 --configs '[{"tile_n": 128}, {"tile_n": 160}, {"tile_n": 176}, \
       {"cluster": 2, "tile_n": 160}, {"cluster": 2, "tile_n": 176}]' --out "$dir/ws-tune-$gpu-d64long-r3.json" || rc=1
+    timeout 300 $py scripts/tune.py --kernels k6 --causal 1 --rounds 3 --headdim 64 --seqlen 8192 16384 32768 \
+      --configs '[{}, {"tile_n": 160}, {"tile_n": 176}]' --out "$dir/ws-tune-$gpu-d64long-causal-r3.json" || rc=1
     timeout 420 $py bench.py k6 --sweep --rounds 3 --out "$dir/ws-sweep-rounds10-$gpu.json" || rc=1
     exit $rc
     ;;
