@@ -293,7 +293,7 @@ def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_wg=None, tile_n=No
         num_wg = short_config.get("num_wg") if num_wg is None else num_wg
         tile_n = short_config.get("tile_n") if tile_n is None else tile_n
     long_from, long_tile_n = LONG_SEQUENCE_TILE_N.get((p.head_dim, p.causal), (float("inf"), None))
-    if tile_n is None and p.kv_len >= long_from:
+    if tile_n is None and not overlap and p.kv_len >= long_from:  # measured without the overlap (d=64's)
         tile_n = long_tile_n
     if tile_n is None and overlap:
         tile_n = (NON_CAUSAL_TILE_N_WITH_OVERLAP if not p.causal else {}).get(p.head_dim,

@@ -179,6 +179,7 @@ def test_k6_takes_its_short_sequence_tiles_by_head_dim_and_seqlen():
     assert entry.compile(Problem(1, 1, 8192, 64)).info["tile_n"] == 128
     assert entry.compile(Problem(1, 1, 16384, 64, causal=True)).info["tile_n"] == 128
     assert entry.compile(Problem(1, 1, 16384, 64), tile_n=128).info["tile_n"] == 128
+    assert entry.compile(Problem(1, 1, 16384, 64), overlap=True).info["tile_n"] == 112  # the overlap's own width
     assert entry.compile(Problem(2, 4, 128, 64, seqlen_k=16384, nheads_kv=1)).info["tile_n"] == 176
     long = entry.compile(Problem(1, 1, 16384, 64), keep_ptx=True)
     assert long.info["tile_n"] == 176
