@@ -924,9 +924,11 @@ def main(argv=None):
             fill(stem, "ws-compile", lambda: ws_compile_table(compile_files))
         if ncu_files:
             fill(stem, "ncu", lambda: "\n\n".join(ncu_table(f) for f in ncu_files))
-    mha, gqa = latest("ws-gqa-g1-*.json"), latest("ws-gqa-g4-*.json")
-    if mha and gqa:
-        fill("k6", "gqa", lambda: gqa_table(mha, gqa))
+    gqa_pairs = [(newest(finished("ws-gqa-g1-*.json"), gpu), newest(finished("ws-gqa-g4-*.json"), gpu))
+                 for gpu in (TARGET_GPU, "H200")]  # the issues' GPU first
+    gqa_pairs = [pair for pair in gqa_pairs if all(pair)]
+    if gqa_pairs:
+        fill("k6", "gqa", lambda: "\n\n".join(gqa_table(mha, gqa) for mha, gqa in gqa_pairs))
     compares = sorted(ROOT.glob("results/ncu-compare-*.txt"))
     if compares:
         fill("k6", "ncu-compare", lambda: "\n\n".join(ncu_compare_table(f) for f in compares))

@@ -221,6 +221,11 @@ case "$part" in
       {"cluster": 2, "tile_n": 160}, {"cluster": 2, "tile_n": 176}]' --out "$dir/ws-tune-$gpu-d64long-r3.json" || rc=1
     timeout 300 $py scripts/tune.py --kernels k6 --causal 1 --rounds 3 --headdim 64 --seqlen 8192 16384 32768 \
       --configs '[{}, {"tile_n": 160}, {"tile_n": 176}]' --out "$dir/ws-tune-$gpu-d64long-causal-r3.json" || rc=1
+    # GQA prefill against plain multi-head attention on the same query shapes (docs/k6.md, GQA)
+    for g in 1 4; do
+      timeout 210 $py scripts/tune.py --kernels k6 --headdim 128 --seqlen 2048 4096 8192 16384 --nheads 32 --kv-group $g \
+        --rounds 3 --out "$dir/ws-gqa-g$g-$gpu-r3.json" || rc=1
+    done
     timeout 420 $py bench.py k6 --sweep --rounds 3 --out "$dir/ws-sweep-rounds10-$gpu.json" || rc=1
     exit $rc
     ;;
