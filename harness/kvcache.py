@@ -339,6 +339,8 @@ def decode_plan(batch: int, nheads: int, nheads_kv: int, head_dim: int, max_seql
     device = torch.device(device if device is not None else "cuda")
     if device.type != "cuda":
         raise UnsupportedProblem(f"a decode plan needs a CUDA device, got {device}")
+    if not torch.cuda.is_available():
+        raise UnsupportedProblem("a decode plan needs a CUDA GPU, and none is visible")
     if device.index is None:  # tensors report cuda:N; compare like with like
         device = torch.device("cuda", torch.cuda.current_device())
     entry.caps.check_device(torch.cuda.get_device_capability(device))

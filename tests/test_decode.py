@@ -344,6 +344,12 @@ def test_decode_plan_refuses_with_the_constraint(kw, match):
         decode_plan(**args)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a machine without a GPU")
+def test_decode_plan_without_a_gpu_is_refused_not_an_assertion():
+    with pytest.raises(UnsupportedProblem, match="CUDA GPU"):
+        decode_plan(2, 32, 8, 128, 4096)
+
+
 # ---- on a GPU ------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
