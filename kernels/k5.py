@@ -14,7 +14,7 @@ What changes relative to K4 (same WGMMAs, same register softmax, same P handoff)
 * KV tiles are walked in *descending* order: the diagonal and seqlen-tail tiles, the only ones
   that need a mask, come first, and the rest of the loop runs mask-free.
 * Tile order (``kernels/schedule.py``): a 1-D grid of (m_block, head, batch) tiles, heaviest
-  causal tiles first across all heads, heads grouped so that a group's K/V stay in L2.
+  causal tiles first within each L2 section, a section being the heads whose K/V fit in L2.
 * Persistent CTAs (``scheduler``): "single" launches one CTA per tile, as K4 did; "static" and
   "dynamic" launch one CTA per SM, and each loops over tiles, its producer warp loading the next
   tile's K and Q while the consumers finish the current one. "static" walks tiles round-robin
@@ -79,16 +79,16 @@ DEFAULT_CONFIG = {
 # at d=128 (causal short sequences most) and not at d=64, where three warpgroups' register
 # stores are already small. K6 found it paying at d=256 up to 8k keys, and at d=64 once each
 # warpgroup stores its own rows (o_store_per_wg; k6.TMA_STORE_UP_TO_SEQLEN).
-# Persistent (one CTA per SM looping over tiles) pays where every tile costs the same: with a
-# static round-robin, causal tiles of unequal cost leave some SMs idle at the end (measured on an
-# H100: docs/k5.md), so causal keeps one CTA per tile, launched heaviest first.
-PERSISTENT_BY_DEFAULT = dict(causal=False, non_causal=True)
+# Persistent CTAs (one per SM, looping over tiles) by default: a static round-robin where every
+# tile costs the same (non-causal); for causal, whose tiles differ, a static assignment leaves some
+# SMs idle at the end (measured on an H100: docs/k5.md), so each CTA claims its next tile from an
+# atomic counter, heaviest first ("dynamic"; default_config below).
 # setmaxnreg budgets (producer, consumer) per consumer-warpgroup count: they must add up to the
 # launch budget, 65536 / threads per CTA (24*128 + 240*256 = 168*384; 32*128 + 160*384 = 128*512).
 REGISTERS = {2: (24, 240), 3: (32, 160)}
 SCHEDULERS = ("single", "static", "dynamic")
 TILE_STAGES = 2  # claimed tile indices in flight between the producer and the consumers
-PRODUCER_WARPS = 4  # warpgroup 0; only its warp 0 issues loads, the other three idle at 24 regs
+PRODUCER_WARPS = 4  # warpgroup 0; only its warp 0 issues loads, the other three idle (24 regs, 32 with three consumer WGs)
 
 
 def num_sms() -> int:

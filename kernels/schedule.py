@@ -29,7 +29,7 @@ L2_BYTES = 50 * 1024 * 1024  # H100 (50 MB) and H200 (60 MB): size sections for 
 # d = 128) ran at 0.79x the best peer, an eighth of it (25 heads) at 1.04x. That run, timed once,
 # showed no clear difference at 8k keys, where a head's K/V alone fills the eighth.
 SECTION_BYTES = L2_BYTES // 8
-# ... up to 2k keys. From 4k keys a causal tile costs anywhere from 1 to N / tile_n KV tiles, and the
+# ... below 4k keys. From 4k keys a causal tile costs anywhere from 1 to N / tile_n KV tiles, and the
 # LPT order holds only inside a section: the heaviest tiles of the *last* section start only when
 # every earlier section has been handed out. A section of a head or two (what an eighth of L2 holds
 # at these lengths) then leaves its longest tiles running alone at the end. Sections sized to all of
