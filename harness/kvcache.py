@@ -11,7 +11,7 @@ never read into the result, whatever they hold. Causal is aligned bottom-right: 
 j <= i + cache_seqlens[b] - q_len; a row that sees no key gives O = 0 and LSE = -inf.
 
 ``plan.run`` returns buffers the plan owns and reuses on every call, and does no host work beyond a
-shape comparison and two launches, so a warmed-up call can be captured in a CUDA graph; the
+shape comparison and one launch (two with ``decode_combine``), so a warmed-up call can be captured in a CUDA graph; the
 lengths then change in ``cache_seqlens``, never in shapes.
 """
 

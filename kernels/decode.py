@@ -208,7 +208,7 @@ class DecodeFMHA:
         self.tile_m = TILE_M
         self.tile_n = tile_n
         self.kv_stages = kv_stages
-        self.split = split  # write fp32 partials for Combine (S > 1), or O and LSE directly
+        self.split = split  # write fp32 partials for the merge (S > 1; Combine or in-kernel), or O and LSE directly
         # With a split, "last_cta": the last CTA of each (query tile, K/V head, batch) to finish
         # merges the partials itself (``merge_if_last``), instead of a second kernel; "last_split":
         # the group's last split waits for the others and merges (``merge_in_last_split``).
@@ -441,60 +441,6 @@ class DecodeFMHA:
         return kv_len
 
     @cute.jit
-    def merge_if_last(self, mO_partial: cute.Tensor, mLSE_partial: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
-                      mCounters: cute.Tensor, counter: Int32, reset: tuple, flag_ptr, num_splits: Int32,
-                      rows: tuple, batch: Int32, tidx: Int32):
-        """Count this split done; the CTA that counts the last one merges the tile's rows (a warp
-        per row, as ``Combine``) and zeroes the counters (``reset``) for the next launch. Each thread's fence
-        orders its partial stores before the count; the last CTA's fence after it orders its
-        reads after every other CTA's stores."""
-        cute.arch.fence_acq_rel_gpu()
-        cute.arch.sync_threads()
-        flag = cute.make_tensor(flag_ptr, cute.make_layout(1))
-        if tidx == 0:
-            done = cute.arch.atomic_add(mCounters.iterator + counter, Int32(1), sem="acq_rel", scope="gpu")
-            flag[0] = Int32(1) if done == num_splits - 1 else Int32(0)
-        cute.arch.sync_threads()
-        if flag[0] == 1:
-            cute.arch.fence_acq_rel_gpu()
-            self.merge_rows(mO_partial, mLSE_partial, mO, mLSE, num_splits, rows, batch, tidx)
-            if tidx == 0:
-                zero_counters(reset)
-
-    @cute.jit
-    def merge_rows(self, mO_partial: cute.Tensor, mLSE_partial: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
-                   num_splits: Int32, rows: tuple, batch: Int32, tidx: Int32):
-        """The tile's rows merged from every split's partial, a warp per row (as ``Combine``)."""
-        lane = tidx % 32
-        for row in cutlass.range(cute.arch.make_warp_uniform(tidx // 32), rows[2], self.num_threads // 32, unroll=1):
-            q_idx, head = row_coords(rows, row, self.group)
-            combine_row(mO_partial, mLSE_partial, mO, mLSE, num_splits, batch, q_idx, head, lane, self.merge_prefetch)
-
-    @cute.jit
-    def merge_in_last_split(self, mO_partial: cute.Tensor, mLSE_partial: cute.Tensor, mO: cute.Tensor,
-                            mLSE: cute.Tensor, mCounters: cute.Tensor, counter: Int32, reset: tuple,
-                            split: Int32, num_splits: Int32, rows: tuple, batch: Int32, tidx: Int32):
-        """The group's last split merges; every other split counts itself done with a release
-        reduction and exits without waiting for an answer, so that its SM is free for the next
-        kernel's CTA at once. The last split waits (acquire) until the count says every other
-        partial is written: they were all launched before it (lower block index), so none can be
-        waiting for its SM."""
-        cute.arch.sync_threads()  # the CTA's partial stores come before thread 0's release
-        if split < num_splits - 1:
-            if tidx == 0:  # the claiming thread too: program order puts its claims before this release
-                cute.arch.red(mCounters.iterator + counter, Int32(1), op="add", dtype=Int32, sem="release",
-                              scope="gpu")
-        else:
-            if tidx == 0:
-                arrived = cute.arch.load(mCounters.iterator + counter, Int32, sem="acquire", scope="gpu")
-                while arrived < num_splits - 1:
-                    arrived = cute.arch.load(mCounters.iterator + counter, Int32, sem="acquire", scope="gpu")
-                zero_counters(reset)  # every split has counted: ready for the next launch
-            cute.arch.sync_threads()
-            cute.arch.fence_acq_rel_gpu()
-            self.merge_rows(mO_partial, mLSE_partial, mO, mLSE, num_splits, rows, batch, tidx)
-
-    @cute.jit
     def load_q(self, mQ: cute.Tensor, sQ: cute.Tensor, rows: tuple, batch: Int32, tidx: Int32):
         """Each thread copies 16-byte pieces of the packed Q rows into the swizzled sQ (zeros in
         the idle rows), then fences: WGMMA reads sQ through the async proxy."""
@@ -647,6 +593,60 @@ class DecodeFMHA:
                 cute.autovec_copy(rO_mn[r, None], sm90.acc_mn_view(thr_mma_pv.partition_C(gO_row))[r, None])
                 if tOcO_mn[r, 0][1] == 0:
                     mLSE[batch, head, q_idx] = lse[r]
+
+    @cute.jit
+    def merge_if_last(self, mO_partial: cute.Tensor, mLSE_partial: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+                      mCounters: cute.Tensor, counter: Int32, reset: tuple, flag_ptr, num_splits: Int32,
+                      rows: tuple, batch: Int32, tidx: Int32):
+        """Count this split done; the CTA that counts the last one merges the tile's rows (a warp
+        per row, as ``Combine``) and zeroes the counters (``reset``) for the next launch. Each thread's fence
+        orders its partial stores before the count; the last CTA's fence after it orders its
+        reads after every other CTA's stores."""
+        cute.arch.fence_acq_rel_gpu()
+        cute.arch.sync_threads()
+        flag = cute.make_tensor(flag_ptr, cute.make_layout(1))
+        if tidx == 0:
+            done = cute.arch.atomic_add(mCounters.iterator + counter, Int32(1), sem="acq_rel", scope="gpu")
+            flag[0] = Int32(1) if done == num_splits - 1 else Int32(0)
+        cute.arch.sync_threads()
+        if flag[0] == 1:
+            cute.arch.fence_acq_rel_gpu()
+            self.merge_rows(mO_partial, mLSE_partial, mO, mLSE, num_splits, rows, batch, tidx)
+            if tidx == 0:
+                zero_counters(reset)
+
+    @cute.jit
+    def merge_rows(self, mO_partial: cute.Tensor, mLSE_partial: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+                   num_splits: Int32, rows: tuple, batch: Int32, tidx: Int32):
+        """The tile's rows merged from every split's partial, a warp per row (as ``Combine``)."""
+        lane = tidx % 32
+        for row in cutlass.range(cute.arch.make_warp_uniform(tidx // 32), rows[2], self.num_threads // 32, unroll=1):
+            q_idx, head = row_coords(rows, row, self.group)
+            combine_row(mO_partial, mLSE_partial, mO, mLSE, num_splits, batch, q_idx, head, lane, self.merge_prefetch)
+
+    @cute.jit
+    def merge_in_last_split(self, mO_partial: cute.Tensor, mLSE_partial: cute.Tensor, mO: cute.Tensor,
+                            mLSE: cute.Tensor, mCounters: cute.Tensor, counter: Int32, reset: tuple,
+                            split: Int32, num_splits: Int32, rows: tuple, batch: Int32, tidx: Int32):
+        """The group's last split merges; every other split counts itself done with a release
+        reduction and exits without waiting for an answer, so that its SM is free for the next
+        kernel's CTA at once. The last split waits (acquire) until the count says every other
+        partial is written: they were all launched before it (lower block index), so none can be
+        waiting for its SM."""
+        cute.arch.sync_threads()  # the CTA's partial stores come before thread 0's release
+        if split < num_splits - 1:
+            if tidx == 0:  # the claiming thread too: program order puts its claims before this release
+                cute.arch.red(mCounters.iterator + counter, Int32(1), op="add", dtype=Int32, sem="release",
+                              scope="gpu")
+        else:
+            if tidx == 0:
+                arrived = cute.arch.load(mCounters.iterator + counter, Int32, sem="acquire", scope="gpu")
+                while arrived < num_splits - 1:
+                    arrived = cute.arch.load(mCounters.iterator + counter, Int32, sem="acquire", scope="gpu")
+                zero_counters(reset)  # every split has counted: ready for the next launch
+            cute.arch.sync_threads()
+            cute.arch.fence_acq_rel_gpu()
+            self.merge_rows(mO_partial, mLSE_partial, mO, mLSE, num_splits, rows, batch, tidx)
 
 
 def packed_rows(m_block: Int32, kv_head: Int32, group: int, q_per_tile: int, q_len: Int32) -> tuple:
