@@ -677,12 +677,17 @@ class K5FMHA:
         sm90.convert_to(sm90.acc_as_operand_a(acc_S), tOrP)
 
 
+def schedule_config(p: Problem) -> dict:
+    """Persistent (static) non-causal and dynamic causal, L2 sections by key length
+    (schedule.section_bytes): K5's schedule, which K6-K8 share."""
+    return dict(scheduler="dynamic" if p.causal else "static",
+                section_bytes=schedule.section_bytes(p.kv_len) if p.causal else schedule.SECTION_BYTES)
+
+
 def default_config(p: Problem, overrides: dict) -> dict:
-    """DEFAULT_CONFIG for the head dim, persistent (static) non-causal and dynamic causal, L2
-    sections by key length (schedule.section_bytes), then the caller's overrides (None keeps the
-    default)."""
-    cfg = dict(DEFAULT_CONFIG[p.head_dim], scheduler="dynamic" if p.causal else "static",
-               section_bytes=schedule.section_bytes(p.kv_len) if p.causal else schedule.SECTION_BYTES)
+    """DEFAULT_CONFIG for the head dim and K5's schedule, then the caller's overrides (None keeps
+    the default)."""
+    cfg = dict(DEFAULT_CONFIG[p.head_dim], **schedule_config(p))
     cfg.update({k: v for k, v in overrides.items() if v is not None})
     return cfg
 

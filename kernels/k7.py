@@ -198,8 +198,8 @@ def fake_args(out_dtype, head_dim: int, kv_heads: bool = True) -> tuple:
 
 
 def config(p: Problem, overrides: dict, name: str = "K7") -> dict:
-    """DEFAULT_CONFIG (K6's schedulers: static non-causal, dynamic causal), then the overrides."""
-    cfg = dict(DEFAULT_CONFIG[p.head_dim], scheduler="dynamic" if p.causal else "static", tma_store=False)
+    """DEFAULT_CONFIG with K6's schedule (k5.schedule_config), then the overrides."""
+    cfg = dict(DEFAULT_CONFIG[p.head_dim], **k5.schedule_config(p), tma_store=False)
     cfg.update({k: v for k, v in overrides.items() if v is not None})
     check_tile_n(cfg, name)
     if cfg["tma_store"]:
@@ -207,6 +207,9 @@ def config(p: Problem, overrides: dict, name: str = "K7") -> dict:
     if cfg.get("cluster", 1) != 1:
         raise UnsupportedProblem(f"{name} config {cfg}: cluster (K/V multicast) is checked for K6's 16-bit tiles "
                                  "only; not for the FP8 ones")
+    if cfg.get("split_tail"):  # its merge would also need the pieces' own V descales (K8's are per tile)
+        raise UnsupportedProblem(f"{name} config {cfg}: split_tail is checked for K6's 16-bit tiles only; not for "
+                                 "the FP8 ones")
     return cfg
 
 
@@ -226,7 +229,8 @@ def compile_kernel(p: Problem, *, keep_ptx: bool = False, structure: str = "k6",
 
 def compile_on_k4(p: Problem, keep_ptx: bool, overrides: dict) -> CompiledAttention:
     K4_CAPS.check(p)
-    cfg = k4.config(p.head_dim, overrides) if overrides else dict(K4_CONFIG[p.head_dim])
+    cfg = dict(K4_CONFIG[p.head_dim])  # overrides start from K7_K4's tiles (one more stage), not K4's
+    cfg.update({k: v for k, v in overrides.items() if v is not None})
     k4.check_config(cfg)
     check_tile_n(cfg, "K7_K4")
     out_dt = cute_dtype(p.out_dtype)

@@ -277,3 +277,13 @@ def test_fp8_stages_run_both_gemms_in_e4m3(name, head_dim):
     assert wgmma and all(k == "32" and a == b == "e4m3" for _, k, a, b in wgmma)
     assert str(head_dim) in {n for n, *_ in wgmma}
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "prmt" not in ptx
+
+
+def test_k7_on_k4_overrides_start_from_its_own_tiles():
+    # k7_k4 runs one more K/V stage than K4 (8-bit tiles); an override changes only what it names.
+    from kernels import k7
+
+    p = Problem(1, 1, 128, 128)
+    info = get_kernel("k7_k4").compile(p, tile_n=64).info
+    assert info["tile_n"] == 64 and info["kv_stages"] == k7.K4_CONFIG[128]["kv_stages"]
+    assert get_kernel("k7_k4").compile(p).info["kv_stages"] == k7.K4_CONFIG[128]["kv_stages"]

@@ -252,6 +252,9 @@ def test_long_causal_sequences_take_l2_sized_sections():
     assert entry.compile(Problem(1, 1, 4096, 128, causal=True), section_bytes=1 << 20).info["section_bytes"] == 1 << 20
     # Chunked prefill: the key length decides.
     assert entry.compile(Problem(1, 1, 1024, 128, causal=True, seqlen_k=8192)).info["section_bytes"] == schedule.L2_BYTES
+    for name in ("k7", "k8"):  # K6's schedule, sections included
+        assert get_kernel(name).compile(Problem(1, 1, 2048, 128, causal=True)).info["section_bytes"] == schedule.L2_BYTES // 8
+        assert get_kernel(name).compile(Problem(1, 1, 4096, 128, causal=True)).info["section_bytes"] == schedule.L2_BYTES
 
 
 @pytest.mark.parametrize("num_tiles,grid,n_kv", [(2048, 132, 57), (4096, 132, 114), (12, 5, 3), (7, 5, 1),
@@ -348,6 +351,8 @@ def test_cluster_multicasts_k_and_v_in_static_non_causal_builds_only():
     assert cluster_of(Problem(1, 1, 4097, 128)) is None  # 33 query tiles
     assert cluster_of(Problem(4, 32, 128, 128, seqlen_k=8192)) is None  # a chunk of 128 queries: one tile
     assert cluster_of(Problem(1, 1, 8192, 128), ctas=6) is None and cluster_of(Problem(1, 1, 8192, 128), scheduler="single") is None
-    for name in ("k7", "k8"):  # not checked on the FP8 tiles: refused there
+    for name in ("k7", "k8"):  # not checked on the FP8 tiles: refused there, as is the split tail
         with pytest.raises(UnsupportedProblem, match="cluster"):
             _compile(name, 128, causal=False, cluster=2)
+        with pytest.raises(UnsupportedProblem, match="split_tail"):
+            _compile(name, 128, causal=False, split_tail=True)
