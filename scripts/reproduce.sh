@@ -355,6 +355,9 @@ case "$part" in
       --out "$dir/fp8-tune-$gpu-d128.json" > "$dir/fp8-tune-$gpu-d128.log" || rc=1
     timeout 60 $py scripts/tune_fp8.py --kernels k7 --headdim 256 --causal 1 --seqlen 2048 4096 \
       --configs '[{}, {"tile_n": 64}]' --out "$dir/fp8-tune-$gpu-d256.json" > "$dir/fp8-tune-$gpu-d256.log" || rc=1
+    # K6's L2 sections for long causal sequences (the default) against the eighth K7 had before
+    timeout 280 $py scripts/tune_fp8.py --kernels k7 --headdim 128 256 --causal 1 --seqlen 4096 8192 16384 \
+      --configs '{"k7": [{}, {"section_bytes": 6553600}]}' --out "$dir/fp8-tune-$gpu-sections.json" > /dev/null || rc=1
     exit $rc
     ;;
   *) echo "usage: $0 check|perf|headline|ws|decode|fp8check|fp8 [dir]" >&2; exit 2 ;;
