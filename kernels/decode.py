@@ -309,8 +309,8 @@ class DecodeFMHA:
         pipeline_kv = tma_pipeline.make_kv_pipeline(storage, self.dtype, sK_layout, sVt_layout, stages,
                                                     self.num_threads)
         tKsK, tKgK = tma_pipeline.partition_for_tma(tma_atom_K, mK_tma, sK, (tile_n, d), kv_head, batch, (None, 0))
-        tVsV, tVgV = tma_pipeline.partition_for_tma(tma_atom_V, mV_tma, sVt, (d, tile_n), kv_head, batch, (0, None))
-        kv_loads = (tma_atom_K, tKgK, tKsK, tma_atom_V, tVgV, tVsV)
+        tVsVt, tVgVt = tma_pipeline.partition_for_tma(tma_atom_V, mV_tma, sVt, (d, tile_n), kv_head, batch, (0, None))
+        kv_loads = (tma_atom_K, tKgK, tKsK, tma_atom_V, tVgVt, tVsVt)
         if const_expr(self.l2_prefetch > 0):
             # This CTA usually starts while the previous kernel on the stream drains (PDL, below):
             # HBM would idle through that kernel's tail and this one's first round trip. Pull the
@@ -724,9 +724,9 @@ class Combine:
 @cute.jit
 def l2_hint(kv_loads: tuple, n_block: Int32):
     """Pull K/V tile ``n_block`` into L2 (TMA prefetch: no SMEM, no barrier; call from one thread)."""
-    tma_atom_K, tKgK, _, tma_atom_V, tVgV, _ = kv_loads
+    tma_atom_K, tKgK, _, tma_atom_V, tVgVt, _ = kv_loads
     cute.prefetch(tma_atom_K, tKgK[None, n_block])
-    cute.prefetch(tma_atom_V, tVgV[None, n_block])
+    cute.prefetch(tma_atom_V, tVgVt[None, n_block])
 
 
 @cute.jit

@@ -163,8 +163,8 @@ class K4FMHA:
         tQsQ, tQgQ = tma_pipeline.partition_for_tma(tma_atom_Q, mQ_tma, sQ, (tile_m, d), head, batch, (m_block, 0))
         # K's KV tiles run along mode 0; V^T's, viewed (d, seqlen, ...), along mode 1.
         tKsK, tKgK = tma_pipeline.partition_for_tma(tma_atom_K, mK_tma, sK, (tile_n, d), head, batch, (None, 0))
-        tVsV, tVgV = tma_pipeline.partition_for_tma(tma_atom_V, mV_tma, sVt, (d, tile_n), head, batch, (0, None))
-        kv_loads = (tma_atom_K, tKgK, tKsK, tma_atom_V, tVgV, tVsV)
+        tVsVt, tVgVt = tma_pipeline.partition_for_tma(tma_atom_V, mV_tma, sVt, (d, tile_n), head, batch, (0, None))
+        kv_loads = (tma_atom_K, tKgK, tKsK, tma_atom_V, tVgVt, tVsVt)
 
         # ---- prefetch: Q, then the first min(stages, n_tiles) K/V tiles --------------------
         if warp_idx == 0:

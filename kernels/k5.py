@@ -397,11 +397,11 @@ class K5FMHA:
         cta = (cute.arch.block_idx_in_cluster() if const_expr(self.cluster > 1) else 0, self.cluster)
         tKsK, tKgK = tma_pipeline.partition_for_tma(tma_atom_K, mK_tma, sK, (tile_n, d), head // group, batch,
                                                     cta=cta)
-        tVsV, tVgV = tma_pipeline.partition_for_tma(tma_atom_V, mV_tma, sVt, (d, tile_n), head // group, batch,
+        tVsVt, tVgVt = tma_pipeline.partition_for_tma(tma_atom_V, mV_tma, sVt, (d, tile_n), head // group, batch,
                                                     coord=(0, None), cta=cta)
         n_lo, n_tiles = (0, kv_tile_count(m_block, seqlen, tile_m, tile_n, self.causal, seqlen_k)
                          ) if const_expr(span is None) else span
-        kv_loads = (pipeline_k, tma_atom_K, tKgK, tKsK, pipeline_v, tma_atom_V, tVgV, tVsV)
+        kv_loads = (pipeline_k, tma_atom_K, tKgK, tKsK, pipeline_v, tma_atom_V, tVgVt, tVsVt)
         # Q goes right after the first K: in a persistent CTA it waits for the consumers to
         # release sQ, and that K need not wait with it.
         q_load = (pipeline_q, q_produce, tma_atom_Q, tQgQ, tQsQ[None, q_produce.index])
@@ -414,15 +414,15 @@ class K5FMHA:
                       q_load: tuple, n_lo=0) -> pipeline.PipelineState:
         """K and V of KV tiles n_tiles-1 down to n_lo, K_j then V_j, each as soon as its stage is
         free; Q after the first K."""
-        pipeline_k, tma_atom_K, tKgK, tKsK, pipeline_v, tma_atom_V, tVgV, tVsV = kv_loads
+        pipeline_k, tma_atom_K, tKgK, tKsK, pipeline_v, tma_atom_V, tVgVt, tVsVt = kv_loads
         for i in cutlass.range(n_tiles - n_lo, unroll=1):
             n_block = n_tiles - 1 - i
             tma_pipeline.load_stage(pipeline_k, kv_produce, tma_atom_K, tKgK[None, n_block],
                                     tKsK[None, kv_produce.index], self.kv_mcast_mask)
             if i == 0:
                 tma_pipeline.load_stage(*q_load)
-            tma_pipeline.load_stage(pipeline_v, kv_produce, tma_atom_V, tVgV[None, n_block],
-                                    tVsV[None, kv_produce.index], self.kv_mcast_mask)
+            tma_pipeline.load_stage(pipeline_v, kv_produce, tma_atom_V, tVgVt[None, n_block],
+                                    tVsVt[None, kv_produce.index], self.kv_mcast_mask)
             kv_produce.advance()
         return kv_produce
 

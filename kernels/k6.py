@@ -162,7 +162,7 @@ class K6FMHA(k5.K5FMHA):
         if const_expr(not self.overlap):
             kv_produce = k5.K5FMHA.load_kv_tiles(self, n_tiles, kv_produce, kv_loads, q_load, n_lo)
         else:
-            pipeline_k, tma_atom_K, tKgK, tKsK, pipeline_v, tma_atom_V, tVgV, tVsV = kv_loads
+            pipeline_k, tma_atom_K, tKgK, tKsK, pipeline_v, tma_atom_V, tVgVt, tVsVt = kv_loads
             mcast = self.kv_mcast_mask
             tma_pipeline.load_stage(pipeline_k, kv_produce, tma_atom_K, tKgK[None, n_tiles - 1],
                                     tKsK[None, kv_produce.index], mcast)
@@ -172,9 +172,9 @@ class K6FMHA(k5.K5FMHA):
                 kv_produce.advance()
                 tma_pipeline.load_stage(pipeline_k, kv_produce, tma_atom_K, tKgK[None, n_tiles - 2 - i],
                                         tKsK[None, kv_produce.index], mcast)
-                tma_pipeline.load_stage(pipeline_v, kv_prev, tma_atom_V, tVgV[None, n_tiles - 1 - i],
-                                        tVsV[None, kv_prev.index], mcast)
-            tma_pipeline.load_stage(pipeline_v, kv_produce, tma_atom_V, tVgV[None, n_lo], tVsV[None, kv_produce.index],
+                tma_pipeline.load_stage(pipeline_v, kv_prev, tma_atom_V, tVgVt[None, n_tiles - 1 - i],
+                                        tVsVt[None, kv_prev.index], mcast)
+            tma_pipeline.load_stage(pipeline_v, kv_produce, tma_atom_V, tVgVt[None, n_lo], tVsVt[None, kv_produce.index],
                                     mcast)
             kv_produce.advance()
         return kv_produce
