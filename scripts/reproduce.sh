@@ -217,8 +217,8 @@ case "$part" in
     # from 16k keys (k6.LONG_SEQUENCE_TILE_N; its first configuration was the default of 128 keys)
     timeout 330 $T --headdim 64 --seqlen 2048 4096 8192 16384 \
       --configs '[{}, {"cluster": 2}, {"cluster": 2, "tile_n": 160}]' --out "$dir/ws-tune-$gpu-cluster-d64-r3.json" || rc=1
-    timeout 400 $T --headdim 64 --seqlen 8192 16384 32768 --configs '[{"tile_n": 128}, {"tile_n": 160}, {"tile_n": 176}, \
-      {"cluster": 2, "tile_n": 160}, {"cluster": 2, "tile_n": 176}]' --out "$dir/ws-tune-$gpu-d64long-r3.json" || rc=1
+    d64long='[{"tile_n": 128}, {"tile_n": 160}, {"tile_n": 176}, {"cluster": 2, "tile_n": 160}, {"cluster": 2, "tile_n": 176}]'
+    timeout 400 $T --headdim 64 --seqlen 8192 16384 32768 --configs "$d64long" --out "$dir/ws-tune-$gpu-d64long-r3.json" || rc=1
     timeout 300 $py scripts/tune.py --kernels k6 --causal 1 --rounds 3 --headdim 64 --seqlen 8192 16384 32768 \
       --configs '[{}, {"tile_n": 160}, {"tile_n": 176}]' --out "$dir/ws-tune-$gpu-d64long-causal-r3.json" || rc=1
     # GQA prefill against plain multi-head attention on the same query shapes (docs/k6.md, GQA)

@@ -195,3 +195,15 @@ def test_make_docs_plot_without_matplotlib_writes_nothing(monkeypatch, tmp_path)
     with pytest.raises(SystemExit, match="matplotlib"):
         make_docs.main(["--plot"])
     assert list(tmp_path.iterdir()) == []
+
+
+def test_reproduce_script_configs_are_json():
+    # Every --configs/--config list in scripts/reproduce.sh (and every list kept in a shell
+    # variable) must parse: a backslash-newline inside single quotes is not a continuation.
+    import re
+
+    text = (ROOT / "scripts" / "reproduce.sh").read_text()
+    quoted = re.findall(r"--configs? '([^']*)'", text) + re.findall(r"^\s*\w+='(\[[^']*\])'\s*$", text, re.M)
+    assert len(quoted) > 30
+    for q in quoted:
+        json.loads(q)
