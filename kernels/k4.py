@@ -246,9 +246,10 @@ class K4FMHA:
         sm90.convert_to(sm90.acc_as_operand_a(acc_S), tOrP)
 
 
-def config(head_dim: int, overrides: dict) -> dict:
-    """DEFAULT_CONFIG for ``head_dim``, with every override that is not None."""
-    cfg = dict(DEFAULT_CONFIG[head_dim])
+def config(head_dim: int, overrides: dict, defaults: dict = None) -> dict:
+    """DEFAULT_CONFIG (or ``defaults``, a table of the same shape) for ``head_dim``, with every
+    override that is not None."""
+    cfg = dict((defaults or DEFAULT_CONFIG)[head_dim])
     cfg.update({k: v for k, v in overrides.items() if v is not None})
     return cfg
 

@@ -229,8 +229,7 @@ def compile_kernel(p: Problem, *, keep_ptx: bool = False, structure: str = "k6",
 
 def compile_on_k4(p: Problem, keep_ptx: bool, overrides: dict) -> CompiledAttention:
     K4_CAPS.check(p)
-    cfg = dict(K4_CONFIG[p.head_dim])  # overrides start from K7_K4's tiles (one more stage), not K4's
-    cfg.update({k: v for k, v in overrides.items() if v is not None})
+    cfg = k4.config(p.head_dim, overrides, K4_CONFIG)  # from K7_K4's tiles (one more stage), not K4's
     k4.check_config(cfg)
     check_tile_n(cfg, "K7_K4")
     out_dt = cute_dtype(p.out_dtype)
