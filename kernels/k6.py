@@ -282,7 +282,7 @@ def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_wg=None, tile_n=No
                    q_stages=None, scheduler=None, tma_store=None, pingpong=None, overlap=None,
                    section_bytes=None, emulated_exp2=None, skip_unit_rescale=None,
                    rescale_o_before_gemm=None, pin_pv_wait=None, o_store_per_wg=None, split_tail=None,
-                   ctas=None, pin_descriptors=None, cluster=None) -> CompiledAttention:
+                   ctas=None, pin_descriptors=None, cluster=None, q_in_regs=None) -> CompiledAttention:
     CAPS.check(p)
     if overlap is None:
         short = NO_OVERLAP_UP_TO_SEQLEN.get((p.head_dim, p.causal), 0)
@@ -312,6 +312,6 @@ def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_wg=None, tile_n=No
                                     emulated_exp2=emulated_exp2, skip_unit_rescale=skip_unit_rescale,
                                     rescale_o_before_gemm=rescale_o_before_gemm, pin_pv_wait=pin_pv_wait,
                                     o_store_per_wg=o_store_per_wg, split_tail=split_tail, ctas=ctas,
-                                    pin_descriptors=pin_descriptors, cluster=cluster))
+                                    pin_descriptors=pin_descriptors, cluster=cluster, q_in_regs=q_in_regs))
     cfg["o_store_per_wg"] = bool(cfg["o_store_per_wg"] and cfg["tma_store"])  # only a TMA store has one
     return k5.build("k6", K6FMHA, p, cfg, keep_ptx)

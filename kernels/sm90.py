@@ -551,6 +551,13 @@ def gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cu
         warpgroup.wait_group(wg_wait)
 
 
+def load_a_operand(tiled_mma: cute.TiledMma, sA: cute.Tensor, tCrA: cute.Tensor, tidx: Int32, dtype):
+    """A WGMMA A operand from SMEM into its register fragment (ldmatrix), for an RS GEMM."""
+    atom = cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), dtype)
+    thr_copy = cute.make_tiled_copy_A(atom, tiled_mma).get_slice(tidx)
+    cute.copy(atom, thr_copy.partition_S(sA), thr_copy.retile(tCrA))
+
+
 @dsl_user_op
 def pinned_u64(x: cutlass.Int64, *, loc=None, ip=None) -> cutlass.Int64:
     """x through a side-effecting ``mov``: LLVM may not recompute it at its uses or move it."""

@@ -207,6 +207,22 @@ def test_k6_softmax_knobs_measured_and_left_off():
     assert all(r[3] == 0 for r in ptxas_report(emu.ptx) + ptxas_report(skip.ptx))
 
 
+def test_k6_q_in_registers_measured_and_left_off():
+    # q_in_regs (lost on an H200, docs/k6.md): every QK WGMMA takes Q from registers, loaded by
+    # ldmatrix once per Q stage (64 rows x d of 16-bit values: d/16 x4 loads per thread), no spills.
+    def a_operands(ptx):  # the first operand after the accumulator: a descriptor (%rd) or registers ({)
+        return re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16\s*\{[^}]*\},\s*(\{|%rd)", ptx)
+
+    for d in (64, 128):
+        base, regs = _compile("k6", d, causal=False), _compile("k6", d, causal=False, q_in_regs=True)
+        assert "%rd" in a_operands(base.ptx) and "ldmatrix" not in base.ptx
+        assert set(a_operands(regs.ptx)) == {"{"}  # QK and PV both RS now
+        assert regs.ptx.count("ldmatrix.sync.aligned.m8n8.x4") == d // 16 * regs.info["q_stages"]
+        assert all(r[3] == 0 for r in ptxas_report(regs.ptx))
+    with pytest.raises(UnsupportedProblem, match="q_in_regs"):
+        _compile("k6", 256, q_in_regs=True)
+
+
 def test_exp2_cubic_is_within_bf16_precision():
     # The cubic of exp2_poly, as float32 constants: under 1e-4 relative error (bf16 keeps 3.9e-3),
     # and what scripts/fit_exp2.py produces.
