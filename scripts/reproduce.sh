@@ -221,6 +221,13 @@ case "$part" in
     timeout 400 $T --headdim 64 --seqlen 8192 16384 32768 --configs "$d64long" --out "$dir/ws-tune-$gpu-d64long-r3.json" || rc=1
     timeout 300 $py scripts/tune.py --kernels k6 --causal 1 --rounds 3 --headdim 64 --seqlen 8192 16384 32768 \
       --configs '[{}, {"tile_n": 160}, {"tile_n": 176}]' --out "$dir/ws-tune-$gpu-d64long-causal-r3.json" || rc=1
+    # Q in registers (q_in_regs, left off) and the per-warpgroup O store with the clusters on
+    qregs='[{}, {"q_in_regs": true}, {"o_store_per_wg": true}, {"q_in_regs": true, "o_store_per_wg": true}]'
+    timeout 200 $T --headdim 128 --seqlen 2048 8192 16384 --configs "$qregs" --out "$dir/ws-tune-$gpu-qregs-d128n-r3.json" || rc=1
+    timeout 150 $py scripts/tune.py --kernels k6 --causal 1 --rounds 3 --headdim 128 --seqlen 4096 16384 \
+      --configs '[{}, {"q_in_regs": true}]' --out "$dir/ws-tune-$gpu-qregs-d128c-r3.json" || rc=1
+    timeout 150 $T --headdim 64 --seqlen 8192 16384 --configs '[{}, {"q_in_regs": true}]' \
+      --out "$dir/ws-tune-$gpu-qregs-d64n-r3.json" || rc=1
     # GQA prefill against plain multi-head attention on the same query shapes (docs/k6.md, GQA)
     for g in 1 4; do
       timeout 210 $py scripts/tune.py --kernels k6 --headdim 128 --seqlen 2048 4096 8192 16384 --nheads 32 --kv-group $g \
