@@ -156,7 +156,6 @@ class K5FMHA:
             raise UnsupportedProblem(f"q_in_regs: Q in registers ({head_dim // 4} per thread) does not fit beside O "
                                      f"({head_dim // 2}) at head_dim {head_dim}; head_dim <= 128 only")
         self.q_in_regs = q_in_regs
-        self.defer_store_wait = False  # K6: the O store's wait moves under the next tile's first QK
         self.out_dtype = dtype  # K7: e4m3 inputs, 16-bit O
         self.p_offset = 0.0  # K7: P scaled into e4m3's range (sm90.OnlineSoftmax)
         self.block_scales = False  # K8: a descale per Q tile and per K / V tile (mDescale rows)
@@ -476,24 +475,17 @@ class K5FMHA:
                 # A piece of the tail: (tail tile, which of this CTA's runs, steps, CTAs sharing
                 # them); whole tiles (and a tail tile one run covers) end as usual.
                 piece = (unit_tile - waves * step, Int32(0) if u == waves else Int32(1), steps, parts, n_kv)
-                q_consume, kv_consume, _ = self.consume_tile(unit_tile, (lo, hi, piece), q_consume, kv_consume, ctx)
+                q_consume, kv_consume = self.consume_tile(unit_tile, (lo, hi, piece), q_consume, kv_consume, ctx)
         else:
-            store_pending = cutlass.Boolean(False) if const_expr(self.defer_store_wait) else False
             while tile_idx < num_tiles:
-                q_consume, kv_consume, store_pending = self.consume_tile(tile_idx, None, q_consume, kv_consume, ctx,
-                                                                         store_pending)
+                q_consume, kv_consume = self.consume_tile(tile_idx, None, q_consume, kv_consume, ctx)
                 tile_idx = self.next_tile(tile_idx, step, tile_slots, tile_consume)
                 tile_consume.advance()
-            if const_expr(self.defer_store_wait):  # the last tile's store
-                last = pipeline.PipelineState(self.q_stages, Int32(0), (q_consume.index + self.q_stages - 1) % self.q_stages,
-                                              Int32(0))
-                self.finish_o_store(store_pending, last, tidx, pipelines[0])
 
     @cute.jit
     def consume_tile(self, tile_idx: Int32, span, q_consume: pipeline.PipelineState,
-                     kv_consume: pipeline.PipelineState, ctx: tuple, store_pending=False):
-        """One query tile (or, split tail, its KV tiles [lo, hi)): mainloop, then the epilogue.
-        ``store_pending`` (defer_store_wait): the previous tile's O store still has to be waited for."""
+                     kv_consume: pipeline.PipelineState, ctx: tuple):
+        """One query tile (or, split tail, its KV tiles [lo, hi)): mainloop, then the epilogue."""
         (mO, mLSE, mDescale, kv_shape, sQ, pipelines, o_store, decode, tidx, wg_idx, scale_log2, mmas_all,
          tile_slots) = ctx
         tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O, tScS = mmas_all
@@ -525,12 +517,8 @@ class K5FMHA:
                 else:
                     tSrQ_stage = tSrQ[None, None, None, q_stage]
                 mmas = (tiled_mma_qk, tiled_mma_pv, tSrQ_stage, tSrK, tOrVt, tOrP, acc_O, tScS)
-                after_first_qk = None
-                if const_expr(self.defer_store_wait):  # the previous tile's store read the other Q stage
-                    prev = pipeline.PipelineState(self.q_stages, Int32(0), Int32((q_stage - 1) % self.q_stages), Int32(0))
-                    after_first_qk = functools.partial(self.finish_o_store, store_pending, prev, tidx, pipeline_q)
                 kv_consume = self.mainloop(m_block, mask_lens, n_tiles, n_unmasked, kv_consume, pipelines, mmas,
-                                           softmax, row_scale, n_lo, after_first_qk)
+                                           softmax, row_scale, n_lo)
         if const_expr(per_tensor_scales):  # K7: O in v's units
             acc_O.store(acc_O.load() * mDescale[2])
         if const_expr(span is None):
@@ -543,18 +531,7 @@ class K5FMHA:
                 self.merge_tail_piece(acc_O, softmax, piece, tiled_mma_pv, tidx, mO, mLSE, tile_slots[2], m_block,
                                       head, batch)
         q_consume.advance()
-        if const_expr(self.defer_store_wait):
-            store_pending = cutlass.Boolean(True)
-        return q_consume, kv_consume, store_pending
-
-    @cute.jit
-    def finish_o_store(self, store_pending, q_stage: pipeline.PipelineState, tidx: Int32,
-                       pipeline_q: pipeline.PipelineTmaAsync):
-        """defer_store_wait: the storing warp waits until its O store has read sO, then frees that
-        Q stage (the other warps freed it at the store)."""
-        if store_pending and sm90.is_o_storing_warp(tidx, self.o_store_per_wg):
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
-            pipeline_q.consumer_release(q_stage)
+        return q_consume, kv_consume
 
     @cute.jit
     def epilogue(self, tile_idx: Int32, q_consume: pipeline.PipelineState, acc_O: cute.Tensor,
@@ -577,13 +554,8 @@ class K5FMHA:
             tOsO, tOgO = tma_pipeline.partition_for_tma(tma_atom_O, mO_tma, sO_box, (self.o_store_rows(), d), head,
                                                         batch, coord=(m_box, 0))
             sm90.store_o_tma_and_lse(acc_O, softmax, tiled_mma_pv, tidx, sO, tOsO, tOgO, tma_atom_O, mLSE,
-                                     m_block, head, batch, seqlen, tile_m, self.out_dtype, store_threads, store_wg,
-                                     wait_read=not self.defer_store_wait)
-            if const_expr(self.defer_store_wait):
-                if not sm90.is_o_storing_warp(tidx, self.o_store_per_wg):  # the storing warp: finish_o_store
-                    pipeline_q.consumer_release(q_consume)
-            else:
-                pipeline_q.consumer_release(q_consume)  # the store has read sO: Q's buffer is free
+                                     m_block, head, batch, seqlen, tile_m, self.out_dtype, store_threads, store_wg)
+            pipeline_q.consumer_release(q_consume)  # the store has read sO: Q's buffer is free
         else:
             # Every QK of this tile has retired: the producer may load the next tile's Q.
             pipeline_q.consumer_release(q_consume)
@@ -594,10 +566,9 @@ class K5FMHA:
     @cute.jit
     def mainloop(self, m_block: Int32, mask_lens: tuple, n_tiles: Int32, n_unmasked: Int32,
                  kv_consume: pipeline.PipelineState, pipelines: tuple, mmas: tuple, softmax: sm90.OnlineSoftmax,
-                 row_scale: cute.Tensor, n_lo=0, after_first_qk=None) -> pipeline.PipelineState:
+                 row_scale: cute.Tensor, n_lo=0) -> pipeline.PipelineState:
         """One query tile's KV loop, descending: the masked diagonal / seqlen-tail tiles first,
         then the mask-free rest. A piece of a split tail stops at KV tile ``n_lo``."""
-        assert after_first_qk is None, "K5's loop has no hook after the first QK (K6's overlap has)"
         n_masked, n_free = n_tiles - n_unmasked, n_unmasked
         if const_expr(not isinstance(n_lo, int)):
             n_masked = cutlass.max(n_tiles - cutlass.max(n_unmasked, n_lo), 0)

@@ -97,13 +97,8 @@ CLUSTER_FROM_SEQLEN = {128: 4096, 256: 2048}
 
 class K6FMHA(k5.K5FMHA):
     def __init__(self, *args, pingpong: bool, overlap: bool, emulated_exp2: int = 0, skip_unit_rescale: bool = False,
-                 rescale_o_before_gemm: bool = None, pin_pv_wait=None, defer_store_wait: bool = False, **kw):
+                 rescale_o_before_gemm: bool = None, pin_pv_wait=None, **kw):
         super().__init__(*args, **kw)
-        if defer_store_wait and not (overlap and self.tma_store and self.q_stages > 1 and not self.split_tail):
-            raise UnsupportedProblem("defer_store_wait waits for the O store under the next tile's first QK of the "
-                                     "overlap, in the other Q stage: it needs overlap, tma_store, q_stages >= 2 and "
-                                     "no split_tail")
-        self.defer_store_wait = defer_store_wait
         self.warp_scheduler = sm90.WarpScheduler(self.num_wg, pingpong)  # K5's no-op calls come alive
         self.overlap = overlap
         if rescale_o_before_gemm is None:
@@ -138,7 +133,7 @@ class K6FMHA(k5.K5FMHA):
     @cute.jit
     def mainloop(self, m_block: Int32, mask_lens: tuple, n_tiles: Int32, n_unmasked: Int32,
                  kv_consume: pipeline.PipelineState, pipelines: tuple, mmas: tuple, softmax: sm90.OnlineSoftmax,
-                 row_scale: cute.Tensor, n_lo=0, after_first_qk=None) -> pipeline.PipelineState:
+                 row_scale: cute.Tensor, n_lo=0) -> pipeline.PipelineState:
         if const_expr(not self.overlap):
             # K5's loop with the token around each batch of GEMMs: sync before the first QK,
             # then (inside K5's kv_iteration) arrive after QK j, sync before PV j; arrive after the last.
@@ -148,8 +143,7 @@ class K6FMHA(k5.K5FMHA):
             self.warp_scheduler.arrive()
         else:
             # Prologue: QK and softmax of the first (masked) tile; its PV runs in the first step.
-            self.first_qk_softmax(n_tiles - 1, m_block, mask_lens, kv_consume, pipelines, mmas, softmax, row_scale,
-                                  after_first_qk)
+            self.first_qk_softmax(n_tiles - 1, m_block, mask_lens, kv_consume, pipelines, mmas, softmax, row_scale)
             n_masked = cutlass.max(n_tiles - 1 - cutlass.max(n_unmasked, n_lo), 0)
             for i in cutlass.range(n_masked, unroll=1):
                 kv_consume = self.overlapped_step(n_tiles - 2 - i, m_block, mask_lens, kv_consume, pipelines, mmas,
@@ -187,21 +181,14 @@ class K6FMHA(k5.K5FMHA):
 
     @cute.jit
     def first_qk_softmax(self, n_block: Int32, m_block: Int32, mask_lens: tuple, kv_consume: pipeline.PipelineState,
-                         pipelines: tuple, mmas: tuple, softmax: sm90.OnlineSoftmax, row_scale: cute.Tensor,
-                         after_first_qk=None):
+                         pipelines: tuple, mmas: tuple, softmax: sm90.OnlineSoftmax, row_scale: cute.Tensor):
         """S = QK^T of the first tile, masked (the first tile is the only one that may hold the
-        seqlen tail, and, causal, the diagonal), softmax, P into registers. No PV yet.
-        ``after_first_qk``: runs while that QK is in flight (defer_store_wait)."""
+        seqlen tail, and, causal, the diagonal), softmax, P into registers. No PV yet."""
         _, pipeline_k, _ = pipelines
         tiled_mma_qk, _, tSrQ, tSrK, _, tOrP, _, tScS = mmas
         pipeline_k.consumer_wait(kv_consume)
         acc_S = cute.make_rmem_tensor(tiled_mma_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
-        if const_expr(after_first_qk is None):
-            sm90.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_consume.index], zero_init=True, wg_wait=0)
-        else:
-            sm90.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_consume.index], zero_init=True, wg_wait=-1)
-            after_first_qk()
-            warpgroup.wait_group(0)
+        sm90.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_consume.index], zero_init=True, wg_wait=0)
         pipeline_k.consumer_release(kv_consume)
         sm90.mask_tile(acc_S, tScS, m_block, n_block, mask_lens[0], self.tile_m, self.tile_n, self.causal,
                        mask_lens[1])
@@ -295,8 +282,7 @@ def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_wg=None, tile_n=No
                    q_stages=None, scheduler=None, tma_store=None, pingpong=None, overlap=None,
                    section_bytes=None, emulated_exp2=None, skip_unit_rescale=None,
                    rescale_o_before_gemm=None, pin_pv_wait=None, o_store_per_wg=None, split_tail=None,
-                   ctas=None, pin_descriptors=None, cluster=None, q_in_regs=None,
-                   defer_store_wait=None) -> CompiledAttention:
+                   ctas=None, pin_descriptors=None, cluster=None, q_in_regs=None) -> CompiledAttention:
     CAPS.check(p)
     if overlap is None:
         short = NO_OVERLAP_UP_TO_SEQLEN.get((p.head_dim, p.causal), 0)
@@ -326,7 +312,6 @@ def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_wg=None, tile_n=No
                                     emulated_exp2=emulated_exp2, skip_unit_rescale=skip_unit_rescale,
                                     rescale_o_before_gemm=rescale_o_before_gemm, pin_pv_wait=pin_pv_wait,
                                     o_store_per_wg=o_store_per_wg, split_tail=split_tail, ctas=ctas,
-                                    pin_descriptors=pin_descriptors, cluster=cluster, q_in_regs=q_in_regs,
-                                    defer_store_wait=defer_store_wait))
+                                    pin_descriptors=pin_descriptors, cluster=cluster, q_in_regs=q_in_regs))
     cfg["o_store_per_wg"] = bool(cfg["o_store_per_wg"] and cfg["tma_store"])  # only a TMA store has one
     return k5.build("k6", K6FMHA, p, cfg, keep_ptx)

@@ -426,20 +426,12 @@ def finalize_o(acc_O: cute.Tensor, softmax: OnlineSoftmax, dtype: cutlass.Conste
     return lse, rO
 
 
-def is_o_storing_warp(tidx: Int32, per_wg: bool):
-    """The warp that issues the O store: the first consumer warp, or each warpgroup's first."""
-    warp = cute.arch.make_warp_uniform(tidx // 32)
-    if per_wg:
-        return warp % 4 == 0
-    return warp == 0
-
-
 @cute.jit
 def store_o_tma_and_lse(acc_O: cute.Tensor, softmax: OnlineSoftmax, tiled_mma_pv: cute.TiledMma, tidx: Int32,
                         sO: cute.Tensor, tOsO: cute.Tensor, tOgO: cute.Tensor, tma_atom_O: cute.CopyAtom,
                         mLSE: cute.Tensor, m_block: Int32, head: Int32, batch: Int32, seqlen: Int32,
                         tile_m: cutlass.Constexpr, dtype: cutlass.Constexpr, num_threads: cutlass.Constexpr,
-                        wg_idx=None, wait_read: cutlass.Constexpr[bool] = True):
+                        wg_idx=None):
     """O through SMEM and one TMA store; LSE from registers as before.
 
     ``sO`` aliases the Q buffer of this tile, so every consumer must be done with its QK first
@@ -452,17 +444,14 @@ def store_o_tma_and_lse(acc_O: cute.Tensor, softmax: OnlineSoftmax, tiled_mma_pv
     slice, ``num_threads`` 128, its first warp issues the store). Those rows of Q were read by its
     own QKs only, so no warpgroup waits for another: in a ping-pong the first one's epilogue runs
     under the second one's last GEMMs.
-
-    ``wait_read=False``: the storing warp returns without waiting; it must wait (and free the
-    buffer) later, before sO is written again (K6's defer_store_wait).
     """
     lse, rO = finalize_o(acc_O, softmax, dtype)
-    storing_warp = is_o_storing_warp(tidx, wg_idx is not None)
+    warp = cute.arch.make_warp_uniform(tidx // 32)
     if const_expr(wg_idx is None):
         cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=num_threads)
-        store_barrier = EPILOGUE_STORE_BARRIER
+        store_barrier, storing_warp = EPILOGUE_STORE_BARRIER, warp == 0
     else:
-        store_barrier = EPILOGUE_STORE_BARRIER + wg_idx
+        store_barrier, storing_warp = EPILOGUE_STORE_BARRIER + wg_idx, warp % 4 == 0
     store_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), dtype)
     thr_store = cute.make_tiled_copy_C(store_atom, tiled_mma_pv).get_slice(tidx)
     cute.copy(store_atom, thr_store.retile(rO), thr_store.partition_D(sO))
@@ -479,8 +468,7 @@ def store_o_tma_and_lse(acc_O: cute.Tensor, softmax: OnlineSoftmax, tiled_mma_pv
         cute.arch.barrier(barrier_id=store_barrier, number_of_threads=num_threads + 32)
         cute.copy(tma_atom_O, tOsO, tOgO)
         cute.arch.cp_async_bulk_commit_group()
-        if const_expr(wait_read):
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        cute.arch.cp_async_bulk_wait_group(0, read=True)
 
 
 # --------------------------------------------------------------------------------------
