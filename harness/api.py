@@ -108,13 +108,15 @@ def descale_tensor(device, tensors: tuple, values: list) -> torch.Tensor:
 
 def check_block_descales(name: str, problem, descales: dict, device) -> None:
     """K8's e4m3 inputs: each descale a float32 tensor (batch, heads, blocks) on q's device, blocks
-    being the compiled tiles (``quantize_fp8_blocks`` makes all six tensors)."""
+    being the compiled tiles, heads and blocks those of its own tensor (k's and v's: the K/V heads
+    and key length); ``quantize_fp8_blocks`` makes all six tensors."""
     from kernels.k8 import block_sizes
 
     tile_m, tile_n = block_sizes(problem.head_dim)
     p = problem
-    for (key, x), rows in zip(descales.items(), (tile_m, tile_n, tile_n)):
-        want = (p.batch, p.nheads, -(-p.seqlen // rows))
+    for (key, x), rows, heads, length in zip(descales.items(), (tile_m, tile_n, tile_n),
+                                             (p.nheads, p.kv_heads, p.kv_heads), (p.seqlen, p.kv_len, p.kv_len)):
+        want = (p.batch, heads, -(-length // rows))
         if not isinstance(x, torch.Tensor) or x.dtype != torch.float32 or tuple(x.shape) != want:
             got = f"a {x.dtype} tensor of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else repr(x)
             raise UnsupportedProblem(

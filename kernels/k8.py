@@ -29,9 +29,9 @@ from . import fp8_quant, k5, k7, sm90
 from .contract import Capabilities, CompiledAttention, FakeShapes, Problem
 
 # 16-bit inputs, which K8 quantizes itself, or e4m3 ones quantized as it would (``quantize_inputs``)
-# with their per-block descales; one descale row per query head over equal lengths: no GQA, no
-# seqlen_k != seqlen_q.
-CAPS = Capabilities(head_dims=k7.HEAD_DIMS, dtypes=k7.DTYPES)
+# with their per-block descales. GQA and keys outnumbering queries as in K7: K and V keep their own
+# heads and length, and each query head's descale row carries its K/V head's tile descales.
+CAPS = Capabilities(head_dims=k7.HEAD_DIMS, dtypes=k7.DTYPES, gqa=True, unequal_lengths=True)
 DEFAULT_CONFIG = k7.DEFAULT_CONFIG
 HADAMARD_SEED = 0  # the sign vector s; any fixed choice works, Q and K must share it
 
@@ -49,9 +49,11 @@ class K8FMHA(k7.K7FMHA):
 
     def tile_softmax(self, num_rows: int, scale_log2: Float32, mDescale: cute.Tensor, m_block: Int32, head: Int32,
                      batch: Int32, seqlen: Int32, n_tiles: Int32) -> sm90.OnlineSoftmax:
-        # mDescale[b, h]: q's descale per Q tile, then k's and v's per KV tile.
+        # mDescale[b, h]: q's descale per Q tile, then k's and v's per KV tile (of the key length,
+        # which the row's length gives: m_tiles + 2 kv_tiles).
         row = mDescale[batch, head, None]
-        m_tiles, kv_tiles = cute.ceil_div(seqlen, self.tile_m), cute.ceil_div(seqlen, self.tile_n)
+        m_tiles = cute.ceil_div(seqlen, self.tile_m)
+        kv_tiles = (cute.size(row) - m_tiles) // 2
         k_d = cute.make_tensor(row.iterator + m_tiles, cute.make_layout(kv_tiles))
         v_d = cute.make_tensor(row.iterator + m_tiles + kv_tiles, cute.make_layout(kv_tiles))
         return sm90.BlockScaledSoftmax(num_rows, scale_log2 * row[m_block], self.p_offset, k_d, v_d, n_tiles - 1)
@@ -69,10 +71,13 @@ def quantize_inputs(q, k, v, tile_m: int, tile_n: int, rotate: bool = True) -> t
 
 
 def descale_rows(dq, dk, dv):
-    """The kernel's descale operand: one float32 row per (batch, head), q's per Q tile, then k's
-    and v's per KV tile."""
+    """The kernel's descale operand: one float32 row per (batch, query head), q's per Q tile, then
+    k's and v's per KV tile of its K/V head (GQA: query head h reads K/V head h // group)."""
     import torch
 
+    group = dq.shape[1] // dk.shape[1]
+    if group > 1:
+        dk, dv = dk.repeat_interleave(group, dim=1), dv.repeat_interleave(group, dim=1)
     return torch.cat([dq, dk, dv], dim=-1).contiguous()
 
 
@@ -85,7 +90,7 @@ def prepare_fp8_blocks(q, k, v, tile_m: int, tile_n: int, rotate: bool = True):
 def fake_args(out_dtype, head_dim: int) -> tuple:
     from cutlass.cute.runtime import make_fake_tensor
 
-    q, k, vt, o, lse, _, scale, stream = k7.fake_args(out_dtype, head_dim, kv_heads=False)
+    q, k, vt, o, lse, _, scale, stream = k7.fake_args(out_dtype, head_dim)
     f = FakeShapes()
     descale = make_fake_tensor(Float32, (f.batch, f.nheads, cute.sym_int()),
                                stride=(cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)

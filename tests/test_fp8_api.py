@@ -91,6 +91,28 @@ def test_k8s_block_quantized_inputs_reach_the_device_check_and_bad_blocks_do_not
         check_block_descales("k8", Problem(1, 2, 300, 128, dtype="float8_e4m3fn"), descales, torch.device("cuda:0"))
 
 
+def test_k8s_block_descales_follow_the_kv_heads_and_length():
+    # GQA and a longer K/V: k's and v's descales have the K/V heads and key blocks; q's, q's.
+    from kernels.k8 import block_sizes, descale_rows
+
+    tile_m, tile_n = block_sizes(128)
+    q = torch.randn(1, 4, 300, 128, dtype=torch.bfloat16)
+    k, v = (torch.randn(1, 2, 1000, 128, dtype=torch.bfloat16) for _ in range(2))
+    q8, k8, v8, dq, dk, dv = quantize_fp8_blocks(q, k, v)
+    m_blocks, kv_blocks = -(-300 // tile_m), -(-1000 // tile_n)
+    assert dq.shape == (1, 4, m_blocks) and dk.shape == dv.shape == (1, 2, kv_blocks)
+    with pytest.raises(UnsupportedProblem, match="q must be a CUDA tensor"):
+        attention("k8", q8, k8, v8, causal=True, descale_q=dq, descale_k=dk, descale_v=dv)
+    wrong = dk.repeat_interleave(2, dim=1)  # one row per query head: not what k8 takes for k
+    with pytest.raises(UnsupportedProblem, match=rf"descale_k must be a float32 tensor of shape \(1, 2, {kv_blocks}\)"):
+        attention("k8", q8, k8, v8, descale_q=dq, descale_k=wrong, descale_v=dv)
+    # The kernel's rows: query head h carries the tile descales of K/V head h // 2.
+    rows = descale_rows(dq, dk, dv)
+    assert rows.shape == (1, 4, m_blocks + 2 * kv_blocks)
+    for h in range(4):
+        assert torch.equal(rows[0, h], torch.cat([dq[0, h], dk[0, h // 2], dv[0, h // 2]]))
+
+
 def test_problem_and_capabilities_know_the_fp8_dtype():
     p = Problem(1, 2, 100, 128, dtype="float8_e4m3fn", causal=True)
     assert p.out_dtype == "bfloat16" and Problem(1, 2, 100, 128, dtype="float16").out_dtype == "float16"
@@ -188,8 +210,11 @@ def test_an_fp8_call_is_captured_and_replayed_in_a_cuda_graph(descales):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
-def test_k8s_fp8_inputs_give_what_its_16_bit_path_gives(d, causal):
-    q, k, v = (torch.randn(2, 4, 1000, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+@pytest.mark.parametrize("shape", ["mha", "gqa", "unequal"])
+def test_k8s_fp8_inputs_give_what_its_16_bit_path_gives(d, causal, shape):
+    kv_heads, kv_len = dict(mha=(4, 1000), gqa=(2, 1000), unequal=(1, 1500))[shape]
+    q = torch.randn(2, 4, 1000, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(2, kv_heads, kv_len, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     want, want_lse = attention("k8", q, k, v, causal=causal, return_lse=True)
     q8, k8, v8, dq, dk, dv = quantize_fp8_blocks(q, k, v)
     out, lse = attention("k8", q8, k8, v8, causal=causal, return_lse=True, descale_q=dq, descale_k=dk, descale_v=dv)

@@ -47,7 +47,7 @@ def test_capabilities_refuse_what_a_stage_cannot_run():
             get_kernel(name).caps.check(gqa)
         with pytest.raises(UnsupportedProblem, match="seqlen_k == seqlen_q"):
             get_kernel(name).caps.check(longer)
-    for name in ("k5", "k6"):
+    for name in ("k5", "k6", "k7", "k8"):
         get_kernel(name).caps.check(gqa)
         get_kernel(name).caps.check(longer.with_(causal=True))
         with pytest.raises(UnsupportedProblem, match="more queries than keys"):
