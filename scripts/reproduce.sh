@@ -350,6 +350,11 @@ case "$part" in
           2>&1 | grep "SUMMARY\|: ok\|FAIL" || { echo "$tool $k: timed out or failed"; rc=1; }
       done
     done | tee "$dir/sanitizer-fp8-$gpu.txt"
+    for tool in racecheck synccheck; do  # K8 with GQA (4 query heads per K/V head) and more keys than queries
+      timeout 150 compute-sanitizer --tool $tool --kernel-name kns=FMHA $py scripts/sanitize_case.py k8 --causal 1 \
+        --seqlen 300 --seqlen-k 700 --batch-heads 140 --nheads-kv 35 2>&1 | grep "SUMMARY\|: ok\|FAIL" \
+        || { echo "$tool k8 GQA: timed out or failed"; rc=1; }
+    done | tee "$dir/sanitizer-k8-gqa-$gpu.txt"
     timeout 300 $py -m pytest -m gpu -q tests/test_fp8_api.py tests/test_k7.py tests/test_k8.py tests/test_fp8_quant.py \
       2>&1 | tail -5 || rc=1
     exit $rc
