@@ -152,6 +152,7 @@ class K5FMHA:
         self.kv_mcast_mask = (1 << cluster) - 1 if cluster > 1 else None
         # QK reads Q from registers, loaded once per tile, instead of from SMEM at every KV tile
         # (measured and left off, docs/k6.md): Q takes d/4 registers per thread beside O's d/2.
+        # It fits up to d=128 (K6's tiles; d=64's 176-key tiles spill 148 bytes), not at d=256.
         if q_in_regs and head_dim > 128:
             raise UnsupportedProblem(f"q_in_regs: Q in registers ({head_dim // 4} per thread) does not fit beside O "
                                      f"({head_dim // 2}) at head_dim {head_dim}; head_dim <= 128 only")
@@ -503,7 +504,7 @@ class K5FMHA:
             n_lo, n_tiles, piece = span
         mask_lens = (seqlen_k, seqlen_k - seqlen)  # key length, causal diagonal offset
         acc_O.fill(0.0)
-        softmax = self.tile_softmax(num_rows, scale_log2, mDescale, m_block, head, batch, seqlen, n_tiles)
+        softmax = self.tile_softmax(num_rows, scale_log2, mDescale, m_block, head, batch, seqlen, n_tiles, seqlen_k)
         row_scale = cute.make_rmem_tensor(num_rows, Float32)
         pipeline_q.consumer_wait(q_consume)
         # Q's stage as a compile-time index, one mainloop per stage: Q's WGMMA descriptors are then
@@ -683,7 +684,7 @@ class K5FMHA:
             sm90.store_rows(rO, lse, tiled_mma_pv, tidx, mO, mLSE, m_block, head, batch, self.tile_m)
 
     def tile_softmax(self, num_rows: int, scale_log2: Float32, mDescale, m_block: Int32, head: Int32, batch: Int32,
-                     seqlen: Int32, n_tiles: Int32) -> sm90.OnlineSoftmax:
+                     seqlen: Int32, n_tiles: Int32, seqlen_k: Int32) -> sm90.OnlineSoftmax:
         """A fresh row max / sum for each query tile (K8: one that knows the tile's descales)."""
         return sm90.OnlineSoftmax(num_rows, scale_log2, self.p_offset)
 

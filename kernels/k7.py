@@ -204,6 +204,8 @@ def config(p: Problem, overrides: dict, name: str = "K7") -> dict:
     check_tile_n(cfg, name)
     if cfg["tma_store"]:
         raise UnsupportedProblem(f"{name} config {cfg}: tma_store stages O in Q's buffer, which is 8-bit here")
+    if cfg.get("q_in_regs"):
+        raise UnsupportedProblem(f"{name} config {cfg}: q_in_regs loads Q with K6's 16-bit ldmatrix, not checked for e4m3")
     if cfg.get("cluster", 1) != 1:
         raise UnsupportedProblem(f"{name} config {cfg}: cluster (K/V multicast) is checked for K6's 16-bit tiles "
                                  "only; not for the FP8 ones")

@@ -48,12 +48,10 @@ class K8FMHA(k7.K7FMHA):
         self.block_scales = True  # mDescale holds rows of tile descales, not K7's three numbers
 
     def tile_softmax(self, num_rows: int, scale_log2: Float32, mDescale: cute.Tensor, m_block: Int32, head: Int32,
-                     batch: Int32, seqlen: Int32, n_tiles: Int32) -> sm90.OnlineSoftmax:
-        # mDescale[b, h]: q's descale per Q tile, then k's and v's per KV tile (of the key length,
-        # which the row's length gives: m_tiles + 2 kv_tiles).
+                     batch: Int32, seqlen: Int32, n_tiles: Int32, seqlen_k: Int32) -> sm90.OnlineSoftmax:
+        # mDescale[b, h]: q's descale per Q tile, then k's and v's per KV tile of its K/V head.
         row = mDescale[batch, head, None]
-        m_tiles = cute.ceil_div(seqlen, self.tile_m)
-        kv_tiles = (cute.size(row) - m_tiles) // 2
+        m_tiles, kv_tiles = cute.ceil_div(seqlen, self.tile_m), cute.ceil_div(seqlen_k, self.tile_n)
         k_d = cute.make_tensor(row.iterator + m_tiles, cute.make_layout(kv_tiles))
         v_d = cute.make_tensor(row.iterator + m_tiles + kv_tiles, cute.make_layout(kv_tiles))
         return sm90.BlockScaledSoftmax(num_rows, scale_log2 * row[m_block], self.p_offset, k_d, v_d, n_tiles - 1)

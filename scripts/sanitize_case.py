@@ -35,7 +35,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     res = check_kernel(args.kernel, Problem(1, args.batch_heads, args.seqlen, args.headdim, causal=bool(args.causal),
                                             seqlen_k=args.seqlen_k, nheads_kv=args.nheads_kv), config=args.config)
-    print(f"{args.kernel} d={args.headdim} causal={args.causal} N={args.seqlen}"
+    p = res.problem
+    kv = f" K/V {p.kv_heads} heads x {p.kv_len} keys" if (p.kv_heads, p.kv_len) != (p.nheads, p.seqlen) else ""
+    print(f"{args.kernel} d={args.headdim} causal={args.causal} N={args.seqlen}{kv}"
           f"{' ' + json.dumps(args.config) if args.config else ''}: "
           f"{'ok' if res.ok else 'FAIL ' + res.reason} (max_abs {res.max_abs:.2e})")
     return 0 if res.ok else 1

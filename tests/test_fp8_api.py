@@ -106,6 +106,9 @@ def test_k8s_block_descales_follow_the_kv_heads_and_length():
     wrong = dk.repeat_interleave(2, dim=1)  # one row per query head: not what k8 takes for k
     with pytest.raises(UnsupportedProblem, match=rf"descale_k must be a float32 tensor of shape \(1, 2, {kv_blocks}\)"):
         attention("k8", q8, k8, v8, descale_q=dq, descale_k=wrong, descale_v=dv)
+    short = dv[..., :-(-300 // tile_n)]  # blocks of q's length, not the keys'
+    with pytest.raises(UnsupportedProblem, match=rf"descale_v must be a float32 tensor of shape \(1, 2, {kv_blocks}\)"):
+        attention("k8", q8, k8, v8, descale_q=dq, descale_k=dk, descale_v=short)
     # The kernel's rows: query head h carries the tile descales of K/V head h // 2.
     rows = descale_rows(dq, dk, dv)
     assert rows.shape == (1, 4, m_blocks + 2 * kv_blocks)
@@ -210,9 +213,9 @@ def test_an_fp8_call_is_captured_and_replayed_in_a_cuda_graph(descales):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("shape", ["mha", "gqa", "unequal"])
+@pytest.mark.parametrize("shape", ["mha", "gqa", "unequal", "mha_unequal"])
 def test_k8s_fp8_inputs_give_what_its_16_bit_path_gives(d, causal, shape):
-    kv_heads, kv_len = dict(mha=(4, 1000), gqa=(2, 1000), unequal=(1, 1500))[shape]
+    kv_heads, kv_len = dict(mha=(4, 1000), gqa=(2, 1000), unequal=(1, 1500), mha_unequal=(4, 1500))[shape]
     q = torch.randn(2, 4, 1000, d, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(2, kv_heads, kv_len, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     want, want_lse = attention("k8", q, k, v, causal=causal, return_lse=True)

@@ -213,14 +213,20 @@ def test_k6_q_in_registers_measured_and_left_off():
     def a_operands(ptx):  # the first operand after the accumulator: a descriptor (%rd) or registers ({)
         return re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16\s*\{[^}]*\},\s*(\{|%rd)", ptx)
 
+    reports = []
     for d in (64, 128):
         base, regs = _compile("k6", d, causal=False), _compile("k6", d, causal=False, q_in_regs=True)
         assert "%rd" in a_operands(base.ptx) and "ldmatrix" not in base.ptx
         assert set(a_operands(regs.ptx)) == {"{"}  # QK and PV both RS now
         assert regs.ptx.count("ldmatrix.sync.aligned.m8n8.x4") == d // 16 * regs.info["q_stages"]
-        assert all(r[3] == 0 for r in ptxas_report(regs.ptx))
+        reports += ptxas_report(regs.ptx)
     with pytest.raises(UnsupportedProblem, match="q_in_regs"):
         _compile("k6", 256, q_in_regs=True)
+    with pytest.raises(UnsupportedProblem, match="q_in_regs"):
+        _compile("k7", 128, q_in_regs=True)  # FP8: not checked with e4m3
+    if not reports:
+        pytest.skip("ptxas not on PATH")
+    assert all(r[3] == 0 for r in reports), reports
 
 
 def test_exp2_cubic_is_within_bf16_precision():
