@@ -512,9 +512,9 @@ class K5FMHA:
         # k-block of every KV tile: about 15 more instructions per KV tile at d=128 (SASS, docs/k6.md).
         for q_stage in cutlass.range_constexpr(self.q_stages):
             if q_consume.index == q_stage:
-                tSrQ_stage = tSrQ
-                if const_expr(self.q_in_regs):
+                if const_expr(self.q_in_regs):  # this tile's Q into the registers QK reads
                     sm90.load_a_operand(tiled_mma_qk, sQ[None, None, q_stage], tSrQ, tidx, self.dtype)
+                    tSrQ_stage = tSrQ
                 else:
                     tSrQ_stage = tSrQ[None, None, None, q_stage]
                 mmas = (tiled_mma_qk, tiled_mma_pv, tSrQ_stage, tSrK, tOrVt, tOrP, acc_O, tScS)

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from harness.inspect_ptx import count_instructions
+from harness.inspect_ptx import count_instructions, wgmma_a_sources
 from kernels import get_kernel, kernel_names
 from kernels.contract import Problem, UnsupportedProblem
 
@@ -92,7 +92,7 @@ def test_k4_uses_wgmma_for_both_gemms(name):
     # PV's A operand comes from registers (P never touches SMEM): a register-A WGMMA must appear
     # beside the SMEM-A one used for QK^T.
     ptx = get_kernel(name).compile(Problem(1, 1, 128, 128), keep_ptx=True).ptx
-    wgmmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.(?:bf16|f16)\.(?:bf16|f16)\s+\{[^}]*\},\s*(\{|%rd)", ptx)
+    wgmmas = wgmma_a_sources(ptx)
     assert "{" in wgmmas, "no WGMMA with A from registers (the PV GEMM)"
     assert "%rd" in wgmmas, "no WGMMA with A from SMEM (the QK GEMM)"
 

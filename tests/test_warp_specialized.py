@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from harness.inspect_ptx import count_instructions, ptxas_report
+from harness.inspect_ptx import count_instructions, ptxas_report, wgmma_a_sources
 from kernels import get_kernel
 from kernels.contract import Problem, UnsupportedProblem
 from kernels.k5 import REGISTERS
@@ -210,14 +210,11 @@ def test_k6_softmax_knobs_measured_and_left_off():
 def test_k6_q_in_registers_measured_and_left_off():
     # q_in_regs (lost on an H200, docs/k6.md): every QK WGMMA takes Q from registers, loaded by
     # ldmatrix once per Q stage (64 rows x d of 16-bit values: d/16 x4 loads per thread), no spills.
-    def a_operands(ptx):  # the first operand after the accumulator: a descriptor (%rd) or registers ({)
-        return re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16\s*\{[^}]*\},\s*(\{|%rd)", ptx)
-
     reports = []
     for d in (64, 128):
         base, regs = _compile("k6", d, causal=False), _compile("k6", d, causal=False, q_in_regs=True)
-        assert "%rd" in a_operands(base.ptx) and "ldmatrix" not in base.ptx
-        assert set(a_operands(regs.ptx)) == {"{"}  # QK and PV both RS now
+        assert "%rd" in wgmma_a_sources(base.ptx) and "ldmatrix" not in base.ptx
+        assert set(wgmma_a_sources(regs.ptx)) == {"{"}  # QK and PV both RS now
         assert regs.ptx.count("ldmatrix.sync.aligned.m8n8.x4") == d // 16 * regs.info["q_stages"]
         reports += ptxas_report(regs.ptx)
     with pytest.raises(UnsupportedProblem, match="q_in_regs"):
