@@ -8,6 +8,7 @@
     python bench.py --decode --out results/decode.json   # decode over a KV cache, TB/s, graph-timed
     python bench.py --decode --batch 1 --nheads-kv 8      # part of the decode grid
     python bench.py --decode --splits-curve               # decode: TB/s against the split count
+    python bench.py --decode --pages-curve                # decode on a paged cache: TB/s against the page size
 
 Workload: SEQLEN, HEADDIM, CAUSAL, BATCH, NHEADS, DTYPE (env) or the equivalent flags (a flag
 wins). CHECK=1 (or --check) runs the correctness check on the same shape first and stops on
@@ -79,6 +80,9 @@ def parse_args(argv=None):
                          "unless --batch/--seqlen-k/--nheads-kv say otherwise")
     ap.add_argument("--host-times", action="store_true",
                     help="decode: only the host time per call (the one call, the plan, the peers' calls)")
+    ap.add_argument("--pages-curve", action="store_true",
+                    help="decode: only TB/s on a paged cache against the page size (pages shuffled), at batch 8, "
+                         "32k keys, 8 K/V heads unless --batch/--seqlen-k/--nheads-kv say otherwise")
     return ap.parse_args(argv)
 
 
@@ -273,7 +277,7 @@ def print_row(r) -> None:
         print(f"{r['kernel']:<11}{r['ms']:>10.3f}{r['tflops']:>10.1f}{vs}{clock}", flush=True)
 
 
-DECODE_ONLY = ("q_len", "num_splits", "grid_only", "splits_curve", "host_times")
+DECODE_ONLY = ("q_len", "num_splits", "grid_only", "splits_curve", "host_times", "pages_curve")
 
 
 def decode_refusal(args):
@@ -285,8 +289,8 @@ def decode_refusal(args):
              if getattr(args, f) not in (None, False)]
     if other or args.kernels:
         return (f"--decode times its own grid (harness/decode_bench.py); it takes --batch, --seqlen-k, --nheads-kv, "
-                f"--headdim, --q-len, --num-splits, --no-peers, --grid-only, --splits-curve, --host-times and --out, not "
-                f"{other or args.kernels}")
+                f"--headdim, --q-len, --num-splits, --no-peers, --grid-only, --splits-curve, --host-times, "
+                f"--pages-curve and --out, not {other or args.kernels}")
     ignored = [f"{var}={os.environ[var]}" for var in (*KNOBS.values(), "CHECK") if var in os.environ]
     if ignored:
         return f"--decode would ignore {', '.join(ignored)}: unset it (--batch, --headdim, ... restrict the grid)"
@@ -300,6 +304,9 @@ def decode_refusal(args):
         return f"--num-splits must be in [0, 128] (0: the heuristic), got {args.num_splits}"
     if args.splits_curve and (args.grid_only or args.num_splits is not None):
         return "--splits-curve runs only the split curve (every split count): not with --grid-only or --num-splits"
+    if args.pages_curve and (args.grid_only or args.splits_curve or args.host_times or args.num_splits is not None):
+        return ("--pages-curve runs only the page-size curve: not with --grid-only, --splits-curve, --host-times or "
+                "--num-splits")
     if args.host_times and (args.grid_only or args.splits_curve or args.num_splits is not None
                             or any(getattr(args, f) is not None for f in ("batch", "seqlen_k", "nheads_kv"))):
         return ("--host-times runs only the host times, at their two shapes: not with --grid-only, --splits-curve, "
@@ -313,6 +320,8 @@ def print_decode_row(row) -> None:
              else row["status"])
     shape = f"b={row['batch']} kv_len={row['seqlen_k']} kv_heads={row['nheads_kv']}"
     splits = f" S={row['num_splits']}" if row.get("num_splits") else ""
+    if row.get("mode") == "pages":
+        splits += f" pages={row['page_size'] or 'none'}"
     print(f"{row['mode']:<7}{shape:<34}{row['kernel']:<31}{splits:<6}{value}", flush=True)
 
 
@@ -346,6 +355,9 @@ def decode_main(args, argv) -> int:
                                 nheads_kv=args.nheads_kv or 8, **shape)
     elif args.host_times:
         decode_bench.run_host(emit, **shape)
+    elif args.pages_curve:
+        decode_bench.run_pages(emit, batch=args.batch or 8, kv_len=args.seqlen_k or 32768,
+                               nheads_kv=args.nheads_kv or 8, **shape)
     else:
         decode_bench.run_grid(decode_bench.grid(args.batch, args.seqlen_k, args.nheads_kv), emit, not args.no_peers,
                               num_splits=args.num_splits or 0, **shape)
@@ -368,7 +380,7 @@ def main(argv=None) -> int:
     if (args.seqlen_k is not None or args.nheads_kv is not None) and not args.compile_only or \
             any(getattr(args, f) not in (None, False) for f in DECODE_ONLY):
         print("error: --seqlen-k and --nheads-kv belong to --decode and --compile-only; --q-len, --num-splits, "
-              "--grid-only, --splits-curve and --host-times to --decode", file=sys.stderr)
+              "--grid-only, --splits-curve, --host-times and --pages-curve to --decode", file=sys.stderr)
         return 2
     try:
         names = resolve_kernels(args.kernels)

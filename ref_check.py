@@ -97,6 +97,12 @@ def decode_cases(quick: bool):
         # tiles (empty trailing splits; the 2500-key sequence has fewer tiles still), 128.
         for splits in (1, 2, 3, 7, tiles, tiles + 8, 128):
             yield C(kernel, 2, 32, 8, 1, 4000, 128, False, [4000, 2500], num_splits=splits)
+        # A paged cache, its pages shuffled: pages of one and two tiles, and pages smaller than a
+        # tile (16 keys, the smallest), at every head dim; a 128k sequence; an int length.
+        for d, page in ((128, 128), (128, 256), (128, 16), (64, 256), (64, 64), (256, 64), (256, 16)):
+            yield C(kernel, 3, 32, 8, 4, 3000, d, True, [3000, 1111, 0], page_size=page, graph=True)
+        yield C(kernel, 1, 32, 8, 1, 131072, 128, False, [131072], page_size=256)
+        yield C(kernel, 2, 32, 8, 1, 5000, 128, False, 4321, page_size=128)
     yield C("decode_nosplit", 2, 32, 8, 4, 3000, 128, True, [3000, 10])
 
 
@@ -118,6 +124,8 @@ def quick_decode_cases(tiles: int):
     yield C(k, 1, 32, 8, 5, 2, 128, True, [2])
     for splits in (1, 3, tiles + 8, 128):
         yield C(k, 2, 32, 8, 1, 4000, 128, False, [4000, 2500], num_splits=splits)
+    yield C(k, 3, 32, 8, 4, 3000, 128, True, [3000, 1111, 0], page_size=128, graph=True)
+    yield C(k, 3, 32, 8, 4, 3000, 128, True, [3000, 1111, 0], page_size=16, graph=True)
     yield C("decode_combine", 4, 32, 8, 1, 8192, 128, False, [0, 1, 127, 8192], graph=True)
     yield C("decode_nosplit", 2, 32, 8, 4, 3000, 128, True, [3000, 10])
 

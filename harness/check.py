@@ -146,12 +146,38 @@ class KVCacheCase:
     num_splits: int = 0
     dtype: str = "bfloat16"
     graph: bool = False  # capture plan.run, change q and the lengths in place, replay
+    page_size: int = 0  # > 0: the caches cut into pages of this many rows, shuffled (``paged_cache``)
 
     def label(self) -> str:
         lens = self.lengths if not isinstance(self.lengths, list) or len(self.lengths) <= 4 else "per-batch"
         return (f"{self.kernel} b={self.batch} h={self.nheads}/{self.nheads_kv} q_len={self.q_len} "
                 f"s_cache={self.s_cache} d={self.head_dim} causal={int(self.causal)} lens={lens} "
-                f"splits={self.num_splits or 'auto'} {self.dtype}" + (" graph" if self.graph else ""))
+                f"splits={self.num_splits or 'auto'} {self.dtype}" + (" graph" if self.graph else "")
+                + (f" pages={self.page_size}" if self.page_size else ""))
+
+
+def paged_cache(k, v, page_size: int, lengths: list, gen):
+    """The contiguous caches (batch, s_cache, heads_kv, d) cut into pages of ``page_size`` rows,
+    the pages shuffled into one pool, and the int32 page table that puts them back in order. The
+    pool has one more page, all NaN; the last page of a sequence is padded with NaN, and the table
+    entries of pages wholly past a sequence's length name the NaN page (they must never be read)."""
+    import torch
+
+    b, s, h, d = k.shape
+    per_seq = -(-s // page_size)
+    nan_page = b * per_seq
+    perm = torch.randperm(b * per_seq, generator=gen, device=k.device)
+    table = perm.view(b, per_seq).to(torch.int32)
+    for bi, n in enumerate(lengths):
+        table[bi, -(-n // page_size):] = nan_page
+    pools = []
+    for x in (k, v):
+        padded = x.new_full((b, per_seq * page_size, h, d), float("nan"))
+        padded[:, :s] = x
+        pool = x.new_full((nan_page + 1, page_size, h, d), float("nan"))
+        pool[perm] = padded.view(b * per_seq, page_size, h, d)
+        pools.append(pool)
+    return pools[0], pools[1], table
 
 
 def check_kvcache(case: KVCacheCase, seed=None) -> dict:
@@ -174,7 +200,9 @@ def check_kvcache(case: KVCacheCase, seed=None) -> dict:
 
     from .inputs import torch_dtype
     from .kvcache import attention_with_kvcache, decode_plan
-    from .reference import cache_lengths, reference_kvcache, sdpa_kvcache
+    from kernels.decode import config as decode_config
+
+    from .reference import cache_lengths, pages_to_cache, reference_kvcache, sdpa_kvcache
 
     c = case
     gen = torch.Generator(device="cuda")
@@ -189,9 +217,14 @@ def check_kvcache(case: KVCacheCase, seed=None) -> dict:
         v[b, n:] = float("inf") if b % 2 else float("nan")
     scale = c.head_dim ** -0.5
     reasons, worst = [], dict(max_abs=0.0, rel_l2=0.0, lse_max_abs=0.0, peer_max_abs=0.0)
+    table = None
+    if c.page_size:  # the kernels read the shuffled pages; the reference reads them through the table
+        contiguous = (k, v)
+        k, v, table = paged_cache(k, v, c.page_size, cache_lengths(lens, c.batch, c.s_cache), gen)
 
-    def expected():  # for the current q and lengths
-        return (*reference_kvcache(q, k, v, lens, c.causal, scale), sdpa_kvcache(q, k, v, lens, c.causal, scale))
+    def expected():  # for the current q, lengths (and pages)
+        kc, vc = (k, v) if table is None else (pages_to_cache(k, table), pages_to_cache(v, table))
+        return (*reference_kvcache(q, kc, vc, lens, c.causal, scale), sdpa_kvcache(q, kc, vc, lens, c.causal, scale))
 
     def judge(tag, out, lse, want):
         cmp = compare(out, want[0], lse, want[1], c.dtype, peer=want[2])
@@ -202,12 +235,20 @@ def check_kvcache(case: KVCacheCase, seed=None) -> dict:
 
     def call(num_splits=c.num_splits, causal=c.causal):
         _poison_next_alloc(q.shape, dt, (c.batch, c.nheads, c.q_len))
-        return attention_with_kvcache(q, k, v, lens, causal=causal, num_splits=num_splits, return_lse=True,
-                                      kernel=c.kernel)
+        return attention_with_kvcache(q, k, v, lens, page_table=table, causal=causal, num_splits=num_splits,
+                                      return_lse=True, kernel=c.kernel)
 
     want = expected()
     out, lse = call()
     judge("attention_with_kvcache", out, lse, want)
+    if c.page_size and c.page_size % decode_config(c.head_dim)["tile_n"] == 0:
+        # Whole tiles per page: the same launch as on the contiguous cache, so the same bits.
+        with deterministic():
+            o_p, lse_p = call()
+            o_c, lse_c = attention_with_kvcache(q, *contiguous, lens, causal=c.causal, num_splits=c.num_splits,
+                                                return_lse=True, kernel=c.kernel)
+        if not (torch.equal(o_p, o_c) and torch.equal(lse_p, lse_c)):
+            reasons.append("paged differs from the contiguous cache it was cut from")
     if c.num_splits and c.kernel != "decode_nosplit":
         gap = float(lse_gap(lse, call(num_splits=0)[1]).max())
         if not gap <= LSE_ATOL:
@@ -221,14 +262,14 @@ def check_kvcache(case: KVCacheCase, seed=None) -> dict:
     if isinstance(c.lengths, list):  # a plan takes lengths as a tensor only
         def make_plan():
             return decode_plan(c.batch, c.nheads, c.nheads_kv, c.head_dim, c.s_cache, q_len=c.q_len, dtype=c.dtype,
-                               causal=c.causal, num_splits=c.num_splits, kernel=c.kernel)
+                               causal=c.causal, num_splits=c.num_splits, kernel=c.kernel, page_size=c.page_size)
 
         plan = make_plan()
-        o, l = plan.run(q, k, v, lens)  # warm-up (compiles); o, l: the plan's buffers, the same every run
+        o, l = plan.run(q, k, v, lens, table)  # warm-up (compiles); o, l: the plan's buffers, the same every run
         runs = []
         for _ in range(2):
             _poison(o, l)
-            o, l = plan.run(q, k, v, lens)
+            o, l = plan.run(q, k, v, lens, table)
             runs.append((o.clone(), l.clone()))
         for run in runs:
             judge("plan.run", *run, want)
@@ -238,7 +279,7 @@ def check_kvcache(case: KVCacheCase, seed=None) -> dict:
             reasons.append("deterministic plan: still claims tiles")
         same = []
         for _ in range(3):
-            o_d, l_d = fixed.run(q, k, v, lens)
+            o_d, l_d = fixed.run(q, k, v, lens, table)
             same.append((o_d.clone(), l_d.clone()))
             _poison(o_d, l_d)
         judge("deterministic plan.run", *same[0], want)
@@ -247,10 +288,14 @@ def check_kvcache(case: KVCacheCase, seed=None) -> dict:
         if c.graph:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                plan.run(q, k, v, lens)
+                plan.run(q, k, v, lens, table)
             q.copy_(torch.randn(q.shape, generator=gen, device="cuda", dtype=dt))
             # Shorter (the stale rows stay past them), down to 0 where a length was 0 or 1.
             lens.copy_((lens - 1 - torch.arange(c.batch, device="cuda", dtype=torch.int32)).clamp_min(0))
+            if table is not None:  # the pages shuffled anew, in place: the replay must read the new table
+                for now, new in zip((k, v, table), paged_cache(*contiguous, c.page_size,
+                                                                cache_lengths(lens, c.batch, c.s_cache), gen)):
+                    now.copy_(new)
             _poison(o, l)
             graph.replay()
             torch.cuda.synchronize()

@@ -24,6 +24,7 @@ NHEADS, HEAD_DIM, Q_LEN = 32, 128, 1
 # The issue's grid: batch x kv_len x K/V heads (batch 64 with 4k keys only).
 GRID = [(b, n, hk) for b in (1, 8, 64) for n in (4096, 32768, 131072) for hk in (8, 32) if b < 64 or n == 4096]
 SPLITS_CURVE = (1, 2, 4, 8, 15, 16, 32, 64, 0)  # at batch 1, 8 K/V heads, 32k keys; 0 = the heuristic
+PAGES_CURVE = (0, 256, 128, 64, 32, 16)  # rows per page; 0 = the contiguous cache
 KERNELS = ("decode", "decode_combine")
 HBM_PEAK_TBPS = {"H100": 3.35, "H200": 4.8}
 L2_BYTES = 50e6
@@ -267,6 +268,73 @@ def run_splits(emit, batch: int = 1, kv_len: int = 32768, nheads_kv: int = 8, he
         ms, err, status = check_and_time(step, contextlib.nullcontext, o_ref)
         emit(dict(base, num_splits=plan.num_splits, auto=splits == 0, ms=ms, **rates(nbytes, ms, peak),
                   max_abs_err=err, status=status))
+    del inputs, o_ref
+    torch.cuda.empty_cache()
+
+
+def paged_steps(inputs: Inputs, page_size: int, num_splits: int = 0) -> dict:
+    """name -> (step(i), extra row fields) or a status: ``decode`` and flash-attn-4 (its
+    ``page_table``) on each cache copy cut into shuffled pages (harness.check.paged_cache)."""
+    import torch
+
+    from harness.check import paged_cache
+    from harness.kvcache import decode_plan
+
+    b, q_len, h, d = inputs.q.shape
+    k0 = inputs.cache(0)[0]
+    gen = torch.Generator(device="cuda").manual_seed(page_size)
+    pools = [paged_cache(k, v, page_size, [k.shape[1]] * b, gen) for k, v in inputs.caches]
+    steps = {}
+    try:
+        plan = decode_plan(b, h, k0.shape[2], d, k0.shape[1], q_len=q_len, num_splits=num_splits, page_size=page_size)
+        steps["decode"] = (lambda i: plan.run(inputs.q, *pools[i % len(pools)][:2], inputs.lens,
+                                              pools[i % len(pools)][2])[0],
+                           dict(num_splits=plan.num_splits, tile_n=plan.info["tile_n"]))
+    except Exception as e:
+        steps["decode"] = failure(e)
+    try:
+        from flash_attn.cute import flash_attn_varlen_func
+
+        def fa4(i):
+            kp, vp, table = pools[i % len(pools)]
+            out = flash_attn_varlen_func(inputs.q, kp, vp, seqused_k=inputs.lens, page_table=table,
+                                         softmax_scale=inputs.scale)
+            return out[0] if isinstance(out, tuple) else out
+        steps["fa4"] = (fa4, {})
+    except Exception as e:
+        steps["fa4"] = f"unavailable ({type(e).__name__}: {e})"[:120]
+    return steps
+
+
+def run_pages(emit, batch: int = 8, kv_len: int = 32768, nheads_kv: int = 8, head_dim: int = HEAD_DIM,
+              q_len: int = Q_LEN, page_sizes=PAGES_CURVE) -> None:
+    """TB/s of ``decode`` (and flash-attn-4) on a paged cache against the page size, the pages of
+    each cache copy shuffled through the pool as a serving engine's allocator leaves them; page
+    size 0 is the contiguous cache, for scale. By default batch 8, 8 K/V heads, 32k keys."""
+    import torch
+
+    peak = hbm_peak(torch.cuda.get_device_name())
+    inputs = Inputs(batch, kv_len, nheads_kv, head_dim, q_len)
+    o_ref = inputs.reference()
+    nbytes = kv_bytes(batch, nheads_kv, kv_len, head_dim)
+    base = dict(mode="pages", batch=batch, nheads=NHEADS, nheads_kv=nheads_kv, seqlen_k=kv_len, q_len=q_len,
+                head_dim=head_dim, kv_bytes=nbytes, cache_copies=inputs.copies)
+    for page_size in page_sizes:
+        if page_size:
+            steps = paged_steps(inputs, page_size)
+        else:
+            plan, step = kernel_step("decode", inputs)
+            steps = {"decode": (step, dict(num_splits=plan.num_splits, tile_n=plan.info["tile_n"]))}
+        for name, entry in steps.items():
+            if isinstance(entry, str):
+                emit(dict(base, kernel=name, page_size=page_size, ms=None, tbps=None, status=entry))
+                continue
+            step, extra = entry
+            ms, err, status = check_and_time(step, contextlib.nullcontext, o_ref)
+            emit(dict(base, kernel=name, page_size=page_size, ms=ms, **rates(nbytes, ms, peak), max_abs_err=err,
+                      status=status, **extra))
+        del steps
+        torch.cuda.empty_cache()
     del inputs, o_ref
     torch.cuda.empty_cache()
 

@@ -5,7 +5,10 @@
     out, lse = plan.run(q, k_cache, v_cache, cache_seqlens)               #   validate once, then launch
 
 q is (batch, q_len, nheads, head_dim); the caches (batch, s_cache, nheads_kv, head_dim); query head
-h reads K/V head h // (nheads // nheads_kv). ``cache_seqlens`` gives each sequence's length: None
+h reads K/V head h // (nheads // nheads_kv). A paged cache (flash-attn's ``page_table``) is
+(num_pages, page_size, nheads_kv, head_dim), with an int32 ``page_table`` (batch, max_pages): key
+j of sequence b is row j % page_size of page page_table[b, j // page_size]. Entries past a
+sequence's length are never read. ``cache_seqlens`` gives each sequence's length: None
 (all s_cache rows), an int, or an int32 CUDA tensor (batch,). Rows past a sequence's length are
 never read into the result, whatever they hold. Causal is aligned bottom-right: query i sees keys
 j <= i + cache_seqlens[b] - q_len; a row that sees no key gives O = 0 and LSE = -inf.
@@ -51,19 +54,29 @@ def _check_layout(name: str, t, rank_names: str):
         raise UnsupportedProblem(f"{name} requires grad: these kernels are forward-only")
 
 
-def problem_from_cache(q, k_cache, v_cache, causal: bool, softmax_scale=None) -> Problem:
-    """Check q and the caches (shapes, dtypes, layout; nothing that needs a GPU) and describe them
-    as a Problem whose seqlen is q_len and whose seqlen_k is the cache capacity."""
+def problem_from_cache(q, k_cache, v_cache, causal: bool, softmax_scale=None, page_table=None) -> Problem:
+    """Check q, the caches and a page table (shapes, dtypes, layout; nothing that needs a GPU) and
+    describe them as a Problem whose seqlen is q_len and whose seqlen_k is the cache capacity
+    (paged: max_pages x page_size)."""
     _check_layout("q", q, "(batch, q_len, nheads, head_dim)")
+    layout = "(num_pages, page_size, nheads_kv, head_dim)" if page_table is not None else \
+        "(batch, s_cache, nheads_kv, head_dim)"
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        _check_layout(name, t, "(batch, s_cache, nheads_kv, head_dim)")
+        _check_layout(name, t, layout)
     if k_cache.shape != v_cache.shape:
         raise UnsupportedProblem(f"k_cache and v_cache must have one shape, got {tuple(k_cache.shape)} and "
                                  f"{tuple(v_cache.shape)}")
     b, q_len, h, d = q.shape
-    if k_cache.shape[0] != b or k_cache.shape[3] != d:
+    capacity = k_cache.shape[1]
+    if page_table is not None:
+        check_page_table(page_table, b, q.device)
+        capacity = page_table.shape[1] * k_cache.shape[1]
+    elif k_cache.shape[0] != b:
         raise UnsupportedProblem(f"the caches must have q's batch and head_dim: q {tuple(q.shape)}, caches "
-                                 f"{tuple(k_cache.shape)} (layout (batch, s_cache, nheads_kv, head_dim))")
+                                 f"{tuple(k_cache.shape)} (layout {layout}; a paged cache needs a page_table)")
+    if k_cache.shape[3] != d:
+        raise UnsupportedProblem(f"the caches must have q's batch and head_dim: q {tuple(q.shape)}, caches "
+                                 f"{tuple(k_cache.shape)} (layout {layout})")
     if min(q.shape) < 1 or min(k_cache.shape) < 1:
         raise UnsupportedProblem(f"every dimension must be positive, got q {tuple(q.shape)}, caches "
                                  f"{tuple(k_cache.shape)}")
@@ -76,7 +89,23 @@ def problem_from_cache(q, k_cache, v_cache, causal: bool, softmax_scale=None) ->
         raise UnsupportedProblem(f"q and the caches must be on one device, got {q.device}, {k_cache.device}, "
                                  f"{v_cache.device}")
     return Problem(b, h, q_len, d, dtype=dtype, causal=causal, softmax_scale=softmax_scale,
-                   seqlen_k=k_cache.shape[1], nheads_kv=h_kv)
+                   seqlen_k=capacity, nheads_kv=h_kv)
+
+
+def check_page_table(page_table, batch: int, device) -> None:
+    """An int32 (batch, max_pages) tensor, rows contiguous, on q's device (as cache_seqlens, its
+    values are not checked: that would cost a sync)."""
+    if not isinstance(page_table, torch.Tensor):
+        raise UnsupportedProblem(f"page_table must be None or an int32 tensor, got {type(page_table).__name__}")
+    if page_table.dtype != torch.int32:
+        raise UnsupportedProblem(f"page_table must be int32, got {page_table.dtype}")
+    if page_table.dim() != 2 or page_table.shape[0] != batch or page_table.shape[1] < 1:
+        raise UnsupportedProblem(f"page_table must be ({batch}, max_pages), one row of page indices per sequence, "
+                                 f"got shape {tuple(page_table.shape)}")
+    if page_table.stride(1) != 1 or page_table.data_ptr() % 4:
+        raise UnsupportedProblem(f"page_table's rows must be contiguous, got strides {page_table.stride()}")
+    if page_table.device != device:
+        raise UnsupportedProblem(f"page_table must be on q's device ({device}), got {page_table.device}")
 
 
 def check_seqlens(cache_seqlens, batch: int, device) -> None:
@@ -92,6 +121,13 @@ def check_seqlens(cache_seqlens, batch: int, device) -> None:
                                  f"got shape {tuple(cache_seqlens.shape)}")
     if cache_seqlens.device != device:
         raise UnsupportedProblem(f"cache_seqlens must be on q's device ({device}), got {cache_seqlens.device}")
+
+
+def check_page_size(head_dim: int, page_size: int) -> None:
+    """Pages of whole KV tiles, or tiles of whole pages (``decode.paged_config`` says which sizes)."""
+    from kernels import decode
+
+    decode.paged_config(decode.config(head_dim), page_size)
 
 
 def _num_splits(num_splits, kernel: str) -> int:
@@ -128,23 +164,25 @@ def resolve_splits(p: Problem, num_splits: int, max_seqlen_k: Optional[int] = No
     return _SPLITS[key]
 
 
-def launcher_for(p: Problem, num_splits: int, seqlens: bool, kernel: str):
-    """The compiled kernel(s) for a resolved split count; lengths and scale are launch arguments."""
+def launcher_for(p: Problem, num_splits: int, seqlens: bool, kernel: str, page_size: int = 0):
+    """The compiled kernel(s) for a resolved split count; lengths and scale are launch arguments
+    (``page_size``: a paged cache's, which may shrink the tile: decode.paged_config)."""
     from kernels import decode
 
     ctas = decode.grid_ctas(p.batch, p.kv_heads, p.group, p.seqlen)
     key = (p.head_dim, p.dtype, p.causal, p.group, num_splits, seqlens, MERGE[kernel], decode.deterministic_requested(),
            torch.cuda.current_device(),  # the defaults may differ by GPU (decode.NO_CLAIM_GPUS, SHARED_SM_GPUS)
-           ctas > decode.sm_count())
+           ctas > decode.sm_count(), page_size)
     if key not in _LAUNCHERS:
         _LAUNCHERS[key] = decode.make_launcher(p.head_dim, p.dtype, p.causal, p.group, num_splits, seqlens,
-                                               merge=MERGE[kernel], ctas=ctas)
+                                               merge=MERGE[kernel], ctas=ctas, page_size=page_size)
     return _LAUNCHERS[key]
 
 
-def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, causal: bool = False, softmax_scale=None,
-                           num_splits: int = 0, return_lse: bool = False, kernel: str = "decode"):
-    """softmax(q k^T * scale) v over each sequence's first cache_seqlens[b] cache rows.
+def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, page_table=None, causal: bool = False,
+                           softmax_scale=None, num_splits: int = 0, return_lse: bool = False, kernel: str = "decode"):
+    """softmax(q k^T * scale) v over each sequence's first cache_seqlens[b] cache rows (paged:
+    the rows its ``page_table`` row names, page after page).
 
     Returns O (batch, q_len, nheads, head_dim) in q's dtype, and with ``return_lse`` the float32
     (batch, nheads, q_len) log-sum-exp. ``num_splits``: 0 picks a split count that fills the GPU,
@@ -158,36 +196,39 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, causal: b
         else:
             lens, length = None, cache_seqlens
         scale = None if softmax_scale is None else as_scale(softmax_scale)
-        out, lse = torch.ops.fa3_cute.attention_with_kvcache(q, k_cache, v_cache, lens, length, as_causal(causal),
-                                                             scale, num_splits, kernel)
+        out, lse = torch.ops.fa3_cute.attention_with_kvcache(q, k_cache, v_cache, lens, length, page_table,
+                                                             as_causal(causal), scale, num_splits, kernel)
         return (out, lse) if return_lse else out
     try:
-        key = _call_signature(q, k_cache, v_cache, cache_seqlens, causal, softmax_scale, num_splits, return_lse, kernel)
+        key = _call_signature(q, k_cache, v_cache, cache_seqlens, page_table, causal, softmax_scale, num_splits,
+                              return_lse, kernel)
         prepared = _PREPARED.get(key)
     except (TypeError, AttributeError):  # unhashable flags or non-tensors: the full checks will say what
         key, prepared = None, None
     if prepared is None:
-        prepared = _prepare(q, k_cache, v_cache, cache_seqlens, causal, softmax_scale, num_splits, return_lse, kernel)
+        prepared = _prepare(q, k_cache, v_cache, cache_seqlens, page_table, causal, softmax_scale, num_splits,
+                            return_lse, kernel)
         if key is not None:
             if len(_PREPARED) >= 256:  # many shapes (a varying batch): start over rather than grow
                 _PREPARED.clear()
             _PREPARED[key] = prepared
-    return prepared(q, k_cache, v_cache, cache_seqlens)
+    return prepared(q, k_cache, v_cache, cache_seqlens, page_table)
 
 
 class _PreparedCall:
     """What the checks of one call signature decided, and the launch they allow. Everything the
     call derives from shapes is worked out here once: a decode call has microseconds to spare."""
 
-    def __init__(self, launcher, scale: float, kv_rows: Optional[int], return_lse: bool, q):
+    def __init__(self, launcher, scale: float, kv_rows: Optional[int], return_lse: bool, q, lengths=None):
         b, q_len, h, _ = q.shape
         self.launcher, self.scale, self.kv_rows, self.return_lse = launcher, scale, kv_rows, return_lse
+        self.lengths = lengths  # a paged cache's int length, as the tensor the kernel reads
         self.device, self.device_index = q.device, q.device.index
         self.shape, self.lse_shape = (b, q_len, h), (b, h, q_len)
         if launcher is not None:
             self.make_set = functools.partial(launcher.eager_set, b, q_len, h, q.device)
 
-    def __call__(self, q, k_cache, v_cache, cache_seqlens):
+    def __call__(self, q, k_cache, v_cache, cache_seqlens, page_table=None):
         out = torch.empty_like(q, memory_format=torch.contiguous_format)  # cheaper than torch.empty(shape, ...)
         lse = torch.empty(self.lse_shape, device=self.device, dtype=torch.float32) if self.return_lse else None
         if self.launcher is None:  # an int length of 0: no keys, nothing to launch
@@ -195,7 +236,10 @@ class _PreparedCall:
             return (out, lse.fill_(-math.inf)) if self.return_lse else out
         if self.kv_rows is not None:  # one int length for all: the caches' first rows are the whole problem (views)
             k_cache, v_cache, cache_seqlens = k_cache[:, :self.kv_rows], v_cache[:, :self.kv_rows], None
-        args = (self.device_index, self.shape, self.make_set, q, k_cache, v_cache, out, lse, cache_seqlens, self.scale)
+        elif self.lengths is not None:
+            cache_seqlens = self.lengths
+        args = (self.device_index, self.shape, self.make_set, q, k_cache, v_cache, out, lse, cache_seqlens, self.scale,
+                page_table)
         if self.device_index == torch.cuda.current_device():
             self.launcher.launch_eager(*args)
         else:
@@ -209,23 +253,26 @@ _PREPARED: dict = {}
 
 @torch.library.custom_op("fa3_cute::attention_with_kvcache", mutates_args=())
 def _kvcache_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: Optional[torch.Tensor],
-                cache_length: Optional[int], causal: bool, softmax_scale: Optional[float], num_splits: int,
-                kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
+                cache_length: Optional[int], page_table: Optional[torch.Tensor], causal: bool,
+                softmax_scale: Optional[float], num_splits: int, kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
     """What torch.compile sees: (O, LSE) from the eager call (a custom op has a fixed number of
     outputs; the length comes as a tensor or as an int, never both)."""
     lens = cache_seqlens if cache_seqlens is not None else cache_length
     with fresh_buffers():  # nothing kept from a custom op's body (kernels.contract.fresh_buffers)
-        return attention_with_kvcache(q, k_cache, v_cache, lens, causal=causal, softmax_scale=softmax_scale,
-                                      num_splits=num_splits, return_lse=True, kernel=kernel)
+        return attention_with_kvcache(q, k_cache, v_cache, lens, page_table=page_table, causal=causal,
+                                      softmax_scale=softmax_scale, num_splits=num_splits, return_lse=True,
+                                      kernel=kernel)
 
 
 @_kvcache_op.register_fake
-def _kvcache_fake(q, k_cache, v_cache, cache_seqlens, cache_length, causal, softmax_scale, num_splits, kernel):
+def _kvcache_fake(q, k_cache, v_cache, cache_seqlens, cache_length, page_table, causal, softmax_scale, num_splits,
+                  kernel):
     b, q_len, h, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((b, h, q_len), dtype=torch.float32)
 
 
-def _call_signature(q, k_cache, v_cache, cache_seqlens, causal, softmax_scale, num_splits, return_lse, kernel):
+def _call_signature(q, k_cache, v_cache, cache_seqlens, page_table, causal, softmax_scale, num_splits, return_lse,
+                    kernel):
     """Everything the checks look at, cheaply (one flat tuple): equal signatures pass or fail the
     checks alike."""
     if isinstance(cache_seqlens, torch.Tensor):
@@ -233,8 +280,12 @@ def _call_signature(q, k_cache, v_cache, cache_seqlens, causal, softmax_scale, n
                 cache_seqlens.data_ptr() % 16)
     else:
         lens = (type(cache_seqlens), cache_seqlens)
+    if isinstance(page_table, torch.Tensor):
+        pages = (page_table.shape, page_table.stride(), page_table.dtype, page_table.device, page_table.data_ptr() % 4)
+    else:
+        pages = (type(page_table),)
     return (kernel, type(causal), causal, type(softmax_scale), softmax_scale, type(num_splits), num_splits,
-            bool(return_lse), lens,
+            bool(return_lse), lens, pages,
             q.shape, q.stride(), q.dtype, q.device, q.requires_grad, q.data_ptr() % 16,
             k_cache.shape, k_cache.stride(), k_cache.dtype, k_cache.device, k_cache.requires_grad,
             k_cache.data_ptr() % 16,
@@ -243,14 +294,17 @@ def _call_signature(q, k_cache, v_cache, cache_seqlens, causal, softmax_scale, n
             torch.are_deterministic_algorithms_enabled())  # the prepared launcher walks fixed shares then
 
 
-def _prepare(q, k_cache, v_cache, cache_seqlens, causal, softmax_scale, num_splits, return_lse, kernel):
+def _prepare(q, k_cache, v_cache, cache_seqlens, page_table, causal, softmax_scale, num_splits, return_lse, kernel):
     """Every check, then the call they allow (``_PreparedCall``)."""
     entry = _check_kernel(kernel)
     causal = as_causal(causal)
     scale = None if softmax_scale is None else as_scale(softmax_scale)
-    p = problem_from_cache(q, k_cache, v_cache, causal, scale)
+    p = problem_from_cache(q, k_cache, v_cache, causal, scale, page_table)
+    page_size = k_cache.shape[1] if page_table is not None else 0
     # Causal with q_len > a cache length is fine here: those query rows see no key (O = 0, LSE = -inf).
     entry.caps.check(p.with_(causal=False), want_lse=return_lse)
+    if page_size:
+        check_page_size(p.head_dim, page_size)
     splits = _num_splits(num_splits, kernel)
     if isinstance(cache_seqlens, bool) or (cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor)
                                            and not isinstance(cache_seqlens, int)):
@@ -267,20 +321,26 @@ def _prepare(q, k_cache, v_cache, cache_seqlens, causal, softmax_scale, num_spli
     entry.caps.check_device(_capability(q.device))
     if kv_rows == 0:
         return _PreparedCall(None, p.scale, None, return_lse, q)
+    lengths = None
     if kv_rows is not None:
         p = p.with_(seqlen_k=kv_rows)
+        if page_table is not None:  # pages cannot be cut to a length as rows can: the kernel reads it
+            lengths = torch.full((p.batch,), kv_rows, dtype=torch.int32, device=q.device)
+            kv_rows = None
     with torch.cuda.device(q.device):
-        launcher = launcher_for(p, resolve_splits(p, splits), cache_seqlens is not None and kv_rows is None, kernel)
-    return _PreparedCall(launcher, p.scale, kv_rows, return_lse, q)
+        launcher = launcher_for(p, resolve_splits(p, splits), cache_seqlens is not None and kv_rows is None, kernel,
+                                page_size)
+    return _PreparedCall(launcher, p.scale, kv_rows, return_lse, q, lengths)
 
 
 class DecodePlan:
     """A decode step compiled, sized and validated once; ``run`` only launches."""
 
-    def __init__(self, problem: Problem, kernel: str, num_splits: int, device, max_seqlen_k: int):
-        self.problem = problem
+    def __init__(self, problem: Problem, kernel: str, num_splits: int, device, max_seqlen_k: int, page_size: int = 0):
+        self.problem, self.page_size = problem, page_size
         self.scale = problem.scale
-        self.launcher = launcher_for(problem, resolve_splits(problem, num_splits, max_seqlen_k), True, kernel)
+        self.launcher = launcher_for(problem, resolve_splits(problem, num_splits, max_seqlen_k), True, kernel,
+                                     page_size)
         self.num_splits = self.launcher.num_splits
         b, q_len, h, d = problem.batch, problem.seqlen, problem.nheads, problem.head_dim
         self.q_shape = (b, q_len, h, d)
@@ -291,14 +351,23 @@ class DecodePlan:
         self._checked = None  # the (q, cache, lengths) signature last validated in full
         self.info = dict(self.launcher.config, num_splits=self.num_splits)
 
-    def _signature(self, q, k_cache, v_cache, cache_seqlens):
+    def _signature(self, q, k_cache, v_cache, cache_seqlens, page_table):
         return (q.shape, q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(), v_cache.shape,
                 v_cache.stride(), k_cache.dtype, v_cache.dtype, k_cache.device, v_cache.device,
                 getattr(cache_seqlens, "dtype", None), getattr(cache_seqlens, "shape", None),
-                getattr(cache_seqlens, "device", None))
+                getattr(cache_seqlens, "device", None), type(page_table), getattr(page_table, "dtype", None),
+                getattr(page_table, "shape", None), getattr(page_table, "stride", tuple)(),
+                getattr(page_table, "device", None))
 
-    def _validate(self, q, k_cache, v_cache, cache_seqlens):
-        p = problem_from_cache(q, k_cache, v_cache, self.problem.causal, self.problem.softmax_scale)
+    def _validate(self, q, k_cache, v_cache, cache_seqlens, page_table):
+        if (page_table is not None) != (self.page_size > 0):
+            raise UnsupportedProblem(f"this plan was made for {'a paged' if self.page_size else 'a contiguous'} "
+                                     f"cache: pass page_table {'with' if self.page_size else 'only to a plan made with'}"
+                                     f" page_size")
+        p = problem_from_cache(q, k_cache, v_cache, self.problem.causal, self.problem.softmax_scale, page_table)
+        if page_table is not None and k_cache.shape[1] != self.page_size:
+            raise UnsupportedProblem(f"this plan was made for pages of {self.page_size} rows; the caches' pages "
+                                     f"have {k_cache.shape[1]}")
         want = self.problem
         if (p.batch, p.seqlen, p.nheads, p.head_dim, p.kv_heads, p.dtype) != (
                 want.batch, want.seqlen, want.nheads, want.head_dim, want.kv_heads, want.dtype):
@@ -309,24 +378,28 @@ class DecodePlan:
             raise UnsupportedProblem(f"this plan's buffers are on {self.device}; got tensors on {q.device}")
         check_seqlens(cache_seqlens, p.batch, q.device)
 
-    def run(self, q, k_cache, v_cache, cache_seqlens):
+    def run(self, q, k_cache, v_cache, cache_seqlens, page_table=None):
         """(out, lse) for this step, in the plan's own buffers (overwritten by the next run)."""
-        signature = self._signature(q, k_cache, v_cache, cache_seqlens)
+        signature = self._signature(q, k_cache, v_cache, cache_seqlens, page_table)
         if signature != self._checked:
-            self._validate(q, k_cache, v_cache, cache_seqlens)
+            self._validate(q, k_cache, v_cache, cache_seqlens, page_table)
             self._checked = signature
-        self.launcher.launch(q, k_cache, v_cache, self.out, self.lse, cache_seqlens, self.scale, self.buffers)
+        self.launcher.launch(q, k_cache, v_cache, self.out, self.lse, cache_seqlens, self.scale, self.buffers,
+                             page_table)
         return self.out, self.lse
 
 
 def decode_plan(batch: int, nheads: int, nheads_kv: int, head_dim: int, max_seqlen_k: int, *, q_len: int = 1,
                 dtype: str = "bfloat16", causal: bool = False, softmax_scale=None, num_splits: int = 0, device=None,
-                kernel: str = "decode") -> DecodePlan:
+                kernel: str = "decode", page_size: int = 0) -> DecodePlan:
     """Compile and size a decode step: ``max_seqlen_k`` (the longest cache length expected) and
-    the GPU's SM count choose the split count (``num_splits`` 0), which the plan then keeps."""
+    the GPU's SM count choose the split count (``num_splits`` 0), which the plan then keeps.
+    ``page_size``: the rows per page of a paged cache, whose ``page_table`` each run then takes."""
     entry = _check_kernel(kernel)
     if not isinstance(max_seqlen_k, int) or isinstance(max_seqlen_k, bool) or max_seqlen_k < 1:
         raise UnsupportedProblem(f"max_seqlen_k must be a positive int, got {max_seqlen_k!r}")
+    if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 0:
+        raise UnsupportedProblem(f"page_size must be an int >= 0 (0: a contiguous cache), got {page_size!r}")
     dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(str(dtype).replace("torch.", ""),
                                                           str(dtype).replace("torch.", ""))
     p = Problem(batch, nheads, q_len, head_dim, dtype=dtype, causal=as_causal(causal),
@@ -335,6 +408,8 @@ def decode_plan(batch: int, nheads: int, nheads_kv: int, head_dim: int, max_seql
     if nheads_kv > nheads:
         raise UnsupportedProblem(f"nheads_kv ({nheads_kv}) cannot exceed nheads ({nheads})")
     entry.caps.check(p.with_(causal=False))  # causal with q_len > a length is allowed here: those rows see nothing
+    if page_size:
+        check_page_size(head_dim, page_size)
     splits = _num_splits(num_splits, kernel)
     device = torch.device(device if device is not None else "cuda")
     if device.type != "cuda":
@@ -345,4 +420,4 @@ def decode_plan(batch: int, nheads: int, nheads_kv: int, head_dim: int, max_seql
         device = torch.device("cuda", torch.cuda.current_device())
     entry.caps.check_device(torch.cuda.get_device_capability(device))
     with torch.cuda.device(device):
-        return DecodePlan(p, kernel, splits, device, max_seqlen_k)
+        return DecodePlan(p, kernel, splits, device, max_seqlen_k, page_size)

@@ -68,6 +68,16 @@ def cache_lengths(cache_seqlens, batch: int, s_cache: int) -> list:
     return [max(0, min(n, s_cache)) for n in lengths]
 
 
+def pages_to_cache(pool, page_table):
+    """A paged cache (num_pages, page_size, heads_kv, d) read through its ``page_table`` (batch,
+    max_pages) into the contiguous layout (batch, max_pages x page_size, heads_kv, d): row j of
+    sequence b is row j % page_size of page page_table[b, j // page_size]. Every entry must name a
+    page (the kernels never read entries past a sequence's length; the reference reads them all)."""
+    import torch
+
+    return pool[page_table.to(torch.long)].flatten(1, 2)
+
+
 def reference_kvcache(q, k_cache, v_cache, cache_seqlens, causal: bool, scale: float, dtype=None):
     """O (batch, q_len, heads, d) and LSE (batch, heads, q_len) of attention over a KV cache, from
     upcast copies (float64 by default), one sequence at a time.

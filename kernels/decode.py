@@ -39,7 +39,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr, pipeline
-from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from . import sm90, tma_pipeline
@@ -105,6 +105,10 @@ DEFAULT_CONFIG = {64: dict(tile_n=256, kv_stages=2, l2_prefetch=3, claim_after=4
                   128: dict(tile_n=128, kv_stages=2, l2_prefetch=3, claim_after=4, **MEASURED_AND_OFF),
                   256: dict(tile_n=64, kv_stages=2, l2_prefetch=2, claim_after=0, **MEASURED_AND_OFF)}
 MAX_SPLITS = 128
+# A paged cache whose pages are smaller than the tile: the page becomes the tile (a TMA box never
+# crosses a page), down to 16 keys (one k-step of the PV WGMMA), in up to 16 stages.
+MIN_PAGE = 16
+MAX_PAGED_STAGES = 16
 MAX_SPLIT_TRAFFIC = 0.05  # partials may add at most 5% to the bytes of K and V
 
 
@@ -200,7 +204,7 @@ class DecodeFMHA:
     def __init__(self, head_dim: int, dtype, causal: bool, group: int, tile_n: int, kv_stages: int, split: bool,
                  merge: str = "combine", l2_prefetch: int = 0, refill_at_release: bool = False,
                  merge_prefetch: int = 0, prefetch_ahead: int = 0, prefetch_after_wait: int = 0,
-                 claim_after: int = 0):
+                 claim_after: int = 0, paged: bool = False):
         self.head_dim = head_dim
         self.dtype = dtype
         self.causal = causal
@@ -239,12 +243,17 @@ class DecodeFMHA:
         assert claim_after == 0 or self.merge != "combine", "the counter is reset by the in-kernel merge"
         assert claim_after == 0 or not (refill_at_release or prefetch_ahead or prefetch_after_wait), \
             "these knobs act on the fixed shares' walk"
+        # A paged cache (num_pages, page_size, heads_kv, d) and a page table (batch, max_pages): tile
+        # n_block of a sequence is tile n_block % (page_size / tile_n) of page table[batch, n_block // ...].
+        self.paged = paged
+        assert not (paged and (refill_at_release or prefetch_ahead or prefetch_after_wait)), \
+            "measured and off: these knobs do not look pages up"
         self.claim_slots = kv_stages if self.claim_after else 0  # the merge's flag slot follows them
         self.tile_slots = tile_slots(kv_stages, self.merge, self.claim_after > 0)
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
-                 mSeqlens: Optional[cute.Tensor], mO_partial: Optional[cute.Tensor],
+                 mSeqlens: Optional[cute.Tensor], mPageTable: Optional[cute.Tensor], mO_partial: Optional[cute.Tensor],
                  mLSE_partial: Optional[cute.Tensor], mCounters: Optional[cute.Tensor], softmax_scale: Float32,
                  num_splits: Int32, stream):
         d, dt = self.head_dim, self.dtype
@@ -269,8 +278,8 @@ class DecodeFMHA:
 
         # One CTA per (query tile, split), K/V head, batch.
         m_blocks = cute.ceil_div(mQ.shape[1], self.q_per_tile)
-        grid = (m_blocks * num_splits, mK.shape[2], mK.shape[0])
-        self.kernel(mQ, mK_tma, mV_tma, mO, mLSE, mSeqlens, mO_partial, mLSE_partial, mCounters, tma_atom_K, tma_atom_V,
+        grid = (m_blocks * num_splits, mK.shape[2], mQ.shape[0])
+        self.kernel(mQ, mK_tma, mV_tma, mO, mLSE, mSeqlens, mPageTable, mO_partial, mLSE_partial, mCounters, tma_atom_K, tma_atom_V,
                     softmax_scale * LOG2_E, num_splits, sQ_layout, sK_layout, sVt_layout, tiled_mma_qk, tiled_mma_pv,
                     SharedStorage).launch(grid=grid, block=[self.num_threads, 1, 1],
                                           smem=SharedStorage.size_in_bytes(), stream=stream, min_blocks_per_mp=1,
@@ -278,7 +287,7 @@ class DecodeFMHA:
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK_tma: cute.Tensor, mV_tma: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
-               mSeqlens: Optional[cute.Tensor], mO_partial: Optional[cute.Tensor],
+               mSeqlens: Optional[cute.Tensor], mPageTable: Optional[cute.Tensor], mO_partial: Optional[cute.Tensor],
                mLSE_partial: Optional[cute.Tensor], mCounters: Optional[cute.Tensor], tma_atom_K: cute.CopyAtom,
                tma_atom_V: cute.CopyAtom,
                scale_log2: Float32, num_splits: Int32, sQ_layout: cute.ComposedLayout,
@@ -293,7 +302,7 @@ class DecodeFMHA:
         hint_len = Int32(0)
         if warp_idx == 0:
             if const_expr(self.l2_prefetch > 0):  # first, so that its round trip overlaps the setup
-                hint_len = self.cache_len(mK_tma, mSeqlens, batch, hint=True)
+                hint_len = self.cache_len(mK_tma, mSeqlens, mPageTable, batch, hint=True)
             tma_pipeline.prefetch_descriptors(tma_atom_K, tma_atom_V)
 
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
@@ -308,8 +317,17 @@ class DecodeFMHA:
                 consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_threads), defer_sync=True)
         pipeline_kv = tma_pipeline.make_kv_pipeline(storage, self.dtype, sK_layout, sVt_layout, stages,
                                                     self.num_threads)
-        tKsK, tKgK = tma_pipeline.partition_for_tma(tma_atom_K, mK_tma, sK, (tile_n, d), kv_head, batch, (None, 0))
-        tVsVt, tVgVt = tma_pipeline.partition_for_tma(tma_atom_V, mV_tma, sVt, (d, tile_n), kv_head, batch, (0, None))
+        pages = None
+        if const_expr(self.paged):
+            # Every page of the head stays addressable: the tile index becomes page * per_page + tile in page.
+            tKsK, tKgK = partition_pages(tma_atom_K, mK_tma, sK, (tile_n, d), kv_head, (None, 0))
+            tVsVt, tVgVt = partition_pages(tma_atom_V, mV_tma, sVt, (d, tile_n), kv_head, (0, None))
+            pages = (mPageTable, batch, mK_tma.shape[0] // tile_n, mK_tma.shape[3])
+        else:
+            tKsK, tKgK = tma_pipeline.partition_for_tma(tma_atom_K, mK_tma, sK, (tile_n, d), kv_head, batch,
+                                                        (None, 0))
+            tVsVt, tVgVt = tma_pipeline.partition_for_tma(tma_atom_V, mV_tma, sVt, (d, tile_n), kv_head, batch,
+                                                          (0, None))
         kv_loads = (tma_atom_K, tKgK, tKsK, tma_atom_V, tVgVt, tVsVt)
         if const_expr(self.l2_prefetch > 0):
             # This CTA usually starts while the previous kernel on the stream drains (PDL, below):
@@ -319,9 +337,16 @@ class DecodeFMHA:
             # a stale length merely aims the prefetch at other tiles.
             if warp_idx == 0:
                 lo, hi, _ = self.split_tiles(cute.ceil_div(hint_len, tile_n), num_splits, split)
-                with cute.arch.elect_one():
+                if const_expr(self.paged):  # lane t looks up tile lo + t: one round trip for all of them
+                    first = self.cache_tile(pages, in_range(lo + cute.arch.lane_idx(), hi), hint=True)
                     for t in cutlass.range(cutlass.min(self.l2_prefetch, hi - lo), unroll=1):
-                        l2_hint(kv_loads, lo + t)
+                        n_cache = cute.arch.shuffle_sync(first, t)
+                        with cute.arch.elect_one():
+                            l2_hint(kv_loads, n_cache)
+                else:
+                    with cute.arch.elect_one():
+                        for t in cutlass.range(cutlass.min(self.l2_prefetch, hi - lo), unroll=1):
+                            l2_hint(kv_loads, lo + t)
         # Programmatic dependent launch (PDL) both ways: this grid may start while the previous
         # kernel on the stream finishes (the setup above overlaps its tail; nothing is read from
         # GMEM before the wait but the prefetch's hint), and the next one (Combine, or the next
@@ -330,7 +355,7 @@ class DecodeFMHA:
         cute.arch.griddepcontrol_launch_dependents()
 
         # ---- this CTA's keys: the sequence's cache length, then its split's share of the tiles ----
-        kv_len = self.cache_len(mK_tma, mSeqlens, batch)
+        kv_len = self.cache_len(mK_tma, mSeqlens, mPageTable, batch)
         causal_offset = kv_len - q_len  # bottom-right: query i sees keys j <= i + causal_offset
         n_tiles = cute.ceil_div(kv_len, tile_n)
         n_lo, n_hi, claim_base = self.split_tiles(n_tiles, num_splits, split)
@@ -349,16 +374,23 @@ class DecodeFMHA:
             # counters follow the merge's, one per (query tile, K/V head, batch).
             n_counters = cute.arch.grid_dim()[2] * cute.arch.grid_dim()[1] * (cute.arch.grid_dim()[0] // num_splits)
             slots = cute.make_tensor(storage.tile_idx.data_ptr(), cute.make_layout(stages))
-            ctx = (mCounters.iterator + n_counters + counter, pipeline_tile, slots, n_lo, n_hi, claim_base, n_tiles)
+            ctx = (mCounters.iterator + n_counters + counter, pipeline_tile, slots, n_lo, n_hi, claim_base, n_tiles,
+                   pages)
             if warp_idx == 0:
                 pending = self.claim(ctx[0], pending)  # its round trip overlaps the split's own tiles
                 for t in cutlass.range_constexpr(stages):
                     if live:
                         pending, live = self.produce_claimed(pipeline_kv, Int32(t), kv_loads, ctx, pending)
         elif warp_idx == 0:
-            for t in cutlass.range(cutlass.min(stages, n_hi - n_lo), unroll=1):
-                tma_pipeline.load_kv_stage(pipeline_kv, tma_pipeline.pipe_state(stages, t, producer=True),
-                                           n_lo + t, *kv_loads)
+            if const_expr(self.paged):  # lane t looks up the split's tile t, as for the prefetch
+                first = self.cache_tile(pages, in_range(n_lo + cute.arch.lane_idx(), n_hi))
+                for t in cutlass.range(cutlass.min(stages, n_hi - n_lo), unroll=1):
+                    tma_pipeline.load_kv_stage(pipeline_kv, tma_pipeline.pipe_state(stages, t, producer=True),
+                                               cute.arch.shuffle_sync(first, t), *kv_loads)
+            else:
+                for t in cutlass.range(cutlass.min(stages, n_hi - n_lo), unroll=1):
+                    tma_pipeline.load_kv_stage(pipeline_kv, tma_pipeline.pipe_state(stages, t, producer=True),
+                                               n_lo + t, *kv_loads)
             if const_expr(self.prefetch_after_wait > 0):
                 first = max(self.l2_prefetch, stages)
                 with cute.arch.elect_one():
@@ -401,10 +433,10 @@ class DecodeFMHA:
         else:
             for n_block in cutlass.range(n_lo, cutlass.min(n_hi, n_full), unroll=1):
                 self.kv_iteration(n_block, m_block, lens, tidx, warp_idx, loads, mmas, softmax, row_scale,
-                                  masked=False)
+                                  masked=False, pages=pages)
             for n_block in cutlass.range(cutlass.max(n_lo, n_full), n_hi, unroll=1):
                 self.kv_iteration(n_block, m_block, lens, tidx, warp_idx, loads, mmas, softmax, row_scale,
-                                  masked=True)
+                                  masked=True, pages=pages)
 
         # ---- Epilogue: K4's, into O or into this split's fp32 partial ------------------------
         # An empty split (or a row that saw no key) writes O = 0 and LSE = -inf.
@@ -426,12 +458,15 @@ class DecodeFMHA:
                                          num_splits, rows, batch, tidx)
 
     @cute.jit
-    def cache_len(self, mK_tma: cute.Tensor, mSeqlens: Optional[cute.Tensor], batch: Int32,
-                  hint: cutlass.Constexpr[bool] = False) -> Int32:
+    def cache_len(self, mK_tma: cute.Tensor, mSeqlens: Optional[cute.Tensor], mPageTable: Optional[cute.Tensor],
+                  batch: Int32, hint: cutlass.Constexpr[bool] = False) -> Int32:
         """The sequence's key count: its cache length, clamped to the cache's rows (TMA reads
-        nothing past them anyway), or all of them without lengths. A ``hint`` (read before the
-        PDL wait) bypasses L1 (ld.global.cg), so that no stale copy is left there for the real read."""
+        nothing past them anyway; paged, the rows of its page table's pages), or all of them
+        without lengths. A ``hint`` (read before the PDL wait) bypasses L1 (ld.global.cg), so that
+        no stale copy is left there for the real read."""
         kv_len = mK_tma.shape[0]
+        if const_expr(mPageTable is not None):
+            kv_len = mK_tma.shape[0] * mPageTable.shape[1]
         if const_expr(mSeqlens is not None):
             if const_expr(hint):
                 length = cute.arch.load(mSeqlens.iterator + batch, Int32, cop="cg")
@@ -439,6 +474,21 @@ class DecodeFMHA:
                 length = mSeqlens[batch]
             kv_len = cutlass.max(cutlass.min(length, kv_len), 0)
         return kv_len
+
+    @cute.jit
+    def cache_tile(self, pages: tuple, n_block: Int32, hint: cutlass.Constexpr[bool] = False) -> Int32:
+        """Paged: where the sequence's tile ``n_block`` is in the partitioned cache, tile
+        n_block % per_page of page table[batch, n_block // per_page]. A ``hint`` (before the PDL
+        wait, when the previous kernel may still be writing the table) reads past L1 and clamps
+        the page into the cache, since the prefetch has no bounds of its own to trust."""
+        table, batch, per_page, num_pages = pages
+        slot = n_block // per_page
+        if const_expr(hint):
+            page = cute.arch.load(table.iterator + cute.crd2idx((batch, slot), table.layout), Int32, cop="cg")
+            page = cutlass.max(cutlass.min(page, num_pages - 1), 0)
+        else:
+            page = table[batch, slot]
+        return page * per_page + (n_block - slot * per_page)
 
     @cute.jit
     def load_q(self, mQ: cute.Tensor, sQ: cute.Tensor, rows: tuple, batch: Int32, tidx: Int32):
@@ -461,7 +511,7 @@ class DecodeFMHA:
     def kv_iteration(self, n_block: Int32, m_block: Int32, lens: tuple, tidx: Int32, warp_idx: Int32, loads: tuple,
                      mmas: tuple, softmax: sm90.OnlineSoftmax, row_scale: cute.Tensor,
                      masked: cutlass.Constexpr[bool], t: Optional[Int32] = None, ctx: Optional[tuple] = None,
-                     claims: Optional[tuple] = None):
+                     claims: Optional[tuple] = None, pages: Optional[tuple] = None):
         """K4's iteration, its pipeline position counted from the split's first tile, and on the
         tail tile V's rows past the cache length zeroed before PV. Claiming, ``t`` is the
         position and the refill is ``produce_claimed``'s; returns ``claims`` (the claim in flight,
@@ -472,6 +522,11 @@ class DecodeFMHA:
         if const_expr(t is None):
             t = n_block - n_lo
         kv_consume = tma_pipeline.pipe_state(self.kv_stages, t, producer=False)
+        if const_expr(pages is not None):
+            # The refill's page is looked up before the wait for this tile, which hides its round trip.
+            refill_page = in_range(n_lo + t - 1 + self.kv_stages, n_hi)
+            if warp_idx == 0:
+                refill_page = self.cache_tile(pages, refill_page)
         pipeline_kv.consumer_wait(kv_consume)
         acc_S = cute.make_rmem_tensor(tiled_mma_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
         sm90.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_consume.index], zero_init=True, wg_wait=-1)
@@ -483,8 +538,11 @@ class DecodeFMHA:
         elif warp_idx == 0 and not self.refill_at_release:  # refill the stage released last iteration
             t_refill = t - 1 + self.kv_stages
             if t >= 1 and n_lo + t_refill < n_hi:
+                n_cache = n_lo + t_refill
+                if const_expr(pages is not None):
+                    n_cache = refill_page
                 tma_pipeline.load_kv_stage(pipeline_kv, tma_pipeline.pipe_state(self.kv_stages, t_refill, producer=True),
-                                           n_lo + t_refill, *kv_loads)
+                                           n_cache, *kv_loads)
             if const_expr(self.prefetch_ahead > 0):
                 t_ahead = t_refill + self.prefetch_ahead
                 if t >= 1 and t_ahead >= self.l2_prefetch and n_lo + t_ahead < n_hi:
@@ -534,7 +592,7 @@ class DecodeFMHA:
         """Producer warp: the CTA's j-th tile (its own, then claimed) posted in tile slot
         j % stages, then loaded into K/V stage j % stages; out of tiles, -1 is posted and nothing
         loaded. Returns (the claim in flight, whether it produced a tile)."""
-        counter_ptr, pipeline_tile, slots, lo, hi, base, n_tiles = ctx
+        counter_ptr, pipeline_tile, slots, lo, hi, base, n_tiles, pages = ctx
         n_block = lo + j
         if j >= hi - lo:
             n_block = base + cute.arch.shuffle_sync(pending, 0)
@@ -542,13 +600,16 @@ class DecodeFMHA:
                 pending = self.claim(counter_ptr, pending)
             else:
                 n_block = Int32(-1)
+        n_cache = n_block
+        if const_expr(pages is not None):  # looked up before the slot's wait
+            n_cache = self.cache_tile(pages, cutlass.max(n_block, 0))
         state = tma_pipeline.pipe_state(self.kv_stages, j, producer=True)
         pipeline_tile.producer_acquire(state)
         with cute.arch.elect_one():
             slots[state.index] = n_block
             pipeline_tile.producer_commit(state)
         if n_block >= 0:
-            tma_pipeline.load_kv_stage(pipeline_kv, state, n_block, *kv_loads)
+            tma_pipeline.load_kv_stage(pipeline_kv, state, n_cache, *kv_loads)
         return pending, n_block >= 0
 
     @cute.jit
@@ -647,6 +708,21 @@ class DecodeFMHA:
             cute.arch.sync_threads()
             cute.arch.fence_acq_rel_gpu()
             self.merge_rows(mO_partial, mLSE_partial, mO, mLSE, num_splits, rows, batch, tidx)
+
+
+def in_range(n_block: Int32, n_hi: Int32) -> Int32:
+    """n_block held below n_hi (and at 0 or more): a page lookup may run ahead of the tiles."""
+    return cutlass.max(cutlass.min(n_block, n_hi - 1), 0)
+
+
+def partition_pages(tma_atom: cute.CopyAtom, mX_tma: cute.Tensor, sX: cute.Tensor, tile: cutlass.Constexpr,
+                    head: Int32, coord: tuple):
+    """``tma_pipeline.partition_for_tma`` for a paged cache, whose mode 3 counts pages: every
+    page's boxes kept, in one mode indexed by page * per_page + box in the page."""
+    gX = cute.local_tile(mX_tma[None, None, head, None], tile, coord + (None,))
+    tXsX, tXgX = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2),
+                                       cute.group_modes(gX, 0, 2))
+    return tXsX, cute.group_modes(tXgX, 1, 3)
 
 
 def packed_rows(m_block: Int32, kv_head: Int32, group: int, q_per_tile: int, q_len: Int32) -> tuple:
@@ -801,13 +877,15 @@ MERGES = ("combine", "last_cta", "last_split")
 DEFAULT_MERGE = "last_cta"  # the registered ``decode``
 
 
-def _fake_decode_args(dtype, head_dim: int, seqlens: bool, split: bool, counters: bool = False) -> tuple:
-    """Placeholders in the decode layout: q/O (b, q_len, h, d), caches (b, s_cache, h_kv, d),
-    LSE (b, h, q_len), cache_seqlens (b,), partials (S, b, q_len, h, d) and (S, b, h, q_len), the
-    last-CTA merge's counters (one per query tile, K/V head and batch, or more)."""
+def _fake_decode_args(dtype, head_dim: int, seqlens: bool, split: bool, counters: bool = False,
+                      paged: bool = False) -> tuple:
+    """Placeholders in the decode layout: q/O (b, q_len, h, d), caches (b, s_cache, h_kv, d) or
+    paged (num_pages, page_size, h_kv, d) with a page table (b, max_pages), LSE (b, h, q_len),
+    cache_seqlens (b,), partials (S, b, q_len, h, d) and (S, b, h, q_len), the last-CTA merge's
+    counters (one per query tile, K/V head and batch, or more)."""
     from cutlass.cute.runtime import make_fake_tensor
 
-    b, q_len, h, h_kv, s_cache, splits, n_counters = (cute.sym_int() for _ in range(7))
+    b, q_len, h, h_kv, s_cache, splits, n_counters, num_pages, max_pages = (cute.sym_int() for _ in range(9))
 
     def tensor(elem, shape, rows_aligned=True):
         div = 8 if rows_aligned else 1
@@ -815,33 +893,36 @@ def _fake_decode_args(dtype, head_dim: int, seqlens: bool, split: bool, counters
         return make_fake_tensor(elem, shape, stride=stride, assumed_align=16 if rows_aligned else 4)
 
     q, o = (tensor(dtype, (b, q_len, h, head_dim)) for _ in range(2))
-    k, v = (tensor(dtype, (b, s_cache, h_kv, head_dim)) for _ in range(2))
+    k, v = (tensor(dtype, (num_pages if paged else b, s_cache, h_kv, head_dim)) for _ in range(2))
     lse = tensor(Float32, (b, h, q_len), rows_aligned=False)
     lens = make_fake_tensor(Int32, (b,), stride=(1,), assumed_align=4) if seqlens else None
+    table = make_fake_tensor(Int32, (b, max_pages), stride=(cute.sym_int64(), 1), assumed_align=4) if paged else None
     o_partial = tensor(Float32, (splits, b, q_len, h, head_dim)) if split else None
     lse_partial = tensor(Float32, (splits, b, h, q_len), rows_aligned=False) if split else None
     count = make_fake_tensor(Int32, (n_counters,), stride=(1,), assumed_align=4) if counters else None
-    return q, k, v, o, lse, lens, o_partial, lse_partial, count, Float32(1.0), Int32(1), fake_stream()
+    return q, k, v, o, lse, lens, table, o_partial, lse_partial, count, Float32(1.0), Int32(1), fake_stream()
 
 
 def compile_decode(head_dim: int, dtype: str, causal: bool, group: int, split: bool, seqlens: bool,
-                   merge: str = "combine", keep_ptx: bool = False, **cfg):
+                   merge: str = "combine", keep_ptx: bool = False, paged: bool = False, **cfg):
     """The main kernel; ``cfg``: a ``config`` (DEFAULT_CONFIG's keys)."""
     dt = cute_dtype(dtype)
     merge = merge if split else "combine"
     in_kernel = merge != "combine"
     if not in_kernel:  # the merge's loads live in Combine then: one main kernel for every value
         cfg = dict(cfg, merge_prefetch=0, claim_after=0)
-    key = ("decode", head_dim, dtype, causal, group, split, seqlens, merge, tuple(sorted(cfg.items())))
-    return jit_compile(key, lambda: (DecodeFMHA(head_dim, dt, causal, group, split=split, merge=merge, **cfg),
-                                     _fake_decode_args(dt, head_dim, seqlens, split, in_kernel)), keep_ptx)
+    key = ("decode", head_dim, dtype, causal, group, split, seqlens, merge, paged, tuple(sorted(cfg.items())))
+    return jit_compile(key, lambda: (DecodeFMHA(head_dim, dt, causal, group, split=split, merge=merge, paged=paged,
+                                                **cfg),
+                                     _fake_decode_args(dt, head_dim, seqlens, split, in_kernel, paged)), keep_ptx)
 
 
 def compile_combine(head_dim: int, dtype: str, merge_prefetch: int = 0, keep_ptx: bool = False):
     dt = cute_dtype(dtype)
 
     def build():
-        _, _, _, o, lse, _, o_partial, lse_partial, _, _, splits, stream = _fake_decode_args(dt, head_dim, False, True)
+        _, _, _, o, lse, _, _, o_partial, lse_partial, _, _, splits, stream = _fake_decode_args(dt, head_dim, False,
+                                                                                                True)
         return Combine(merge_prefetch), (o_partial, lse_partial, o, lse, splits, stream)
 
     return jit_compile(("decode_combine", head_dim, dtype, merge_prefetch), build, keep_ptx)
@@ -894,9 +975,9 @@ class DecodeLauncher:
         return (torch.empty((s, batch, q_len, nheads, self.head_dim), device=device, dtype=torch.float32),
                 torch.empty((s, batch, nheads, q_len), device=device, dtype=torch.float32), counters)
 
-    def launch(self, q, k_cache, v_cache, out, lse, cache_seqlens, scale: float, buffers: tuple):
+    def launch(self, q, k_cache, v_cache, out, lse, cache_seqlens, scale: float, buffers: tuple, page_table=None):
         o_partial, lse_partial, counters = buffers
-        self.main(q, k_cache, v_cache, out, lse, cache_seqlens, o_partial, lse_partial, counters, scale,
+        self.main(q, k_cache, v_cache, out, lse, cache_seqlens, page_table, o_partial, lse_partial, counters, scale,
                   self.num_splits)
         if self.num_splits > 1 and self.merge == "combine":
             self.combine(o_partial, lse_partial, out, lse, self.num_splits)
@@ -910,13 +991,13 @@ class DecodeLauncher:
         return (*self.buffers(batch, q_len, nheads, device), lse)
 
     def launch_eager(self, device_index: int, shape: tuple, make_set, q, k_cache, v_cache, out, lse, cache_seqlens,
-                     scale: float):
+                     scale: float, page_table=None):
         """``launch`` with the partials, counters and (for ``lse`` None) the LSE of ``shape`` (batch,
         q_len, nheads) on this stream (``eager``, filled by ``make_set``; made for the call under
         CUDA-graph capture). A caller that repeats one shape keeps ``make_set`` (kvcache._PreparedCall)."""
         o_partial, lse_partial, counters, unread = self.eager.get(device_index, shape, make_set)
         self.launch(q, k_cache, v_cache, out, unread if lse is None else lse, cache_seqlens, scale,
-                    (o_partial, lse_partial, counters))
+                    (o_partial, lse_partial, counters), page_table)
 
     def __call__(self, q, k_cache, v_cache, out, lse, cache_seqlens, scale: float):
         """An eager launch on q's device (the current one): ``launch_eager`` for q's shape."""
@@ -970,9 +1051,27 @@ def shared_sm_tile_n(head_dim: int, num_splits: int, ctas: int, num_sms: int) ->
     return SHARED_SM_TILE_N.get(head_dim) if num_splits == 1 and ctas > num_sms else None
 
 
+def paged_config(cfg: dict, page_size: int) -> dict:
+    """The configuration for a paged cache: the tile as it was if the page holds whole tiles; a
+    page smaller than the tile becomes the tile, with stages (and prefetched tiles) multiplied so
+    that as many bytes are in flight. Other pages are refused, naming the sizes that work."""
+    tile_n = cfg["tile_n"]
+    if page_size % tile_n == 0:
+        return cfg
+    if tile_n % page_size or page_size < MIN_PAGE:
+        raise UnsupportedProblem(
+            f"page_size must be a multiple of {tile_n} (this head dim's KV tile) or a power of two from {MIN_PAGE} "
+            f"up to it, got {page_size}")
+    more = tile_n // page_size
+    return dict(cfg, tile_n=page_size, kv_stages=min(cfg["kv_stages"] * more, MAX_PAGED_STAGES),
+                l2_prefetch=min(cfg["l2_prefetch"] * more, MAX_PAGED_STAGES))
+
+
 def make_launcher(head_dim: int, dtype: str, causal: bool, group: int, num_splits: int, seqlens: bool,
-                  keep_ptx: bool = False, merge: str = "combine", ctas: int = 0, **cfg) -> DecodeLauncher:
-    """``ctas``: the grid's CTAs per split (batch x K/V heads x query tiles), for SHARED_SM_GPUS."""
+                  keep_ptx: bool = False, merge: str = "combine", ctas: int = 0, page_size: int = 0,
+                  **cfg) -> DecodeLauncher:
+    """``ctas``: the grid's CTAs per split (batch x K/V heads x query tiles), for SHARED_SM_GPUS;
+    ``page_size``: a paged cache's (0: contiguous)."""
     if merge not in MERGES:
         raise UnsupportedProblem(f"merge must be one of {MERGES}, got {merge!r}")
     split = num_splits > 1
@@ -981,13 +1080,18 @@ def make_launcher(head_dim: int, dtype: str, causal: bool, group: int, num_split
     if cfg.get("tile_n") is None and listed_gpu(SHARED_SM_GPUS):
         cfg["tile_n"] = shared_sm_tile_n(head_dim, num_splits, ctas, sm_count())
     cfg = config(head_dim, **cfg)
+    if page_size:
+        cfg = paged_config(cfg, page_size)
     if isinstance(cfg["claim_after"], bool) or not isinstance(cfg["claim_after"], int) or cfg["claim_after"] < 0:
         raise UnsupportedProblem(f"claim_after must be an int >= 0 (0: fixed shares), got {cfg['claim_after']!r}")
     claim = split and merge != "combine" and cfg["claim_after"] > 0  # Combine cannot reset a counter: fixed shares
     static_only = [k for k in ("refill_at_release", "prefetch_ahead", "prefetch_after_wait") if cfg[k]]
     if claim and static_only:
         raise UnsupportedProblem(f"{', '.join(static_only)} act on the fixed shares' walk: pass claim_after=0 with it")
-    main = compile_decode(head_dim, dtype, causal, group, split, seqlens, merge=merge, keep_ptx=keep_ptx, **cfg)
+    if page_size and static_only:
+        raise UnsupportedProblem(f"{', '.join(static_only)}: measured and off, and not written for a paged cache")
+    main = compile_decode(head_dim, dtype, causal, group, split, seqlens, merge=merge, keep_ptx=keep_ptx,
+                          paged=page_size > 0, **cfg)
     combine = (compile_combine(head_dim, dtype, cfg["merge_prefetch"], keep_ptx) if split and merge == "combine"
                else None)
     launcher = DecodeLauncher(main, combine, num_splits, head_dim, group, merge, claim=claim)

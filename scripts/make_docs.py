@@ -531,9 +531,28 @@ def decode_host_table(bench):
                              body))
 
 
+def decode_pages_table(bench):
+    """docs/decode.md: TB/s on a paged cache against the page size (bench.py --decode --pages-curve)."""
+    rows = [r for r in bench["rows"] if r.get("mode") == "pages"]
+    if not rows:
+        return "No page-size rows in the newest decode result file."
+    flat = next((r for r in rows if not r["page_size"] and r["kernel"] == "decode" and r.get("ms")), None)
+    body = [[r["page_size"] or "contiguous", f"`{r['kernel']}`", r.get("tile_n", "—"),
+             f"{r['ms'] * 1e3:.1f}" if r.get("ms") else r.get("status", "—")[:60],
+             f"{r['tbps']:.2f}" if r.get("tbps") else "—",
+             f"{r['pct_peak']:.0f}%" if r.get("pct_peak") else "—",
+             f"{flat['ms'] / r['ms']:.3f}×" if flat and r.get("ms") else "—"] for r in rows]
+    r0 = rows[0]
+    return (f"{gpu_short_name(bench['meta'].get('device', ''))}: `{bench['meta'].get('command', '')}`, batch "
+            f"{r0['batch']}, {r0['nheads_kv']} K/V heads, {r0['seqlen_k'] // 1024}k keys, d = {r0['head_dim']}, "
+            "every cache copy's pages shuffled; kernel time by CUDA-graph replay, each candidate checked first.\n\n"
+            + markdown_table(["page size", "kernel", "tile keys", "µs", "TB/s", "% of HBM peak",
+                              "× contiguous `decode`"], body))
+
+
 # docs/decode.md's blocks from bench.py --decode: marker, the rows' mode, generator.
 DECODE_TABLES = (("decode", "grid", decode_table), ("decode-splits", "splits", decode_splits_table),
-                 ("decode-host", "host", decode_host_table))
+                 ("decode-host", "host", decode_host_table), ("decode-pages", "pages", decode_pages_table))
 
 
 def fill_decode_page(text, runs, suffix=""):
@@ -951,7 +970,7 @@ def main(argv=None):
         fill("k4", "k4-steps", lambda: k4_steps_table(latest_with("sweep*.json", ["k4_qk"]), tune))
     page = ROOT / "docs" / "decode.md"
     decode_runs = {mode: latest_with_mode(f"decode-{TARGET_GPU.lower()}*.json", mode) or latest_with_mode("decode-h*.json", mode)
-                   for mode in ("grid", "splits", "host")}
+                   for mode in ("grid", "splits", "host", "pages")}
     if page.exists():
         h200 = {mode: latest_with_mode("decode-h200*.json", mode) for mode in ("grid", "splits", "host")}
         page.write_text(fill_decode_page(fill_decode_page(page.read_text(), decode_runs), h200, suffix="-h200"))

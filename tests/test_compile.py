@@ -266,6 +266,37 @@ def test_decode_claiming_takes_tiles_off_a_counter(head_dim, merge):
         decode.compile_kernel(p, num_splits=16, claim_after=4, prefetch_after_wait=2)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("pages", ["whole tiles", "smaller than a tile"])
+def test_decode_on_a_paged_cache_looks_pages_up(head_dim, pages):
+    # A paged cache: the same TMA boxes (4-D: rows, d, K/V heads, pages), each aimed at a page read
+    # from the table. Before the PDL wait the prefetch reads its pages past L1 as it reads the
+    # length (two ld.global.cg instead of one), lane t looking up tile t (a shuffle hands each
+    # out); a page smaller than the tile becomes the tile, in more stages. No spills.
+    from kernels import decode
+    from kernels.contract import compiled_ptx
+
+    tile = decode.config(head_dim)["tile_n"]
+    page = 2 * tile if pages == "whole tiles" else decode.MIN_PAGE
+    builds = {}
+    for page_size in (0, page):
+        la = decode.make_launcher(head_dim, "bfloat16", True, 4, 16, True, keep_ptx=True, merge="last_cta",
+                                  claim_after=0, page_size=page_size)
+        builds[page_size] = (la.config, compiled_ptx(la.main))
+    (flat_cfg, flat), (cfg, ptx) = builds[0], builds[page]
+    assert cfg["tile_n"] == min(tile, page) and cfg["kv_stages"] >= flat_cfg["kv_stages"]
+    for x in (flat, ptx):
+        assert set(re.findall(r"cp\.async\.bulk\.tensor\.(\d)d", x)) == {"4"}
+    hint = lambda x: len(re.findall(r"ld\.global\.cg", x[:x.index("griddepcontrol.wait")]))
+    assert hint(flat) == 1 and hint(ptx) == 2
+    assert count_instructions(ptx)["shfl.sync"] > count_instructions(flat)["shfl.sync"]
+    assert count_instructions(ptx)["ld.global"] > count_instructions(flat)["ld.global"]
+    assert count_instructions(ptx)["ld/st.local"] == 0
+    with pytest.raises(UnsupportedProblem, match="not written for a paged cache"):
+        decode.make_launcher(head_dim, "bfloat16", False, 4, 16, True, claim_after=0, prefetch_ahead=2,
+                             page_size=page)
+
+
 @pytest.mark.parametrize("name", ["k7_k4", "k7", "k8"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_fp8_stages_run_both_gemms_in_e4m3(name, head_dim):

@@ -411,25 +411,32 @@ def test_lengths_on_the_wrong_device_or_dtype_are_refused():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_kvcache_call_under_torch_compile_matches_eager():
+@pytest.mark.parametrize("page_size", [0, 128])
+def test_kvcache_call_under_torch_compile_matches_eager(page_size):
+    from harness.check import paged_cache
+
     q = torch.randn(2, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(2, 3000, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     lens = torch.tensor([3000, 1234], dtype=torch.int32, device="cuda")
+    table = None
+    if page_size:
+        k, v, table = paged_cache(k, v, page_size, [3000, 1234], torch.Generator(device="cuda").manual_seed(1))
 
-    def step(q, k, v, lens):
-        out, lse = attention_with_kvcache(q, k, v, lens, causal=True, return_lse=True)
+    def step(q, k, v, lens, table):
+        out, lse = attention_with_kvcache(q, k, v, lens, page_table=table, causal=True, return_lse=True)
         return out * 2, lse
 
     with deterministic():  # fixed split shares: the same bits on every call (claiming is not)
-        eager = step(q, k, v, lens)
+        eager = step(q, k, v, lens, table)
         torch._dynamo.reset()
-        compiled = torch.compile(step, fullgraph=True)(q, k, v, lens)  # a graph break would be an error
+        compiled = torch.compile(step, fullgraph=True)(q, k, v, lens, table)  # a graph break would be an error
     for got, want in zip(compiled, eager):
         assert torch.equal(got, want)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("page_size", [0, 64])
 @pytest.mark.parametrize("merge", ["last_cta", "last_split"])
 @pytest.mark.parametrize("shape,lengths,causal,splits,claim_after", [
     ((1, 32, 8, 1, 32768), [32768], False, 16, 4),
@@ -437,15 +444,18 @@ def test_kvcache_call_under_torch_compile_matches_eager():
     ((3, 32, 8, 4, 1000), [1000, 5, 2], True, 7, 1),
     ((2, 28, 4, 17, 3000), [2999, 1500], True, 5, 2),  # two query tiles: two counters per head
 ])
-def test_claimed_tiles_match_the_reference_launch_after_launch(merge, shape, lengths, causal, splits, claim_after):
+def test_claimed_tiles_match_the_reference_launch_after_launch(merge, shape, lengths, causal, splits, claim_after,
+                                                               page_size):
     # claim_after (on by default at d=64/128): the splits take tiles off a per-head counter that the
     # merging CTA resets. Three launches on one set of buffers: a counter left non-zero would skip
     # tiles (tune_decode.py checks again after back-to-back graph replays, where PDL overlaps them).
+    # Paged (64-key pages, so 64-key tiles): each claimed tile's page is looked up after its claim.
+    from harness.check import paged_cache
     from kernels import decode
 
     b, h, h_kv, q_len, s_cache = shape
     la = decode.make_launcher(128, "bfloat16", causal, h // h_kv, splits, True, merge=merge,
-                              claim_after=claim_after)
+                              claim_after=claim_after, page_size=page_size)
     q = torch.randn(b, q_len, h, 128, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(b, s_cache, h_kv, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     for i, n in enumerate(lengths):  # stale rows: NaN, never read
@@ -454,11 +464,14 @@ def test_claimed_tiles_match_the_reference_launch_after_launch(merge, shape, len
     scale = 128 ** -0.5
     want_o, want_lse = reference_kvcache(q, k, v, lens, causal, scale)
     peer = sdpa_kvcache(q, k, v, lens, causal, scale)
+    table = None
+    if page_size:
+        k, v, table = paged_cache(k, v, page_size, lengths, torch.Generator(device="cuda").manual_seed(0))
     buffers = la.buffers(b, q_len, h, "cuda")
     for launch in range(3):
         out = torch.full_like(q, float("nan"))
         lse = torch.full((b, h, q_len), float("nan"), device="cuda")
-        la.launch(q, k, v, out, lse, lens, scale, buffers)
+        la.launch(q, k, v, out, lse, lens, scale, buffers, table)
         verdict = compare(out, want_o, lse, want_lse, "bfloat16", peer=peer).verdict
         assert not verdict, f"launch {launch}: {verdict}"
     assert int(buffers[2].abs().sum()) == 0  # every counter back at 0
@@ -582,3 +595,117 @@ def test_kvcache_call_under_reduce_overhead_compile_matches_eager():
             lens.fill_(n)
             got = compiled(q, k, v, lens).clone()
             assert torch.equal(got, step(q, k, v, lens)), n
+
+
+# ---- a paged KV cache ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_pages_of_whole_tiles_keep_the_tile_and_smaller_pages_become_it(d):
+    from kernels.decode import MAX_PAGED_STAGES, MIN_PAGE, config, paged_config
+
+    cfg = config(d)
+    tile = cfg["tile_n"]
+    for page in (tile, 2 * tile, 3 * tile):
+        assert paged_config(cfg, page) == cfg
+    for page in (tile // 2, tile // 4, MIN_PAGE):
+        small = paged_config(cfg, page)
+        more = tile // page
+        assert small["tile_n"] == page
+        assert small["kv_stages"] == min(cfg["kv_stages"] * more, MAX_PAGED_STAGES)
+        assert small["l2_prefetch"] == min(cfg["l2_prefetch"] * more, MAX_PAGED_STAGES)
+        assert {k: v for k, v in small.items() if k not in ("tile_n", "kv_stages", "l2_prefetch")} == \
+            {k: v for k, v in cfg.items() if k not in ("tile_n", "kv_stages", "l2_prefetch")}
+    for page in (8, tile + 16, 3 * MIN_PAGE, 1):
+        with pytest.raises(UnsupportedProblem, match=f"page_size must be a multiple of {tile}"):
+            paged_config(cfg, page)
+
+
+@pytest.mark.parametrize("lengths", [[40, 64, 0], [17, 1, 64]])
+def test_paged_cache_reads_back_through_its_table(lengths):
+    # The check's paged inputs: shuffled pages, a NaN page for entries past each length; read
+    # through the table they are the contiguous caches on every row inside the lengths.
+    from harness.check import paged_cache
+    from harness.reference import pages_to_cache
+
+    gen = torch.Generator().manual_seed(0)
+    k, v = torch.randn(3, 64, 2, 16), torch.randn(3, 64, 2, 16)
+    kp, vp, table = paged_cache(k, v, 16, lengths, gen)
+    assert kp.shape == (3 * 4 + 1, 16, 2, 16) and table.dtype == torch.int32 and table.shape == (3, 4)
+    assert 0 <= int(table.min()) and int(table.max()) <= 12  # every entry names a page of the pool
+    for b, n in enumerate(lengths):
+        live = -(-n // 16)
+        assert len(set(table[b, :live].tolist())) == live and 12 not in table[b, :live].tolist()
+        assert (table[b, live:] == 12).all()
+        for got, want in ((pages_to_cache(kp, table), k), (pages_to_cache(vp, table), v)):
+            assert torch.equal(got[b, :n], want[b, :n])
+            assert got[b, live * 16:].isnan().all()
+    assert kp[12].isnan().all() and vp[12].isnan().all()
+    assert len(set(table[table != 12].tolist())) == int((table != 12).sum())  # no page used twice
+
+
+def _paged(b=2, pages=8, page=128, hk=8, d=128, table=None):
+    q, _, _ = _tensors(b=b, hk=hk, d=d)
+    kp, vp = (torch.randn(pages, page, hk, d).to(torch.bfloat16) for _ in range(2))
+    if table is None:
+        table = torch.arange(pages, dtype=torch.int32).view(b, pages // b)
+    return q, kp, vp, table
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda: _paged(table=torch.zeros(2, 4, dtype=torch.int64)), "page_table must be int32"),
+    (lambda: _paged(table=torch.zeros(3, 4, dtype=torch.int32)), r"page_table must be \(2, max_pages\)"),
+    (lambda: _paged(table=torch.zeros(2, dtype=torch.int32)), r"page_table must be \(2, max_pages\)"),
+    (lambda: _paged(table=torch.zeros(2, 0, dtype=torch.int32)), r"page_table must be \(2, max_pages\)"),
+    (lambda: _paged(table=torch.zeros(4, 2, dtype=torch.int32).t()), "rows must be contiguous"),
+    (lambda: _paged(table=[[0, 1], [2, 3]]), "page_table must be None or an int32 tensor"),
+    (lambda: _paged(page=96), "page_size must be a multiple of 128"),
+    (lambda: _paged(page=8), "page_size must be a multiple of 128"),
+    (lambda: _paged(d=64, page=96), "page_size must be a multiple of 256"),
+])
+def test_a_paged_call_refuses_with_the_constraint(make, match):
+    q, kp, vp, table = make()
+    with pytest.raises(UnsupportedProblem, match=match):
+        attention_with_kvcache(q, kp, vp, page_table=table)
+
+
+def test_a_paged_cache_is_not_taken_for_a_contiguous_one():
+    # Without its table, a pool of 8 pages against a batch of 2 is a batch mismatch, named as such.
+    q, kp, vp, _ = _paged()
+    with pytest.raises(UnsupportedProblem, match="a paged cache needs a page_table"):
+        attention_with_kvcache(q, kp, vp)
+    q, kp, vp, table = _paged()  # a valid paged call on the CPU gets as far as the device check
+    with pytest.raises(UnsupportedProblem, match="CUDA"):
+        attention_with_kvcache(q, kp, vp, torch.full((2,), 300, dtype=torch.int32), page_table=table)
+    with pytest.raises(UnsupportedProblem, match=r"\[0, s_cache = 512\]"):  # 4 pages of 128 per sequence
+        attention_with_kvcache(q, kp, vp, 513, page_table=table)
+
+
+@pytest.mark.parametrize("page_size,match", [(-1, "page_size must be an int"), (True, "page_size must be an int"),
+                                             (96, "page_size must be a multiple of 128")])
+def test_decode_plan_refuses_a_page_size(page_size, match):
+    with pytest.raises(UnsupportedProblem, match=match):
+        decode_plan(2, 32, 8, 128, 4096, page_size=page_size)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kernel", ["decode", "decode_combine"])
+@pytest.mark.parametrize("d,page_size,shape,lengths,causal,splits", [
+    (128, 128, (4, 32, 8, 1, 8192), [0, 1, 127, 8192], False, 0),  # a page per tile: also bitwise the contiguous
+    (128, 256, (3, 32, 8, 4, 1000), [1000, 5, 2], True, 0),  # 1000 rows: the last page half NaN padding
+    (128, 16, (2, 32, 8, 1, 3000), [3000, 17], False, 0),  # 16-key pages: 16-key tiles in 16 stages
+    (128, 64, (2, 28, 4, 17, 3000), [2999, 1500], True, 5),
+    (128, 128, (2, 32, 8, 1, 5000), 4321, False, 0),  # an int length: a tensor the kernel reads
+    (128, 128, (34, 32, 4, 1, 1000), [0, 1] + [1000 - 29 * i for i in range(32)], False, 0),  # wide, unsplit
+    (64, 256, (2, 32, 8, 1, 4096), None, False, 7),  # no lengths: every page of the table
+    (64, 128, (3, 32, 8, 4, 1000), [1000, 5, 2], True, 0),
+    (256, 64, (2, 32, 8, 4, 3000), [3000, 1111], True, 0),
+    (256, 32, (2, 32, 4, 1, 4097), [4097, 40], False, 0),
+])
+def test_paged_kvcache_cases(kernel, d, page_size, shape, lengths, causal, splits):
+    # check_kvcache on shuffled pages (a NaN page named past every length, NaN padding in the last
+    # page): the call, forced splits, the plan, and a graph replay after the pages move.
+    from harness.check import KVCacheCase, check_kvcache
+
+    row = check_kvcache(KVCacheCase(kernel, *shape, d, causal, lengths, splits, graph=True, page_size=page_size))
+    assert row["ok"], row["reason"]

@@ -46,7 +46,13 @@ def fake_gpu(monkeypatch):
         emit(dict(mode="host", kernel="decode plan.run", batch=1, seqlen_k=32768, nheads_kv=8, host_us=15.0,
                   call_us=52.0, status="ok"))
 
-    for name, fn in (("run_grid", run_grid), ("run_splits", run_splits), ("run_host", run_host)):
+    def run_pages(emit, **shape):
+        calls.append(("pages", shape))
+        emit(dict(mode="pages", kernel="decode", batch=8, seqlen_k=32768, nheads_kv=8, page_size=128, ms=0.3,
+                  tbps=3.6, status="ok"))
+
+    for name, fn in (("run_grid", run_grid), ("run_splits", run_splits), ("run_host", run_host),
+                     ("run_pages", run_pages)):
         monkeypatch.setattr(db, name, fn)
     return calls
 
@@ -58,7 +64,7 @@ def test_help_describes_the_decode_mode_and_its_flags(capsys):
         bench.main(["--help"])
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
     for flag in ("--decode", "--seqlen-k", "--nheads-kv", "--q-len", "--num-splits", "--grid-only", "--splits-curve",
-                 "--host-times"):
+                 "--host-times", "--pages-curve"):
         assert flag in text
     assert "decode: batch 1/8/64 x kv_len 4096/32768/131072 x K/V heads 8/32 (14 rows)" in text
 
@@ -93,8 +99,12 @@ def test_decode_without_a_gpu_exits_2_and_writes_nothing(monkeypatch, tmp_path, 
     (["--decode", "--splits-curve", "--num-splits", "4"], "not with --grid-only or --num-splits"),
     (["--decode", "--host-times", "--batch", "8"], "not with --grid-only, --splits-curve"),
     (["--decode", "--host-times", "--splits-curve"], "runs only the host times"),
-    (["k4", "--q-len", "2"], "--q-len, --num-splits, --grid-only, --splits-curve and --host-times to --decode"),
+    (["--decode", "--pages-curve", "--splits-curve"], "runs only the page-size curve"),
+    (["--decode", "--pages-curve", "--num-splits", "2"], "runs only the page-size curve"),
+    (["k4", "--q-len", "2"], "--q-len, --num-splits, --grid-only, --splits-curve, --host-times and --pages-curve to "
+                             "--decode"),
     (["--splits-curve"], "to --decode"),
+    (["--pages-curve"], "to --decode"),
     (["--host-times"], "to --decode"),
     (["--grid-only"], "to --decode"),
 ])
@@ -136,6 +146,15 @@ def test_splits_curve_runs_the_curve_alone_at_the_given_shape(fake_gpu):
     fake_gpu.clear()
     assert bench.main(["--decode", "--splits-curve", "--seqlen-k", "131072"]) == 0
     assert fake_gpu[0][1]["kv_len"] == 131072 and fake_gpu[0][1]["batch"] == 1
+
+
+def test_pages_curve_runs_alone_at_the_given_shape(fake_gpu, capsys):
+    assert bench.main(["--decode", "--pages-curve"]) == 0
+    assert fake_gpu == [("pages", dict(batch=8, kv_len=32768, nheads_kv=8, head_dim=128, q_len=1))]
+    assert "pages=128" in capsys.readouterr().out
+    fake_gpu.clear()
+    assert bench.main(["--decode", "--pages-curve", "--batch", "1", "--headdim", "64"]) == 0
+    assert fake_gpu[0][1]["batch"] == 1 and fake_gpu[0][1]["head_dim"] == 64
 
 
 def test_host_times_run_alone(fake_gpu):
