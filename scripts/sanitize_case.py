@@ -32,7 +32,19 @@ def main(argv=None) -> int:
     ap.add_argument("--nheads-kv", type=int, help="K/V heads, when fewer than the query heads (GQA)")
     ap.add_argument("--config", type=json.loads, default=None,
                     help='compile options, e.g. \'{"split_tail": true}\' (K6\'s stream-K tail)')
+    ap.add_argument("--page-size", type=int, default=0,
+                    help="decode kernels: attention_with_kvcache and a plan on a paged cache of these pages, shuffled "
+                         "(harness.check.check_kvcache; --batch-heads is then the query heads of one sequence)")
     args = ap.parse_args(argv)
+    if args.page_size:
+        from harness.check import KVCacheCase, check_kvcache
+
+        keys = args.seqlen_k or 3000
+        case = KVCacheCase(args.kernel, 2, args.batch_heads, args.nheads_kv or args.batch_heads, args.seqlen, keys,
+                           args.headdim, bool(args.causal), [keys, keys // 3], page_size=args.page_size)
+        row = check_kvcache(case)
+        print(f"{case.label()}: {'ok' if row['ok'] else 'FAIL ' + row['reason']} (max_abs {row['max_abs']:.2e})")
+        return 0 if row["ok"] else 1
     res = check_kernel(args.kernel, Problem(1, args.batch_heads, args.seqlen, args.headdim, causal=bool(args.causal),
                                             seqlen_k=args.seqlen_k, nheads_kv=args.nheads_kv), config=args.config)
     p = res.problem
