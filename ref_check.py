@@ -99,7 +99,7 @@ def decode_cases(quick: bool):
             yield C(kernel, 2, 32, 8, 1, 4000, 128, False, [4000, 2500], num_splits=splits)
         # A paged cache, its pages shuffled: pages of one and two tiles, and pages smaller than a
         # tile (16 keys, the smallest), at every head dim; a 128k sequence; an int length.
-        for d, page in ((128, 128), (128, 256), (128, 16), (64, 256), (64, 64), (256, 64), (256, 16)):
+        for d, page in ((128, 128), (128, 256), (128, 16), (64, 256), (64, 64), (64, 16), (256, 64), (256, 16)):
             yield C(kernel, 3, 32, 8, 4, 3000, d, True, [3000, 1111, 0], page_size=page, graph=True)
         yield C(kernel, 1, 32, 8, 1, 131072, 128, False, [131072], page_size=256)
         yield C(kernel, 2, 32, 8, 1, 5000, 128, False, 4321, page_size=128)

@@ -200,8 +200,6 @@ def check_kvcache(case: KVCacheCase, seed=None) -> dict:
 
     from .inputs import torch_dtype
     from .kvcache import attention_with_kvcache, decode_plan
-    from kernels.decode import config as decode_config
-
     from .reference import cache_lengths, pages_to_cache, reference_kvcache, sdpa_kvcache
 
     c = case
@@ -241,8 +239,7 @@ def check_kvcache(case: KVCacheCase, seed=None) -> dict:
     want = expected()
     out, lse = call()
     judge("attention_with_kvcache", out, lse, want)
-    if c.page_size and c.page_size % decode_config(c.head_dim)["tile_n"] == 0:
-        # Whole tiles per page: the same launch as on the contiguous cache, so the same bits.
+    if c.page_size:  # the same tiles, whatever the pages: the same bits as on the contiguous cache
         with deterministic():
             o_p, lse_p = call()
             o_c, lse_c = attention_with_kvcache(q, *contiguous, lens, causal=c.causal, num_splits=c.num_splits,

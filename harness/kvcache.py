@@ -127,7 +127,7 @@ def check_page_size(head_dim: int, page_size: int) -> None:
     """Pages of whole KV tiles, or tiles of whole pages (``decode.paged_config`` says which sizes)."""
     from kernels import decode
 
-    decode.paged_config(decode.config(head_dim), page_size)
+    decode.page_boxes(decode.config(head_dim)["tile_n"], page_size)
 
 
 def _num_splits(num_splits, kernel: str) -> int:

@@ -105,10 +105,9 @@ DEFAULT_CONFIG = {64: dict(tile_n=256, kv_stages=2, l2_prefetch=3, claim_after=4
                   128: dict(tile_n=128, kv_stages=2, l2_prefetch=3, claim_after=4, **MEASURED_AND_OFF),
                   256: dict(tile_n=64, kv_stages=2, l2_prefetch=2, claim_after=0, **MEASURED_AND_OFF)}
 MAX_SPLITS = 128
-# A paged cache whose pages are smaller than the tile: the page becomes the tile (a TMA box never
-# crosses a page), down to 16 keys (one k-step of the PV WGMMA), in up to 16 stages.
+# A paged cache whose pages are smaller than the tile fills each tile with one TMA box per page,
+# down to pages of 16 keys (two rows of the 8-row swizzle atom).
 MIN_PAGE = 16
-MAX_PAGED_STAGES = 16
 MAX_SPLIT_TRAFFIC = 0.05  # partials may add at most 5% to the bytes of K and V
 
 
@@ -204,7 +203,7 @@ class DecodeFMHA:
     def __init__(self, head_dim: int, dtype, causal: bool, group: int, tile_n: int, kv_stages: int, split: bool,
                  merge: str = "combine", l2_prefetch: int = 0, refill_at_release: bool = False,
                  merge_prefetch: int = 0, prefetch_ahead: int = 0, prefetch_after_wait: int = 0,
-                 claim_after: int = 0, paged: bool = False):
+                 claim_after: int = 0, paged: bool = False, page_boxes: int = 1):
         self.head_dim = head_dim
         self.dtype = dtype
         self.causal = causal
@@ -243,9 +242,13 @@ class DecodeFMHA:
         assert claim_after == 0 or self.merge != "combine", "the counter is reset by the in-kernel merge"
         assert claim_after == 0 or not (refill_at_release or prefetch_ahead or prefetch_after_wait), \
             "these knobs act on the fixed shares' walk"
-        # A paged cache (num_pages, page_size, heads_kv, d) and a page table (batch, max_pages): tile
-        # n_block of a sequence is tile n_block % (page_size / tile_n) of page table[batch, n_block // ...].
+        # A paged cache (num_pages, page_size, heads_kv, d) and a page table (batch, max_pages). The
+        # TMA moves boxes of tile_n / page_boxes keys, each inside one page: page_boxes > 1 when the
+        # pages are smaller than the tile (each box then a page), 1 when a page holds whole tiles.
         self.paged = paged
+        self.page_boxes = page_boxes if paged else 1
+        self.box_n = tile_n // self.page_boxes
+        assert self.box_n * self.page_boxes == tile_n and self.page_boxes <= 32, "one lane looks up each box"
         assert not (paged and (refill_at_release or prefetch_ahead or prefetch_after_wait)), \
             "measured and off: these knobs do not look pages up"
         self.claim_slots = kv_stages if self.claim_after else 0  # the merge's flag slot follows them
@@ -271,8 +274,14 @@ class DecodeFMHA:
         sK_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (self.tile_m, self.tile_n, d), dt,
                                                   self.kv_stages)
         sVt_layout = sm90_utils.make_smem_layout_b(v_major, (self.tile_m, d, self.tile_n), dt, self.kv_stages)
-        tma_atom_K, mK_tma = tma_pipeline.make_tma_load(cache_seq_major_view(mK), sK_layout, (self.tile_n, d))
-        tma_atom_V, mV_tma = tma_pipeline.make_tma_load(mVt, sVt_layout, (d, self.tile_n))
+        if const_expr(self.paged):  # boxes of box_n keys: a page's when pages are smaller than the tile
+            box = self.box_n
+            tma_atom_K, mK_tma = tma_pipeline.make_tma_load(cache_seq_major_view(mK), box_layout(sK_layout, (box, d)),
+                                                            (box, d))
+            tma_atom_V, mV_tma = tma_pipeline.make_tma_load(mVt, box_layout(sVt_layout, (d, box)), (d, box))
+        else:
+            tma_atom_K, mK_tma = tma_pipeline.make_tma_load(cache_seq_major_view(mK), sK_layout, (self.tile_n, d))
+            tma_atom_V, mV_tma = tma_pipeline.make_tma_load(mVt, sVt_layout, (d, self.tile_n))
         SharedStorage = tma_pipeline.shared_storage(dt, sQ_layout, sK_layout, sVt_layout, self.kv_stages,
                                                     tile_slots=self.tile_slots)
 
@@ -319,10 +328,11 @@ class DecodeFMHA:
                                                     self.num_threads)
         pages = None
         if const_expr(self.paged):
-            # Every page of the head stays addressable: the tile index becomes page * per_page + tile in page.
-            tKsK, tKgK = partition_pages(tma_atom_K, mK_tma, sK, (tile_n, d), kv_head, (None, 0))
-            tVsVt, tVgVt = partition_pages(tma_atom_V, mV_tma, sVt, (d, tile_n), kv_head, (0, None))
-            pages = (mPageTable, batch, mK_tma.shape[0] // tile_n, mK_tma.shape[3])
+            # Every page of the head stays addressable: a box index is page * boxes_per_page + box in page.
+            box = self.box_n
+            tKsK, tKgK = partition_pages(tma_atom_K, mK_tma, sK, (box, d), kv_head, (None, 0))
+            tVsVt, tVgVt = partition_pages(tma_atom_V, mV_tma, sVt, (d, box), kv_head, (0, None))
+            pages = (mPageTable, batch, mK_tma.shape[0] // box, mK_tma.shape[3])
         else:
             tKsK, tKgK = tma_pipeline.partition_for_tma(tma_atom_K, mK_tma, sK, (tile_n, d), kv_head, batch,
                                                         (None, 0))
@@ -337,12 +347,14 @@ class DecodeFMHA:
             # a stale length merely aims the prefetch at other tiles.
             if warp_idx == 0:
                 lo, hi, _ = self.split_tiles(cute.ceil_div(hint_len, tile_n), num_splits, split)
-                if const_expr(self.paged):  # lane t looks up tile lo + t: one round trip for all of them
-                    first = self.cache_tile(pages, in_range(lo + cute.arch.lane_idx(), hi), hint=True)
-                    for t in cutlass.range(cutlass.min(self.l2_prefetch, hi - lo), unroll=1):
-                        n_cache = cute.arch.shuffle_sync(first, t)
-                        with cute.arch.elect_one():
-                            l2_hint(kv_loads, n_cache)
+                if const_expr(self.paged):  # lane i looks up the split's box i: one round trip for all
+                    boxes = self.split_boxes(pages, lo, hi, hint=True)
+                    for t in cutlass.range(cutlass.min(min(self.l2_prefetch, 32 // self.page_boxes), hi - lo),
+                                           unroll=1):
+                        for j in cutlass.range_constexpr(self.page_boxes):
+                            n_cache = cute.arch.shuffle_sync(boxes, t * self.page_boxes + j)
+                            with cute.arch.elect_one():
+                                l2_hint(kv_loads, n_cache)
                 else:
                     with cute.arch.elect_one():
                         for t in cutlass.range(cutlass.min(self.l2_prefetch, hi - lo), unroll=1):
@@ -382,11 +394,11 @@ class DecodeFMHA:
                     if live:
                         pending, live = self.produce_claimed(pipeline_kv, Int32(t), kv_loads, ctx, pending)
         elif warp_idx == 0:
-            if const_expr(self.paged):  # lane t looks up the split's tile t, as for the prefetch
-                first = self.cache_tile(pages, in_range(n_lo + cute.arch.lane_idx(), n_hi))
+            if const_expr(self.paged):  # lane i looks up the split's box i, as for the prefetch
+                boxes = self.split_boxes(pages, n_lo, n_hi)
                 for t in cutlass.range(cutlass.min(stages, n_hi - n_lo), unroll=1):
-                    tma_pipeline.load_kv_stage(pipeline_kv, tma_pipeline.pipe_state(stages, t, producer=True),
-                                               cute.arch.shuffle_sync(first, t), *kv_loads)
+                    self.load_boxes(pipeline_kv, tma_pipeline.pipe_state(stages, t, producer=True), boxes,
+                                    t * self.page_boxes, kv_loads)
             else:
                 for t in cutlass.range(cutlass.min(stages, n_hi - n_lo), unroll=1):
                     tma_pipeline.load_kv_stage(pipeline_kv, tma_pipeline.pipe_state(stages, t, producer=True),
@@ -476,19 +488,38 @@ class DecodeFMHA:
         return kv_len
 
     @cute.jit
-    def cache_tile(self, pages: tuple, n_block: Int32, hint: cutlass.Constexpr[bool] = False) -> Int32:
-        """Paged: where the sequence's tile ``n_block`` is in the partitioned cache, tile
-        n_block % per_page of page table[batch, n_block // per_page]. A ``hint`` (before the PDL
-        wait, when the previous kernel may still be writing the table) reads past L1 and clamps
-        the page into the cache, since the prefetch has no bounds of its own to trust."""
+    def cache_box(self, pages: tuple, box: Int32, hint: cutlass.Constexpr[bool] = False) -> Int32:
+        """Paged: where the sequence's ``box`` (tile n's boxes are n * page_boxes + j) is in the
+        partitioned cache: box % per_page of page table[batch, box // per_page]. A ``hint`` (before
+        the PDL wait, when the previous kernel may still be writing the table) reads past L1 and
+        clamps the page into the cache, since the prefetch has no bounds of its own to trust."""
         table, batch, per_page, num_pages = pages
-        slot = n_block // per_page
+        slot = box // per_page
         if const_expr(hint):
             page = cute.arch.load(table.iterator + cute.crd2idx((batch, slot), table.layout), Int32, cop="cg")
             page = cutlass.max(cutlass.min(page, num_pages - 1), 0)
         else:
             page = table[batch, slot]
-        return page * per_page + (n_block - slot * per_page)
+        return page * per_page + (box - slot * per_page)
+
+    @cute.jit
+    def split_boxes(self, pages: tuple, n_lo: Int32, n_hi: Int32, hint: cutlass.Constexpr[bool] = False) -> Int32:
+        """Lane i's ``cache_box`` of box i of the tiles from n_lo on (held inside [n_lo, n_hi)):
+        the first 32 / page_boxes tiles' pages in one round trip, handed out by shuffles."""
+        box = in_range(n_lo * self.page_boxes + cute.arch.lane_idx(), n_hi * self.page_boxes)
+        return self.cache_box(pages, box, hint)
+
+    @cute.jit
+    def load_boxes(self, pipeline_kv, state: pipeline.PipelineState, boxes: Int32, first, kv_loads: tuple):
+        """``tma_pipeline.load_kv_stage`` for a paged cache: the stage's page_boxes K and V boxes,
+        box j from the page that lane first + j looked up (``split_boxes``), all on one barrier."""
+        tma_atom_K, tKgK, tKsK, tma_atom_V, tVgVt, tVsVt = kv_loads
+        pipeline_kv.producer_acquire(state)
+        barrier = pipeline_kv.producer_get_barrier(state)
+        for j in cutlass.range_constexpr(self.page_boxes):
+            n_cache = cute.arch.shuffle_sync(boxes, first + j)
+            cute.copy(tma_atom_K, tKgK[None, n_cache], tKsK[None, (j, 0, state.index)], tma_bar_ptr=barrier)
+            cute.copy(tma_atom_V, tVgVt[None, n_cache], tVsVt[None, (0, j, state.index)], tma_bar_ptr=barrier)
 
     @cute.jit
     def load_q(self, mQ: cute.Tensor, sQ: cute.Tensor, rows: tuple, batch: Int32, tidx: Int32):
@@ -523,10 +554,10 @@ class DecodeFMHA:
             t = n_block - n_lo
         kv_consume = tma_pipeline.pipe_state(self.kv_stages, t, producer=False)
         if const_expr(pages is not None):
-            # The refill's page is looked up before the wait for this tile, which hides its round trip.
-            refill_page = in_range(n_lo + t - 1 + self.kv_stages, n_hi)
+            # The refill's pages are looked up before the wait for this tile, which hides the round trip.
+            refill_boxes = Int32(0)
             if warp_idx == 0:
-                refill_page = self.cache_tile(pages, refill_page)
+                refill_boxes = self.split_boxes(pages, n_lo + t - 1 + self.kv_stages, n_hi)
         pipeline_kv.consumer_wait(kv_consume)
         acc_S = cute.make_rmem_tensor(tiled_mma_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
         sm90.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_consume.index], zero_init=True, wg_wait=-1)
@@ -538,11 +569,11 @@ class DecodeFMHA:
         elif warp_idx == 0 and not self.refill_at_release:  # refill the stage released last iteration
             t_refill = t - 1 + self.kv_stages
             if t >= 1 and n_lo + t_refill < n_hi:
-                n_cache = n_lo + t_refill
+                refill = tma_pipeline.pipe_state(self.kv_stages, t_refill, producer=True)
                 if const_expr(pages is not None):
-                    n_cache = refill_page
-                tma_pipeline.load_kv_stage(pipeline_kv, tma_pipeline.pipe_state(self.kv_stages, t_refill, producer=True),
-                                           n_cache, *kv_loads)
+                    self.load_boxes(pipeline_kv, refill, refill_boxes, 0, kv_loads)
+                else:
+                    tma_pipeline.load_kv_stage(pipeline_kv, refill, n_lo + t_refill, *kv_loads)
             if const_expr(self.prefetch_ahead > 0):
                 t_ahead = t_refill + self.prefetch_ahead
                 if t >= 1 and t_ahead >= self.l2_prefetch and n_lo + t_ahead < n_hi:
@@ -600,16 +631,19 @@ class DecodeFMHA:
                 pending = self.claim(counter_ptr, pending)
             else:
                 n_block = Int32(-1)
-        n_cache = n_block
+        boxes = Int32(0)
         if const_expr(pages is not None):  # looked up before the slot's wait
-            n_cache = self.cache_tile(pages, cutlass.max(n_block, 0))
+            boxes = self.split_boxes(pages, n_block, n_block + 1)
         state = tma_pipeline.pipe_state(self.kv_stages, j, producer=True)
         pipeline_tile.producer_acquire(state)
         with cute.arch.elect_one():
             slots[state.index] = n_block
             pipeline_tile.producer_commit(state)
         if n_block >= 0:
-            tma_pipeline.load_kv_stage(pipeline_kv, state, n_cache, *kv_loads)
+            if const_expr(pages is not None):
+                self.load_boxes(pipeline_kv, state, boxes, 0, kv_loads)
+            else:
+                tma_pipeline.load_kv_stage(pipeline_kv, state, n_block, *kv_loads)
         return pending, n_block >= 0
 
     @cute.jit
@@ -715,14 +749,22 @@ def in_range(n_block: Int32, n_hi: Int32) -> Int32:
     return cutlass.max(cutlass.min(n_block, n_hi - 1), 0)
 
 
-def partition_pages(tma_atom: cute.CopyAtom, mX_tma: cute.Tensor, sX: cute.Tensor, tile: cutlass.Constexpr,
+def partition_pages(tma_atom: cute.CopyAtom, mX_tma: cute.Tensor, sX: cute.Tensor, box: cutlass.Constexpr,
                     head: Int32, coord: tuple):
-    """``tma_pipeline.partition_for_tma`` for a paged cache, whose mode 3 counts pages: every
-    page's boxes kept, in one mode indexed by page * per_page + box in the page."""
-    gX = cute.local_tile(mX_tma[None, None, head, None], tile, coord + (None,))
-    tXsX, tXgX = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2),
+    """``tma_pipeline.partition_for_tma`` for a paged cache, whose mode 3 counts pages, in boxes:
+    SMEM indexed by (box of the tile (its mode), stage), GMEM by page * per_page + box in the page."""
+    gX = cute.local_tile(mX_tma[None, None, head, None], box, coord + (None,))
+    tXsX, tXgX = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), cute.zipped_divide(sX, box),
                                        cute.group_modes(gX, 0, 2))
     return tXsX, cute.group_modes(tXgX, 1, 3)
+
+
+def box_layout(smem_layout, box: tuple):
+    """The SMEM layout of the first ``box`` of a (swizzled) stage: what one TMA of that box writes.
+    Every other box of the stage is the same layout at an offset (boxes of whole 8-row swizzle atoms)."""
+    stage = tma_pipeline.stage_layout(smem_layout)
+    return cute.make_composed_layout(stage.inner, 0, cute.slice_(cute.logical_divide(stage.outer, box),
+                                                                 ((None, 0), (None, 0))))
 
 
 def packed_rows(m_block: Int32, kv_head: Int32, group: int, q_per_tile: int, q_len: Int32) -> tuple:
@@ -904,16 +946,17 @@ def _fake_decode_args(dtype, head_dim: int, seqlens: bool, split: bool, counters
 
 
 def compile_decode(head_dim: int, dtype: str, causal: bool, group: int, split: bool, seqlens: bool,
-                   merge: str = "combine", keep_ptx: bool = False, paged: bool = False, **cfg):
+                   merge: str = "combine", keep_ptx: bool = False, paged: bool = False, page_boxes: int = 1, **cfg):
     """The main kernel; ``cfg``: a ``config`` (DEFAULT_CONFIG's keys)."""
     dt = cute_dtype(dtype)
     merge = merge if split else "combine"
     in_kernel = merge != "combine"
     if not in_kernel:  # the merge's loads live in Combine then: one main kernel for every value
         cfg = dict(cfg, merge_prefetch=0, claim_after=0)
-    key = ("decode", head_dim, dtype, causal, group, split, seqlens, merge, paged, tuple(sorted(cfg.items())))
+    key = ("decode", head_dim, dtype, causal, group, split, seqlens, merge, paged, page_boxes,
+           tuple(sorted(cfg.items())))
     return jit_compile(key, lambda: (DecodeFMHA(head_dim, dt, causal, group, split=split, merge=merge, paged=paged,
-                                                **cfg),
+                                                page_boxes=page_boxes, **cfg),
                                      _fake_decode_args(dt, head_dim, seqlens, split, in_kernel, paged)), keep_ptx)
 
 
@@ -1051,20 +1094,17 @@ def shared_sm_tile_n(head_dim: int, num_splits: int, ctas: int, num_sms: int) ->
     return SHARED_SM_TILE_N.get(head_dim) if num_splits == 1 and ctas > num_sms else None
 
 
-def paged_config(cfg: dict, page_size: int) -> dict:
-    """The configuration for a paged cache: the tile as it was if the page holds whole tiles; a
-    page smaller than the tile becomes the tile, with stages (and prefetched tiles) multiplied so
-    that as many bytes are in flight. Other pages are refused, naming the sizes that work."""
-    tile_n = cfg["tile_n"]
+def page_boxes(tile_n: int, page_size: int) -> int:
+    """TMA boxes per KV tile on a paged cache: 1 when each page holds whole tiles, tile_n /
+    page_size when a page is smaller than the tile (one box per page). Other sizes are refused,
+    naming the sizes that work."""
     if page_size % tile_n == 0:
-        return cfg
+        return 1
     if tile_n % page_size or page_size < MIN_PAGE:
         raise UnsupportedProblem(
             f"page_size must be a multiple of {tile_n} (this head dim's KV tile) or a power of two from {MIN_PAGE} "
             f"up to it, got {page_size}")
-    more = tile_n // page_size
-    return dict(cfg, tile_n=page_size, kv_stages=min(cfg["kv_stages"] * more, MAX_PAGED_STAGES),
-                l2_prefetch=min(cfg["l2_prefetch"] * more, MAX_PAGED_STAGES))
+    return tile_n // page_size
 
 
 def make_launcher(head_dim: int, dtype: str, causal: bool, group: int, num_splits: int, seqlens: bool,
@@ -1080,8 +1120,7 @@ def make_launcher(head_dim: int, dtype: str, causal: bool, group: int, num_split
     if cfg.get("tile_n") is None and listed_gpu(SHARED_SM_GPUS):
         cfg["tile_n"] = shared_sm_tile_n(head_dim, num_splits, ctas, sm_count())
     cfg = config(head_dim, **cfg)
-    if page_size:
-        cfg = paged_config(cfg, page_size)
+    boxes = page_boxes(cfg["tile_n"], page_size) if page_size else 1
     if isinstance(cfg["claim_after"], bool) or not isinstance(cfg["claim_after"], int) or cfg["claim_after"] < 0:
         raise UnsupportedProblem(f"claim_after must be an int >= 0 (0: fixed shares), got {cfg['claim_after']!r}")
     claim = split and merge != "combine" and cfg["claim_after"] > 0  # Combine cannot reset a counter: fixed shares
@@ -1091,11 +1130,13 @@ def make_launcher(head_dim: int, dtype: str, causal: bool, group: int, num_split
     if page_size and static_only:
         raise UnsupportedProblem(f"{', '.join(static_only)}: measured and off, and not written for a paged cache")
     main = compile_decode(head_dim, dtype, causal, group, split, seqlens, merge=merge, keep_ptx=keep_ptx,
-                          paged=page_size > 0, **cfg)
+                          paged=page_size > 0, page_boxes=boxes, **cfg)
     combine = (compile_combine(head_dim, dtype, cfg["merge_prefetch"], keep_ptx) if split and merge == "combine"
                else None)
     launcher = DecodeLauncher(main, combine, num_splits, head_dim, group, merge, claim=claim)
     launcher.config = dict(cfg, claim_after=cfg["claim_after"] if claim else 0)  # what the launch runs
+    if page_size:
+        launcher.config["page_boxes"] = boxes
     return launcher
 
 

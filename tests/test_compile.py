@@ -269,10 +269,11 @@ def test_decode_claiming_takes_tiles_off_a_counter(head_dim, merge):
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("pages", ["whole tiles", "smaller than a tile"])
 def test_decode_on_a_paged_cache_looks_pages_up(head_dim, pages):
-    # A paged cache: the same TMA boxes (4-D: rows, d, K/V heads, pages), each aimed at a page read
-    # from the table. Before the PDL wait the prefetch reads its pages past L1 as it reads the
-    # length (two ld.global.cg instead of one), lane t looking up tile t (a shuffle hands each
-    # out); a page smaller than the tile becomes the tile, in more stages. No spills.
+    # A paged cache: TMA boxes (4-D: rows, d, K/V heads, pages), each aimed at a page read from
+    # the table. Before the PDL wait the prefetch reads its pages past L1 as it reads the length
+    # (two ld.global.cg instead of one), lane i looking up box i (a shuffle hands each out). A
+    # page smaller than the tile keeps the tile and fills it with one box per page: more TMA
+    # copies per stage, the same SMEM. No spills.
     from kernels import decode
     from kernels.contract import compiled_ptx
 
@@ -284,9 +285,12 @@ def test_decode_on_a_paged_cache_looks_pages_up(head_dim, pages):
                                   claim_after=0, page_size=page_size)
         builds[page_size] = (la.config, compiled_ptx(la.main))
     (flat_cfg, flat), (cfg, ptx) = builds[0], builds[page]
-    assert cfg["tile_n"] == min(tile, page) and cfg["kv_stages"] >= flat_cfg["kv_stages"]
+    assert cfg["tile_n"] == flat_cfg["tile_n"] == tile and cfg["kv_stages"] == flat_cfg["kv_stages"]
+    assert cfg["page_boxes"] == max(tile // page, 1) and "page_boxes" not in flat_cfg
     for x in (flat, ptx):
         assert set(re.findall(r"cp\.async\.bulk\.tensor\.(\d)d", x)) == {"4"}
+    copies = [count_instructions(x)["cp.async.bulk.tensor"] for x in (flat, ptx)]
+    assert copies[1] == copies[0] * cfg["page_boxes"]
     hint = lambda x: len(re.findall(r"ld\.global\.cg", x[:x.index("griddepcontrol.wait")]))
     assert hint(flat) == 1 and hint(ptx) == 2
     assert count_instructions(ptx)["shfl.sync"] > count_instructions(flat)["shfl.sync"]

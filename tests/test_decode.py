@@ -600,24 +600,17 @@ def test_kvcache_call_under_reduce_overhead_compile_matches_eager():
 # ---- a paged KV cache ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("d", [64, 128, 256])
-def test_pages_of_whole_tiles_keep_the_tile_and_smaller_pages_become_it(d):
-    from kernels.decode import MAX_PAGED_STAGES, MIN_PAGE, config, paged_config
+def test_a_tile_takes_one_box_per_page_when_pages_are_smaller(d):
+    from kernels.decode import MIN_PAGE, config, page_boxes
 
-    cfg = config(d)
-    tile = cfg["tile_n"]
+    tile = config(d)["tile_n"]
     for page in (tile, 2 * tile, 3 * tile):
-        assert paged_config(cfg, page) == cfg
+        assert page_boxes(tile, page) == 1
     for page in (tile // 2, tile // 4, MIN_PAGE):
-        small = paged_config(cfg, page)
-        more = tile // page
-        assert small["tile_n"] == page
-        assert small["kv_stages"] == min(cfg["kv_stages"] * more, MAX_PAGED_STAGES)
-        assert small["l2_prefetch"] == min(cfg["l2_prefetch"] * more, MAX_PAGED_STAGES)
-        assert {k: v for k, v in small.items() if k not in ("tile_n", "kv_stages", "l2_prefetch")} == \
-            {k: v for k, v in cfg.items() if k not in ("tile_n", "kv_stages", "l2_prefetch")}
+        assert page_boxes(tile, page) == tile // page
     for page in (8, tile + 16, 3 * MIN_PAGE, 1):
         with pytest.raises(UnsupportedProblem, match=f"page_size must be a multiple of {tile}"):
-            paged_config(cfg, page)
+            page_boxes(tile, page)
 
 
 @pytest.mark.parametrize("lengths", [[40, 64, 0], [17, 1, 64]])
@@ -693,10 +686,12 @@ def test_decode_plan_refuses_a_page_size(page_size, match):
 @pytest.mark.parametrize("d,page_size,shape,lengths,causal,splits", [
     (128, 128, (4, 32, 8, 1, 8192), [0, 1, 127, 8192], False, 0),  # a page per tile: also bitwise the contiguous
     (128, 256, (3, 32, 8, 4, 1000), [1000, 5, 2], True, 0),  # 1000 rows: the last page half NaN padding
-    (128, 16, (2, 32, 8, 1, 3000), [3000, 17], False, 0),  # 16-key pages: 16-key tiles in 16 stages
+    (128, 16, (2, 32, 8, 1, 3000), [3000, 17], False, 0),  # 16-key pages: eight boxes per 128-key tile
     (128, 64, (2, 28, 4, 17, 3000), [2999, 1500], True, 5),
     (128, 128, (2, 32, 8, 1, 5000), 4321, False, 0),  # an int length: a tensor the kernel reads
     (128, 128, (34, 32, 4, 1, 1000), [0, 1] + [1000 - 29 * i for i in range(32)], False, 0),  # wide, unsplit
+    (128, 32, (34, 32, 4, 1, 1000), [0, 1] + [1000 - 29 * i for i in range(32)], True, 0),  # and small pages
+    (64, 16, (2, 32, 8, 2, 3000), [3000, 1500], True, 0),  # sixteen boxes per 256-key tile: every lane looks up
     (64, 256, (2, 32, 8, 1, 4096), None, False, 7),  # no lengths: every page of the table
     (64, 128, (3, 32, 8, 4, 1000), [1000, 5, 2], True, 0),
     (256, 64, (2, 32, 8, 4, 3000), [3000, 1111], True, 0),
