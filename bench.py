@@ -81,8 +81,8 @@ def parse_args(argv=None):
     ap.add_argument("--host-times", action="store_true",
                     help="decode: only the host time per call (the one call, the plan, the peers' calls)")
     ap.add_argument("--pages-curve", action="store_true",
-                    help="decode: only TB/s on a paged cache against the page size (pages shuffled), at batch 8, "
-                         "32k keys, 8 K/V heads unless --batch/--seqlen-k/--nheads-kv say otherwise")
+                    help="decode: only TB/s on a paged cache against the page size (pages shuffled), at batch 1 "
+                         "and 8, 32k keys, 8 K/V heads unless --batch/--seqlen-k/--nheads-kv say otherwise")
     return ap.parse_args(argv)
 
 
@@ -356,7 +356,7 @@ def decode_main(args, argv) -> int:
     elif args.host_times:
         decode_bench.run_host(emit, **shape)
     elif args.pages_curve:
-        decode_bench.run_pages(emit, batch=args.batch or 8, kv_len=args.seqlen_k or 32768,
+        decode_bench.run_pages(emit, batches=(args.batch,) if args.batch else (1, 8), kv_len=args.seqlen_k or 32768,
                                nheads_kv=args.nheads_kv or 8, **shape)
     else:
         decode_bench.run_grid(decode_bench.grid(args.batch, args.seqlen_k, args.nheads_kv), emit, not args.no_peers,

@@ -289,7 +289,8 @@ def paged_steps(inputs: Inputs, page_size: int, num_splits: int = 0) -> dict:
         plan = decode_plan(b, h, k0.shape[2], d, k0.shape[1], q_len=q_len, num_splits=num_splits, page_size=page_size)
         steps["decode"] = (lambda i: plan.run(inputs.q, *pools[i % len(pools)][:2], inputs.lens,
                                               pools[i % len(pools)][2])[0],
-                           dict(num_splits=plan.num_splits, tile_n=plan.info["tile_n"]))
+                           dict(num_splits=plan.num_splits, tile_n=plan.info["tile_n"],
+                                page_boxes=plan.info["page_boxes"]))
     except Exception as e:
         steps["decode"] = failure(e)
     try:
@@ -306,11 +307,17 @@ def paged_steps(inputs: Inputs, page_size: int, num_splits: int = 0) -> dict:
     return steps
 
 
-def run_pages(emit, batch: int = 8, kv_len: int = 32768, nheads_kv: int = 8, head_dim: int = HEAD_DIM,
+def run_pages(emit, batches=(1, 8), kv_len: int = 32768, nheads_kv: int = 8, head_dim: int = HEAD_DIM,
               q_len: int = Q_LEN, page_sizes=PAGES_CURVE) -> None:
     """TB/s of ``decode`` (and flash-attn-4) on a paged cache against the page size, the pages of
     each cache copy shuffled through the pool as a serving engine's allocator leaves them; page
-    size 0 is the contiguous cache, for scale. By default batch 8, 8 K/V heads, 32k keys."""
+    size 0 is the contiguous cache, for scale. By default batch 1 (16 splits) and 8 (2), 8 K/V
+    heads, 32k keys."""
+    for batch in batches:
+        _run_pages(emit, batch, kv_len, nheads_kv, head_dim, q_len, page_sizes)
+
+
+def _run_pages(emit, batch: int, kv_len: int, nheads_kv: int, head_dim: int, q_len: int, page_sizes) -> None:
     import torch
 
     peak = hbm_peak(torch.cuda.get_device_name())

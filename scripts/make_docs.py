@@ -536,17 +536,17 @@ def decode_pages_table(bench):
     rows = [r for r in bench["rows"] if r.get("mode") == "pages"]
     if not rows:
         return "No page-size rows in the newest decode result file."
-    flat = next((r for r in rows if not r["page_size"] and r["kernel"] == "decode" and r.get("ms")), None)
-    body = [[r["page_size"] or "contiguous", f"`{r['kernel']}`", r.get("tile_n", "—"),
+    flat = {r["batch"]: r for r in rows if not r["page_size"] and r["kernel"] == "decode" and r.get("ms")}
+    body = [[r["batch"], r["page_size"] or "contiguous", f"`{r['kernel']}`", r.get("page_boxes", "—"),
              f"{r['ms'] * 1e3:.1f}" if r.get("ms") else r.get("status", "—")[:60],
              f"{r['tbps']:.2f}" if r.get("tbps") else "—",
              f"{r['pct_peak']:.0f}%" if r.get("pct_peak") else "—",
-             f"{flat['ms'] / r['ms']:.3f}×" if flat and r.get("ms") else "—"] for r in rows]
+             f"{flat[r['batch']]['ms'] / r['ms']:.3f}×" if r["batch"] in flat and r.get("ms") else "—"] for r in rows]
     r0 = rows[0]
-    return (f"{gpu_short_name(bench['meta'].get('device', ''))}: `{bench['meta'].get('command', '')}`, batch "
-            f"{r0['batch']}, {r0['nheads_kv']} K/V heads, {r0['seqlen_k'] // 1024}k keys, d = {r0['head_dim']}, "
-            "every cache copy's pages shuffled; kernel time by CUDA-graph replay, each candidate checked first.\n\n"
-            + markdown_table(["page size", "kernel", "tile keys", "µs", "TB/s", "% of HBM peak",
+    return (f"{gpu_short_name(bench['meta'].get('device', ''))}: `{bench['meta'].get('command', '')}`; "
+            f"{r0['nheads_kv']} K/V heads, {r0['seqlen_k'] // 1024}k keys, d = {r0['head_dim']}, every cache copy's "
+            "pages shuffled; kernel time by CUDA-graph replay, each candidate checked first.\n\n"
+            + markdown_table(["batch", "page size", "kernel", "boxes per tile", "µs", "TB/s", "% of HBM peak",
                               "× contiguous `decode`"], body))
 
 

@@ -150,11 +150,11 @@ def test_splits_curve_runs_the_curve_alone_at_the_given_shape(fake_gpu):
 
 def test_pages_curve_runs_alone_at_the_given_shape(fake_gpu, capsys):
     assert bench.main(["--decode", "--pages-curve"]) == 0
-    assert fake_gpu == [("pages", dict(batch=8, kv_len=32768, nheads_kv=8, head_dim=128, q_len=1))]
+    assert fake_gpu == [("pages", dict(batches=(1, 8), kv_len=32768, nheads_kv=8, head_dim=128, q_len=1))]
     assert "pages=128" in capsys.readouterr().out
     fake_gpu.clear()
-    assert bench.main(["--decode", "--pages-curve", "--batch", "1", "--headdim", "64"]) == 0
-    assert fake_gpu[0][1]["batch"] == 1 and fake_gpu[0][1]["head_dim"] == 64
+    assert bench.main(["--decode", "--pages-curve", "--batch", "4", "--headdim", "64"]) == 0
+    assert fake_gpu[0][1]["batches"] == (4,) and fake_gpu[0][1]["head_dim"] == 64
 
 
 def test_host_times_run_alone(fake_gpu):
