@@ -533,7 +533,7 @@ def test_one_call_reuses_its_buffers_and_a_captured_call_owns_its_own(monkeypatc
     lens = torch.tensor([8000], dtype=torch.int32, device="cuda")
     with deterministic():  # fixed split shares: eager and replayed calls give the same bits
         first = attention_with_kvcache(q, k, v, lens)
-        launcher = kvcache._PREPARED[kvcache._call_signature(q, k, v, lens, False, None, 0, False, "decode")].launcher
+        launcher = kvcache._PREPARED[kvcache._call_signature(q, k, v, lens, None, False, None, 0, False, "decode")].launcher
         assert launcher.num_splits > 1
         n_made = len(made)
         assert torch.equal(attention_with_kvcache(q, k, v, lens), first)
