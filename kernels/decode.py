@@ -20,6 +20,9 @@ New relative to K4:
 * **The KV cache.** Each sequence has its own length (``cache_seqlens``, read on the device) in a
   cache of s_cache rows. The tail tile's rows past the length are masked in S, and zeroed in V
   before the PV GEMM: the cache may hold anything there, and P = 0 times a NaN is still NaN.
+* **Paged.** The cache may be a pool of pages, (num_pages, page_size, heads_kv, d), with a page
+  table per sequence: each K/V tile's TMA boxes take their page from the table (one box per page
+  when pages are smaller than the tile), and nothing else in the kernel changes.
 * Causal with fewer queries than keys is aligned bottom-right (query i sees key j iff
   j <= i + kv_len - q_len); a row that sees no key gives O = 0 and LSE = -inf.
 

@@ -248,7 +248,15 @@ case "$part" in
           || { echo "$tool $k: timed out or failed"; rc=1; }
       done
     done | tee "$dir/sanitizer-decode-$gpu.txt"
+    for page in 64 16; do  # a paged cache: one box per tile, and eight boxes of 16-key pages per tile
+      for tool in racecheck synccheck; do
+        timeout 120 compute-sanitizer --tool $tool --kernel-name kns=FMHA $py scripts/sanitize_case.py decode \
+          --seqlen 4 --seqlen-k 3000 --batch-heads 32 --nheads-kv 8 --causal 1 --page-size $page 2>&1 \
+          | grep "SUMMARY\|: ok\|FAIL" || { echo "$tool pages $page: timed out or failed"; rc=1; }
+      done
+    done | tee "$dir/sanitizer-decode-paged-$gpu.txt"
     timeout 200 $py bench.py --decode --out "$dir/decode-$gpu.json" > "$dir/decode-$gpu.log" || rc=1
+    timeout 200 $py bench.py --decode --pages-curve --out "$dir/decode-$gpu-pages.json" > "$dir/decode-$gpu-pages.log" || rc=1
     timeout 200 $py scripts/tune_decode.py --out "$dir/decode-tune-$gpu.json" > "$dir/decode-tune-$gpu.log" || rc=1
     # The tuning before claiming (--fixed-shares: each split walks its fixed share of the tiles):
     # l2_prefetch (tiles pulled into L2 before the PDL wait; the repeated 0 times the baseline twice),
