@@ -360,10 +360,12 @@ class DecodePlan:
                 getattr(page_table, "device", None))
 
     def _validate(self, q, k_cache, v_cache, cache_seqlens, page_table):
-        if (page_table is not None) != (self.page_size > 0):
-            raise UnsupportedProblem(f"this plan was made for {'a paged' if self.page_size else 'a contiguous'} "
-                                     f"cache: pass page_table {'with' if self.page_size else 'only to a plan made with'}"
-                                     f" page_size")
+        if self.page_size and page_table is None:
+            raise UnsupportedProblem(f"this plan was made for a paged cache (page_size {self.page_size}): pass its "
+                                     f"page_table")
+        if page_table is not None and not self.page_size:
+            raise UnsupportedProblem("this plan was made for a contiguous cache: make one with page_size to pass a "
+                                     "page_table")
         p = problem_from_cache(q, k_cache, v_cache, self.problem.causal, self.problem.softmax_scale, page_table)
         if page_table is not None and k_cache.shape[1] != self.page_size:
             raise UnsupportedProblem(f"this plan was made for pages of {self.page_size} rows; the caches' pages "

@@ -251,7 +251,8 @@ class DecodeFMHA:
         self.paged = paged
         self.page_boxes = page_boxes if paged else 1
         self.box_n = tile_n // self.page_boxes
-        assert self.box_n * self.page_boxes == tile_n and self.page_boxes <= 32, "one lane looks up each box"
+        assert self.box_n * self.page_boxes == tile_n and kv_stages * self.page_boxes <= 32, \
+            "one lane of the producer warp looks up each box of the first stages"
         assert not (paged and (refill_at_release or prefetch_ahead or prefetch_after_wait)), \
             "measured and off: these knobs do not look pages up"
         self.claim_slots = kv_stages if self.claim_after else 0  # the merge's flag slot follows them
@@ -1132,6 +1133,9 @@ def make_launcher(head_dim: int, dtype: str, causal: bool, group: int, num_split
         raise UnsupportedProblem(f"{', '.join(static_only)} act on the fixed shares' walk: pass claim_after=0 with it")
     if page_size and static_only:
         raise UnsupportedProblem(f"{', '.join(static_only)}: measured and off, and not written for a paged cache")
+    if cfg["kv_stages"] * boxes > 32:
+        raise UnsupportedProblem(f"{page_size}-key pages give {boxes} TMA boxes per tile, and {cfg['kv_stages']} "
+                                 f"stages of them are more than the producer warp's 32 lanes look up: fewer stages")
     main = compile_decode(head_dim, dtype, causal, group, split, seqlens, merge=merge, keep_ptx=keep_ptx,
                           paged=page_size > 0, page_boxes=boxes, **cfg)
     combine = (compile_combine(head_dim, dtype, cfg["merge_prefetch"], keep_ptx) if split and merge == "combine"

@@ -299,6 +299,10 @@ def test_decode_on_a_paged_cache_looks_pages_up(head_dim, pages):
     with pytest.raises(UnsupportedProblem, match="not written for a paged cache"):
         decode.make_launcher(head_dim, "bfloat16", False, 4, 16, True, claim_after=0, prefetch_ahead=2,
                              page_size=page)
+    if pages != "whole tiles":  # more stages of boxes than the producer warp has lanes to look them up
+        with pytest.raises(UnsupportedProblem, match="fewer stages"):
+            decode.make_launcher(head_dim, "bfloat16", False, 4, 16, True, claim_after=0,
+                                 kv_stages=32 // cfg["page_boxes"] + 1, page_size=page)
 
 
 @pytest.mark.parametrize("name", ["k7_k4", "k7", "k8"])
