@@ -13,6 +13,7 @@ A failing or missing candidate becomes a row with a status, never a crash.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import math
 import statistics
@@ -361,6 +362,21 @@ def host_calls(inputs: Inputs) -> dict:
         "sdpa (default backend)": lambda: F.scaled_dot_product_attention(q_t, k_t, v_t, scale=inputs.scale,
                                                                           enable_gqa=True),
     }
+    try:  # the same calls on the cache cut into 128-key pages: one more tensor to check and pass
+        import torch
+
+        from harness.check import paged_cache
+        from harness.kvcache import decode_plan
+
+        b, q_len, h, d = inputs.q.shape
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        kp, vp, table = paged_cache(k, v, 128, [k.shape[1]] * b, gen)
+        paged = decode_plan(b, h, k.shape[2], d, k.shape[1], q_len=q_len, page_size=128)
+        calls["decode plan.run (paged)"] = lambda: paged.run(inputs.q, kp, vp, inputs.lens, table)
+        calls["decode attention_with_kvcache (paged)"] = lambda: attention_with_kvcache(inputs.q, kp, vp, inputs.lens,
+                                                                                         page_table=table)
+    except Exception as e:  # not timed, and said so in the row
+        calls["decode (paged)"] = functools.partial(_raise, e)
     try:
         from flash_attn.cute import flash_attn_func
 
@@ -368,6 +384,10 @@ def host_calls(inputs: Inputs) -> dict:
     except Exception:
         pass
     return calls
+
+
+def _raise(e: Exception):
+    raise e
 
 
 HOST_ROUNDS = 9
