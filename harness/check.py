@@ -160,7 +160,7 @@ def paged_cache(k, v, page_size: int, lengths: list, gen):
     """The contiguous caches (batch, s_cache, heads_kv, d) cut into pages of ``page_size`` rows,
     the pages shuffled into one pool, and the int32 page table that puts them back in order. The
     pool has one more page, all NaN; the last page of a sequence is padded with NaN, and the table
-    entries of pages wholly past a sequence's length name the NaN page (they must never be read)."""
+    entries of pages wholly past a sequence's length name the NaN page (no page may be loaded through them)."""
     import torch
 
     b, s, h, d = k.shape

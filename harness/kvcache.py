@@ -8,7 +8,7 @@ q is (batch, q_len, nheads, head_dim); the caches (batch, s_cache, nheads_kv, he
 h reads K/V head h // (nheads // nheads_kv). A paged cache (flash-attn's ``page_table``) is
 (num_pages, page_size, nheads_kv, head_dim), with an int32 ``page_table`` (batch, max_pages): key
 j of sequence b is row j % page_size of page page_table[b, j // page_size]. Entries past a
-sequence's length are never read. ``cache_seqlens`` gives each sequence's length: None
+sequence's length may hold anything: no page is loaded through them. ``cache_seqlens`` gives each sequence's length: None
 (all s_cache rows), an int, or an int32 CUDA tensor (batch,). Rows past a sequence's length are
 never read into the result, whatever they hold. Causal is aligned bottom-right: query i sees keys
 j <= i + cache_seqlens[b] - q_len; a row that sees no key gives O = 0 and LSE = -inf.
@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 
 from kernels import get_kernel
-from kernels.contract import Problem, UnsupportedProblem, as_causal, as_scale, fresh_buffers
+from kernels.contract import Problem, StreamBuffers, UnsupportedProblem, as_causal, as_scale, fresh_buffers
 
 from .inputs import shared_dtype, torch_dtype
 
@@ -124,7 +124,7 @@ def check_seqlens(cache_seqlens, batch: int, device) -> None:
 
 
 def check_page_size(head_dim: int, page_size: int) -> None:
-    """Pages of whole KV tiles, or tiles of whole pages (``decode.paged_config`` says which sizes)."""
+    """Pages of whole KV tiles, or tiles of whole pages (``decode.page_boxes`` says which sizes)."""
     from kernels import decode
 
     decode.page_boxes(decode.config(head_dim)["tile_n"], page_size)
@@ -166,7 +166,7 @@ def resolve_splits(p: Problem, num_splits: int, max_seqlen_k: Optional[int] = No
 
 def launcher_for(p: Problem, num_splits: int, seqlens: bool, kernel: str, page_size: int = 0):
     """The compiled kernel(s) for a resolved split count; lengths and scale are launch arguments
-    (``page_size``: a paged cache's, which may shrink the tile: decode.paged_config)."""
+    (``page_size``: a paged cache's, which sets the TMA boxes per tile: decode.page_boxes)."""
     from kernels import decode
 
     ctas = decode.grid_ctas(p.batch, p.kv_heads, p.group, p.seqlen)
@@ -219,10 +219,14 @@ class _PreparedCall:
     """What the checks of one call signature decided, and the launch they allow. Everything the
     call derives from shapes is worked out here once: a decode call has microseconds to spare."""
 
-    def __init__(self, launcher, scale: float, kv_rows: Optional[int], return_lse: bool, q, lengths=None):
+    def __init__(self, launcher, scale: float, kv_rows: Optional[int], return_lse: bool, q, length=None):
         b, q_len, h, _ = q.shape
         self.launcher, self.scale, self.kv_rows, self.return_lse = launcher, scale, kv_rows, return_lse
-        self.lengths = lengths  # a paged cache's int length, as the tensor the kernel reads
+        self.make_lengths = None
+        if length is not None:  # a paged cache's int length, as the tensor the kernel reads: kept per stream as
+            # the split buffers are, and made anew under capture (the graph's pool owns it then)
+            self.lengths = StreamBuffers()
+            self.make_lengths = functools.partial(torch.full, (b,), length, dtype=torch.int32, device=q.device)
         self.device, self.device_index = q.device, q.device.index
         self.shape, self.lse_shape = (b, q_len, h), (b, h, q_len)
         if launcher is not None:
@@ -236,8 +240,8 @@ class _PreparedCall:
             return (out, lse.fill_(-math.inf)) if self.return_lse else out
         if self.kv_rows is not None:  # one int length for all: the caches' first rows are the whole problem (views)
             k_cache, v_cache, cache_seqlens = k_cache[:, :self.kv_rows], v_cache[:, :self.kv_rows], None
-        elif self.lengths is not None:
-            cache_seqlens = self.lengths
+        elif self.make_lengths is not None:
+            cache_seqlens = self.lengths.get(self.device_index, (), self.make_lengths)
         args = (self.device_index, self.shape, self.make_set, q, k_cache, v_cache, out, lse, cache_seqlens, self.scale,
                 page_table)
         if self.device_index == torch.cuda.current_device():
@@ -321,16 +325,15 @@ def _prepare(q, k_cache, v_cache, cache_seqlens, page_table, causal, softmax_sca
     entry.caps.check_device(_capability(q.device))
     if kv_rows == 0:
         return _PreparedCall(None, p.scale, None, return_lse, q)
-    lengths = None
+    length = None
     if kv_rows is not None:
         p = p.with_(seqlen_k=kv_rows)
         if page_table is not None:  # pages cannot be cut to a length as rows can: the kernel reads it
-            lengths = torch.full((p.batch,), kv_rows, dtype=torch.int32, device=q.device)
-            kv_rows = None
+            length, kv_rows = kv_rows, None
     with torch.cuda.device(q.device):
         launcher = launcher_for(p, resolve_splits(p, splits), cache_seqlens is not None and kv_rows is None, kernel,
                                 page_size)
-    return _PreparedCall(launcher, p.scale, kv_rows, return_lse, q, lengths)
+    return _PreparedCall(launcher, p.scale, kv_rows, return_lse, q, length)
 
 
 class DecodePlan:

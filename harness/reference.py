@@ -72,7 +72,7 @@ def pages_to_cache(pool, page_table):
     """A paged cache (num_pages, page_size, heads_kv, d) read through its ``page_table`` (batch,
     max_pages) into the contiguous layout (batch, max_pages x page_size, heads_kv, d): row j of
     sequence b is row j % page_size of page page_table[b, j // page_size]. Every entry must name a
-    page (the kernels never read entries past a sequence's length; the reference reads them all)."""
+    page (the kernels load no page through an entry past a sequence's length; the reference gathers them all)."""
     import torch
 
     return pool[page_table.to(torch.long)].flatten(1, 2)

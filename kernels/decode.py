@@ -109,7 +109,7 @@ DEFAULT_CONFIG = {64: dict(tile_n=256, kv_stages=2, l2_prefetch=3, claim_after=4
                   256: dict(tile_n=64, kv_stages=2, l2_prefetch=2, claim_after=0, **MEASURED_AND_OFF)}
 MAX_SPLITS = 128
 # A paged cache whose pages are smaller than the tile fills each tile with one TMA box per page,
-# down to pages of 16 keys (two rows of the 8-row swizzle atom).
+# down to pages of 16 keys (two 8-row swizzle atoms).
 MIN_PAGE = 16
 MAX_SPLIT_TRAFFIC = 0.05  # partials may add at most 5% to the bytes of K and V
 
@@ -330,13 +330,13 @@ class DecodeFMHA:
                 consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_threads), defer_sync=True)
         pipeline_kv = tma_pipeline.make_kv_pipeline(storage, self.dtype, sK_layout, sVt_layout, stages,
                                                     self.num_threads)
-        pages = None
+        pages, page_ctx = None, None
         if const_expr(self.paged):
             # Every page of the head stays addressable: a box index is page * boxes_per_page + box in page.
             box = self.box_n
             tKsK, tKgK = partition_pages(tma_atom_K, mK_tma, sK, (box, d), kv_head, (None, 0))
             tVsVt, tVgVt = partition_pages(tma_atom_V, mV_tma, sVt, (d, box), kv_head, (0, None))
-            pages = (mPageTable, batch, mK_tma.shape[0] // box, mK_tma.shape[3])
+            page_ctx = (mPageTable, batch, mK_tma.shape[0] // box, mK_tma.shape[3])  # + the key count: ``pages``
         else:
             tKsK, tKgK = tma_pipeline.partition_for_tma(tma_atom_K, mK_tma, sK, (tile_n, d), kv_head, batch,
                                                         (None, 0))
@@ -352,7 +352,7 @@ class DecodeFMHA:
             if warp_idx == 0:
                 lo, hi, _ = self.split_tiles(cute.ceil_div(hint_len, tile_n), num_splits, split)
                 if const_expr(self.paged):  # lane i looks up the split's box i: one round trip for all
-                    boxes = self.split_boxes(pages, lo, hi, hint=True)
+                    boxes = self.split_boxes(page_ctx + (hint_len,), lo, hi, hint=True)
                     for t in cutlass.range(cutlass.min(min(self.l2_prefetch, 32 // self.page_boxes), hi - lo),
                                            unroll=1):
                         for j in cutlass.range_constexpr(self.page_boxes):
@@ -372,6 +372,8 @@ class DecodeFMHA:
 
         # ---- this CTA's keys: the sequence's cache length, then its split's share of the tiles ----
         kv_len = self.cache_len(mK_tma, mSeqlens, mPageTable, batch)
+        if const_expr(self.paged):
+            pages = page_ctx + (kv_len,)
         causal_offset = kv_len - q_len  # bottom-right: query i sees keys j <= i + causal_offset
         n_tiles = cute.ceil_div(kv_len, tile_n)
         n_lo, n_hi, claim_base = self.split_tiles(n_tiles, num_splits, split)
@@ -497,7 +499,7 @@ class DecodeFMHA:
         partitioned cache: box % per_page of page table[batch, box // per_page]. A ``hint`` (before
         the PDL wait, when the previous kernel may still be writing the table) reads past L1 and
         clamps the page into the cache, since the prefetch has no bounds of its own to trust."""
-        table, batch, per_page, num_pages = pages
+        table, batch, per_page, num_pages, _ = pages
         slot = box // per_page
         if const_expr(hint):
             page = cute.arch.load(table.iterator + cute.crd2idx((batch, slot), table.layout), Int32, cop="cg")
@@ -508,9 +510,13 @@ class DecodeFMHA:
 
     @cute.jit
     def split_boxes(self, pages: tuple, n_lo: Int32, n_hi: Int32, hint: cutlass.Constexpr[bool] = False) -> Int32:
-        """Lane i's ``cache_box`` of box i of the tiles from n_lo on (held inside [n_lo, n_hi)):
-        the first 32 / page_boxes tiles' pages in one round trip, handed out by shuffles."""
-        box = in_range(n_lo * self.page_boxes + cute.arch.lane_idx(), n_hi * self.page_boxes)
+        """Lane i's ``cache_box`` of box i of the tiles from n_lo on: the first 32 / page_boxes
+        tiles' pages in one round trip, handed out by shuffles. Boxes are held below n_hi and at the
+        last box with a key: the tail tile's boxes past it load that box again (masked like any
+        row past the length), so no table entry past the sequence's length is followed or read."""
+        keys = pages[4]
+        last = cutlass.min(n_hi * self.page_boxes, cute.ceil_div(keys, self.box_n))
+        box = in_range(n_lo * self.page_boxes + cute.arch.lane_idx(), last)
         return self.cache_box(pages, box, hint)
 
     @cute.jit

@@ -248,7 +248,7 @@ case "$part" in
           || { echo "$tool $k: timed out or failed"; rc=1; }
       done
     done | tee "$dir/sanitizer-decode-$gpu.txt"
-    for page in 64 16; do  # a paged cache: one box per tile, and eight boxes of 16-key pages per tile
+    for page in 64 16; do  # a paged cache of 64-key pages (two boxes per 128-key tile) and 16-key pages (eight)
       for tool in racecheck synccheck; do
         timeout 120 compute-sanitizer --tool $tool --kernel-name kns=FMHA $py scripts/sanitize_case.py decode \
           --seqlen 4 --seqlen-k 3000 --batch-heads 32 --nheads-kv 8 --causal 1 --page-size $page 2>&1 \

@@ -41,7 +41,7 @@ def main(argv=None) -> int:
 
         keys = args.seqlen_k or 3000
         case = KVCacheCase(args.kernel, 2, args.batch_heads, args.nheads_kv or args.batch_heads, args.seqlen, keys,
-                           args.headdim, bool(args.causal), [keys, keys // 3], page_size=args.page_size)
+                           args.headdim, bool(args.causal), [keys // 3, keys], page_size=args.page_size)
         row = check_kvcache(case)
         print(f"{case.label()}: {'ok' if row['ok'] else 'FAIL ' + row['reason']} (max_abs {row['max_abs']:.2e})")
         return 0 if row["ok"] else 1

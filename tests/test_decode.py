@@ -449,7 +449,7 @@ def test_claimed_tiles_match_the_reference_launch_after_launch(merge, shape, len
     # claim_after (on by default at d=64/128): the splits take tiles off a per-head counter that the
     # merging CTA resets. Three launches on one set of buffers: a counter left non-zero would skip
     # tiles (tune_decode.py checks again after back-to-back graph replays, where PDL overlaps them).
-    # Paged (64-key pages, so 64-key tiles): each claimed tile's page is looked up after its claim.
+    # Paged (64-key pages: two boxes per 128-key tile): a claimed tile's pages are looked up after its claim.
     from harness.check import paged_cache
     from kernels import decode
 
@@ -686,7 +686,9 @@ def test_decode_plan_refuses_a_page_size(page_size, match):
 @pytest.mark.parametrize("d,page_size,shape,lengths,causal,splits", [
     (128, 128, (4, 32, 8, 1, 8192), [0, 1, 127, 8192], False, 0),  # a page per tile: also bitwise the contiguous
     (128, 256, (3, 32, 8, 4, 1000), [1000, 5, 2], True, 0),  # 1000 rows: the last page half NaN padding
-    (128, 16, (2, 32, 8, 1, 3000), [3000, 17], False, 0),  # 16-key pages: eight boxes per 128-key tile
+    # 16-key pages: eight boxes per 128-key tile. The last sequence is full: 188 pages, so the last
+    # 4 boxes of its tail tile have no table entry (memcheck: scripts/sanitize_case.py --page-size 16)
+    (128, 16, (2, 32, 8, 1, 3000), [17, 3000], False, 0),
     (128, 64, (2, 28, 4, 17, 3000), [2999, 1500], True, 5),
     (128, 128, (2, 32, 8, 1, 5000), 4321, False, 0),  # an int length: a tensor the kernel reads
     (128, 128, (34, 32, 4, 1, 1000), [0, 1] + [1000 - 29 * i for i in range(32)], False, 0),  # wide, unsplit
@@ -699,7 +701,8 @@ def test_decode_plan_refuses_a_page_size(page_size, match):
 ])
 def test_paged_kvcache_cases(kernel, d, page_size, shape, lengths, causal, splits):
     # check_kvcache on shuffled pages (a NaN page named past every length, NaN padding in the last
-    # page): the call, forced splits, the plan, and a graph replay after the pages move.
+    # page): the call, bitwise against the contiguous cache; forced splits where given; with
+    # per-sequence lengths the plan and a graph replay after the pages move.
     from harness.check import KVCacheCase, check_kvcache
 
     row = check_kvcache(KVCacheCase(kernel, *shape, d, causal, lengths, splits, graph=True, page_size=page_size))
