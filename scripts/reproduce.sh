@@ -255,8 +255,18 @@ case "$part" in
           | grep "SUMMARY\|: ok\|FAIL" || { echo "$tool pages $page: timed out or failed"; rc=1; }
       done
     done | tee "$dir/sanitizer-decode-paged-$gpu.txt"
+    for page in 16 0; do  # memcheck: 16-key pages whose last sequence fills its table row, and no pages
+      PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 150 compute-sanitizer --tool memcheck --report-api-errors no \
+        --kernel-name kns=FMHA $py scripts/sanitize_case.py decode --seqlen 4 --seqlen-k 3000 --batch-heads 32 \
+        --nheads-kv 8 --causal 1 --page-size $page 2>&1 | grep "SUMMARY\|: ok\|FAIL\|Invalid" \
+        || { echo "memcheck pages $page: timed out or failed"; rc=1; }
+    done | tee "$dir/memcheck-decode-paged-$gpu.txt"
     timeout 200 $py bench.py --decode --out "$dir/decode-$gpu.json" > "$dir/decode-$gpu.log" || rc=1
     timeout 200 $py bench.py --decode --pages-curve --out "$dir/decode-$gpu-pages.json" > "$dir/decode-$gpu-pages.log" || rc=1
+    for d in 64 256; do
+      timeout 150 $py bench.py --decode --pages-curve --batch 8 --headdim $d --out "$dir/decode-pages-d$d-$gpu.json" \
+        > /dev/null || rc=1
+    done
     timeout 200 $py scripts/tune_decode.py --out "$dir/decode-tune-$gpu.json" > "$dir/decode-tune-$gpu.log" || rc=1
     # The tuning before claiming (--fixed-shares: each split walks its fixed share of the tiles):
     # l2_prefetch (tiles pulled into L2 before the PDL wait; the repeated 0 times the baseline twice),
