@@ -292,8 +292,8 @@ class DecodeFMHA:
         # One CTA per (query tile, split), K/V head, batch.
         m_blocks = cute.ceil_div(mQ.shape[1], self.q_per_tile)
         grid = (m_blocks * num_splits, mK.shape[2], mQ.shape[0])
-        self.kernel(mQ, mK_tma, mV_tma, mO, mLSE, mSeqlens, mPageTable, mO_partial, mLSE_partial, mCounters, tma_atom_K, tma_atom_V,
-                    softmax_scale * LOG2_E, num_splits, sQ_layout, sK_layout, sVt_layout, tiled_mma_qk, tiled_mma_pv,
+        self.kernel(mQ, mK_tma, mV_tma, mO, mLSE, mSeqlens, mPageTable, mO_partial, mLSE_partial, mCounters,
+                    tma_atom_K, tma_atom_V, softmax_scale * LOG2_E, num_splits, sQ_layout, sK_layout, sVt_layout, tiled_mma_qk, tiled_mma_pv,
                     SharedStorage).launch(grid=grid, block=[self.num_threads, 1, 1],
                                           smem=SharedStorage.size_in_bytes(), stream=stream, min_blocks_per_mp=1,
                                           use_pdl=True)
@@ -513,7 +513,8 @@ class DecodeFMHA:
         """Lane i's ``cache_box`` of box i of the tiles from n_lo on: the first 32 / page_boxes
         tiles' pages in one round trip, handed out by shuffles. Boxes are held below n_hi and at the
         last box with a key: the tail tile's boxes past it load that box again (masked like any
-        row past the length), so no table entry past the sequence's length is followed or read."""
+        row past the length), so no page is loaded through an entry past the sequence's length,
+        and no entry past the table's row is read."""
         keys = pages[4]
         last = cutlass.min(n_hi * self.page_boxes, cute.ceil_div(keys, self.box_n))
         box = in_range(n_lo * self.page_boxes + cute.arch.lane_idx(), last)
