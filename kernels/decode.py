@@ -332,7 +332,7 @@ class DecodeFMHA:
                                                     self.num_threads)
         pages, page_ctx = None, None
         if const_expr(self.paged):
-            # Every page of the head stays addressable: a box index is page * boxes_per_page + box in page.
+            # Every page of the head stays addressable: a box is at (box in the page, page).
             box = self.box_n
             tKsK, tKgK = partition_pages(tma_atom_K, mK_tma, sK, (box, d), kv_head, (None, 0))
             tVsVt, tVgVt = partition_pages(tma_atom_V, mV_tma, sVt, (d, box), kv_head, (0, None))
@@ -356,7 +356,7 @@ class DecodeFMHA:
                     for t in cutlass.range(cutlass.min(min(self.l2_prefetch, 32 // self.page_boxes), hi - lo),
                                            unroll=1):
                         for j in cutlass.range_constexpr(self.page_boxes):
-                            n_cache = cute.arch.shuffle_sync(boxes, t * self.page_boxes + j)
+                            n_cache = self.lane_box(boxes, t * self.page_boxes + j)
                             with cute.arch.elect_one():
                                 l2_hint(kv_loads, n_cache)
                 else:
@@ -496,17 +496,33 @@ class DecodeFMHA:
     @cute.jit
     def cache_box(self, pages: tuple, box: Int32, hint: cutlass.Constexpr[bool] = False) -> Int32:
         """Paged: where the sequence's ``box`` (tile n's boxes are n * page_boxes + j) is in the
-        partitioned cache: box % per_page of page table[batch, box // per_page]. A ``hint`` (before
-        the PDL wait, when the previous kernel may still be writing the table) reads past L1 and
-        clamps the page into the cache, since the prefetch has no bounds of its own to trust."""
+        partitioned cache: box % per_page of page table[batch, box // per_page], as the index
+        page * per_page + box in the page; a page smaller than the tile is one box, and then just
+        its page. A ``hint`` (before the PDL wait, when the previous kernel may still be writing
+        the table) reads past L1 and clamps the page into the cache, since the prefetch has no
+        bounds of its own to trust."""
         table, batch, per_page, num_pages, _ = pages
-        slot = box // per_page
+        slot = box
+        if const_expr(self.page_boxes == 1):
+            slot = box // per_page
         if const_expr(hint):
             page = cute.arch.load(table.iterator + cute.crd2idx((batch, slot), table.layout), Int32, cop="cg")
             page = cutlass.max(cutlass.min(page, num_pages - 1), 0)
         else:
             page = table[batch, slot]
-        return page * per_page + (box - slot * per_page)
+        if const_expr(self.page_boxes == 1):
+            page = page * per_page + (box - slot * per_page)
+        return page
+
+    @cute.jit
+    def lane_box(self, boxes: Int32, lane):
+        """The box that ``lane`` looked up (``split_boxes``), for every lane, as the coordinate of
+        the partitioned cache's (box in the page, page) mode: with pages smaller than the tile,
+        (0, page), which spares the division of an index by the boxes per page."""
+        box = cute.arch.shuffle_sync(boxes, lane)
+        if const_expr(self.page_boxes > 1):
+            box = (0, box)
+        return box
 
     @cute.jit
     def split_boxes(self, pages: tuple, n_lo: Int32, n_hi: Int32, hint: cutlass.Constexpr[bool] = False) -> Int32:
@@ -528,7 +544,7 @@ class DecodeFMHA:
         pipeline_kv.producer_acquire(state)
         barrier = pipeline_kv.producer_get_barrier(state)
         for j in cutlass.range_constexpr(self.page_boxes):
-            n_cache = cute.arch.shuffle_sync(boxes, first + j)
+            n_cache = self.lane_box(boxes, first + j)
             cute.copy(tma_atom_K, tKgK[None, n_cache], tKsK[None, (j, 0, state.index)], tma_bar_ptr=barrier)
             cute.copy(tma_atom_V, tVgVt[None, n_cache], tVsVt[None, (0, j, state.index)], tma_bar_ptr=barrier)
 
@@ -763,7 +779,8 @@ def in_range(n_block: Int32, n_hi: Int32) -> Int32:
 def partition_pages(tma_atom: cute.CopyAtom, mX_tma: cute.Tensor, sX: cute.Tensor, box: cutlass.Constexpr,
                     head: Int32, coord: tuple):
     """``tma_pipeline.partition_for_tma`` for a paged cache, whose mode 3 counts pages, in boxes:
-    SMEM indexed by (box of the tile (its mode), stage), GMEM by page * per_page + box in the page."""
+    SMEM indexed by (box of the tile (its mode), stage), GMEM by page * per_page + box in the
+    page, or by the coordinate (box in the page, page)."""
     gX = cute.local_tile(mX_tma[None, None, head, None], box, coord + (None,))
     tXsX, tXgX = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), cute.zipped_divide(sX, box),
                                        cute.group_modes(gX, 0, 2))
