@@ -299,6 +299,14 @@ def test_decode_on_a_paged_cache_looks_pages_up(head_dim, pages):
     with pytest.raises(UnsupportedProblem, match="not written for a paged cache"):
         decode.make_launcher(head_dim, "bfloat16", False, 4, 16, True, claim_after=0, prefetch_ahead=2,
                              page_size=page)
+    if pages != "whole tiles":
+        # A box smaller than a page is addressed as (0, page): no division per copy, so the integer
+        # divisions do not grow with the boxes per tile (they did with a flat index: 3.57 -> 4.21
+        # TB/s at d=128 with 16-key pages once they were gone, docs/decode.md).
+        half = decode.make_launcher(head_dim, "bfloat16", True, 4, 16, True, keep_ptx=True, merge="last_cta",
+                                    claim_after=0, page_size=tile // 2)
+        divisions = [len(re.findall(r"\b(div|rem)\.", x)) for x in (compiled_ptx(half.main), ptx)]
+        assert divisions[0] == divisions[1]
     if pages != "whole tiles":  # more stages of boxes than the producer warp has lanes to look them up
         with pytest.raises(UnsupportedProblem, match="fewer stages"):
             decode.make_launcher(head_dim, "bfloat16", False, 4, 16, True, claim_after=0,
