@@ -350,6 +350,8 @@ class DecodeFMHA:
             # or the lengths, but L2 is coherent, so the TMA loads after the wait see its writes;
             # a stale length merely aims the prefetch at other tiles.
             if warp_idx == 0:
+                if const_expr(self.paged):  # one length for the warp: the loop below shuffles
+                    hint_len = cute.arch.shuffle_sync(hint_len, 0)
                 lo, hi, _ = self.split_tiles(cute.ceil_div(hint_len, tile_n), num_splits, split)
                 if const_expr(self.paged):  # lane i looks up the split's box i: one round trip for all
                     boxes = self.split_boxes(page_ctx + (hint_len,), lo, hi, hint=True)
