@@ -103,14 +103,39 @@ class Inputs:
         return out
 
 
-def kernel_step(name: str, inputs: Inputs, num_splits: int = 0):
-    """(plan, step(i)) for a decode kernel through its plan (validated once, then launch only)."""
+def kernel_step(name: str, inputs: Inputs, num_splits: int = 0, pools=None):
+    """(plan, step(i)) for a decode kernel through its plan (validated once, then launch only):
+    on the cache copies, or on ``pools``, the copies cut into pages (``shuffled_pages``)."""
     from harness.kvcache import decode_plan
 
     b, q_len, h, d = inputs.q.shape
     k0, _ = inputs.cache(0)
-    plan = decode_plan(b, h, k0.shape[2], d, k0.shape[1], q_len=q_len, num_splits=num_splits, kernel=name)
+    page_size = pools[0][0].shape[1] if pools else 0
+    plan = decode_plan(b, h, k0.shape[2], d, k0.shape[1], q_len=q_len, num_splits=num_splits, kernel=name,
+                       page_size=page_size)
+    if pools:
+        def step(i):
+            k_pool, v_pool, table = pools[i % len(pools)]
+            return plan.run(inputs.q, k_pool, v_pool, inputs.lens, table)[0]
+        return plan, step
     return plan, lambda i: plan.run(inputs.q, *inputs.cache(i), inputs.lens)[0]
+
+
+def plan_fields(plan) -> dict:
+    """What a kernel row records of its plan: the split count, the tile and (paged) the boxes per tile."""
+    return dict(num_splits=plan.num_splits, tile_n=plan.info["tile_n"],
+                **({"page_boxes": plan.info["page_boxes"]} if "page_boxes" in plan.info else {}))
+
+
+def shuffled_pages(k, v, page_size: int, seed: int = 0) -> tuple:
+    """(k_pool, v_pool, page_table): full-length caches cut into pages of ``page_size`` rows and
+    shuffled through a pool, as a serving engine's allocator leaves them (harness.check.paged_cache)."""
+    import torch
+
+    from harness.check import paged_cache
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return paged_cache(k, v, page_size, [k.shape[1]] * k.shape[0], gen)
 
 
 def peer_steps(inputs: Inputs) -> dict:
@@ -203,7 +228,7 @@ def candidates(inputs: Inputs, peers: bool = True, num_splits: int = 0) -> dict:
         except Exception as e:  # a refused shape or a failed compile: a status, not a crash
             entries[name] = failure(e)
             continue
-        entries[name] = (step, contextlib.nullcontext, dict(num_splits=plan.num_splits, tile_n=plan.info["tile_n"]))
+        entries[name] = (step, contextlib.nullcontext, plan_fields(plan))
     return entries
 
 
@@ -275,23 +300,12 @@ def run_splits(emit, batch: int = 1, kv_len: int = 32768, nheads_kv: int = 8, he
 
 def paged_steps(inputs: Inputs, page_size: int, num_splits: int = 0) -> dict:
     """name -> (step(i), extra row fields) or a status: ``decode`` and flash-attn-4 (its
-    ``page_table``) on each cache copy cut into shuffled pages (harness.check.paged_cache)."""
-    import torch
-
-    from harness.check import paged_cache
-    from harness.kvcache import decode_plan
-
-    b, q_len, h, d = inputs.q.shape
-    k0 = inputs.cache(0)[0]
-    gen = torch.Generator(device="cuda").manual_seed(page_size)
-    pools = [paged_cache(k, v, page_size, [k.shape[1]] * b, gen) for k, v in inputs.caches]
+    ``page_table``) on each cache copy cut into shuffled pages (``shuffled_pages``)."""
+    pools = [shuffled_pages(k, v, page_size, seed=page_size) for k, v in inputs.caches]
     steps = {}
     try:
-        plan = decode_plan(b, h, k0.shape[2], d, k0.shape[1], q_len=q_len, num_splits=num_splits, page_size=page_size)
-        steps["decode"] = (lambda i: plan.run(inputs.q, *pools[i % len(pools)][:2], inputs.lens,
-                                              pools[i % len(pools)][2])[0],
-                           dict(num_splits=plan.num_splits, tile_n=plan.info["tile_n"],
-                                page_boxes=plan.info["page_boxes"]))
+        plan, step = kernel_step("decode", inputs, num_splits, pools)
+        steps["decode"] = (step, plan_fields(plan))
     except Exception as e:
         steps["decode"] = failure(e)
     try:
@@ -332,7 +346,7 @@ def _run_pages(emit, batch: int, kv_len: int, nheads_kv: int, head_dim: int, q_l
             steps = paged_steps(inputs, page_size)
         else:
             plan, step = kernel_step("decode", inputs)
-            steps = {"decode": (step, dict(num_splits=plan.num_splits, tile_n=plan.info["tile_n"]))}
+            steps = {"decode": (step, plan_fields(plan))}
         for name, entry in steps.items():
             if isinstance(entry, str):
                 emit(dict(base, kernel=name, page_size=page_size, ms=None, tbps=None, status=entry))
@@ -363,15 +377,8 @@ def host_calls(inputs: Inputs) -> dict:
                                                                           enable_gqa=True),
     }
     try:  # the same calls on the cache cut into 128-key pages: one more tensor to check and pass
-        import torch
-
-        from harness.check import paged_cache
-        from harness.kvcache import decode_plan
-
-        b, q_len, h, d = inputs.q.shape
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        kp, vp, table = paged_cache(k, v, 128, [k.shape[1]] * b, gen)
-        paged = decode_plan(b, h, k.shape[2], d, k.shape[1], q_len=q_len, page_size=128)
+        kp, vp, table = shuffled_pages(k, v, 128)
+        paged, _ = kernel_step("decode", inputs, pools=[(kp, vp, table)])
         calls["decode plan.run (paged)"] = lambda: paged.run(inputs.q, kp, vp, inputs.lens, table)
         calls["decode attention_with_kvcache (paged)"] = lambda: attention_with_kvcache(inputs.q, kp, vp, inputs.lens,
                                                                                          page_table=table)

@@ -8,14 +8,15 @@ q is (batch, q_len, nheads, head_dim); the caches (batch, s_cache, nheads_kv, he
 h reads K/V head h // (nheads // nheads_kv). A paged cache (flash-attn's ``page_table``) is
 (num_pages, page_size, nheads_kv, head_dim), with an int32 ``page_table`` (batch, max_pages): key
 j of sequence b is row j % page_size of page page_table[b, j // page_size]. Entries past a
-sequence's length may hold anything: no page is loaded through them. ``cache_seqlens`` gives each sequence's length: None
-(all s_cache rows), an int, or an int32 CUDA tensor (batch,). Rows past a sequence's length are
-never read into the result, whatever they hold. Causal is aligned bottom-right: query i sees keys
-j <= i + cache_seqlens[b] - q_len; a row that sees no key gives O = 0 and LSE = -inf.
+sequence's length may hold anything: no page is loaded through them. ``cache_seqlens`` gives each
+sequence's length: None (all s_cache rows), an int, or an int32 CUDA tensor (batch,). Rows past a
+sequence's length are never read into the result, whatever they hold. Causal is aligned
+bottom-right: query i sees keys j <= i + cache_seqlens[b] - q_len; a row that sees no key gives
+O = 0 and LSE = -inf.
 
 ``plan.run`` returns buffers the plan owns and reuses on every call, and does no host work beyond a
-shape comparison and one launch (two with ``decode_combine``), so a warmed-up call can be captured in a CUDA graph; the
-lengths then change in ``cache_seqlens``, never in shapes.
+shape comparison and one launch (two with ``decode_combine``), so a warmed-up call can be captured
+in a CUDA graph; the lengths then change in ``cache_seqlens``, never in shapes.
 """
 
 from __future__ import annotations

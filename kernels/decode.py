@@ -293,7 +293,8 @@ class DecodeFMHA:
         m_blocks = cute.ceil_div(mQ.shape[1], self.q_per_tile)
         grid = (m_blocks * num_splits, mK.shape[2], mQ.shape[0])
         self.kernel(mQ, mK_tma, mV_tma, mO, mLSE, mSeqlens, mPageTable, mO_partial, mLSE_partial, mCounters,
-                    tma_atom_K, tma_atom_V, softmax_scale * LOG2_E, num_splits, sQ_layout, sK_layout, sVt_layout, tiled_mma_qk, tiled_mma_pv,
+                    tma_atom_K, tma_atom_V, softmax_scale * LOG2_E, num_splits, sQ_layout, sK_layout, sVt_layout,
+                    tiled_mma_qk, tiled_mma_pv,
                     SharedStorage).launch(grid=grid, block=[self.num_threads, 1, 1],
                                           smem=SharedStorage.size_in_bytes(), stream=stream, min_blocks_per_mp=1,
                                           use_pdl=True)
