@@ -127,7 +127,7 @@ class ResultFile:
         return self.path
 
     def save(self) -> None:
-        text = json.dumps(strict({"meta": self.meta, "rows": self.rows}), indent=1, allow_nan=False)
+        text = result_text(self.meta, self.rows)
         # A temporary file beside the target, then a rename: a reader (or a run killed mid-write)
         # sees the old file or the new one, never half of one.
         fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.")
@@ -138,6 +138,14 @@ class ResultFile:
         except BaseException:
             os.unlink(tmp)
             raise
+
+
+def result_text(meta: dict, rows: list) -> str:
+    """The file's JSON with no spaces, one row per line: a ref_check grid has hundreds of rows, and
+    the result files travel to the GPU machine with the project, under a size cap."""
+    rows = ",\n".join(json.dumps(r, allow_nan=False, separators=(",", ":")) for r in strict(rows))
+    meta = json.dumps(strict(meta), allow_nan=False, separators=(",", ":"))
+    return '{"meta":' + meta + ',"rows":[' + ("\n" + rows + "\n" if rows else "") + "]}\n"
 
 
 def open_result_file(path, command: str):

@@ -8,6 +8,8 @@
 #   bash scripts/reproduce.sh decode results   # decode: KV-cache grid, contract grid, sanitizers, bench, tuning
 #   bash scripts/reproduce.sh fp8check results # K7/K8: ref_check, sanitizers, GPU tests of the FP8 API
 #   bash scripts/reproduce.sh fp8 results      # K7/K8: sweep beside cuDNN FP8, time split, tuning, accuracy
+#   bash scripts/reproduce.sh final results    # issues 7 and 8 at the final code: sweep, decode grid, ref_check,
+#                                               sanitizers, host times, GQA pair, GPU tests (about 45 minutes)
 # Each file records the command that wrote it; then, anywhere: python scripts/make_docs.py --plot
 # Without a GPU: the SASS census of the KV-tile loops (results/sass-loops*.json, docs/k6.md), e.g.
 #   python scripts/sass_loops.py --headdim 64 128 256 --causal 0 1 --fa4 --out results/sass-loops.json
@@ -394,5 +396,36 @@ case "$part" in
       --configs '{"k7": [{}, {"section_bytes": 6553600}]}' --out "$dir/fp8-tune-$gpu-sections.json" > /dev/null || rc=1
     exit $rc
     ;;
-  *) echo "usage: $0 check|perf|headline|ws|decode|fp8check|fp8 [dir]" >&2; exit 2 ;;
+  final)  # the acceptance runs of the K5/K6 and decode issues, all at one commit (H100: a5c9ed4)
+    rc=0
+    timeout 420 $py bench.py k6 --sweep --rounds 3 --out "$dir/ws-sweep-rounds11-$gpu.json" > /dev/null || rc=1
+    timeout 170 $py bench.py --decode --grid-only --out "$dir/decode-$gpu-grid.json" > /dev/null || rc=1
+    timeout 570 $py ref_check.py all --out "$dir/refcheck-all-$gpu.json" > "$dir/refcheck-all-$gpu.log" || rc=1
+    for k in k5 k6; do  # k6's default at d=128 non-causal is the 2-CTA cluster
+      for args in "--causal 0" "--causal 1" "--headdim 256 --causal 0"; do
+        timeout 90 compute-sanitizer --tool racecheck --kernel-name kns=FMHA $py scripts/sanitize_case.py $k $args \
+          2>&1 | grep "SUMMARY\|: ok\|FAIL" || echo "racecheck $k $args: timed out or failed"
+      done
+      for args in "--causal 0" "--causal 1"; do
+        timeout 90 compute-sanitizer --tool synccheck --kernel-name kns=FMHA $py scripts/sanitize_case.py $k $args \
+          2>&1 | grep "SUMMARY\|: ok\|FAIL" || echo "synccheck $k $args: timed out or failed"
+      done
+    done > "$dir/sanitizer-ws-final-$gpu.txt"
+    ! grep -q "failed\|FAIL\|[1-9][0-9]* hazards\|[1-9][0-9]* errors" "$dir/sanitizer-ws-final-$gpu.txt" || rc=1
+    timeout 330 $py ref_check.py --decode --out "$dir/refcheck-decode-$gpu.json" > "$dir/refcheck-decode-$gpu.log" || rc=1
+    for g in 4 1; do
+      timeout 330 $py scripts/tune.py --kernels k6 --headdim 128 --seqlen 2048 4096 8192 16384 --nheads 32 --kv-group $g \
+        --rounds 3 --out "$dir/ws-gqa-g$g-$gpu-r3.json" > /dev/null || rc=1
+    done
+    for causal in 0 1; do
+      CHECK=1 SEQLEN=8192 HEADDIM=128 CAUSAL=$causal timeout 100 $py bench.py k6 --out "$dir/bench-k6-c$causal-$gpu.json" || rc=1
+    done
+    for run in host5 host6 host7; do  # three runs: this host's timing drifts from run to run
+      timeout 190 $py bench.py --decode --host-times --out "$dir/decode-$gpu-$run.json" > /dev/null || rc=1
+    done
+    timeout 570 $py -m pytest -m gpu -q tests/test_gpu.py 2>&1 | tail -3 || rc=1
+    timeout 560 $py -m pytest -m gpu -q tests/ --ignore=tests/test_gpu.py 2>&1 | tail -3 || rc=1
+    exit $rc
+    ;;
+  *) echo "usage: $0 check|perf|headline|ws|decode|fp8check|fp8|final [dir]" >&2; exit 2 ;;
 esac

@@ -45,6 +45,20 @@ def test_nan_and_inf_become_null(tmp_path):
     assert (row["max_abs"], row["rel_l2"], row["nested"], row["status"]) == (None, None, [None, 1.5], "crashed")
 
 
+def test_file_has_no_spaces_and_one_row_per_line(tmp_path):
+    f = results.ResultFile(tmp_path / "r.json", "cmd")
+    rows = [{"kernel": "k6", "ms": 1.5, "ms_rounds": [1.5, 1.6]}, {"kernel": "fa4", "ms": float("nan")}]
+    for row in rows:
+        f.append(row)
+    text = (tmp_path / "r.json").read_text()
+    lines = text.splitlines()
+    assert lines[0].startswith('{"meta":{"version":') and lines[0].endswith('"complete":false},"rows":[')
+    assert lines[3:] == ["]}"]
+    assert lines[1:3] == ['{"kernel":"k6","ms":1.5,"ms_rounds":[1.5,1.6]},', '{"kernel":"fa4","ms":null}']
+    assert json.loads(text)["rows"] == [rows[0], {"kernel": "fa4", "ms": None}]
+    assert json.loads(results.result_text({"a": 1}, [])) == {"meta": {"a": 1}, "rows": []}
+
+
 def test_interrupted_write_keeps_the_previous_file(tmp_path, monkeypatch):
     path = tmp_path / "r.json"
     f = results.ResultFile(path, "cmd")
