@@ -140,10 +140,23 @@ class ResultFile:
             raise
 
 
+def six_digits(value):
+    """``value`` with every float cut to 6 significant digits: far finer than any timing or error
+    here is repeatable, and a third of a file's bytes."""
+    if isinstance(value, float):
+        return float(f"{value:.6g}")
+    if isinstance(value, dict):
+        return {k: six_digits(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [six_digits(v) for v in value]
+    return value
+
+
 def result_text(meta: dict, rows: list) -> str:
-    """The file's JSON with no spaces, one row per line: a ref_check grid has hundreds of rows, and
-    the result files travel to the GPU machine with the project, under a size cap."""
-    rows = ",\n".join(json.dumps(r, allow_nan=False, separators=(",", ":")) for r in strict(rows))
+    """The file's JSON with no spaces, one row per line, floats to 6 significant digits: a ref_check
+    grid has hundreds of rows, and the result files travel to the GPU machine with the project,
+    under a size cap."""
+    rows = ",\n".join(json.dumps(r, allow_nan=False, separators=(",", ":")) for r in six_digits(strict(rows)))
     meta = json.dumps(strict(meta), allow_nan=False, separators=(",", ":"))
     return '{"meta":' + meta + ',"rows":[' + ("\n" + rows + "\n" if rows else "") + "]}\n"
 

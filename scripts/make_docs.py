@@ -974,7 +974,8 @@ def main(argv=None):
     if page.exists():
         h200 = {mode: latest_with_mode("decode-h200*.json", mode) for mode in ("grid", "splits", "host")}
         page.write_text(fill_decode_page(fill_decode_page(page.read_text(), decode_runs), h200, suffix="-h200"))
-    fill("decode", "decode-host-runs-h200", lambda: decode_host_runs_table(finished("decode-h200*.json")))
+    for gpu in ("h100", "h200"):
+        fill("decode", f"decode-host-runs-{gpu}", lambda gpu=gpu: decode_host_runs_table(finished(f"decode-{gpu}*.json")))
     if decode_runs["grid"] and "<!-- table:decode-readme -->" in readme.read_text():
         readme.write_text(replace_block(readme.read_text(), "decode-readme", decode_readme_table(decode_runs["grid"])))
     k7_compiles = finished("compile-k7-*.json")

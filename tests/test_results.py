@@ -57,6 +57,8 @@ def test_file_has_no_spaces_and_one_row_per_line(tmp_path):
     assert lines[1:3] == ['{"kernel":"k6","ms":1.5,"ms_rounds":[1.5,1.6]},', '{"kernel":"fa4","ms":null}']
     assert json.loads(text)["rows"] == [rows[0], {"kernel": "fa4", "ms": None}]
     assert json.loads(results.result_text({"a": 1}, [])) == {"meta": {"a": 1}, "rows": []}
+    cut = json.loads(results.result_text({}, [{"ms": 0.04790560007095337, "n": [605.0154986317365, 3, 2e-7]}]))
+    assert cut["rows"] == [{"ms": 0.0479056, "n": [605.015, 3, 2e-7]}]
 
 
 def test_interrupted_write_keeps_the_previous_file(tmp_path, monkeypatch):
