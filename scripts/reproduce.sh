@@ -423,6 +423,13 @@ case "$part" in
     for run in host5 host6 host7; do  # three runs: this host's timing drifts from run to run
       timeout 190 $py bench.py --decode --host-times --out "$dir/decode-$gpu-$run.json" > /dev/null || rc=1
     done
+    # the two H200-only decode defaults, asked again on this GPU: half-width tiles on a wide unsplit
+    # grid (decode.SHARED_SM_GPUS), fixed shares against claiming (decode.NO_CLAIM_GPUS)
+    timeout 150 $py scripts/tune_decode.py --fixed-shares --headdim 128 --shapes 8:32:4096,8:32:32768,64:8:4096 \
+      --configs 128:2:3,64:2:3,128:2:3,64:2:3 --out "$dir/decode-tune-sharedsm-$gpu-d128.json" > /dev/null || rc=1
+    c=128:2:3:0:0:0:0:0,128:2:3:0:0:0:0:4
+    timeout 150 $py scripts/tune_decode.py --headdim 128 --shapes 1:8:32768,1:8:131072 --configs $c,$c \
+      --out "$dir/decode-tune-claim7-$gpu-d128.json" > /dev/null || rc=1
     timeout 570 $py -m pytest -m gpu -q tests/test_gpu.py 2>&1 | tail -3 || rc=1
     timeout 560 $py -m pytest -m gpu -q tests/ --ignore=tests/test_gpu.py 2>&1 | tail -3 || rc=1
     exit $rc
