@@ -452,6 +452,12 @@ def gqa_table(mha, gqa):
                               "GQA / MHA"], body))
 
 
+def run_cite(bench) -> str:
+    """The command and date of a result file, for a table's heading: the decode page's tables can
+    each come from a different run (``latest_with_mode``)."""
+    return f"`{bench['meta'].get('command', '')}`, {bench['meta'].get('date', '')[:10]}"
+
+
 def decode_table(bench):
     """docs/decode.md: the decode grid, each kernel's TB/s, % of HBM peak and ratio to cuDNN,
     with the peers' TB/s, from ``bench.py --decode``."""
@@ -475,7 +481,7 @@ def decode_table(bench):
             pct = f"{r['pct_peak']:.0f}%" if r.get("pct_peak") else "—"
             body.append([b, f"{n // 1024}k", hk, f"`{name}`", r.get("num_splits", "—"), rate(r), pct, ratio,
                          rate(cudnn), rate(got.get("fa4")), rate(got.get("sdpa-flash"))])
-    return (f"On an {gpu}: `{bench['meta'].get('command', '')}`, {bench['meta'].get('date', '')[:10]}; TB/s of K+V "
+    return (f"On an {gpu}: {run_cite(bench)}; TB/s of K+V "
             "read, kernel time by CUDA-graph replay; every candidate checked against a float32 reference first.\n\n"
             + markdown_table(["batch", "keys", "K/V heads", "kernel", "splits", "TB/s", "% of HBM peak", "× cuDNN",
                               "cuDNN TB/s", "fa4 TB/s", "SDPA-flash TB/s"], body))
@@ -511,7 +517,8 @@ def decode_splits_table(bench):
     if not r0:
         return "No split-curve rows in the newest decode result file."
     return (f"`decode`, batch {r0['batch']}, {r0['nheads_kv']} K/V heads, {r0['seqlen_k'] // 1024}k keys, "
-            f"{gpu_short_name(bench['meta'].get('device', ''))}:\n\n" + markdown_table(["splits", "µs", "TB/s"], body))
+            f"{gpu_short_name(bench['meta'].get('device', ''))}: {run_cite(bench)}.\n\n"
+            + markdown_table(["splits", "µs", "TB/s"], body))
 
 
 def decode_host_table(bench):
@@ -525,7 +532,7 @@ def decode_host_table(bench):
     rounds = max((r.get("rounds", 1) for r in bench["rows"] if r.get("mode") == "host"), default=1)
     host = ("mean over 200 calls with no synchronization" if rounds == 1 else
             f"the median of {rounds} bursts of 200 calls with no synchronization, the calls taking turns")
-    return (f"{gpu_short_name(bench['meta'].get('device', ''))}; host: {host}; "
+    return (f"{gpu_short_name(bench['meta'].get('device', ''))}, {run_cite(bench)}; host: {host}; "
             "per call: an event pair around the same 200 calls (whichever of host and GPU is slower).\n\n"
             + markdown_table(["call", "batch", "keys", "K/V heads", "host µs per call", "µs per call (GPU clock)"],
                              body))

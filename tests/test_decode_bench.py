@@ -295,9 +295,10 @@ def test_decode_table_rows_give_rates_peak_and_ratio_to_cudnn():
 
 def test_decode_splits_and_host_tables():
     splits = make_docs.decode_splits_table(BENCH)
-    assert "batch 1, 8 K/V heads, 32k keys, H100" in splits
+    assert "batch 1, 8 K/V heads, 32k keys, H100: `python bench.py --decode" in splits
     assert "| 1 | 310.0 | 0.43 |" in splits and "| 16 (auto) | 51.0 | 2.63 |" in splits
     host = make_docs.decode_host_table(BENCH)
+    assert host.startswith("H100, `python bench.py --decode")
     assert "| `decode plan.run` | 1 | 32k | 8 | 15.4 | 52.8 |" in host
     assert "| `fa4 flash_attn_func` | 1 | 32k | 8 | failed (ImportError: x) | — |" in host
 
