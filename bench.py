@@ -233,7 +233,7 @@ def run_problem(names, problem, check: bool, peers: bool, sweep: bool, emit, rou
             # K8 gets the same sources quantized its own way (rotation, a scale per tile): e4m3 in,
             # V^T in the time, as K7 and cuDNN FP8.
             from harness.api import quantize_fp8_blocks
-            from kernels.k8 import descale_rows
+            from kernels.fp8_quant import descale_rows
 
             q8, k8, v8, *descales = quantize_fp8_blocks(*sources)
             row = dict(base, kernel=name, **kernel_row(name, problem, check, sweep, q8, k8, v8,

@@ -1,14 +1,17 @@
 """The public call: ``attention("k2", q, k, v, causal=True)``.
 
-``attention`` is a thin wrapper over the torch custom op ``fa3_cute::attention``, so that a model
-can call it under ``torch.compile(fullgraph=True)`` (the op is opaque to the compiler, which reads
-output shapes from its fake implementation) and inside CUDA-graph capture. The op always returns
-(O, LSE): a custom op has a fixed number of outputs, and the wrapper drops LSE unless asked.
+Called eagerly, ``attention`` keeps one prepared launch per call signature (``_PreparedCall``):
+the first call runs every check and compiles, a later one with the same signature allocates its
+outputs and launches, about as much host time as SDPA's call. Under torch.compile it is the torch
+custom op ``fa3_cute::attention`` (opaque to the compiler, which reads output shapes from its fake
+implementation), whose body is the same eager call. The op always returns (O, LSE): a custom op
+has a fixed number of outputs, and the wrapper drops LSE unless asked.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+import functools
 import math
 import numbers
 from typing import Optional
@@ -16,9 +19,10 @@ from typing import Optional
 import torch
 
 from kernels import REGISTRY, get_kernel
-from kernels.contract import FP8_DTYPES, UnsupportedProblem, as_causal, as_scale, fresh_buffers
+from kernels.contract import (FP8_DTYPES, StreamBuffers, UnsupportedProblem, as_causal, as_flag, as_scale,
+                              fresh_buffers)
 
-from .inputs import empty_outputs, problem_from_tensors, require_cuda, require_tensors
+from .inputs import problem_from_tensors, require_cuda, require_name, require_tensors, torch_dtype
 
 _CACHE: "OrderedDict[tuple, object]" = OrderedDict()
 _CACHE_SIZE = 8  # K1's compiled problems hold an S buffer each: keep few
@@ -42,6 +46,7 @@ def compiled_for(name: str, problem):
     _CACHE[key] = compiled
     while len(_CACHE) > _CACHE_SIZE:
         _CACHE.popitem(last=False)
+        _PREPARED.clear()  # a prepared call holds its compiled kernel (K1's S buffer): let it go too
     return compiled
 
 
@@ -50,33 +55,13 @@ def attention_op(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
                  softmax_scale: Optional[float], return_lse: bool, descale_q: Optional[torch.Tensor] = None,
                  descale_k: Optional[torch.Tensor] = None, descale_v: Optional[torch.Tensor] = None,
                  descale_values: Optional[list[float]] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(O, LSE). Every check that needs no GPU (kernel name, shapes, dtype, layout, causal, scale,
-    the kernel's head dims) comes before the device check. The first call for a problem
-    JIT-compiles its kernel: make it outside CUDA-graph capture (a warm-up call). e4m3 inputs
-    take their descales as CUDA tensors (``descale_*``) or numbers (``descale_values``)."""
-    entry = get_kernel(name)
-    problem = problem_from_tensors(q, k, v, causal, softmax_scale)
-    entry.caps.check(problem, want_lse=return_lse)
-    block = problem.dtype in FP8_DTYPES and entry.block_descales
-    if block:
-        check_block_descales(name, problem, dict(descale_q=descale_q, descale_k=descale_k, descale_v=descale_v),
-                             q.device)
-    require_cuda(q, k, v)
-    # compile-time buffers and the launch follow the inputs; no eager buffer set is kept from a
-    # custom op's body (kernels.contract.fresh_buffers)
-    with torch.cuda.device(q.device), fresh_buffers():
-        compiled = compiled_for(name, problem)
-        out, lse = empty_outputs(problem, device=q.device)  # the checks poison; a caller needs no fill
-        if block:
-            from kernels.k8 import descale_rows
-
-            entry.run(compiled, q, k, v, out, lse, problem.scale, descale=descale_rows(descale_q, descale_k, descale_v))
-        elif problem.dtype in FP8_DTYPES:
-            descale = descale_tensor(q.device, (descale_q, descale_k, descale_v), descale_values or [1.0] * 3)
-            entry.run(compiled, q, k, v, out, lse, problem.scale, descale=descale)
-        else:
-            entry.run(compiled, q, k, v, out, lse, problem.scale)
-    return out, lse
+    """(O, LSE), as torch.compile and its CUDA graphs see the call: the eager path (``_call``) with
+    nothing kept from its body (``kernels.contract.fresh_buffers``). e4m3 inputs take their descales
+    as CUDA tensors (``descale_*``) or numbers (``descale_values``)."""
+    values = descale_values or [None] * 3
+    descales = tuple(t if t is not None else x for t, x in zip((descale_q, descale_k, descale_v), values))
+    with fresh_buffers():
+        return _call(name, q, k, v, causal, softmax_scale, return_lse, descales)
 
 
 @attention_op.register_fake
@@ -93,17 +78,25 @@ _DESCALES: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
 
 def descale_tensor(device, tensors: tuple, values: list) -> torch.Tensor:
     """K7's (3,) float32 descales (q, k, v) on ``device``: each a CUDA tensor or a number. Numbers
-    alone come from a small cache (a host-to-device copy cannot be captured in a CUDA graph:
-    the warm-up call makes it); with a tensor, one device-side stack."""
+    alone come from a small cache (a host-to-device copy cannot be captured in a CUDA graph: the
+    warm-up call makes it); with a tensor, one launch (``fp8_quant.descale_rows``, which turns a
+    descale that is not a finite number > 0 into NaN), numbers again from the cache."""
+    from kernels.fp8_quant import descale_rows
+
     if all(t is None for t in tensors):
-        key = (tuple(values), str(device))
-        if key not in _DESCALES:
-            _DESCALES[key] = torch.tensor(values, dtype=torch.float32, device=device)
-            while len(_DESCALES) > 64:
-                _DESCALES.popitem(last=False)
-        return _DESCALES[key]
-    return torch.stack([t.reshape(()).float() if t is not None else torch.full((), x, device=device)
-                        for t, x in zip(tensors, values)])
+        return _constant(tuple(values), device)
+    pieces = [t.reshape(1, 1, 1).float() if t is not None else _constant((x,), device).view(1, 1, 1)
+              for t, x in zip(tensors, values)]
+    return descale_rows(*pieces).view(3)
+
+
+def _constant(values: tuple, device) -> torch.Tensor:
+    key = (values, str(device))
+    if key not in _DESCALES:
+        _DESCALES[key] = torch.tensor(values, dtype=torch.float32, device=device)
+        while len(_DESCALES) > 64:
+            _DESCALES.popitem(last=False)
+    return _DESCALES[key]
 
 
 def check_block_descales(name: str, problem, descales: dict, device) -> None:
@@ -180,21 +173,154 @@ def attention(name: str, q, k, v, causal: bool = False, softmax_scale=None, retu
     q: CUDA tensor (batch, heads, seqlen, head_dim), bf16 or fp16, last dim contiguous; k, v: one
     shape (batch, heads_kv, seqlen_k, head_dim). heads_kv < heads (GQA) or seqlen_k != seqlen only
     for kernels whose capabilities take them; causal is then aligned bottom-right.
-    ``causal`` is a bool; ``softmax_scale`` any positive real number (default 1/sqrt(head_dim)).
-    FP8 stages also take float8_e4m3fn q, k, v: k7 with x ~= x8 * descale_x for each (a number
-    or a one-element floating-point tensor; 1.0 when omitted; ``quantize_fp8`` makes both), k8 with
-    a descale per block (``quantize_fp8_blocks``); O is then bf16. Returns O in the same layout (contiguous), and the float32 (batch, heads, seqlen)
-    log-sum-exp of the scaled scores when ``return_lse``. Unsupported inputs raise
-    ``kernels.UnsupportedProblem`` naming the constraint.
+    ``causal`` and ``return_lse`` are bools; ``softmax_scale`` any positive real number (default
+    1/sqrt(head_dim)). FP8 stages also take float8_e4m3fn q, k, v: k7 with x ~= x8 * descale_x for
+    each (a number or a one-element floating-point tensor; 1.0 when omitted; ``quantize_fp8`` makes
+    both), k8 with a descale per block (``quantize_fp8_blocks``); O is then bf16. Returns O in the
+    same layout (contiguous), and the float32 (batch, heads, seqlen) log-sum-exp of the scaled
+    scores when ``return_lse``. Unsupported inputs raise ``kernels.UnsupportedProblem`` naming the
+    constraint, before any launch.
+
+    Called eagerly, the first call with a given signature (kernel, shapes, strides, dtypes,
+    devices, stream, flags, descale kinds) runs every check and keeps what they decided; a later
+    call with the same signature launches at once. Under torch.compile the call is the custom op
+    ``fa3_cute::attention``, opaque to the compiler.
     """
+    descales = (descale_q, descale_k, descale_v)
+    if torch.compiler.is_compiling():
+        return _traced(name, q, k, v, causal, softmax_scale, return_lse, descales)
+    out, lse = _call(name, q, k, v, causal, softmax_scale, return_lse, descales)
+    return (out, lse) if return_lse else out
+
+
+def _traced(name, q, k, v, causal, softmax_scale, return_lse, descales):
+    """What torch.compile traces: the arguments as the op's schema takes them, then the op (every
+    check that needs the tensors' data runs in its body, at run time)."""
     causal = as_causal(causal)
     scale = None if softmax_scale is None else as_scale(softmax_scale)
+    return_lse = as_flag("return_lse", return_lse)
+    require_name(name)
     require_tensors(q, k, v)  # the op's own type error would not name the argument's role
     entry = REGISTRY.get(name)  # a plain lookup (torch.compile traces this function); the op names unknowns
     block = name if entry is not None and entry.block_descales else ""
-    (dq, dk, dv), values = split_descales(q, dict(descale_q=descale_q, descale_k=descale_k, descale_v=descale_v), block)
-    out, lse = torch.ops.fa3_cute.attention(name, q, k, v, causal, scale, bool(return_lse), dq, dk, dv, values)
+    (dq, dk, dv), values = split_descales(q, dict(zip(DESCALE_NAMES, descales)), block)
+    out, lse = torch.ops.fa3_cute.attention(name, q, k, v, causal, scale, return_lse, dq, dk, dv, values)
     return (out, lse) if return_lse else out
+
+
+DESCALE_NAMES = ("descale_q", "descale_k", "descale_v")
+_PREPARED: dict = {}
+_PREPARED_SIZE = 256  # many shapes (a varying batch, say): start over rather than grow
+
+
+def _call(name, q, k, v, causal, softmax_scale, return_lse, descales) -> tuple:
+    """(O, LSE) of one eager call: the prepared launch of its signature, made on its first call."""
+    key = _signature(name, q, k, v, causal, softmax_scale, return_lse, descales)
+    prepared = _PREPARED.get(key) if key is not None else None
+    if prepared is None:
+        prepared = _prepare(name, q, k, v, causal, softmax_scale, return_lse, descales)
+        if key is not None:
+            if len(_PREPARED) >= _PREPARED_SIZE:
+                _PREPARED.clear()
+            _PREPARED[key] = prepared
+    return prepared(q, k, v, descales)
+
+
+_NUMBER = (float, int)
+
+
+def _signature(name, q, k, v, causal, softmax_scale, return_lse, descales) -> Optional[tuple]:
+    """Everything the checks look at, as one flat tuple (equal signatures pass or fail the checks
+    alike), or None where an argument's value could change without its signature changing (a
+    tensor subclass, a host tensor as a scale or descale, a NumPy bool): such calls are checked
+    in full every time."""
+    if type(name) is not str or type(causal) is not bool or type(return_lse) is not bool or \
+            (softmax_scale is not None and type(softmax_scale) not in _NUMBER):
+        return None
+    if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor or not q.is_cuda:
+        return None
+    kinds = []
+    for x in descales:
+        if x is None:
+            kinds.append(None)
+        elif type(x) in _NUMBER:
+            kinds.append((type(x), x))
+        elif type(x) is torch.Tensor and x.is_cuda:
+            kinds.append((x.shape, x.stride(), x.dtype, x.device, x.requires_grad))
+        else:
+            return None
+    device = q.device
+    return (name, causal, softmax_scale, return_lse, *kinds,
+            q.shape, q.stride(), q.dtype, device, q.requires_grad, q.data_ptr() % 16,
+            k.shape, k.stride(), k.dtype, k.device, k.requires_grad, k.data_ptr() % 16,
+            v.shape, v.stride(), v.dtype, v.device, v.requires_grad, v.data_ptr() % 16,
+            torch._C._cuda_getCurrentRawStream(device.index), torch.are_deterministic_algorithms_enabled())
+
+
+def _prepare(name, q, k, v, causal, softmax_scale, return_lse, descales) -> "_PreparedCall":
+    """Every check, in the order that names the real problem first (nothing that needs a GPU
+    before the device check), then the compiled kernel and the launch they allow."""
+    causal = as_causal(causal)
+    scale = None if softmax_scale is None else as_scale(softmax_scale)
+    return_lse = as_flag("return_lse", return_lse)
+    require_name(name)
+    require_tensors(q, k, v)
+    entry = get_kernel(name)
+    block = name if entry.block_descales else ""
+    tensors, values = split_descales(q, dict(zip(DESCALE_NAMES, descales)), block)
+    problem = problem_from_tensors(q, k, v, causal, scale)
+    entry.caps.check(problem, want_lse=return_lse)
+    if problem.dtype in FP8_DTYPES and block:
+        check_block_descales(name, problem, dict(zip(DESCALE_NAMES, tensors)), q.device)
+    require_cuda(q, k, v)
+    with torch.cuda.device(q.device):
+        compiled = compiled_for(name, problem)
+    return _PreparedCall(entry, problem, compiled, return_lse, q.device, tensors, values)
+
+
+class _PreparedCall:
+    """What the checks of one call signature decided, and the launch they allow: the compiled
+    kernel and its scale, the outputs' shapes and dtype, and how descales reach the kernel."""
+
+    def __init__(self, entry, problem, compiled, return_lse: bool, device, tensors: tuple, values):
+        self.run = functools.partial(entry.load().run_kernel, compiled)
+        self.scale, self.return_lse, self.device_index = problem.scale, return_lse, device.index
+        self.lse_shape = (problem.batch, problem.nheads, problem.seqlen)
+        self.out_dtype = torch_dtype(problem.out_dtype)
+        self.descale_mode = None
+        if problem.dtype in FP8_DTYPES:
+            if entry.block_descales:
+                from kernels.fp8_quant import descale_rows
+
+                self.descale_mode, self.descale_rows = "blocks", descale_rows
+            elif all(t is None for t in tensors):  # three numbers: one tensor made now, kept
+                self.descale_mode, self.descale = "fixed", descale_tensor(device, tensors, values)
+            else:
+                self.descale_mode, self.values = "tensors", values
+
+    def __call__(self, q, k, v, descales) -> tuple:
+        if self.device_index != torch.cuda.current_device():
+            with torch.cuda.device(self.device_index):  # the launch goes to the current device's stream
+                return self(q, k, v, descales)
+        out = torch.empty_like(q, dtype=self.out_dtype, memory_format=torch.contiguous_format)
+        if self.return_lse:
+            lse = q.new_empty(self.lse_shape, dtype=torch.float32)
+        else:  # written and never read: one per stream and shape, reused
+            lse = _LSE_SCRATCH.get(self.device_index, self.lse_shape, functools.partial(
+                torch.empty, self.lse_shape, dtype=torch.float32, device=q.device))
+        if self.descale_mode is None:
+            self.run(q, k, v, out, lse, self.scale)
+        elif self.descale_mode == "fixed":
+            self.run(q, k, v, out, lse, self.scale, descale=self.descale)
+        elif self.descale_mode == "tensors":
+            tensors = tuple(x if isinstance(x, torch.Tensor) else None for x in descales)
+            self.run(q, k, v, out, lse, self.scale, descale=descale_tensor(q.device, tensors, self.values))
+        else:
+            self.run(q, k, v, out, lse, self.scale, descale=self.descale_rows(*descales))
+        return out, lse
+
+
+_LSE_SCRATCH = StreamBuffers()
 
 
 def quantize_fp8_blocks(q, k, v):

@@ -12,6 +12,15 @@ def torch_dtype(name: str):
             "float8_e4m3fn": torch.float8_e4m3fn}[name]
 
 
+def require_name(name) -> None:
+    """A kernel name is a string (the op's schema would refuse anything else in its own words)."""
+    if not isinstance(name, str):
+        from kernels import kernel_names
+
+        raise UnsupportedProblem(f"the kernel name must be a string, one of {', '.join(kernel_names())}; "
+                                 f"got {name!r} ({type(name).__name__})")
+
+
 def require_tensors(q, k, v) -> None:
     import torch
 

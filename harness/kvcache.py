@@ -28,7 +28,8 @@ from typing import Optional
 import torch
 
 from kernels import get_kernel
-from kernels.contract import Problem, StreamBuffers, UnsupportedProblem, as_causal, as_scale, fresh_buffers
+from kernels.contract import (Problem, StreamBuffers, UnsupportedProblem, as_causal, as_flag, as_scale,
+                              fresh_buffers)
 
 from .inputs import shared_dtype, torch_dtype
 
@@ -197,6 +198,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, page_tabl
         else:
             lens, length = None, cache_seqlens
         scale = None if softmax_scale is None else as_scale(softmax_scale)
+        return_lse = as_flag("return_lse", return_lse)
         out, lse = torch.ops.fa3_cute.attention_with_kvcache(q, k_cache, v_cache, lens, length, page_table,
                                                              as_causal(causal), scale, num_splits, kernel)
         return (out, lse) if return_lse else out
@@ -290,7 +292,7 @@ def _call_signature(q, k_cache, v_cache, cache_seqlens, page_table, causal, soft
     else:
         pages = (type(page_table),)
     return (kernel, type(causal), causal, type(softmax_scale), softmax_scale, type(num_splits), num_splits,
-            bool(return_lse), lens, pages,
+            type(return_lse), return_lse, lens, pages,
             q.shape, q.stride(), q.dtype, q.device, q.requires_grad, q.data_ptr() % 16,
             k_cache.shape, k_cache.stride(), k_cache.dtype, k_cache.device, k_cache.requires_grad,
             k_cache.data_ptr() % 16,
@@ -303,6 +305,7 @@ def _prepare(q, k_cache, v_cache, cache_seqlens, page_table, causal, softmax_sca
     """Every check, then the call they allow (``_PreparedCall``)."""
     entry = _check_kernel(kernel)
     causal = as_causal(causal)
+    return_lse = as_flag("return_lse", return_lse)
     scale = None if softmax_scale is None else as_scale(softmax_scale)
     p = problem_from_cache(q, k_cache, v_cache, causal, scale, page_table)
     page_size = k_cache.shape[1] if page_table is not None else 0

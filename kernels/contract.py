@@ -48,10 +48,15 @@ class UnsupportedProblem(ValueError):
 def as_causal(value) -> bool:
     """``causal`` as a Python bool. Only bools (Python or NumPy) are taken: a string such as
     "false" is truthy, and an int may be a seqlen passed in the wrong place."""
+    return as_flag("causal", value)
+
+
+def as_flag(name: str, value) -> bool:
+    """A yes/no argument as a Python bool: only bools (Python or NumPy) are taken."""
     np = sys.modules.get("numpy")  # a NumPy bool exists only once numpy is imported
     if isinstance(value, bool) or (np is not None and isinstance(value, np.bool_)):
         return bool(value)
-    raise UnsupportedProblem(f"causal must be a bool (True or False), got {value!r} ({type(value).__name__})")
+    raise UnsupportedProblem(f"{name} must be a bool (True or False), got {value!r} ({type(value).__name__})")
 
 
 def as_scale(value) -> float:

@@ -255,3 +255,271 @@ def quantize_fp8_blocks_cute(x, block_rows: int, signs=None):
     fn = compile_quantize_blocks(d, block_rows, rotate, str(x.dtype).replace("torch.", ""))
     fn(x, x8, descale, signs.to(x.device))
     return x8, descale
+
+
+# --------------------------------------------------------------------------------------
+# K7's per-tensor quantizer as two kernels: partial amaxes, then one scale per tensor and the cast
+# --------------------------------------------------------------------------------------
+
+def quantize_fp8_torch(x):
+    """(x8, descale) with one scale for all of ``x``, in K8's arithmetic (``_scales``, ``_cast``):
+    scale = 448 / amax (1 when amax is 0), x8 = e4m3(x * scale) in float32, saturated; descale a
+    0-d float32 tensor. The reference for ``QuantizeTensors``."""
+    amax = x.detach().abs().amax().float()
+    scale, descale = _scales(amax)
+    return _cast(x.detach().float() * scale), descale
+
+
+class QuantizeTensors:
+    """Up to three (batch, heads, seqlen, d) 16-bit tensors -> e4m3, one descale each, in two
+    launches whatever their number: an amax needs every element before any can be scaled, and a
+    launch is the one grid-wide barrier that cannot deadlock.
+
+    ``amax``: a grid of ``partials`` CTAs per tensor (blockIdx.y picks it) walks that tensor's rows
+    block after block, each warp loading all of its rows of a block at once (lane l holds elements
+    l*E .. l*E + E - 1, E = d / 32, as in ``QuantizeBlocks``), and writes one partial amax. ``cast``:
+    each CTA reduces its tensor's partials (fewer than its threads) to the amax, derives the scale,
+    and converts one block of rows. Rows are (batch, head, position) flattened, so any strides work.
+    """
+
+    WARPS = 8
+
+    def __init__(self, head_dim: int, count: int):
+        self.head_dim, self.count = head_dim, count
+        self.elems = head_dim // 32
+        self.rows_per_warp = 32 // self.elems  # 32 values a lane: 64 bytes in flight per lane
+        self.block_rows = self.WARPS * self.rows_per_warp
+
+    @cute.jit
+    def amax(self, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor, mPartial: cute.Tensor, stream):
+        grid = (mPartial.shape[1], self.count, 1)
+        self.amax_kernel(mA, mB, mC, mPartial).launch(grid=grid, block=[32 * self.WARPS, 1, 1], stream=stream)
+
+    @cute.jit
+    def cast(self, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor, mA8: cute.Tensor, mB8: cute.Tensor,
+             mC8: cute.Tensor, mPartial: cute.Tensor, mDescale: cute.Tensor, stream):
+        rows = cutlass.max(mA.shape[0] * mA.shape[1] * mA.shape[2], mB.shape[0] * mB.shape[1] * mB.shape[2])
+        grid = (cute.ceil_div(rows, self.block_rows), self.count, 1)
+        self.cast_kernel(mA, mB, mC, mA8, mB8, mC8, mPartial, mDescale).launch(
+            grid=grid, block=[32 * self.WARPS, 1, 1], stream=stream)
+
+    @cute.jit
+    def load_block(self, mX: cute.Tensor, first: Int32, rows: Int32, warp: Int32, lane: Int32) -> cute.Tensor:
+        """This lane's E values of each of its warp's rows of the block from row ``first`` (rows past
+        the end load the last row again: the amax stays, and they are not stored)."""
+        raw = cute.make_rmem_tensor((self.elems, self.rows_per_warp), mX.element_type)
+        for j in cutlass.range_constexpr(self.rows_per_warp):  # every load first: no branch between them
+            r = cutlass.min(first + warp + j * self.WARPS, rows - 1)
+            pos, bh = r % mX.shape[2], r // mX.shape[2]
+            cute.autovec_copy(cute.local_tile(mX[bh // mX.shape[1], bh % mX.shape[1], pos, None], (self.elems,),
+                                              (lane,)), raw[None, j])
+        return raw
+
+    @cute.jit
+    def block_amax(self, mX: cute.Tensor, first: Int32, warp: Int32, lane: Int32, amax: Float32) -> Float32:
+        rows = mX.shape[0] * mX.shape[1] * mX.shape[2]
+        raw = self.load_block(mX, first, rows, warp, lane)
+        vals = cute.make_rmem_tensor((self.elems, self.rows_per_warp), Float32)
+        vals.store(raw.load().to(Float32))
+        for j in cutlass.range_constexpr(self.rows_per_warp):
+            for i in cutlass.range_constexpr(self.elems):
+                amax = cute.arch.fmax(amax, cute.arch.fmax(vals[i, j], -vals[i, j]))
+        return amax
+
+    @cute.jit
+    def tensor_amax(self, mX: cute.Tensor, warp: Int32, lane: Int32) -> Float32:
+        bx, _, _ = cute.arch.block_idx()
+        gx, _, _ = cute.arch.grid_dim()
+        blocks = cute.ceil_div(mX.shape[0] * mX.shape[1] * mX.shape[2], self.block_rows)
+        amax = Float32(0.0)
+        for blk in cutlass.range(bx, blocks, gx):
+            amax = self.block_amax(mX, blk * self.block_rows, warp, lane, amax)
+        return amax
+
+    @cute.jit
+    def cta_max(self, value: Float32, sMax: cute.Tensor, warp: Int32, lane: Int32) -> Float32:
+        value = cute.arch.warp_reduction_max(value)
+        if lane == 0:
+            sMax[warp] = value
+        cute.arch.sync_threads()
+        value = sMax[0]
+        for w in cutlass.range_constexpr(1, self.WARPS):
+            value = cute.arch.fmax(value, sMax[w])
+        return value
+
+    @cute.kernel
+    def amax_kernel(self, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor, mPartial: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        bx, t, _ = cute.arch.block_idx()
+        lane, warp = tidx % 32, tidx // 32
+        sMax = cutlass.utils.SmemAllocator().allocate_tensor(Float32, cute.make_layout(self.WARPS), byte_alignment=16)
+        amax = Float32(0.0)
+        if t == 0:
+            amax = self.tensor_amax(mA, warp, lane)
+        elif t == 1:
+            amax = self.tensor_amax(mB, warp, lane)
+        else:
+            amax = self.tensor_amax(mC, warp, lane)
+        amax = self.cta_max(amax, sMax, warp, lane)
+        if tidx == 0:
+            mPartial[t, bx] = amax
+
+    @cute.jit
+    def cast_block(self, mX: cute.Tensor, mX8: cute.Tensor, scale: Float32, warp: Int32, lane: Int32):
+        bx, _, _ = cute.arch.block_idx()
+        rows = mX.shape[0] * mX.shape[1] * mX.shape[2]
+        first = bx * self.block_rows
+        if first < rows:
+            raw = self.load_block(mX, first, rows, warp, lane)
+            y = cute.make_rmem_tensor(self.elems, Float32)
+            for j in cutlass.range_constexpr(self.rows_per_warp):
+                y.store(raw[None, j].load().to(Float32))
+                for i in cutlass.range_constexpr(self.elems):
+                    y[i] = cute.arch.fmax(cute.arch.fmin(y[i] * scale, Float32(E4M3_MAX)), Float32(-E4M3_MAX))
+                x8 = cute.make_rmem_tensor(self.elems, mX8.element_type)
+                x8.store(y.load().to(mX8.element_type))
+                r = first + warp + j * self.WARPS
+                if r < rows:
+                    pos, bh = r % mX.shape[2], r // mX.shape[2]
+                    cute.autovec_copy(x8, cute.local_tile(mX8[bh // mX.shape[1], bh % mX.shape[1], pos, None],
+                                                          (self.elems,), (lane,)))
+
+    @cute.kernel
+    def cast_kernel(self, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor, mA8: cute.Tensor, mB8: cute.Tensor,
+                    mC8: cute.Tensor, mPartial: cute.Tensor, mDescale: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        bx, t, _ = cute.arch.block_idx()
+        lane, warp = tidx % 32, tidx // 32
+        sMax = cutlass.utils.SmemAllocator().allocate_tensor(Float32, cute.make_layout(self.WARPS), byte_alignment=16)
+        amax = Float32(0.0)
+        if tidx < mPartial.shape[1]:
+            amax = mPartial[t, tidx]
+        amax = self.cta_max(amax, sMax, warp, lane)
+        scale = Float32(1.0)
+        if amax > Float32(0.0):
+            scale = Float32(E4M3_MAX) / amax
+        if bx == 0 and tidx == 0:
+            mDescale[t] = Float32(1.0) / scale
+        if t == 0:
+            self.cast_block(mA, mA8, scale, warp, lane)
+        elif t == 1:
+            self.cast_block(mB, mB8, scale, warp, lane)
+        else:
+            self.cast_block(mC, mC8, scale, warp, lane)
+
+
+def compile_quantize_tensors(head_dim: int, count: int, dtype: str, keep_ptx: bool = False):
+    """(amax, cast) compiled for ``count`` tensors of ``head_dim``: the first tensor with shapes of
+    its own, the other two sharing theirs (q; k and v)."""
+    from cutlass.cute.runtime import make_fake_tensor
+
+    from .contract import cute_dtype, fake_stream, jit_compile
+
+    def tensors(kind, div):
+        b, h, n = (cute.sym_int() for _ in range(3))
+        h2, n2 = cute.sym_int(), cute.sym_int()
+        strides = lambda: tuple(cute.sym_int64(divisibility=div) for _ in range(3)) + (1,)  # noqa: E731
+        return (make_fake_tensor(kind, (b, h, n, head_dim), stride=strides(), assumed_align=16),
+                *(make_fake_tensor(kind, (b, h2, n2, head_dim), stride=strides(), assumed_align=16) for _ in range(2)))
+
+    op = QuantizeTensors(head_dim, count)
+    partial = make_fake_tensor(Float32, (count, cute.sym_int()), stride=(cute.sym_int64(), 1), assumed_align=4)
+    descale = make_fake_tensor(Float32, (count,), stride=(1,), assumed_align=4)
+    key = ("quantize_tensors", head_dim, count, dtype)
+    amax = jit_compile(key + ("amax",), lambda: (op.amax, (*tensors(cute_dtype(dtype), 8), partial, fake_stream())),
+                       keep_ptx)
+    cast = jit_compile(key + ("cast",), lambda: (op.cast, (*tensors(cute_dtype(dtype), 8),
+                                                           *tensors(cutlass.Float8E4M3FN, 16), partial, descale,
+                                                           fake_stream())), keep_ptx)
+    return amax, cast
+
+
+PARTIALS = 132  # amax CTAs per tensor: one wave on an H100, and fewer than a cast CTA's threads
+
+
+def quantize_fp8_tensors(*xs):
+    """([x8], descales) for one to three 16-bit CUDA tensors (batch, heads, seqlen, d), the second and
+    third of one shape: descales float32 (len(xs),), one per tensor, each bit for bit what
+    ``quantize_fp8_torch`` gives. Two launches."""
+    import torch
+
+    x0, d = xs[0], xs[0].shape[-1]
+    outs = [torch.empty(x.shape, device=x.device, dtype=torch.float8_e4m3fn) for x in xs]
+    rows = max(x.shape[0] * x.shape[1] * x.shape[2] for x in xs)
+    op = QuantizeTensors(d, len(xs))
+    partial = torch.empty((len(xs), max(1, min(PARTIALS, -(-rows // op.block_rows)))), device=x0.device,
+                          dtype=torch.float32)
+    descale = torch.empty((len(xs),), device=x0.device, dtype=torch.float32)
+    amax, cast = compile_quantize_tensors(d, len(xs), str(x0.dtype).replace("torch.", ""))
+    pad = lambda ts: list(ts) + [ts[-1]] * (3 - len(ts))  # noqa: E731  (unused slots: never read)
+    amax(*pad(xs), partial)
+    cast(*pad(xs), *pad(outs), partial, descale)
+    return outs, descale
+
+
+# --------------------------------------------------------------------------------------
+# Descales as the kernels read them, with a guard: one launch
+# --------------------------------------------------------------------------------------
+
+class DescaleRows:
+    """(dq, dk, dv) float32 (batch, heads, blocks) -> one row per (batch, query head): q's, then k's
+    and v's of its K/V head (head // group). A descale that is not a finite number > 0 becomes NaN
+    there, so a bad one makes the rows it scales NaN rather than quietly wrong: its values live on
+    the GPU, and reading them on the host would stall every call. K7's three numbers are the case
+    of one block each."""
+
+    THREADS = 128
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mRows: cute.Tensor, stream):
+        grid = (cute.ceil_div(mRows.shape[2], self.THREADS), mRows.shape[1], mRows.shape[0])
+        self.kernel(mQ, mK, mV, mRows).launch(grid=grid, block=[self.THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mRows: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        bx, head, batch = cute.arch.block_idx()
+        col = bx * self.THREADS + tidx
+        q_blocks, kv_blocks = mQ.shape[2], mK.shape[2]
+        kv_head = head // (mQ.shape[1] // mK.shape[1])
+        if col < mRows.shape[2]:
+            x = Float32(0.0)
+            if col < q_blocks:
+                x = mQ[batch, head, col]
+            elif col < q_blocks + kv_blocks:
+                x = mK[batch, kv_head, col - q_blocks]
+            else:
+                x = mV[batch, kv_head, col - q_blocks - kv_blocks]
+            row = Float32(math.nan)
+            if x > Float32(0.0):
+                if x < Float32(math.inf):
+                    row = x
+            mRows[batch, head, col] = row
+
+
+def compile_descale_rows(keep_ptx: bool = False):
+    from cutlass.cute.runtime import make_fake_tensor
+
+    from .contract import fake_stream, jit_compile
+
+    def build():
+        b, h, hk, mq, mk, cols = (cute.sym_int() for _ in range(6))
+        three = lambda heads, n: make_fake_tensor(Float32, (b, heads, n), stride=(cute.sym_int64(), cute.sym_int64(), 1),  # noqa: E731
+                                                  assumed_align=4)
+        return DescaleRows(), (three(h, mq), three(hk, mk), three(hk, mk), three(h, cols), fake_stream())
+
+    return jit_compile(("descale_rows",), build, keep_ptx)
+
+
+def descale_rows(dq, dk, dv):
+    """``DescaleRows`` on a GPU; elsewhere the same in torch (concatenation, GQA repeat, guard)."""
+    import torch
+
+    b, h = dq.shape[:2]
+    if dq.is_cuda:
+        rows = torch.empty((b, h, dq.shape[2] + 2 * dk.shape[2]), device=dq.device, dtype=torch.float32)
+        compile_descale_rows()(dq, dk, dv, rows)
+        return rows
+    group = h // dk.shape[1]
+    rows = torch.cat([dq, dk.repeat_interleave(group, dim=1), dv.repeat_interleave(group, dim=1)], dim=-1).float()
+    return torch.where((rows > 0) & (rows < math.inf), rows, torch.full_like(rows, math.nan))

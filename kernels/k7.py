@@ -29,7 +29,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
-from . import k4, k5, k6, sm90, tma_pipeline
+from . import fp8_quant, k4, k5, k6, sm90, tma_pipeline
 from .contract import (
     Capabilities,
     CompiledAttention,
@@ -117,16 +117,16 @@ class K7OnK4FMHA(k4.K4FMHA):
 # --------------------------------------------------------------------------------------
 
 def quantize_fp8(x):
-    """(x8, descale): per-tensor e4m3 with x ~= x8.float() * descale. Runs on x's device (no host
-    sync: descale is a 0-d float32 tensor), in three passes over x: amax, scale, cast. The scale
-    maps amax to 0.99 x 448, so that the two 16-bit roundings (of the scale and of x * scale, each
-    at most 2^-9 relative) stay under 448 and no clamp pass is needed (a cast above 448 is NaN)."""
+    """(x8, descale): per-tensor e4m3 with x ~= x8.float() * descale, descale a 0-d float32 tensor
+    on x's device (no host sync). scale = 448 / amax, x * scale in float32, saturated to +-448
+    (``fp8_quant.quantize_fp8_torch``). A 16-bit CUDA tensor takes the two launches of
+    ``fp8_quant.QuantizeTensors``; anything else the same arithmetic in torch."""
     import torch
 
-    amax = torch.linalg.vector_norm(x.detach(), ord=float("inf")).float().clamp_min(1e-12)
-    scale = (0.99 * E4M3_MAX) / amax
-    x8 = (x * scale.to(x.dtype)).to(torch.float8_e4m3fn)
-    return x8, 1.0 / scale
+    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
+        (x8,), descale = fp8_quant.quantize_fp8_tensors(x)
+        return x8, descale[0]
+    return fp8_quant.quantize_fp8_torch(x)
 
 
 _PERMUTATIONS: dict = {}
@@ -174,12 +174,14 @@ def transpose_v_fp8_torch(v8):
 
 
 def prepare_fp8(q, k, v):
-    """The pre-pass every K7 launch times: (q8, k8, vt8, descales[3]) from 16-bit q, k, v."""
+    """The pre-pass every K7 launch times: (q8, k8, vt8, descales[3]) from 16-bit q, k, v. On a GPU
+    three launches: the two of ``QuantizeTensors`` for all three tensors, then ``TransposeV``."""
     import torch
 
-    q8, dq = quantize_fp8(q)
-    k8, dk = quantize_fp8(k)
-    v8, dv = quantize_fp8(v)
+    if q.is_cuda:
+        (q8, k8, v8), descales = fp8_quant.quantize_fp8_tensors(q, k, v)
+        return q8, k8, transpose_v_fp8(v8), descales
+    (q8, dq), (k8, dk), (v8, dv) = (quantize_fp8(x) for x in (q, k, v))
     return q8, k8, transpose_v_fp8(v8), torch.stack([dq, dk, dv])
 
 

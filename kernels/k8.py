@@ -68,21 +68,10 @@ def quantize_inputs(q, k, v, tile_m: int, tile_n: int, rotate: bool = True) -> t
     return q8, k8, v8, dq, dk, dv
 
 
-def descale_rows(dq, dk, dv):
-    """The kernel's descale operand: one float32 row per (batch, query head), q's per Q tile, then
-    k's and v's per KV tile of its K/V head (GQA: query head h reads K/V head h // group)."""
-    import torch
-
-    group = dq.shape[1] // dk.shape[1]
-    if group > 1:
-        dk, dv = dk.repeat_interleave(group, dim=1), dv.repeat_interleave(group, dim=1)
-    return torch.cat([dq, dk, dv], dim=-1).contiguous()
-
-
 def prepare_fp8_blocks(q, k, v, tile_m: int, tile_n: int, rotate: bool = True):
     """The pre-pass of every K8 launch from 16-bit q, k, v: (q8, k8, vt8, descale rows)."""
     q8, k8, v8, dq, dk, dv = quantize_inputs(q, k, v, tile_m, tile_n, rotate)
-    return q8, k8, k7.transpose_v_fp8(v8), descale_rows(dq, dk, dv)
+    return q8, k8, k7.transpose_v_fp8(v8), fp8_quant.descale_rows(dq, dk, dv)
 
 
 def fake_args(out_dtype, head_dim: int) -> tuple:
@@ -107,7 +96,7 @@ def compile_kernel(p: Problem, *, keep_ptx: bool = False, rotate: bool = True, *
 
 def run_kernel(compiled: CompiledAttention, q, k, v, out, lse, softmax_scale=None, descale=None) -> None:
     """16-bit q, k, v: the whole pre-pass. e4m3 ones (``quantize_inputs``): ``descale`` is their
-    ``descale_rows``, and only V^T is made here."""
+    ``fp8_quant.descale_rows``, and only V^T is made here."""
     import torch
 
     info = compiled.info

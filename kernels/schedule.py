@@ -81,7 +81,8 @@ class TileCounters:
     The kernel claims tiles with atomics on element 0 and counts finished CTAs in element 1; the
     last CTA zeroes both, so the pair is ready for the next launch with no memset. Launches on one
     stream run one after another; two streams get two pairs, so concurrent launches never share
-    one. Allocated on first use: make one eager call before capturing a CUDA graph.
+    one. Allocated on first use; under CUDA-graph capture a stream without a pair gets one for
+    that launch alone (zeroed by a captured memset, owned by the graph's pool, never kept).
     """
 
     def __init__(self, size: int = 2):
@@ -91,10 +92,12 @@ class TileCounters:
     def get(self, device):
         import torch
 
-        key = (device, torch.cuda.current_stream(device).cuda_stream)
+        key = (device.index, torch._C._cuda_getCurrentRawStream(device.index))  # ints: cheap
         pair = self._pairs.get(key)
         if pair is None:
-            pair = self._pairs[key] = torch.zeros(self.size, dtype=torch.int32, device=device)
+            pair = torch.zeros(self.size, dtype=torch.int32, device=device)
+            if not torch.cuda.is_current_stream_capturing():
+                self._pairs[key] = pair
         return pair
 
 

@@ -93,7 +93,8 @@ def test_k8s_block_quantized_inputs_reach_the_device_check_and_bad_blocks_do_not
 
 def test_k8s_block_descales_follow_the_kv_heads_and_length():
     # GQA and a longer K/V: k's and v's descales have the K/V heads and key blocks; q's, q's.
-    from kernels.k8 import block_sizes, descale_rows
+    from kernels.fp8_quant import descale_rows
+    from kernels.k8 import block_sizes
 
     tile_m, tile_n = block_sizes(128)
     q = torch.randn(1, 4, 300, 128, dtype=torch.bfloat16)
