@@ -79,7 +79,9 @@ def parse_args(argv=None):
                     help="decode: only TB/s against the split count, at batch 1, 32k keys, 8 K/V heads "
                          "unless --batch/--seqlen-k/--nheads-kv say otherwise")
     ap.add_argument("--host-times", action="store_true",
-                    help="decode: only the host time per call (the one call, the plan, the peers' calls)")
+                    help="only the host time per call, at a shape whose kernels take microseconds: each public "
+                         "call beside SDPA's and flash-attn-4's (harness/host_times.py); with --decode the KV-cache "
+                         "calls (the one call, the plan, the peers')")
     ap.add_argument("--pages-curve", action="store_true",
                     help="decode: only TB/s on a paged cache against the page size (pages shuffled), at batch 1 "
                          "and 8, 32k keys, 8 K/V heads unless --batch/--seqlen-k/--nheads-kv say otherwise")
@@ -158,7 +160,31 @@ def time_one(name, problem, q, k, v, state=None, **run_kw):
     return ms, "ok", launch
 
 
-def kernel_row(name, problem, check: bool, sweep: bool, q, k, v, **run_kw) -> dict:
+def time_call(call, state=None) -> tuple:
+    """(ms, status) of a public call, burst-timed (``timing.burst_ms``): back to back, eager, as a
+    model calls it. Its last output must be finite."""
+    import torch
+
+    from harness.timing import burst_ms
+
+    ms = burst_ms(call, state=state)
+    out = call()
+    out = out[0] if isinstance(out, tuple) else out
+    if not torch.isfinite(out).all():
+        return None, "failed: the public call's output is not finite"
+    return ms, "ok"
+
+
+def public_call(name, problem, q, k, v, **descales):
+    """What a user calls: ``attention(name, ...)`` on the same tensors (e4m3 ones with their descales)."""
+    from harness import attention
+
+    return lambda: attention(name, q, k, v, causal=problem.causal, softmax_scale=problem.scale, **descales)
+
+
+def kernel_row(name, problem, check: bool, sweep: bool, q, k, v, descales=None, **run_kw) -> dict:
+    """A kernel's row: the kernel alone (``ms``, per-launch events on the compiled launch) and the
+    public call (``call_ms``, burst-timed), each with its TFLOP/s."""
     from harness.check import check_kernel
     from harness.timing import tflops
 
@@ -178,29 +204,39 @@ def kernel_row(name, problem, check: bool, sweep: bool, q, k, v, **run_kw) -> di
               f"{'PASS' if res.ok else 'FAIL: ' + res.reason}")
         if not res.ok:
             raise SystemExit(f"correctness check failed for {name}; not timing it")
-    state = {}
+    state, call_state = {}, {}
     ms, status, launch = time_one(name, problem, q, k, v, state=state, **run_kw)
-    return dict(ms=ms, tflops=tflops(problem.flops, ms) if ms else None, status=status, launch=launch,
-                states=[state])
+    if ms is None:
+        return dict(ms=None, tflops=None, status=status)
+    call = public_call(name, problem, q, k, v, **(descales or {}))
+    call_ms, status = time_call(call, state=call_state)
+    return dict(ms=ms, tflops=tflops(problem.flops, ms), call_ms=call_ms,
+                call_tflops=tflops(problem.flops, call_ms) if call_ms else None, status=status,
+                launch=launch, call=call, states=[state], call_states=[call_state])
 
 
 def run_problem(names, problem, check: bool, peers: bool, sweep: bool, emit, rounds: int = 1) -> None:
     """Time the peers, then each kernel beside them; ``emit`` takes each row as it is done.
 
-    With ``rounds`` > 1 every candidate is timed that many times, the order reversed each round
-    (so none is always first or last as the GPU warms), and a row reports the median of its
-    rounds (``ms_rounds`` keeps them all); its rows are emitted when the workload is done.
+    Every candidate is timed twice: alone (``ms``: a peer's call, or a kernel's compiled launch,
+    each between its own events) and as a user calls it (``call_ms``: the public call back to back,
+    burst-timed; a peer's public call is the same call). ``vs_best_peer`` is the public call's
+    ratio to the faster peer's, ``kernel_vs_best_peer`` the kernel alone's to the faster peer's.
+    With ``rounds`` > 1 every timing is repeated that many times, the order reversed each round
+    (so none is always first or last as the GPU warms), and a row reports the medians of its
+    rounds (``ms_rounds`` and ``call_ms_rounds`` keep them all); its rows are emitted when the
+    workload is done.
     """
     from harness.inputs import random_inputs
     from harness.peers import peer_callables
-    from harness.timing import benchmark, gpu_fields, more_rounds, tflops
+    from harness.timing import benchmark, burst_ms, gpu_fields, more_rounds, tflops
 
     base = dict(batch=problem.batch, nheads=problem.nheads, seqlen=problem.seqlen, head_dim=problem.head_dim,
                 causal=int(problem.causal), dtype=problem.dtype)
     fp8 = problem.dtype in FP8_DTYPES
     q, k, v = random_inputs(problem.with_(dtype="bfloat16") if fp8 else problem)
     sources = (q, k, v)
-    candidates, run_kw, best_of = {}, {}, BEST_OF
+    candidates, run_kw, descales, best_of = {}, {}, {}, BEST_OF
     if peers:
         candidates = peer_callables(q, k, v, problem.causal, problem.scale)
     if fp8:  # the kernels and cuDNN FP8 take the e4m3 tensors; the bf16 peers their sources, for scale
@@ -211,23 +247,41 @@ def run_problem(names, problem, check: bool, peers: bool, sweep: bool, emit, rou
 
         (q, dq), (k, dk), (v, dv) = (quantize_fp8(x) for x in (q, k, v))
         run_kw, best_of = dict(descale=torch.stack([dq, dk, dv])), BEST_OF_FP8
+        descales = dict(descale_q=dq, descale_k=dk, descale_v=dv)
         if peers:
             candidates["cudnn-fp8"] = cudnn_fp8_peer(q, k, v, run_kw["descale"], problem.causal, problem.scale)
-    rows, launches = [], {}  # the first round's rows, in order; name -> launch for later rounds
+    rows, timed = [], {}  # the first round's rows, in order; name -> (launch, call) for later rounds
+
+    def finish(row):  # TFLOP/s, GPU state and the ratios to the best peer, then out
+        for key in ("", "call_"):
+            row[f"{key}tflops"] = tflops(problem.flops, row[f"{key}ms"]) if row.get(f"{key}ms") else None
+        if row["kernel"] not in candidates:
+            for key, field in (("call_", "vs_best_peer"), ("", "kernel_vs_best_peer")):
+                best = best_peer(peer_rate(key), best_of)
+                if best and row.get(f"{key}tflops"):
+                    row.update({field: row[f"{key}tflops"] / best[1]})
+                    if key:
+                        row["best_peer"] = best[0]
+        row.update(gpu_fields(row.pop("states", [])))
+        call_state = gpu_fields(row.pop("call_states", []))
+        if call_state:
+            row["call_sm_clock_mhz"] = call_state["sm_clock_mhz"]
+        emit(row)
+
+    def peer_rate(key):
+        return {r["kernel"]: tflops(problem.flops, r[f"{key}ms"]) for r in rows
+                if r["kernel"] in candidates and r.get(f"{key}ms")}
+
     for name, fn in candidates.items():
         if callable(fn):
-            state = {}
-            rows.append(dict(base, kernel=name, ms=benchmark(fn, state=state), status="ok", states=[state]))
-            launches[name] = fn
+            state, call_state = {}, {}
+            rows.append(dict(base, kernel=name, ms=benchmark(fn, state=state), call_ms=burst_ms(fn, state=call_state),
+                             status="ok", states=[state], call_states=[call_state]))
+            timed[name] = (fn, fn)
         else:
             rows.append(dict(base, kernel=name, ms=None, tflops=None, status=fn))
         if rounds == 1:
-            rows[-1]["tflops"] = tflops(problem.flops, rows[-1]["ms"]) if rows[-1]["ms"] else None
-            rows[-1].update(gpu_fields(rows[-1].pop("states", [])))
-            emit(rows[-1])
-    peer_tflops = lambda: {r["kernel"]: tflops(problem.flops, r["ms"]) for r in rows if r["kernel"] in candidates
-                           and r["ms"]}  # noqa: E731
-    best = best_peer(peer_tflops(), best_of)
+            finish(rows[-1])
     for name in names:
         if fp8 and get_kernel(name).block_descales:
             # K8 gets the same sources quantized its own way (rotation, a scale per tile): e4m3 in,
@@ -235,49 +289,52 @@ def run_problem(names, problem, check: bool, peers: bool, sweep: bool, emit, rou
             from harness.api import quantize_fp8_blocks
             from kernels.fp8_quant import descale_rows
 
-            q8, k8, v8, *descales = quantize_fp8_blocks(*sources)
+            q8, k8, v8, *blocks = quantize_fp8_blocks(*sources)
             row = dict(base, kernel=name, **kernel_row(name, problem, check, sweep, q8, k8, v8,
-                                                       descale=descale_rows(*descales)))
+                                                       descales=dict(zip(("descale_q", "descale_k", "descale_v"),
+                                                                         blocks)),
+                                                       descale=descale_rows(*blocks)))
         else:
-            row = dict(base, kernel=name, **kernel_row(name, problem, check, sweep, q, k, v, **run_kw))
-        launch = row.pop("launch", None)
+            row = dict(base, kernel=name, **kernel_row(name, problem, check, sweep, q, k, v, descales, **run_kw))
+        launch, call = row.pop("launch", None), row.pop("call", None)
         if launch is not None:
-            launches[name] = launch
-        if rounds == 1:
-            if best and row["tflops"]:
-                row.update(best_peer=best[0], vs_best_peer=row["tflops"] / best[1])
-            row.update(gpu_fields(row.pop("states", [])))
-            emit(row)
+            timed[name] = (launch, call)
         rows.append(row)
+        if rounds == 1:
+            finish(row)
     if rounds == 1:
         return
     import statistics
 
-    timed = [r for r in rows if r["kernel"] in launches]
-    states = [r.get("states", []) for r in timed]
-    for r, ms_rounds, st in zip(timed, more_rounds([launches[r["kernel"]] for r in timed], [r["ms"] for r in timed],
-                                                   rounds, states), states):
-        r.update(ms=statistics.median(ms_rounds), ms_rounds=ms_rounds)
-        r["tflops"] = tflops(problem.flops, r["ms"])
-        r.update(gpu_fields(st))
-    best = best_peer(peer_tflops(), best_of)
+    done = [r for r in rows if r["kernel"] in timed and r.get("call_ms")]
+    fns = [timed[r["kernel"]][i] for r in done for i in (0, 1)]
+    firsts = [r[key] for r in done for key in ("ms", "call_ms")]
+    states = [r[key] for r in done for key in ("states", "call_states")]
+    all_ms = more_rounds(fns, firsts, rounds, states, timers=[benchmark, burst_ms] * len(done))
+    for i, r in enumerate(done):
+        r.update(ms=statistics.median(all_ms[2 * i]), ms_rounds=all_ms[2 * i],
+                 call_ms=statistics.median(all_ms[2 * i + 1]), call_ms_rounds=all_ms[2 * i + 1])
     for r in rows:
-        r.pop("states", None)
-        if r["kernel"] not in candidates and best and r.get("tflops"):
-            r.update(best_peer=best[0], vs_best_peer=r["tflops"] / best[1])
-        emit(r)
+        finish(r)
 
 
 def print_row(r) -> None:
     if r["ms"] is None:
         print(f"{r['kernel']:<11}{r['status']}")
     else:
-        vs = f"{r['vs_best_peer']:>11.3f}x ({r['best_peer']})" if r.get("vs_best_peer") else ""
+        call = f"{r['call_tflops']:>10.1f}" if r.get("call_tflops") else f"{'—':>10}"
+        vs = f"{r['vs_best_peer']:>8.3f}x ({r['best_peer']})" if r.get("vs_best_peer") else ""
+        kvs = f"  kernel {r['kernel_vs_best_peer']:.3f}x" if r.get("kernel_vs_best_peer") else ""
         clock = f"  [{r['sm_clock_mhz']:.0f} MHz, {r['power_w']:.0f} W]" if r.get("sm_clock_mhz") else ""
-        print(f"{r['kernel']:<11}{r['ms']:>10.3f}{r['tflops']:>10.1f}{vs}{clock}", flush=True)
+        print(f"{r['kernel']:<11}{r['ms']:>10.3f}{r['tflops']:>10.1f}{call}{vs}{kvs}{clock}", flush=True)
 
 
-DECODE_ONLY = ("q_len", "num_splits", "grid_only", "splits_curve", "host_times", "pages_curve")
+DECODE_ONLY = ("q_len", "num_splits", "grid_only", "splits_curve", "pages_curve")
+
+
+def flags_given(args, dests) -> list:
+    """The command-line flags (as typed: --compile-only) of the argparse destinations that were set."""
+    return [f"--{d.replace('_', '-')}" for d in dests if getattr(args, d) not in (None, False)]
 
 
 def decode_refusal(args):
@@ -285,12 +342,11 @@ def decode_refusal(args):
     the prefill workload (flags or environment) would be ignored: refused instead, as ref_check does."""
     from harness.config import KNOBS
 
-    other = [f for f in ("seqlen", "causal", "nheads", "dtype", "sweep", "compile_only", "check")
-             if getattr(args, f) not in (None, False)]
+    other = flags_given(args, ("seqlen", "causal", "nheads", "dtype", "sweep", "compile_only", "check"))
     if other or args.kernels:
         return (f"--decode times its own grid (harness/decode_bench.py); it takes --batch, --seqlen-k, --nheads-kv, "
                 f"--headdim, --q-len, --num-splits, --no-peers, --grid-only, --splits-curve, --host-times, "
-                f"--pages-curve and --out, not {other or args.kernels}")
+                f"--pages-curve and --out, not {', '.join(other) or ' '.join(args.kernels)}")
     ignored = [f"{var}={os.environ[var]}" for var in (*KNOBS.values(), "CHECK") if var in os.environ]
     if ignored:
         return f"--decode would ignore {', '.join(ignored)}: unset it (--batch, --headdim, ... restrict the grid)"
@@ -370,6 +426,38 @@ def decode_main(args, argv) -> int:
     return 0
 
 
+def host_times_main(args, argv) -> int:
+    """``--host-times``: microseconds per call of each public call, SDPA and flash-attn-4."""
+    from harness import host_times, results
+
+    other = flags_given(args, ("seqlen", "headdim", "causal", "nheads", "batch", "dtype", "sweep", "compile_only",
+                                "check", "no_peers"))
+    if args.rounds != 1:
+        other.append("--rounds")
+    if other or args.kernels:
+        print(f"error: --host-times times its own calls at {host_times.SHAPE} (harness/host_times.py); it takes "
+              f"--out alone, not {', '.join(other) or ' '.join(args.kernels)}", file=sys.stderr)
+        return 2
+    import torch
+
+    if not torch.cuda.is_available():
+        print("No CUDA GPU is visible, so nothing can be timed here.", file=sys.stderr)
+        return 2
+    out = results.open_result_file(args.out, results.command_line("bench.py", argv))
+    print(f"== {torch.cuda.get_device_name()}: host time per call at {host_times.SHAPE}, bf16")
+
+    def emit(row):
+        if out:
+            out.append(row)
+        value = f"host {row['host_us']:7.1f} us, per call {row['call_us']:7.1f} us" if row.get("host_us") else row["status"]
+        print(f"{row['kernel']:<42}{value}", flush=True)
+
+    host_times.run(emit)
+    if out:
+        print(f"\nwrote {out.close()}")
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.decode:
@@ -380,8 +468,10 @@ def main(argv=None) -> int:
     if (args.seqlen_k is not None or args.nheads_kv is not None) and not args.compile_only or \
             any(getattr(args, f) not in (None, False) for f in DECODE_ONLY):
         print("error: --seqlen-k and --nheads-kv belong to --decode and --compile-only; --q-len, --num-splits, "
-              "--grid-only, --splits-curve, --host-times and --pages-curve to --decode", file=sys.stderr)
+              "--grid-only, --splits-curve and --pages-curve to --decode", file=sys.stderr)
         return 2
+    if args.host_times:
+        return host_times_main(args, argv)
     try:
         names = resolve_kernels(args.kernels)
         flags = dict(seqlen=args.seqlen, headdim=args.headdim, causal=args.causal, batch=args.batch,
@@ -423,7 +513,7 @@ def main(argv=None) -> int:
     for p in problems:
         print(f"\n== {device}: batch={p.batch} heads={p.nheads} seqlen={p.seqlen} head_dim={p.head_dim} "
               f"causal={int(p.causal)} {p.dtype} ({p.flops / 1e12:.3f} TFLOP per call)")
-        print(f"{'kernel':<11}{'ms':>10}{'TFLOP/s':>10}{'vs best peer':>14}")
+        print(f"{'kernel':<11}{'ms':>10}{'kernel':>10}{'call':>10}  (TFLOP/s; the call vs the best peer's call)")
         run_problem(names, p, check, not args.no_peers, args.sweep, emit, args.rounds)
     if args.sweep and not args.no_peers:
         best_of = BEST_OF_FP8 if problems[0].dtype in FP8_DTYPES else BEST_OF

@@ -22,7 +22,8 @@ from kernels import REGISTRY, get_kernel
 from kernels.contract import (FP8_DTYPES, StreamBuffers, UnsupportedProblem, as_causal, as_flag, as_scale,
                               fresh_buffers)
 
-from .inputs import problem_from_tensors, require_cuda, require_name, require_tensors, torch_dtype
+from .inputs import (problem_from_tensors, require_cuda, require_name, require_quantizable, require_tensors,
+                     torch_dtype)
 
 _CACHE: "OrderedDict[tuple, object]" = OrderedDict()
 _CACHE_SIZE = 8  # K1's compiled problems hold an S buffer each: keep few
@@ -328,15 +329,26 @@ def quantize_fp8_blocks(q, k, v):
     matrix and quantized per Q / K tile, v per V tile, all float8_e4m3fn, with float32 descales
     (batch, heads, blocks). Returns (q8, k8, v8, descale_q, descale_k, descale_v) for
     ``attention("k8", q8, k8, v8, descale_q=..., descale_k=..., descale_v=...)``: the same bytes
-    K8's own pre-pass makes of q, k, v, so the result is the same as ``attention("k8", q, k, v)``."""
-    from kernels.k8 import block_sizes, quantize_inputs
+    K8's own pre-pass makes of q, k, v, so the result is the same as ``attention("k8", q, k, v)``.
+    q, k, v as ``attention`` takes them, in bf16, fp16 or float32."""
+    from kernels.k8 import CAPS, block_sizes, quantize_inputs
 
+    for role, x in (("q", q), ("k", k), ("v", v)):
+        require_quantizable(role, x, CAPS.head_dims)
+    if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3] or q.shape[1] % k.shape[1]:
+        raise UnsupportedProblem(
+            "k and v must have one shape (batch, nheads_kv, seqlen_k, head_dim) with q's batch and head_dim, and q's "
+            f"heads a multiple of theirs: got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if not q.device == k.device == v.device:
+        raise UnsupportedProblem(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     return quantize_inputs(q, k, v, *block_sizes(q.shape[-1]))
 
 
 def quantize_fp8(x):
-    """(x8, descale): ``x`` (bf16/fp16/fp32) as float8_e4m3fn with one per-tensor scale, x ~= x8 * descale;
-    descale is a 0-d float32 tensor on x's device (no host sync). K7's own pre-pass."""
-    from kernels.k7 import quantize_fp8 as quantize
+    """(x8, descale): ``x`` (bf16/fp16/fp32, (batch, heads, seqlen, head_dim)) as float8_e4m3fn with
+    one per-tensor scale, x ~= x8 * descale; descale is a 0-d float32 tensor on x's device (no host
+    sync). K7's own pre-pass."""
+    from kernels.k7 import CAPS, quantize_fp8 as quantize
 
+    require_quantizable("x", x, CAPS.head_dims)
     return quantize(x)

@@ -19,7 +19,7 @@ import math
 import statistics
 import time
 
-from harness.timing import graph_ms  # module-level: the CPU tests replace it
+from harness.timing import failure, graph_ms, host_rows  # module-level: the CPU tests replace graph_ms
 
 NHEADS, HEAD_DIM, Q_LEN = 32, 128, 1
 # The issue's grid: batch x kv_len x K/V heads (batch 64 with 4k keys only).
@@ -163,15 +163,6 @@ def peer_steps(inputs: Inputs) -> dict:
     return steps
 
 
-def failure(e: Exception) -> str:
-    """A status string for a candidate that raised: a refusal names its constraint."""
-    from kernels.contract import UnsupportedProblem
-
-    if isinstance(e, UnsupportedProblem):
-        return f"refused: {e}"[:120]
-    return f"failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"[:120]
-
-
 def check_and_time(step, context, o_ref) -> tuple:
     """(ms, max_abs_err, status): checked on copy 0 first; a wrong or failing candidate is not timed.
     ``context`` (SDPA's backend choice) is entered here, outside the graph capture and the timing."""
@@ -187,33 +178,6 @@ def check_and_time(step, context, o_ref) -> tuple:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         return None, None, failure(e)
-
-
-def host_us(call, n: int = 200) -> float:
-    """Mean host time of ``call`` over n back-to-back calls, nothing synchronized in between."""
-    import torch
-
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        call()
-    host = (time.perf_counter() - t0) / n * 1e6
-    torch.cuda.synchronize()
-    return host
-
-
-def call_us(call, n: int = 200) -> float:
-    """Microseconds per call on the GPU clock: one event pair around n back-to-back calls, so the
-    slower of host and kernel sets it (what a loop of eager decode steps sees)."""
-    import torch
-
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(n):
-        call()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / n * 1e3
 
 
 def candidates(inputs: Inputs, peers: bool = True, num_splits: int = 0) -> dict:
@@ -401,43 +365,14 @@ HOST_ROUNDS = 9
 
 
 def run_host(emit, head_dim: int = HEAD_DIM, q_len: int = Q_LEN, rounds: int = HOST_ROUNDS) -> None:
-    """Host microseconds per call (no graph, no sync inside the loop) at two shapes, and the same
-    calls' per-call time on the GPU clock (event pair around 200 calls: max of host and kernel).
-    The calls take turns, ``rounds`` bursts of 200 each after a warm-up; each row is the median
-    burst (a host's timing drifts by tens of percent from one second to the next)."""
-    import statistics
-
+    """Host microseconds per call at two shapes (``timing.host_rows``)."""
     import torch
 
     for batch, kv_len, nheads_kv in ((1, 32768, 8), (64, 4096, 8)):
         inputs = Inputs(batch, kv_len, nheads_kv, head_dim, q_len)
         base = dict(mode="host", batch=batch, nheads=NHEADS, nheads_kv=nheads_kv, seqlen_k=kv_len, q_len=q_len,
                     head_dim=head_dim)
-        calls, host, failed = host_calls(inputs), {}, {}
-        for name, call in calls.items():
-            try:
-                for _ in range(10):  # warm-up: compiles, first allocations
-                    call()
-                host[name] = []
-            except Exception as e:
-                failed[name] = failure(e)
-        for _ in range(rounds):
-            for name in [n for n in host if n not in failed]:
-                try:
-                    host[name].append(host_us(calls[name]))
-                except Exception as e:
-                    failed[name] = failure(e)
-        for name in calls:
-            if name not in failed:
-                try:
-                    per_call = call_us(calls[name])
-                except Exception as e:
-                    failed[name] = failure(e)
-            if name in failed:
-                emit(dict(base, kernel=name, status=failed[name]))
-            else:
-                emit(dict(base, kernel=name, host_us=statistics.median(host[name]), call_us=per_call, rounds=rounds,
-                          status="ok"))
+        host_rows(host_calls(inputs), base, emit, rounds)
         del inputs
         torch.cuda.empty_cache()
 

@@ -90,6 +90,32 @@ def problem_from_tensors(q, k, v, causal: bool, softmax_scale=None) -> Problem:
                    nheads_kv=k.shape[1])
 
 
+QUANTIZABLE = ("bfloat16", "float16", "float32")
+
+
+def require_quantizable(role: str, x, head_dims: tuple) -> None:
+    """``x`` as the FP8 quantizers take it: a floating-point (batch, heads, seqlen, head_dim) tensor
+    with a head dim the FP8 stages run, a contiguous last dim and rows in 16-byte pieces."""
+    import torch
+
+    if not isinstance(x, torch.Tensor):
+        raise UnsupportedProblem(f"{role} must be a torch.Tensor, got {type(x).__name__}")
+    dtype = str(x.dtype).replace("torch.", "")
+    if dtype not in QUANTIZABLE:
+        raise UnsupportedProblem(f"{role} must be {', '.join(QUANTIZABLE)} to be quantized to FP8, got {x.dtype}")
+    if x.dim() != 4:
+        raise UnsupportedProblem(f"{role} must be 4-D (batch, heads, seqlen, head_dim), got shape {tuple(x.shape)}")
+    if min(x.shape) < 1:
+        raise UnsupportedProblem(f"{role}'s batch, heads, seqlen and head_dim must all be positive, got {tuple(x.shape)}")
+    if x.shape[-1] not in head_dims:
+        raise UnsupportedProblem(f"{role}: head_dim {x.shape[-1]} not supported by the FP8 stages "
+                                 f"(supported: {list(head_dims)})")
+    row = 16 // x.element_size()
+    if x.stride(-1) != 1 or any(s % row for s in x.stride()[:-1]) or x.data_ptr() % 16:
+        raise UnsupportedProblem(f"{role} must have a contiguous last dim, 16-byte alignment and strides that are "
+                                 f"multiples of {row} elements, got strides {x.stride()}; call .contiguous() first")
+
+
 def require_cuda(q, k, v) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not t.is_cuda:

@@ -27,7 +27,7 @@ SCHEMA_VERSION = 2
 ROOT = Path(__file__).resolve().parent.parent
 # The DSL and the CUDA libraries it was installed with, and the peers timed beside the kernels.
 PACKAGES = ("nvidia-cutlass-dsl", "nvidia-cutlass-dsl-libs-cu12", "nvidia-cutlass-dsl-libs-cu13", "flash-attn-4",
-            "nvidia-cudnn-frontend")
+            "quack-kernels", "nvidia-cudnn-frontend", "cuda-python", "cuda-bindings", "apache-tvm-ffi")
 
 
 def git_commit():
@@ -181,8 +181,9 @@ def write(path, rows: list, command: str) -> Path:
 
 
 def best_peer_summary(rows: list) -> str:
-    """Each kernel's ratio to the best peer of every cell (``vs_best_peer`` in its rows), by head
-    dim and causal against seqlen, then its geometric mean over the cells and its worst cell."""
+    """Each kernel's ratio to the best peer of every cell (``vs_best_peer`` in its rows: the public
+    calls' ratio where the rows have one), by head dim and causal against seqlen, then its geometric
+    mean over the cells and its worst cell; and the kernel alone's geomean (``kernel_vs_best_peer``)."""
     from .peers import PEERS
 
     kern = [r for r in rows if r["kernel"] not in PEERS]
@@ -198,12 +199,21 @@ def best_peer_summary(rows: list) -> str:
         if not cells:
             lines.append(f"{kernel}: no cell timed beside a peer")
             continue
-        geomean = math.exp(sum(math.log(r["vs_best_peer"]) for r in cells) / len(cells))
         w = min(cells, key=lambda r: r["vs_best_peer"])
-        lines.append(f"{kernel}: geomean {geomean:.3f}x of the best peer over {len(cells)} cells; worst "
-                     f"{w['vs_best_peer']:.3f}x (vs {w['best_peer']}) at d={w['head_dim']} causal={w['causal']} "
-                     f"N={w['seqlen']}")
+        what = "public call" if any("call_ms" in r for r in cells) else "kernel"
+        lines.append(f"{kernel} ({what}): geomean {geomean(cells, 'vs_best_peer'):.3f}x of the best peer over "
+                     f"{len(cells)} cells; worst {w['vs_best_peer']:.3f}x (vs {w['best_peer']}) at d={w['head_dim']} "
+                     f"causal={w['causal']} N={w['seqlen']}")
+        alone = [r for r in mine if r.get("kernel_vs_best_peer")]
+        if alone:
+            w = min(alone, key=lambda r: r["kernel_vs_best_peer"])
+            lines.append(f"{kernel} (kernel alone): geomean {geomean(alone, 'kernel_vs_best_peer'):.3f}x; worst "
+                         f"{w['kernel_vs_best_peer']:.3f}x at d={w['head_dim']} causal={w['causal']} N={w['seqlen']}")
     return "\n".join(lines)
+
+
+def geomean(rows: list, key: str) -> float:
+    return math.exp(sum(math.log(r[key]) for r in rows) / len(rows))
 
 
 def load(path) -> dict:

@@ -47,17 +47,129 @@ def benchmark(fn, warmup_ms: float = 100.0, rep_ms: float = 300.0, min_reps: int
     return statistics.median(s.elapsed_time(e) for s, e in events)
 
 
-def more_rounds(launches: list, first_ms: list, rounds: int, states: list | None = None) -> list:
+def burst_ms(fn, rep_ms: float = 200.0, state: dict | None = None) -> float:
+    """Median milliseconds per call of ``fn`` called back to back, as a model calls it eagerly: one
+    event pair around each burst of calls, nothing synchronized inside, so the slower of the host
+    and the GPU sets the time. Warm-up first; bursts of at least 20 calls and about 10 ms each,
+    repeated for about ``rep_ms``. ``state`` as in ``benchmark``."""
+    import time
+
+    import torch
+
+    from harness.gpu_state import sampler
+
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(2):  # the second burst: warm
+        start.record()
+        for _ in range(10):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+    est = max(start.elapsed_time(end) / 10, 1e-3)
+    calls = max(20, int(10.0 / est))
+    bursts = max(5, min(200, int(rep_ms / (calls * est))))
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(bursts)]
+    gpu = sampler() if state is not None else None
+    t0 = time.monotonic()
+    for s, e in events:
+        s.record()
+        for _ in range(calls):
+            fn()
+        e.record()
+    torch.cuda.synchronize()
+    if gpu:
+        state.update(gpu.window(t0, time.monotonic()) or {})
+    return statistics.median(s.elapsed_time(e) / calls for s, e in events)
+
+
+def host_us(call, n: int = 200) -> float:
+    """Mean host time of ``call`` over n back-to-back calls, nothing synchronized in between."""
+    import time
+
+    import torch
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        call()
+    host = (time.perf_counter() - t0) / n * 1e6
+    torch.cuda.synchronize()
+    return host
+
+
+def call_us(call, n: int = 200) -> float:
+    """Microseconds per call on the GPU clock: one event pair around n back-to-back calls, so the
+    slower of host and kernel sets it (what a loop of eager calls sees)."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        call()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / n * 1e3
+
+
+def host_rows(calls: dict, base: dict, emit, rounds: int = 9) -> None:
+    """One row per call (name -> call()): its host microseconds per call (``host_us``: no graph, no
+    sync inside the loop) and the same calls' per-call time on the GPU clock (``call_us``: the max
+    of host and kernel). The calls take turns, ``rounds`` bursts of 200 each after a warm-up; each
+    row is the median burst (a host's timing drifts by tens of percent from one second to the
+    next). A call that raises gets a row with the reason."""
+    host, failed = {}, {}
+    for name, call in calls.items():
+        try:
+            for _ in range(10):  # warm-up: compiles, first allocations
+                call()
+            host[name] = []
+        except Exception as e:
+            failed[name] = failure(e)
+    for _ in range(rounds):
+        for name in [n for n in host if n not in failed]:
+            try:
+                host[name].append(host_us(calls[name]))
+            except Exception as e:
+                failed[name] = failure(e)
+    for name in calls:
+        if name not in failed:
+            try:
+                per_call = call_us(calls[name])
+            except Exception as e:
+                failed[name] = failure(e)
+        if name in failed:
+            emit(dict(base, kernel=name, status=failed[name]))
+        else:
+            emit(dict(base, kernel=name, host_us=statistics.median(host[name]), call_us=per_call, rounds=rounds,
+                      status="ok"))
+
+
+def failure(e: Exception) -> str:
+    """A status string for a candidate that raised: a refusal names its constraint."""
+    from kernels.contract import UnsupportedProblem
+
+    if isinstance(e, UnsupportedProblem):
+        return f"refused: {e}"[:120]
+    return f"failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"[:120]
+
+
+def more_rounds(launches: list, first_ms: list, rounds: int, states: list | None = None,
+                timers: list | None = None) -> list:
     """Each launch timed ``rounds`` times in all: ``first_ms`` is round 1, rounds 2.. run here with
     the order reversed every other round, so that none is always timed first or last while the
     GPU's clocks drift. Returns every launch's times, round 1 first. ``states``: one list per
-    launch (round 1's state already in it) that each round's GPU state is appended to."""
+    launch (round 1's state already in it) that each round's GPU state is appended to.
+    ``timers``: one timing function per launch (``benchmark`` or ``burst_ms``), ``benchmark`` by
+    default."""
     times = [[ms] for ms in first_ms]
+    timers = timers or [benchmark] * len(launches)
     order = list(range(len(launches)))
     for i in range(1, rounds):
         for j in (reversed(order) if i % 2 else order):
             state = {}
-            times[j].append(benchmark(launches[j], state=state if states is not None else None))
+            times[j].append(timers[j](launches[j], state=state if states is not None else None))
             if states is not None:
                 states[j].append(state)
     return times

@@ -17,8 +17,13 @@
 set -euo pipefail
 part=${1:?check or perf}
 dir=${2:-results}
-mkdir -p "$dir"
 py=$(command -v python3 || command -v python)
+if ! $py -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  echo "error: reproduce.sh times and checks on a GPU (an H100/H200), and no CUDA GPU is visible here;" \
+       "without one: python bench.py all --compile-only" >&2
+  exit 2
+fi
+mkdir -p "$dir"
 gpu=$($py -c "import torch, re; n = torch.cuda.get_device_name(); print((re.search(r'H100|H200', n) or [n.split()[-1]])[0].lower())")
 case "$part" in
   check)  # both run even if the first fails; the exit status reports either failure

@@ -114,3 +114,96 @@ def test_the_wrapper_traces_into_one_graph_around_the_op():
     graph = torch.export.export(Model(), tuple(_qkv()), strict=True).graph_module.code
     assert graph.count("torch.ops.fa3_cute.attention.default(") == 1
     assert "'k4'" in graph and "0.125" in graph
+
+
+def test_meta_tensors_are_checked_not_passed_to_the_fake_implementation():
+    q, k, v = (t.to("meta") for t in _qkv())
+    with pytest.raises(UnsupportedProblem, match="q must be a CUDA tensor, got device meta"):
+        attention("k4", q, k, v)
+    with pytest.raises(UnsupportedProblem, match="unknown kernel 'nope'"):
+        attention("nope", q, k, v)
+    with pytest.raises(UnsupportedProblem, match="head_dim 96 not supported"):
+        attention("k4", *(t.to("meta") for t in _qkv((1, 2, 16, 96))))
+
+
+@pytest.mark.parametrize("flag", ["no", 1, 0, None, "True"])
+def test_return_lse_must_be_a_bool(flag):
+    with pytest.raises(UnsupportedProblem, match="return_lse must be a bool"):
+        attention("k4", *_qkv(), return_lse=flag)
+
+
+def test_return_lse_takes_numpy_bools():
+    with pytest.raises(UnsupportedProblem, match="CUDA tensor"):
+        attention("k4", *_qkv(), return_lse=np.bool_(True))
+
+
+@pytest.mark.parametrize("name", [4, None, ["k4"], b"k4"])
+def test_a_kernel_name_of_the_wrong_type_is_named(name):
+    with pytest.raises(UnsupportedProblem, match="the kernel name must be a string, one of k1, "):
+        attention(name, *_qkv())
+
+
+def test_calls_whose_arguments_may_change_unseen_are_not_kept():
+    # The signature cache keys on values that hash by value; anything else is checked in full each time.
+    from harness.api import _signature
+
+    q, k, v = _qkv()
+    assert _signature("k4", q, k, v, False, None, False, (None,) * 3) is None  # host tensors: no fast path
+    meta = [t.to("meta") for t in (q, k, v)]
+    assert _signature("k4", *meta, False, None, False, (None,) * 3) is None
+
+
+@pytest.mark.parametrize("case, match", [
+    ("int8", "x must be bfloat16, float16, float32 to be quantized"),
+    ("list", "x must be a torch.Tensor, got list"),
+    ("3d", r"x must be 4-D \(batch, heads, seqlen, head_dim\)"),
+    ("d80", r"x: head_dim 80 not supported by the FP8 stages \(supported: \[64, 128, 256\]\)"),
+    ("strided", "x must have a contiguous last dim"),
+])
+def test_quantize_fp8_refuses_what_it_cannot_quantize(case, match):
+    from harness import quantize_fp8
+
+    x = dict(int8=torch.zeros(1, 2, 16, 64, dtype=torch.int8), list=[[1.0]], **{"3d": torch.randn(2, 16, 64)},
+             d80=torch.randn(1, 2, 16, 80), strided=torch.randn(1, 2, 64, 16).transpose(2, 3))[case]
+    with pytest.raises(UnsupportedProblem, match=match):
+        quantize_fp8(x)
+
+
+@pytest.mark.parametrize("case, match", [
+    ("int8", "k must be bfloat16, float16, float32 to be quantized"),
+    ("list", "v must be a torch.Tensor, got list"),
+    ("3d", r"q must be 4-D"),
+    ("d80", r"q: head_dim 80 not supported by the FP8 stages"),
+    ("head_dims", r"k and v must have one shape .* with q's batch and head_dim"),
+    ("heads", r"q's heads a multiple of theirs"),
+])
+def test_quantize_fp8_blocks_refuses_what_it_cannot_quantize(case, match):
+    from harness import quantize_fp8_blocks
+
+    q, k, v = _qkv((1, 4, 16, 128))
+    if case == "int8":
+        k = k.to(torch.int8)
+    elif case == "list":
+        v = [1.0]
+    elif case == "3d":
+        q = q[0]
+    elif case == "d80":
+        q, k, v = _qkv((1, 4, 16, 80))
+    elif case == "head_dims":
+        k, v = _qkv((1, 4, 16, 64))[:2]
+    elif case == "heads":
+        k, v = _qkv((1, 3, 16, 128))[:2]
+    with pytest.raises(UnsupportedProblem, match=match):
+        quantize_fp8_blocks(q, k, v)
+
+
+def test_descale_rows_turn_a_bad_descale_into_nan_rows():
+    # K7/K8 descales live on the GPU, where the host cannot read them without a stall: one that is
+    # not a finite number > 0 makes the rows it scales NaN (never a quietly wrong answer).
+    from kernels.fp8_quant import descale_rows
+
+    dq = torch.tensor([[[0.5, -1.0]]])
+    dk, dv = torch.tensor([[[float("nan"), 2.0, 0.0]]]), torch.tensor([[[float("inf"), 1.0, 3.0]]])
+    rows = descale_rows(dq, dk, dv)[0, 0].tolist()
+    assert rows[0] == 0.5 and rows[3] == 2.0 and rows[6:] == [1.0, 3.0]
+    assert all(np.isnan(rows[i]) for i in (1, 2, 4, 5))

@@ -125,50 +125,61 @@ def test_interrupted_sweep_keeps_its_rows(tmp_path, monkeypatch):
 
 
 def test_rounds_alternate_the_order_and_report_medians(monkeypatch):
-    # Fake peers and kernel: each timing returns the next value of its own list, and the calls are
-    # logged, so the order of the rounds and the medians (and vs_best_peer from them) are checked.
+    # Fake peers and kernel: each timing (alone: "bench", public call: "call") returns the next value
+    # of its own list, and the timings are logged, so the order of the rounds and the medians (and
+    # both ratios to the best peer from them) are checked.
     import harness.inputs
     import harness.peers
     import harness.timing
     from kernels.contract import Problem
 
-    values = {"sdpa-cudnn": [1.0, 3.0, 2.0], "fa4": [2.0, 2.0, 9.0], "k6": [4.0, 1.0, 1.5]}
+    values = {("bench", "sdpa-cudnn"): [1.0, 3.0, 2.0], ("bench", "fa4"): [2.0, 2.0, 9.0],
+              ("bench", "k6"): [4.0, 1.0, 1.5], ("call", "sdpa-cudnn"): [3.0, 3.0, 3.0],
+              ("call", "fa4"): [2.5, 2.5, 2.5], ("call", "k6"): [5.0, 2.0, 2.0]}
     calls = []
 
-    def fake_benchmark(fn, state=None):
-        calls.append(fn.name)
-        if state is not None:  # the GPU state of this timing: its clock tells which call it was
-            state.update(sm_clock_mhz=1000 + len(calls), power_w=700.0, temp_c=50 + len(calls),
-                         clock_limited_by=["power_cap"], samples=5)
-        return values[fn.name][sum(c == fn.name for c in calls) - 1]
+    def timer(kind):
+        def fake(fn, state=None):
+            calls.append((kind, fn.name))
+            if state is not None:  # the GPU state of this timing: its clock tells which call it was
+                state.update(sm_clock_mhz=1000 + len(calls), power_w=700.0, temp_c=50 + len(calls),
+                             clock_limited_by=["power_cap"], samples=5)
+            return values[kind, fn.name][calls.count((kind, fn.name)) - 1]
+        return fake
 
     def named(name):
         fn = lambda: None  # noqa: E731
         fn.name = name
         return fn
 
-    monkeypatch.setattr(harness.timing, "benchmark", fake_benchmark)
+    monkeypatch.setattr(harness.timing, "benchmark", timer("bench"))
+    monkeypatch.setattr(harness.timing, "burst_ms", timer("call"))
     monkeypatch.setattr(harness.inputs, "random_inputs", lambda p: (None, None, None))
     monkeypatch.setattr(harness.peers, "peer_callables",
                         lambda *a: {"sdpa-cudnn": named("sdpa-cudnn"), "sdpa-flash": "unavailable", "fa4": named("fa4")})
+
     def fake_row(name, p, *a, **kw):
-        state = {}
-        return dict(ms=fake_benchmark(named(name), state), tflops=None, status="ok", launch=named(name),
-                    states=[state])
+        state, call_state = {}, {}
+        ms = harness.timing.benchmark(named(name), state)
+        return dict(ms=ms, call_ms=harness.timing.burst_ms(named(name), call_state), status="ok",
+                    launch=named(name), call=named(name), states=[state], call_states=[call_state])
 
     monkeypatch.setattr(bench, "kernel_row", fake_row)
     rows = []
     p = Problem(batch=1, nheads=1, seqlen=1024, head_dim=128)
     bench.run_problem(["k6"], p, False, True, True, rows.append, rounds=3)
-    assert calls == ["sdpa-cudnn", "fa4", "k6", "k6", "fa4", "sdpa-cudnn", "sdpa-cudnn", "fa4", "k6"]
+    first = [(kind, n) for n in ("sdpa-cudnn", "fa4", "k6") for kind in ("bench", "call")]
+    assert calls == first + first[::-1] + first
     by_name = {r["kernel"]: r for r in rows}
     assert by_name["sdpa-cudnn"]["ms"] == 2.0 and by_name["fa4"]["ms"] == 2.0 and by_name["k6"]["ms"] == 1.5
     assert by_name["k6"]["ms_rounds"] == [4.0, 1.0, 1.5] and by_name["sdpa-flash"]["status"] == "unavailable"
-    assert by_name["k6"]["vs_best_peer"] == pytest.approx(2.0 / 1.5)
-    # each round's GPU state stays with its row: k6 was the 3rd, 4th and 9th timing
-    assert by_name["k6"]["sm_clock_rounds"] == [1003, 1004, 1009] and by_name["k6"]["sm_clock_mhz"] == 1004
-    assert by_name["k6"]["temp_c"] == 59 and by_name["fa4"]["sm_clock_rounds"] == [1002, 1005, 1008]
-    assert all("states" not in r for r in rows)
+    assert by_name["k6"]["call_ms"] == 2.0 and by_name["k6"]["call_ms_rounds"] == [5.0, 2.0, 2.0]
+    assert by_name["k6"]["vs_best_peer"] == pytest.approx(2.5 / 2.0) and by_name["k6"]["best_peer"] == "fa4"
+    assert by_name["k6"]["kernel_vs_best_peer"] == pytest.approx(2.0 / 1.5)
+    # each round's GPU state stays with its row: k6 alone was the 5th, 8th and 17th timing
+    assert by_name["k6"]["sm_clock_rounds"] == [1005, 1008, 1017] and by_name["k6"]["sm_clock_mhz"] == 1008
+    assert by_name["fa4"]["sm_clock_rounds"] == [1003, 1010, 1015]
+    assert all("states" not in r and "call_states" not in r for r in rows)
     assert bench.main(["k6", "--rounds", "0"]) == 2
 
 
@@ -207,3 +218,30 @@ def test_reproduce_script_configs_are_json():
     assert len(quoted) > 30
     for q in quoted:
         json.loads(q)
+
+
+def test_decode_refusals_name_the_flags_as_typed(capsys):
+    assert bench.main(["--decode", "--compile-only"]) == 2
+    err = capsys.readouterr().err
+    assert "not --compile-only" in err and "compile_only" not in err
+
+
+def test_host_times_refuses_a_workload_it_would_ignore(capsys):
+    assert bench.main(["--host-times", "--seqlen", "4096"]) == 2
+    assert "--host-times times its own calls" in capsys.readouterr().err and True
+    assert bench.main(["k6", "--host-times"]) == 2
+
+
+def test_reproduce_script_stops_before_making_its_folder_without_a_gpu(tmp_path):
+    import subprocess
+    import sys
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: the script would run")
+    folder = tmp_path / "out"
+    env = dict(__import__("os").environ, PATH=f"{Path(sys.executable).parent}:{__import__('os').environ['PATH']}")
+    done = subprocess.run(["bash", "scripts/reproduce.sh", "check", str(folder)], capture_output=True, text=True,
+                          cwd=Path(__file__).parents[1], env=env)
+    assert done.returncode == 2 and "no CUDA GPU is visible" in done.stderr and not folder.exists()

@@ -323,6 +323,12 @@ def test_cache_seqlens_are_checked(lens, match):
         attention_with_kvcache(*_tensors(), lens)
 
 
+@pytest.mark.parametrize("flag", ["no", 1, None])
+def test_return_lse_must_be_a_bool(flag):
+    with pytest.raises(UnsupportedProblem, match="return_lse must be a bool"):
+        attention_with_kvcache(*_tensors(), return_lse=flag)
+
+
 def test_cpu_tensors_are_refused_after_the_shape_checks():
     with pytest.raises(UnsupportedProblem, match="CUDA"):
         attention_with_kvcache(*_tensors(), torch.full((2,), 10, dtype=torch.int32))

@@ -140,3 +140,69 @@ def test_quantizer_kernel_is_bit_exact_against_torch(d, n):
         assert torch.equal(descale, want_descale)
         assert torch.equal(x8.view(torch.uint8), want8.view(torch.uint8))
         assert not x8.float().isnan().any()
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_per_tensor_quantizer_compiles_to_wide_loads_and_e4m3_conversions(d):
+    from harness.inspect_ptx import ptxas_report
+    from kernels.contract import compiled_ptx
+    from kernels.fp8_quant import QuantizeTensors, compile_quantize_tensors
+
+    import re
+
+    amax, cast = (compiled_ptx(f) for f in compile_quantize_tensors(d, 3, "bfloat16", keep_ptx=True))
+    rows = QuantizeTensors(d, 3).rows_per_warp
+
+    def row_loads(ptx):  # E = d/32 bf16 values a lane: one load of 2E bytes per row
+        widths = [int(v or 1) * int(bits) // 8 for v, bits in re.findall(r"ld\.global\.(?:v(\d)\.)?b(\d+)", ptx)]
+        return widths.count(2 * d // 32)
+
+    # each of the three tensors: every row of the warp loaded at once (the cast also reads a partial)
+    assert row_loads(amax) == 3 * rows and row_loads(cast) in (3 * rows, 3 * rows + 1)
+    assert "cvt.rn.satfinite.e4m3x2.f32" not in amax and "cvt.rn.satfinite.e4m3x2.f32" in cast
+    assert all(spill == 0 for _, _, _, spill in ptxas_report(amax) + ptxas_report(cast))
+
+
+def test_per_tensor_arithmetic_is_the_block_quantizers_with_one_block():
+    from kernels.fp8_quant import quantize_fp8_blocks_torch, quantize_fp8_torch
+
+    x = torch.randn(2, 3, 50, 64, dtype=torch.bfloat16) * 5
+    x8, descale = quantize_fp8_torch(x)
+    flat = x.reshape(1, 1, -1, 64)
+    want8, want = quantize_fp8_blocks_torch(flat, flat.shape[2])
+    assert torch.equal(x8.view(torch.uint8).reshape(-1), want8.view(torch.uint8).reshape(-1))
+    assert descale.shape == () and float(descale) == float(want.reshape(()))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("n", [1, 17, 1000, 4097])
+def test_per_tensor_quantizer_kernel_is_bit_exact_against_torch(d, n):
+    from kernels.fp8_quant import quantize_fp8_tensors, quantize_fp8_torch
+
+    q = torch.randn(2, n, 4, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)  # strided heads
+    k, v = (torch.randn(2, 2, n + 5, d, device="cuda", dtype=torch.bfloat16) * s for s in (3.0, 0.01))
+    k[0, 1, 0, 0] = 200.0  # an outlier sets k's scale alone
+    for xs in ((q, k, v), (k,)):
+        outs, descales = quantize_fp8_tensors(*xs)
+        assert descales.shape == (len(xs),)
+        for x, x8, descale in zip(xs, outs, descales):
+            want8, want = quantize_fp8_torch(x)
+            assert torch.equal(descale, want)
+            assert torch.equal(x8.view(torch.uint8), want8.view(torch.uint8))
+    zero8, zero = quantize_fp8_tensors(torch.zeros(1, 1, 3, d, device="cuda", dtype=torch.float16))
+    assert float(zero) == 1.0 and not zero8[0].float().any()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_descale_rows_kernel_is_its_torch_definition():
+    from kernels.fp8_quant import descale_rows
+
+    dq, dk, dv = torch.rand(2, 8, 5) + 0.1, torch.rand(2, 2, 9) + 0.1, torch.rand(2, 2, 9) + 0.1
+    dq[1, 3, 2], dk[0, 1, 4], dv[1, 0, 8] = -1.0, float("nan"), float("inf")
+    want = descale_rows(dq, dk, dv)
+    got = descale_rows(*(x.cuda() for x in (dq, dk, dv)))
+    assert torch.equal(got.isnan().cpu(), want.isnan()) and want.isnan().sum() == 1 + 4 + 4
+    assert torch.equal(got.cpu().nan_to_num(), want.nan_to_num())

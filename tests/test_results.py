@@ -159,6 +159,16 @@ def test_best_peer_summary_gives_every_cell_the_geomean_and_the_worst():
     lines = text.splitlines()
     assert "N=512" in lines[0] and "N=1024" in lines[0]
     assert "0.50x" in lines[1] and "2.00x" in lines[1] and "0.25x" in lines[2]
-    k4 = next(line for line in lines if line.startswith("k4:"))
+    k4 = next(line for line in lines if line.startswith("k4 (kernel):"))  # rows without a public-call time
     assert "geomean 0.630x" in k4 and "over 3 cells" in k4 and "worst 0.250x (vs fa4) at d=128 causal=1 N=512" in k4
     assert "k2: no cell timed beside a peer" in text
+
+
+def test_best_peer_summary_names_the_public_call_and_gives_the_kernel_alone_too():
+    rows = [dict(kernel="k6", head_dim=64, causal=1, seqlen=n, best_peer="sdpa-cudnn", vs_best_peer=call,
+                 kernel_vs_best_peer=alone, call_ms=0.1) for n, call, alone in ((512, 0.5, 1.0), (1024, 2.0, 1.21))]
+    lines = results.best_peer_summary(rows).splitlines()
+    call = next(line for line in lines if line.startswith("k6 (public call):"))
+    assert "geomean 1.000x" in call and "worst 0.500x (vs sdpa-cudnn) at d=64 causal=1 N=512" in call
+    alone = next(line for line in lines if line.startswith("k6 (kernel alone):"))
+    assert "geomean 1.100x" in alone and "worst 1.000x at d=64 causal=1 N=512" in alone
