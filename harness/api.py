@@ -80,18 +80,15 @@ _DESCALES: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
 def descale_tensor(device, tensors: tuple, values: list) -> torch.Tensor:
     """K7's (3,) float32 descales (q, k, v) on ``device``: each a CUDA tensor or a number. Numbers
     alone come from a small cache (a host-to-device copy cannot be captured in a CUDA graph: the
-    warm-up call makes it); with a tensor, one launch (``fp8_quant.descale_rows``, which turns a
-    descale that is not a finite number > 0 into NaN), numbers again from the cache."""
-    from kernels.fp8_quant import descale_rows
-
+    warm-up call makes it); with a tensor, one device-side stack, numbers again from the cache."""
     if all(t is None for t in tensors):
         return _constant(tuple(values), device)
-    pieces = [t.reshape(1, 1, 1).float() if t is not None else _constant((x,), device).view(1, 1, 1)
-              for t, x in zip(tensors, values)]
-    return descale_rows(*pieces).view(3)
+    return torch.stack([(t if t.dim() == 0 else t.reshape(())).float() if t is not None
+                        else _constant(x, device) for t, x in zip(tensors, values)])
 
 
-def _constant(values: tuple, device) -> torch.Tensor:
+def _constant(values, device) -> torch.Tensor:
+    """A float32 tensor of ``values`` (a tuple, or one number: 0-d) on ``device``, kept."""
     key = (values, str(device))
     if key not in _DESCALES:
         _DESCALES[key] = torch.tensor(values, dtype=torch.float32, device=device)
@@ -291,13 +288,12 @@ class _PreparedCall:
         self.descale_mode = None
         if problem.dtype in FP8_DTYPES:
             if entry.block_descales:
-                from kernels.fp8_quant import descale_rows
-
-                self.descale_mode, self.descale_rows = "blocks", descale_rows
-            elif all(t is None for t in tensors):  # three numbers: one tensor made now, kept
+                self.descale_mode = "blocks"
+            elif all(t is None for t in tensors):  # three numbers, checked: one tensor made now, kept
                 self.descale_mode, self.descale = "fixed", descale_tensor(device, tensors, values)
-            else:
+            else:  # checked on the GPU as the V^T launch reads them (kernels.fp8_quant.descale_rows)
                 self.descale_mode, self.values = "tensors", values
+                self.is_tensor = tuple(t is not None for t in tensors)
 
     def __call__(self, q, k, v, descales) -> tuple:
         if self.device_index != torch.cuda.current_device():
@@ -314,10 +310,10 @@ class _PreparedCall:
         elif self.descale_mode == "fixed":
             self.run(q, k, v, out, lse, self.scale, descale=self.descale)
         elif self.descale_mode == "tensors":
-            tensors = tuple(x if isinstance(x, torch.Tensor) else None for x in descales)
-            self.run(q, k, v, out, lse, self.scale, descale=descale_tensor(q.device, tensors, self.values))
+            tensors = tuple(x if is_tensor else None for x, is_tensor in zip(descales, self.is_tensor))
+            self.run(q, k, v, out, lse, self.scale, descales=descale_tensor(q.device, tensors, self.values))
         else:
-            self.run(q, k, v, out, lse, self.scale, descale=self.descale_rows(*descales))
+            self.run(q, k, v, out, lse, self.scale, descales=descales)
         return out, lse
 
 

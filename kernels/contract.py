@@ -283,9 +283,9 @@ def jit_compile(key, build: Callable[[], tuple], keep_ptx: bool = False):
     compiled function takes torch tensors directly (TVM-FFI) and launches on the current
     torch stream.
     """
-    ensure_arch()
     full_key = (key, keep_ptx)
     if full_key not in _JIT_CACHE:
+        ensure_arch()
         import cutlass.cute as cute
 
         fn, args = build()

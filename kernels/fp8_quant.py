@@ -17,11 +17,14 @@ e4m3(x * scale) rounded to nearest even and saturated to +-448, descale = 1 / sc
 
 from __future__ import annotations
 
+import functools
 import math
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
+
+from .contract import StreamBuffers
 
 E4M3_MAX = 448.0
 
@@ -224,12 +227,13 @@ def _inv_sqrt(d: int) -> float:
     return struct.unpack("f", struct.pack("f", 1.0 / math.sqrt(d)))[0]
 
 
+@functools.cache
 def compile_quantize_blocks(head_dim: int, block_rows: int, rotate: bool, dtype: str, keep_ptx: bool = False):
-    from cutlass.cute.runtime import make_fake_tensor
-
     from .contract import cute_dtype, fake_stream, jit_compile
 
     def build():
+        from cutlass.cute.runtime import make_fake_tensor
+
         b, h, n, nb = (cute.sym_int() for _ in range(4))
         strides = lambda div: tuple(cute.sym_int64(divisibility=div) for _ in range(3)) + (1,)  # noqa: E731
         x = make_fake_tensor(cute_dtype(dtype), (b, h, n, head_dim), stride=strides(8), assumed_align=16)
@@ -247,13 +251,13 @@ def quantize_fp8_blocks_cute(x, block_rows: int, signs=None):
     b, h, n, d = x.shape
     if d % 32 or d > 256 or x.stride(-1) != 1:
         raise ValueError(f"quantize_fp8_blocks: head dim {d} must be a multiple of 32 up to 256, rows contiguous")
-    x8 = torch.empty((b, h, n, d), device=x.device, dtype=torch.float8_e4m3fn)
-    descale = torch.empty((b, h, -(-n // block_rows)), device=x.device, dtype=torch.float32)
+    x8 = x.new_empty((b, h, n, d), dtype=torch.float8_e4m3fn)
+    descale = x.new_empty((b, h, -(-n // block_rows)), dtype=torch.float32)
     rotate = signs is not None
     if not rotate:
         signs = hadamard_signs(d, device=x.device)  # not read
-    fn = compile_quantize_blocks(d, block_rows, rotate, str(x.dtype).replace("torch.", ""))
-    fn(x, x8, descale, signs.to(x.device))
+    fn = compile_quantize_blocks(d, block_rows, rotate, str(x.dtype)[6:])
+    fn(x, x8, descale, signs)
     return x8, descale
 
 
@@ -288,7 +292,11 @@ class QuantizeTensors:
         self.head_dim, self.count = head_dim, count
         self.elems = head_dim // 32
         self.rows_per_warp = 32 // self.elems  # 32 values a lane: 64 bytes in flight per lane
-        self.block_rows = self.WARPS * self.rows_per_warp
+        self.block_rows = self.rows_per_block(head_dim)
+
+    @classmethod
+    def rows_per_block(cls, head_dim: int) -> int:
+        return cls.WARPS * (32 // (head_dim // 32))
 
     @cute.jit
     def amax(self, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor, mPartial: cute.Tensor, stream):
@@ -408,6 +416,7 @@ class QuantizeTensors:
             self.cast_block(mC, mC8, scale, warp, lane)
 
 
+@functools.cache
 def compile_quantize_tensors(head_dim: int, count: int, dtype: str, keep_ptx: bool = False):
     """(amax, cast) compiled for ``count`` tensors of ``head_dim``: the first tensor with shapes of
     its own, the other two sharing theirs (q; k and v)."""
@@ -435,6 +444,7 @@ def compile_quantize_tensors(head_dim: int, count: int, dtype: str, keep_ptx: bo
 
 
 PARTIALS = 132  # amax CTAs per tensor: one wave on an H100, and fewer than a cast CTA's threads
+_PARTIALS = StreamBuffers()  # the partial amaxes: scratch, one set per stream and shape
 
 
 def quantize_fp8_tensors(*xs):
@@ -444,13 +454,13 @@ def quantize_fp8_tensors(*xs):
     import torch
 
     x0, d = xs[0], xs[0].shape[-1]
-    outs = [torch.empty(x.shape, device=x.device, dtype=torch.float8_e4m3fn) for x in xs]
+    outs = [x.new_empty(x.shape, dtype=torch.float8_e4m3fn) for x in xs]
     rows = max(x.shape[0] * x.shape[1] * x.shape[2] for x in xs)
-    op = QuantizeTensors(d, len(xs))
-    partial = torch.empty((len(xs), max(1, min(PARTIALS, -(-rows // op.block_rows)))), device=x0.device,
-                          dtype=torch.float32)
-    descale = torch.empty((len(xs),), device=x0.device, dtype=torch.float32)
-    amax, cast = compile_quantize_tensors(d, len(xs), str(x0.dtype).replace("torch.", ""))
+    block_rows = QuantizeTensors.rows_per_block(d)
+    shape = (len(xs), max(1, min(PARTIALS, -(-rows // block_rows))))
+    partial = _PARTIALS.get(x0.device.index, shape, functools.partial(x0.new_empty, shape, dtype=torch.float32))
+    descale = x0.new_empty((len(xs),), dtype=torch.float32)
+    amax, cast = compile_quantize_tensors(d, len(xs), str(x0.dtype)[6:])
     pad = lambda ts: list(ts) + [ts[-1]] * (3 - len(ts))  # noqa: E731  (unused slots: never read)
     amax(*pad(xs), partial)
     cast(*pad(xs), *pad(outs), partial, descale)
@@ -461,65 +471,50 @@ def quantize_fp8_tensors(*xs):
 # Descales as the kernels read them, with a guard: one launch
 # --------------------------------------------------------------------------------------
 
-class DescaleRows:
-    """(dq, dk, dv) float32 (batch, heads, blocks) -> one row per (batch, query head): q's, then k's
-    and v's of its K/V head (head // group). A descale that is not a finite number > 0 becomes NaN
-    there, so a bad one makes the rows it scales NaN rather than quietly wrong: its values live on
-    the GPU, and reading them on the host would stall every call. K7's three numbers are the case
-    of one block each."""
-
-    THREADS = 128
-
-    @cute.jit
-    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mRows: cute.Tensor, stream):
-        grid = (cute.ceil_div(mRows.shape[2], self.THREADS), mRows.shape[1], mRows.shape[0])
-        self.kernel(mQ, mK, mV, mRows).launch(grid=grid, block=[self.THREADS, 1, 1], stream=stream)
-
-    @cute.kernel
-    def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mRows: cute.Tensor):
-        tidx, _, _ = cute.arch.thread_idx()
-        bx, head, batch = cute.arch.block_idx()
-        col = bx * self.THREADS + tidx
-        q_blocks, kv_blocks = mQ.shape[2], mK.shape[2]
-        kv_head = head // (mQ.shape[1] // mK.shape[1])
-        if col < mRows.shape[2]:
-            x = Float32(0.0)
-            if col < q_blocks:
-                x = mQ[batch, head, col]
-            elif col < q_blocks + kv_blocks:
-                x = mK[batch, kv_head, col - q_blocks]
-            else:
-                x = mV[batch, kv_head, col - q_blocks - kv_blocks]
-            row = Float32(math.nan)
-            if x > Float32(0.0):
-                if x < Float32(math.inf):
-                    row = x
-            mRows[batch, head, col] = row
+@cute.jit
+def descale_rows_job(mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mRows: cute.Tensor, first: Int32,
+                     step: Int32):
+    """``descale_rows`` on the GPU, elements ``first``, ``first + step``, ... of the rows, for a kernel
+    that does it beside its own work (``k7.TransposeV.with_descales``)."""
+    q_blocks, kv_blocks, cols = mQ.shape[2], mK.shape[2], mRows.shape[2]
+    group = mQ.shape[1] // mK.shape[1]
+    for i in cutlass.range(first, mRows.shape[0] * mRows.shape[1] * cols, step):
+        col, bh = i % cols, i // cols
+        batch, head = bh // mRows.shape[1], bh % mRows.shape[1]
+        x = Float32(0.0)
+        if col < q_blocks:
+            x = mQ[batch, head, col]
+        elif col < q_blocks + kv_blocks:
+            x = mK[batch, head // group, col - q_blocks]
+        else:
+            x = mV[batch, head // group, col - q_blocks - kv_blocks]
+        row = Float32(math.nan)
+        if x > Float32(0.0):
+            if x < Float32(math.inf):
+                row = x
+        mRows[batch, head, col] = row
 
 
-def compile_descale_rows(keep_ptx: bool = False):
+def fake_descale_rows() -> tuple:
+    """Placeholders for ``descale_rows_job``'s tensors: dq (b, h, mq), dk and dv (b, hk, mk), rows (b, h, cols)."""
     from cutlass.cute.runtime import make_fake_tensor
 
-    from .contract import fake_stream, jit_compile
-
-    def build():
-        b, h, hk, mq, mk, cols = (cute.sym_int() for _ in range(6))
-        three = lambda heads, n: make_fake_tensor(Float32, (b, heads, n), stride=(cute.sym_int64(), cute.sym_int64(), 1),  # noqa: E731
-                                                  assumed_align=4)
-        return DescaleRows(), (three(h, mq), three(hk, mk), three(hk, mk), three(h, cols), fake_stream())
-
-    return jit_compile(("descale_rows",), build, keep_ptx)
+    b, h, hk, mq, mk, cols = (cute.sym_int() for _ in range(6))
+    three = lambda heads, n: make_fake_tensor(Float32, (b, heads, n), stride=(cute.sym_int64(), cute.sym_int64(), 1),  # noqa: E731
+                                              assumed_align=4)
+    return three(h, mq), three(hk, mk), three(hk, mk), three(h, cols)
 
 
 def descale_rows(dq, dk, dv):
-    """``DescaleRows`` on a GPU; elsewhere the same in torch (concatenation, GQA repeat, guard)."""
+    """(dq, dk, dv) float32 (batch, heads, blocks) -> one row per (batch, query head): q's, then k's
+    and v's of its K/V head (head // group), as K8's kernel reads them; K7's three numbers are the
+    case of one block each. A descale that is not a finite number > 0 becomes NaN there, so a bad
+    one makes the rows it scales NaN rather than quietly wrong: on the GPU its value is not read by
+    the host (that would stall every call). The torch definition; on a GPU ``descale_rows_job``
+    does it inside K7's V^T launch (``k7.transpose_v_with_descales``)."""
     import torch
 
-    b, h = dq.shape[:2]
-    if dq.is_cuda:
-        rows = torch.empty((b, h, dq.shape[2] + 2 * dk.shape[2]), device=dq.device, dtype=torch.float32)
-        compile_descale_rows()(dq, dk, dv, rows)
-        return rows
+    h = dq.shape[1]
     group = h // dk.shape[1]
     rows = torch.cat([dq, dk.repeat_interleave(group, dim=1), dv.repeat_interleave(group, dim=1)], dim=-1).float()
     return torch.where((rows > 0) & (rows < math.inf), rows, torch.full_like(rows, math.nan))

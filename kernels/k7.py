@@ -25,6 +25,8 @@ WGMMA's K step), no TMA store (it stages O in Q's 8-bit buffer).
 
 from __future__ import annotations
 
+import functools
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
@@ -154,9 +156,17 @@ def transpose_v_fp8(v8):
     if not v8.is_cuda:
         return transpose_v_fp8_torch(v8)
     b, h, n, d = v8.shape
-    vt = torch.empty((b, h, d, n + (-n % 16)), device=v8.device, dtype=torch.uint8)
-    compile_transpose_v()(v8.view(torch.uint8), vt)
-    return vt.view(torch.float8_e4m3fn)
+    vt = v8.new_empty((b, h, d, n + (-n % 16)))
+    compile_transpose_v()(v8, vt)
+    return vt
+
+
+def transpose_v_with_descales(v8, dq, dk, dv) -> tuple:
+    """(V^T, descale rows): ``transpose_v_fp8`` and ``fp8_quant.descale_rows`` in one launch (CUDA)."""
+    vt = v8.new_empty((*v8.shape[:2], v8.shape[3], v8.shape[2] + (-v8.shape[2] % 16)))
+    rows = dq.new_empty((*dq.shape[:2], dq.shape[2] + 2 * dk.shape[2]))
+    compile_transpose_v(with_descales=True)(v8, vt, dq, dk, dv, rows)
+    return vt, rows
 
 
 def transpose_v_fp8_torch(v8):
@@ -248,17 +258,24 @@ def capabilities(structure: str = "k6") -> Capabilities:
     return K4_CAPS if structure == "k4" else CAPS
 
 
-def run_kernel(compiled: CompiledAttention, q, k, v, out, lse, softmax_scale=None, descale=None) -> None:
-    """e4m3 q, k, v: ``descale`` is their (3,) float32 descales, and only V^T is made here; 16-bit
-    q, k, v: the whole pre-pass (``prepare_fp8``)."""
+def run_kernel(compiled: CompiledAttention, q, k, v, out, lse, softmax_scale=None, descale=None,
+               descales=None) -> None:
+    """e4m3 q, k, v with either ``descale``, the kernel's (3,) float32 descales, or ``descales``, the
+    caller's (3,) tensor of them, which the V^T launch checks as it copies (``transpose_v_with_descales``:
+    one that is not a finite number > 0 turns to NaN, and O with it); 16-bit q, k, v: the whole
+    pre-pass (``prepare_fp8``)."""
     import torch
 
     scale = compiled.problem.scale if softmax_scale is None else softmax_scale
-    if q.dtype == torch.float8_e4m3fn:
-        compiled.launch(q, k, transpose_v_fp8(v), out, lse, descale, scale)
-    else:
+    if q.dtype != torch.float8_e4m3fn:
         q8, k8, vt8, descale = prepare_fp8(q, k, v)
         compiled.launch(q8, k8, vt8, out, lse, descale, scale)
+    elif descales is not None:
+        three = descales.view(1, 1, 3)
+        vt, rows = transpose_v_with_descales(v, three, three[:, :, :0], three[:, :, :0])
+        compiled.launch(q, k, vt, out, lse, rows.view(3), scale)
+    else:
+        compiled.launch(q, k, transpose_v_fp8(v), out, lse, descale, scale)
 
 
 # --------------------------------------------------------------------------------------
@@ -266,11 +283,15 @@ def run_kernel(compiled: CompiledAttention, q, k, v, out, lse, softmax_scale=Non
 # --------------------------------------------------------------------------------------
 
 class TransposeV:
-    """(batch, heads, keys, d) bytes -> (batch, heads, d, keys padded to 16) bytes, the keys of every
+    """(batch, heads, keys, d) e4m3 -> (batch, heads, d, keys padded to 16), the keys of every
     16 in ``sm90.FP8_KEY_ORDER``, pad keys 0. A CTA moves a 128-key x 64-byte tile: each thread
     loads 16 contiguous bytes of two key rows into SMEM, then gathers 16 permuted keys of one d
     column from SMEM, twice, and stores them as 16 contiguous bytes: both GMEM sides move in 16-byte
-    pieces, two in flight per thread (one per thread ran at 2.0 TB/s on an H100)."""
+    pieces, two in flight per thread (one per thread ran at 2.0 TB/s on an H100).
+
+    ``with_descales`` does the same and, in the same launch, writes the descales as the attention
+    kernel reads them (``fp8_quant.descale_rows_job``): a launch costs the caller as much host time
+    as the small kernel itself takes."""
 
     KEYS, BYTES = 128, 64
     THREADS = 256
@@ -278,18 +299,41 @@ class TransposeV:
 
     @cute.jit
     def __call__(self, mV: cute.Tensor, mVt: cute.Tensor, stream):
-        grid = (cute.ceil_div(mVt.shape[3], self.KEYS), cute.ceil_div(mV.shape[3], self.BYTES),
+        self.kernel(mV, mVt).launch(grid=self.grid(mV, mVt), block=[self.THREADS, 1, 1], stream=stream)
+
+    @cute.jit
+    def with_descales(self, mV: cute.Tensor, mVt: cute.Tensor, mDq: cute.Tensor, mDk: cute.Tensor, mDv: cute.Tensor,
+                      mRows: cute.Tensor, stream):
+        self.kernel_with_descales(mV, mVt, mDq, mDk, mDv, mRows).launch(grid=self.grid(mV, mVt),
+                                                                         block=[self.THREADS, 1, 1], stream=stream)
+
+    @cute.jit
+    def grid(self, mV: cute.Tensor, mVt: cute.Tensor):
+        return (cute.ceil_div(mVt.shape[3], self.KEYS), cute.ceil_div(mV.shape[3], self.BYTES),
                 mV.shape[0] * mV.shape[1])
-        self.kernel(mV, mVt).launch(grid=grid, block=[self.THREADS, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mV: cute.Tensor, mVt: cute.Tensor):
+        self.transpose_tile(mV, mVt)
+
+    @cute.kernel
+    def kernel_with_descales(self, mV: cute.Tensor, mVt: cute.Tensor, mDq: cute.Tensor, mDk: cute.Tensor,
+                             mDv: cute.Tensor, mRows: cute.Tensor):
+        self.transpose_tile(mV, mVt)
+        tidx, _, _ = cute.arch.thread_idx()
+        bx, by, bz = cute.arch.block_idx()
+        gx, gy, gz = cute.arch.grid_dim()
+        cta = bx + gx * (by + gy * bz)
+        fp8_quant.descale_rows_job(mDq, mDk, mDv, mRows, cta * self.THREADS + tidx, gx * gy * gz * self.THREADS)
+
+    @cute.jit
+    def transpose_tile(self, mV: cute.Tensor, mVt: cute.Tensor):
         keys, nbytes, rows = self.KEYS, self.BYTES, self.ROWS
         tidx, _, _ = cute.arch.thread_idx()
         k_tile, d_tile, bh = cute.arch.block_idx()
         batch, head = bh // mV.shape[1], bh % mV.shape[1]
         smem = cutlass.utils.SmemAllocator()
-        sV = smem.allocate_tensor(cutlass.Uint8, cute.make_layout((keys, nbytes), stride=(nbytes, 1)),
+        sV = smem.allocate_tensor(mV.element_type, cute.make_layout((keys, nbytes), stride=(nbytes, 1)),
                                   byte_alignment=16)
         gV = cute.local_tile(mV[batch, head, None, None], (keys, nbytes), (k_tile, d_tile))  # (keys, d)
         gVt = cute.local_tile(mVt[batch, head, None, None], (nbytes, keys), (d_tile, k_tile))  # (d, keys)
@@ -305,22 +349,25 @@ class TransposeV:
         for i in cutlass.range_constexpr(keys // 64):
             c = chunk + 4 * i  # 16-key group within the tile
             if k_tile * keys + c * 16 < mVt.shape[3]:
-                packed = cute.make_rmem_tensor(16, cutlass.Uint8)
+                packed = cute.make_rmem_tensor(16, mV.element_type)
                 for p in cutlass.range_constexpr(16):
                     packed[p] = sV[c * 16 + sm90.FP8_KEY_ORDER[p], row]
                 cute.autovec_copy(packed, cute.local_tile(gVt[row, None], (16,), (c,)))
 
 
-def compile_transpose_v(keep_ptx: bool = False):
-    from cutlass.cute.runtime import make_fake_tensor
-
+@functools.cache
+def compile_transpose_v(keep_ptx: bool = False, with_descales: bool = False):
+    """``TransposeV`` compiled (kept here: the JIT cache's own lookup costs a call microseconds)."""
     def build():
+        from cutlass.cute.runtime import make_fake_tensor
+
         b, h, n, n_pad, d = (cute.sym_int() for _ in range(5))
-        v = make_fake_tensor(cutlass.Uint8, (b, h, n, d), stride=tuple(cute.sym_int64(divisibility=16)
-                                                                       for _ in range(3)) + (1,), assumed_align=16)
-        vt = make_fake_tensor(cutlass.Uint8, (b, h, d, n_pad), stride=tuple(cute.sym_int64(divisibility=16)
-                                                                           for _ in range(3)) + (1,), assumed_align=16)
-        return TransposeV(), (v, vt, fake_stream())
+        v = make_fake_tensor(FP8, (b, h, n, d), stride=tuple(cute.sym_int64(divisibility=16) for _ in range(3)) + (1,),
+                             assumed_align=16)
+        vt = make_fake_tensor(FP8, (b, h, d, n_pad), stride=tuple(cute.sym_int64(divisibility=16) for _ in range(3))
+                              + (1,), assumed_align=16)
+        if not with_descales:
+            return TransposeV(), (v, vt, fake_stream())
+        return TransposeV().with_descales, (v, vt, *fp8_quant.fake_descale_rows(), fake_stream())
 
-    return jit_compile(("k7_transpose_v",), build, keep_ptx)
-
+    return jit_compile(("k7_transpose_v", with_descales), build, keep_ptx)

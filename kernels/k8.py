@@ -69,8 +69,11 @@ def quantize_inputs(q, k, v, tile_m: int, tile_n: int, rotate: bool = True) -> t
 
 
 def prepare_fp8_blocks(q, k, v, tile_m: int, tile_n: int, rotate: bool = True):
-    """The pre-pass of every K8 launch from 16-bit q, k, v: (q8, k8, vt8, descale rows)."""
+    """The pre-pass of every K8 launch from 16-bit q, k, v: (q8, k8, vt8, descale rows). On a GPU four
+    launches: three ``QuantizeBlocks``, then V^T and the rows in one (``k7.transpose_v_with_descales``)."""
     q8, k8, v8, dq, dk, dv = quantize_inputs(q, k, v, tile_m, tile_n, rotate)
+    if v8.is_cuda:
+        return (q8, k8, *k7.transpose_v_with_descales(v8, dq, dk, dv))
     return q8, k8, k7.transpose_v_fp8(v8), fp8_quant.descale_rows(dq, dk, dv)
 
 
@@ -94,15 +97,20 @@ def compile_kernel(p: Problem, *, keep_ptx: bool = False, rotate: bool = True, *
     return compiled
 
 
-def run_kernel(compiled: CompiledAttention, q, k, v, out, lse, softmax_scale=None, descale=None) -> None:
-    """16-bit q, k, v: the whole pre-pass. e4m3 ones (``quantize_inputs``): ``descale`` is their
-    ``fp8_quant.descale_rows``, and only V^T is made here."""
+def run_kernel(compiled: CompiledAttention, q, k, v, out, lse, softmax_scale=None, descale=None,
+               descales=None) -> None:
+    """16-bit q, k, v: the whole pre-pass. e4m3 ones (``quantize_inputs``): either ``descale``, their
+    ``fp8_quant.descale_rows``, or ``descales``, the caller's (dq, dk, dv), made into those rows in
+    the V^T launch; only V^T is made here."""
     import torch
 
     info = compiled.info
     scale = compiled.problem.scale if softmax_scale is None else softmax_scale
-    if q.dtype == torch.float8_e4m3fn:
+    if q.dtype != torch.float8_e4m3fn:
+        q8, k8, vt8, descales = prepare_fp8_blocks(q, k, v, info["tile_m"], info["tile_n"], info["rotate"])
+        compiled.launch(q8, k8, vt8, out, lse, descales, scale)
+    elif descales is not None:
+        vt, rows = k7.transpose_v_with_descales(v, *descales)
+        compiled.launch(q, k, vt, out, lse, rows, scale)
+    else:
         compiled.launch(q, k, k7.transpose_v_fp8(v), out, lse, descale, scale)
-        return
-    q8, k8, vt8, descales = prepare_fp8_blocks(q, k, v, info["tile_m"], info["tile_n"], info["rotate"])
-    compiled.launch(q8, k8, vt8, out, lse, descales, scale)

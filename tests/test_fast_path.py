@@ -60,7 +60,7 @@ def test_a_misaligned_view_after_an_aligned_one_is_refused():
     q, k, v = _qkv((1, 2, 256, 128))
     attention("k6", q, k, v)
     base = torch.randn(1 * 2 * 256 * 128 + 8, device="cuda", dtype=torch.bfloat16)
-    shifted = base[4:].view(1, 2, 256, 128)  # same shape and strides, 8 bytes off a 16-byte boundary
+    shifted = base[4:4 + 2 * 256 * 128].view(1, 2, 256, 128)  # same shape and strides, 8 bytes off a 16-byte boundary
     with pytest.raises(UnsupportedProblem, match="16-byte aligned"):
         attention("k6", shifted, k, v)
 

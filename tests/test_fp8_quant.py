@@ -197,12 +197,16 @@ def test_per_tensor_quantizer_kernel_is_bit_exact_against_torch(d, n):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_descale_rows_kernel_is_its_torch_definition():
+def test_v_transpose_with_descales_writes_the_torch_rows():
     from kernels.fp8_quant import descale_rows
+    from kernels.k7 import transpose_v_fp8, transpose_v_with_descales
 
     dq, dk, dv = torch.rand(2, 8, 5) + 0.1, torch.rand(2, 2, 9) + 0.1, torch.rand(2, 2, 9) + 0.1
     dq[1, 3, 2], dk[0, 1, 4], dv[1, 0, 8] = -1.0, float("nan"), float("inf")
     want = descale_rows(dq, dk, dv)
-    got = descale_rows(*(x.cuda() for x in (dq, dk, dv)))
-    assert torch.equal(got.isnan().cpu(), want.isnan()) and want.isnan().sum() == 1 + 4 + 4
-    assert torch.equal(got.cpu().nan_to_num(), want.nan_to_num())
+    assert want.isnan().sum() == 1 + 4 + 4  # k's and v's bad values reach every query head of the group
+    v8 = torch.randn(2, 2, 1000, 128, device="cuda").to(torch.float8_e4m3fn)
+    vt, rows = transpose_v_with_descales(v8, *(x.cuda() for x in (dq, dk, dv)))
+    assert torch.equal(rows.isnan().cpu(), want.isnan())
+    assert torch.equal(rows.cpu().nan_to_num(), want.nan_to_num())
+    assert torch.equal(vt.view(torch.uint8), transpose_v_fp8(v8).view(torch.uint8))
