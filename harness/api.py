@@ -77,18 +77,10 @@ def _attention_fake(name, q, k, v, causal, softmax_scale, return_lse, descale_q=
 _DESCALES: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
 
 
-def descale_tensor(device, tensors: tuple, values: list) -> torch.Tensor:
-    """K7's (3,) float32 descales (q, k, v) on ``device``: each a CUDA tensor or a number. Numbers
-    alone come from a small cache (a host-to-device copy cannot be captured in a CUDA graph: the
-    warm-up call makes it); with a tensor, one device-side stack, numbers again from the cache."""
-    if all(t is None for t in tensors):
-        return _constant(tuple(values), device)
-    return torch.stack([(t if t.dim() == 0 else t.reshape(())).float() if t is not None
-                        else _constant(x, device) for t, x in zip(tensors, values)])
-
-
 def _constant(values, device) -> torch.Tensor:
-    """A float32 tensor of ``values`` (a tuple, or one number: 0-d) on ``device``, kept."""
+    """A float32 tensor of ``values`` (a tuple, or one number: 0-d) on ``device``, from a small cache:
+    K7's descales given as numbers (a host-to-device copy cannot be captured in a CUDA graph: the
+    warm-up call makes it)."""
     key = (values, str(device))
     if key not in _DESCALES:
         _DESCALES[key] = torch.tensor(values, dtype=torch.float32, device=device)
@@ -290,10 +282,10 @@ class _PreparedCall:
             if entry.block_descales:
                 self.descale_mode = "blocks"
             elif all(t is None for t in tensors):  # three numbers, checked: one tensor made now, kept
-                self.descale_mode, self.descale = "fixed", descale_tensor(device, tensors, values)
+                self.descale_mode, self.descale = "fixed", _constant(tuple(values), device)
             else:  # checked on the GPU as the V^T launch reads them (kernels.fp8_quant.descale_rows)
-                self.descale_mode, self.values = "tensors", values
-                self.is_tensor = tuple(t is not None for t in tensors)
+                self.descale_mode = "tensors"  # numbers among them: one-element tensors made now, kept
+                self.constants = tuple(None if t is not None else _constant(x, device) for t, x in zip(tensors, values))
 
     def __call__(self, q, k, v, descales) -> tuple:
         if self.device_index != torch.cuda.current_device():
@@ -310,8 +302,8 @@ class _PreparedCall:
         elif self.descale_mode == "fixed":
             self.run(q, k, v, out, lse, self.scale, descale=self.descale)
         elif self.descale_mode == "tensors":
-            tensors = tuple(x if is_tensor else None for x, is_tensor in zip(descales, self.is_tensor))
-            self.run(q, k, v, out, lse, self.scale, descales=descale_tensor(q.device, tensors, self.values))
+            self.run(q, k, v, out, lse, self.scale, descales=tuple(x.float() if c is None else c
+                                                                   for x, c in zip(descales, self.constants)))
         else:
             self.run(q, k, v, out, lse, self.scale, descales=descales)
         return out, lse

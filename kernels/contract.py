@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import math
 import numbers
 import os
@@ -339,6 +340,16 @@ class StreamBuffers:
                 self._sets.clear()
             got = self._sets[key] = make()
         return got
+
+
+_SCRATCH = StreamBuffers()
+
+
+def scratch(like, role: str, shape: tuple, dtype):
+    """A buffer for an intermediate that only kernels on the current stream read (a pre-pass's
+    e4m3 copies, V^T, descale rows), on ``like``'s device: one per (device, stream, role, shape),
+    reused call after call (an allocation costs about 2 us of host time)."""
+    return _SCRATCH.get(like.device.index, (role, shape, dtype), functools.partial(like.new_empty, shape, dtype=dtype))
 
 
 def fake_stream():

@@ -24,7 +24,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
-from .contract import StreamBuffers
+from .contract import StreamBuffers, scratch
 
 E4M3_MAX = 448.0
 
@@ -97,16 +97,17 @@ def _cast(y):
     return y.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
 
-def quantize_fp8_blocks(x, block_rows: int, signs=None):
+def quantize_fp8_blocks(x, block_rows: int, signs=None, keep: str = ""):
     """(x8, descale) with x (batch, heads, seqlen, d) in 16 or 32 bits: x8 e4m3 of the same shape,
     descale float32 (batch, heads, ceil(seqlen / block_rows)); row r of a head is ~ x8[r] *
     descale[r // block_rows]. With ``signs``, the rows are rotated first (``rotate``): Q and K only,
     and with the same signs. On a GPU (16-bit x) by ``QuantizeBlocks``, bit for bit the torch
-    arithmetic of ``quantize_fp8_blocks_torch``."""
+    arithmetic of ``quantize_fp8_blocks_torch``; ``keep``, a name, puts both in per-stream scratch
+    under it (``contract.scratch``)."""
     import torch
 
     if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
-        return quantize_fp8_blocks_cute(x, block_rows, signs)
+        return quantize_fp8_blocks_cute(x, block_rows, signs, keep)
     return quantize_fp8_blocks_torch(x, block_rows, signs)
 
 
@@ -245,14 +246,17 @@ def compile_quantize_blocks(head_dim: int, block_rows: int, rotate: bool, dtype:
     return jit_compile(("quantize_blocks", head_dim, block_rows, rotate, dtype), build, keep_ptx)
 
 
-def quantize_fp8_blocks_cute(x, block_rows: int, signs=None):
+def quantize_fp8_blocks_cute(x, block_rows: int, signs=None, keep: str = ""):
     import torch
 
     b, h, n, d = x.shape
     if d % 32 or d > 256 or x.stride(-1) != 1:
         raise ValueError(f"quantize_fp8_blocks: head dim {d} must be a multiple of 32 up to 256, rows contiguous")
-    x8 = x.new_empty((b, h, n, d), dtype=torch.float8_e4m3fn)
-    descale = x.new_empty((b, h, -(-n // block_rows)), dtype=torch.float32)
+    shapes = (b, h, n, d), (b, h, -(-n // block_rows))
+    if keep:
+        x8, descale = (scratch(x, keep + part, s, t) for part, s, t in zip(("8", "d"), shapes, (torch.float8_e4m3fn, torch.float32)))
+    else:
+        x8, descale = x.new_empty(shapes[0], dtype=torch.float8_e4m3fn), x.new_empty(shapes[1], dtype=torch.float32)
     rotate = signs is not None
     if not rotate:
         signs = hadamard_signs(d, device=x.device)  # not read
@@ -447,19 +451,21 @@ PARTIALS = 132  # amax CTAs per tensor: one wave on an H100, and fewer than a ca
 _PARTIALS = StreamBuffers()  # the partial amaxes: scratch, one set per stream and shape
 
 
-def quantize_fp8_tensors(*xs):
+def quantize_fp8_tensors(*xs, keep: bool = False):
     """([x8], descales) for one to three 16-bit CUDA tensors (batch, heads, seqlen, d), the second and
     third of one shape: descales float32 (len(xs),), one per tensor, each bit for bit what
-    ``quantize_fp8_torch`` gives. Two launches."""
+    ``quantize_fp8_torch`` gives. Two launches. ``keep``: into per-stream scratch that the next call
+    on the stream overwrites (``contract.scratch``), for a pre-pass whose kernel reads them at once."""
     import torch
 
     x0, d = xs[0], xs[0].shape[-1]
-    outs = [x.new_empty(x.shape, dtype=torch.float8_e4m3fn) for x in xs]
+    e4m3 = torch.float8_e4m3fn
+    outs = [scratch(x, f"x8_{i}", x.shape, e4m3) if keep else x.new_empty(x.shape, dtype=e4m3) for i, x in enumerate(xs)]
     rows = max(x.shape[0] * x.shape[1] * x.shape[2] for x in xs)
     block_rows = QuantizeTensors.rows_per_block(d)
     shape = (len(xs), max(1, min(PARTIALS, -(-rows // block_rows))))
     partial = _PARTIALS.get(x0.device.index, shape, functools.partial(x0.new_empty, shape, dtype=torch.float32))
-    descale = x0.new_empty((len(xs),), dtype=torch.float32)
+    descale = scratch(x0, "descales", (len(xs),), torch.float32) if keep else x0.new_empty((len(xs),), dtype=torch.float32)
     amax, cast = compile_quantize_tensors(d, len(xs), str(x0.dtype)[6:])
     pad = lambda ts: list(ts) + [ts[-1]] * (3 - len(ts))  # noqa: E731  (unused slots: never read)
     amax(*pad(xs), partial)

@@ -42,6 +42,7 @@ from .contract import (
     cute_dtype,
     fake_stream,
     jit_compile,
+    scratch,
 )
 
 HEAD_DIMS = (64, 128, 256)
@@ -147,24 +148,28 @@ def fp8_key_permutation(seqlen: int, device=None):
     return _PERMUTATIONS[key]
 
 
-def transpose_v_fp8(v8):
+def transpose_v_fp8(v8, keep: bool = False):
     """(batch, heads, seqlen, d) e4m3 -> V^T (batch, heads, d, seqlen padded to 16) with the keys
     of every 16 in the FP8 P order; pad keys are 0 (P is 0 there, and 0 * NaN would not be). On a
-    GPU by ``TransposeV`` (below); elsewhere by the same arithmetic in torch."""
-    import torch
-
+    GPU by ``TransposeV`` (below), into a new tensor, or with ``keep`` into scratch that the next
+    call on the stream overwrites (``contract.scratch``); elsewhere by the same arithmetic in torch."""
     if not v8.is_cuda:
         return transpose_v_fp8_torch(v8)
     b, h, n, d = v8.shape
-    vt = v8.new_empty((b, h, d, n + (-n % 16)))
+    shape = (b, h, d, n + (-n % 16))
+    vt = scratch(v8, "vt", shape, v8.dtype) if keep else v8.new_empty(shape)
     compile_transpose_v()(v8, vt)
     return vt
 
 
-def transpose_v_with_descales(v8, dq, dk, dv) -> tuple:
+def transpose_v_with_descales(v8, dq, dk, dv, keep: bool = False) -> tuple:
     """(V^T, descale rows): ``transpose_v_fp8`` and ``fp8_quant.descale_rows`` in one launch (CUDA)."""
-    vt = v8.new_empty((*v8.shape[:2], v8.shape[3], v8.shape[2] + (-v8.shape[2] % 16)))
-    rows = dq.new_empty((*dq.shape[:2], dq.shape[2] + 2 * dk.shape[2]))
+    b, h, n, d = v8.shape
+    vt_shape, rows_shape = (b, h, d, n + (-n % 16)), (*dq.shape[:2], dq.shape[2] + 2 * dk.shape[2])
+    if keep:
+        vt, rows = scratch(v8, "vt", vt_shape, v8.dtype), scratch(dq, "rows", rows_shape, dq.dtype)
+    else:
+        vt, rows = v8.new_empty(vt_shape), dq.new_empty(rows_shape)
     compile_transpose_v(with_descales=True)(v8, vt, dq, dk, dv, rows)
     return vt, rows
 
@@ -183,14 +188,15 @@ def transpose_v_fp8_torch(v8):
     return v.transpose(2, 3).index_select(3, fp8_key_permutation(n, v.device)).view(torch.float8_e4m3fn)
 
 
-def prepare_fp8(q, k, v):
+def prepare_fp8(q, k, v, keep: bool = False):
     """The pre-pass every K7 launch times: (q8, k8, vt8, descales[3]) from 16-bit q, k, v. On a GPU
-    three launches: the two of ``QuantizeTensors`` for all three tensors, then ``TransposeV``."""
+    three launches: the two of ``QuantizeTensors`` for all three tensors, then ``TransposeV``; with
+    ``keep`` into per-stream scratch (``transpose_v_fp8``)."""
     import torch
 
     if q.is_cuda:
-        (q8, k8, v8), descales = fp8_quant.quantize_fp8_tensors(q, k, v)
-        return q8, k8, transpose_v_fp8(v8), descales
+        (q8, k8, v8), descales = fp8_quant.quantize_fp8_tensors(q, k, v, keep=keep)
+        return q8, k8, transpose_v_fp8(v8, keep), descales
     (q8, dq), (k8, dk), (v8, dv) = (quantize_fp8(x) for x in (q, k, v))
     return q8, k8, transpose_v_fp8(v8), torch.stack([dq, dk, dv])
 
@@ -261,21 +267,20 @@ def capabilities(structure: str = "k6") -> Capabilities:
 def run_kernel(compiled: CompiledAttention, q, k, v, out, lse, softmax_scale=None, descale=None,
                descales=None) -> None:
     """e4m3 q, k, v with either ``descale``, the kernel's (3,) float32 descales, or ``descales``, the
-    caller's (3,) tensor of them, which the V^T launch checks as it copies (``transpose_v_with_descales``:
-    one that is not a finite number > 0 turns to NaN, and O with it); 16-bit q, k, v: the whole
-    pre-pass (``prepare_fp8``)."""
+    caller's three as one-element float32 tensors, which the V^T launch checks as it copies them
+    (``transpose_v_with_descales``: one that is not a finite number > 0 turns to NaN, and O with
+    it); 16-bit q, k, v: the whole pre-pass (``prepare_fp8``). Intermediates are per-stream scratch."""
     import torch
 
     scale = compiled.problem.scale if softmax_scale is None else softmax_scale
     if q.dtype != torch.float8_e4m3fn:
-        q8, k8, vt8, descale = prepare_fp8(q, k, v)
+        q8, k8, vt8, descale = prepare_fp8(q, k, v, keep=True)
         compiled.launch(q8, k8, vt8, out, lse, descale, scale)
     elif descales is not None:
-        three = descales.view(1, 1, 3)
-        vt, rows = transpose_v_with_descales(v, three, three[:, :, :0], three[:, :, :0])
+        vt, rows = transpose_v_with_descales(v, *(d.view(1, 1, 1) for d in descales), keep=True)
         compiled.launch(q, k, vt, out, lse, rows.view(3), scale)
     else:
-        compiled.launch(q, k, transpose_v_fp8(v), out, lse, descale, scale)
+        compiled.launch(q, k, transpose_v_fp8(v, keep=True), out, lse, descale, scale)
 
 
 # --------------------------------------------------------------------------------------

@@ -57,23 +57,24 @@ class K8FMHA(k7.K7FMHA):
         return sm90.BlockScaledSoftmax(num_rows, scale_log2 * row[m_block], self.p_offset, k_d, v_d, n_tiles - 1)
 
 
-def quantize_inputs(q, k, v, tile_m: int, tile_n: int, rotate: bool = True) -> tuple:
+def quantize_inputs(q, k, v, tile_m: int, tile_n: int, rotate: bool = True, keep: bool = False) -> tuple:
     """(q8, k8, v8, dq, dk, dv): q and k rotated (with ``rotate``) and quantized per tile_m / tile_n
     rows, v per tile_n keys in its own layout; d* float32 (batch, heads, blocks). What an FP8
     caller passes to ``attention("k8", q8, k8, v8, descale_q=dq, ...)``."""
     signs = fp8_quant.hadamard_signs(q.shape[-1], HADAMARD_SEED, q.device) if rotate else None
-    q8, dq = fp8_quant.quantize_fp8_blocks(q, tile_m, signs)
-    k8, dk = fp8_quant.quantize_fp8_blocks(k, tile_n, signs)
-    v8, dv = fp8_quant.quantize_fp8_blocks(v, tile_n)
+    q8, dq = fp8_quant.quantize_fp8_blocks(q, tile_m, signs, keep="q" if keep else "")
+    k8, dk = fp8_quant.quantize_fp8_blocks(k, tile_n, signs, keep="k" if keep else "")
+    v8, dv = fp8_quant.quantize_fp8_blocks(v, tile_n, keep="v" if keep else "")
     return q8, k8, v8, dq, dk, dv
 
 
-def prepare_fp8_blocks(q, k, v, tile_m: int, tile_n: int, rotate: bool = True):
+def prepare_fp8_blocks(q, k, v, tile_m: int, tile_n: int, rotate: bool = True, keep: bool = False):
     """The pre-pass of every K8 launch from 16-bit q, k, v: (q8, k8, vt8, descale rows). On a GPU four
-    launches: three ``QuantizeBlocks``, then V^T and the rows in one (``k7.transpose_v_with_descales``)."""
-    q8, k8, v8, dq, dk, dv = quantize_inputs(q, k, v, tile_m, tile_n, rotate)
+    launches: three ``QuantizeBlocks``, then V^T and the rows in one (``k7.transpose_v_with_descales``);
+    ``keep``: into per-stream scratch (``contract.scratch``)."""
+    q8, k8, v8, dq, dk, dv = quantize_inputs(q, k, v, tile_m, tile_n, rotate, keep)
     if v8.is_cuda:
-        return (q8, k8, *k7.transpose_v_with_descales(v8, dq, dk, dv))
+        return (q8, k8, *k7.transpose_v_with_descales(v8, dq, dk, dv, keep))
     return q8, k8, k7.transpose_v_fp8(v8), fp8_quant.descale_rows(dq, dk, dv)
 
 
@@ -101,16 +102,16 @@ def run_kernel(compiled: CompiledAttention, q, k, v, out, lse, softmax_scale=Non
                descales=None) -> None:
     """16-bit q, k, v: the whole pre-pass. e4m3 ones (``quantize_inputs``): either ``descale``, their
     ``fp8_quant.descale_rows``, or ``descales``, the caller's (dq, dk, dv), made into those rows in
-    the V^T launch; only V^T is made here."""
+    the V^T launch; only V^T is made here. Intermediates are per-stream scratch."""
     import torch
 
     info = compiled.info
     scale = compiled.problem.scale if softmax_scale is None else softmax_scale
     if q.dtype != torch.float8_e4m3fn:
-        q8, k8, vt8, descales = prepare_fp8_blocks(q, k, v, info["tile_m"], info["tile_n"], info["rotate"])
+        q8, k8, vt8, descales = prepare_fp8_blocks(q, k, v, info["tile_m"], info["tile_n"], info["rotate"], keep=True)
         compiled.launch(q8, k8, vt8, out, lse, descales, scale)
     elif descales is not None:
-        vt, rows = k7.transpose_v_with_descales(v, *descales)
+        vt, rows = k7.transpose_v_with_descales(v, *descales, keep=True)
         compiled.launch(q, k, vt, out, lse, rows, scale)
     else:
         compiled.launch(q, k, k7.transpose_v_fp8(v), out, lse, descale, scale)

@@ -65,17 +65,25 @@ def test_a_misaligned_view_after_an_aligned_one_is_refused():
         attention("k6", shifted, k, v)
 
 
-def test_each_stream_gets_its_own_prepared_call_and_the_same_answer():
+@pytest.mark.parametrize("name", ["k6", "k7", "k8"])
+def test_each_stream_gets_its_own_prepared_call_and_the_same_answer(name):
+    # K7/K8 from bf16 keep their e4m3 copies, V^T and descales in scratch per stream: two streams
+    # running at once must not share it.
     q, k, v = _qkv()
+    q2, k2, v2 = _qkv()
     api._PREPARED.clear()
-    want = attention("k6", q, k, v, causal=True)
+    want, want2 = attention(name, q, k, v, causal=True), attention(name, q2, k2, v2, causal=True)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        got = [attention("k6", q, k, v, causal=True) for _ in range(3)]
+    got, got2 = [], []
+    for _ in range(3):
+        got.append(attention(name, q, k, v, causal=True))
+        with torch.cuda.stream(side):
+            got2.append(attention(name, q2, k2, v2, causal=True))
     torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
     assert len(api._PREPARED) == 2
-    assert all(torch.equal(g, want) for g in got)
+    assert all(torch.equal(g, want) for g in got) and all(torch.equal(g, want2) for g in got2)
 
 
 def test_fp8_descales_that_are_not_positive_give_nan_not_a_wrong_answer():

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from harness import attention, quantize_fp8, quantize_fp8_blocks
-from harness.api import descale_tensor, split_descales
+from harness.api import _constant, split_descales
 from kernels import get_kernel
 from kernels.contract import Problem, UnsupportedProblem
 
@@ -145,11 +145,9 @@ def test_descales_become_one_float32_vector():
     _, ((q8, dq), _, _) = _fp8()
     tensors, values = split_descales(q8, dict(descale_q=dq, descale_k=None, descale_v=torch.tensor(0.25)))
     assert tensors == (None,) * 3 and values == [float(dq), 1.0, 0.25]  # host tensors are read as numbers
-    d = descale_tensor(torch.device("cpu"), (dq, None, None), [1.0, 1.0, 0.25])  # as a CUDA dq would come
-    assert d.dtype == torch.float32 and d.shape == (3,) and d.tolist() == [float(dq), 1.0, 0.25]
-    numbers = descale_tensor(torch.device("cpu"), (None,) * 3, [0.5, 2.0, 1.0])
-    assert numbers.tolist() == [0.5, 2.0, 1.0]
-    assert descale_tensor(torch.device("cpu"), (None,) * 3, [0.5, 2.0, 1.0]) is numbers  # cached
+    numbers = _constant((0.5, 2.0, 1.0), torch.device("cpu"))
+    assert numbers.dtype == torch.float32 and numbers.tolist() == [0.5, 2.0, 1.0]
+    assert _constant((0.5, 2.0, 1.0), torch.device("cpu")) is numbers  # cached
 
 
 def test_fake_implementation_gives_bf16_out_for_fp8_inputs():
