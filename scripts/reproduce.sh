@@ -10,6 +10,8 @@
 #   bash scripts/reproduce.sh fp8 results      # K7/K8: sweep beside cuDNN FP8, time split, tuning, accuracy
 #   bash scripts/reproduce.sh final results    # issues 7 and 8 at the final code: sweep, decode grid, ref_check,
 #                                               sanitizers, host times, GQA pair, GPU tests (about 45 minutes)
+#   bash scripts/reproduce.sh call results     # the public call: host times before/after the fast path, the k6 and
+#                                               FP8 sweeps and the k6 headline runs with both timings (~25 minutes)
 # Each file records the command that wrote it; then, anywhere: python scripts/make_docs.py --plot
 # Without a GPU: the SASS census of the KV-tile loops (results/sass-loops*.json, docs/k6.md), e.g.
 #   python scripts/sass_loops.py --headdim 64 128 256 --causal 0 1 --fa4 --out results/sass-loops.json
@@ -439,5 +441,29 @@ case "$part" in
     timeout 560 $py -m pytest -m gpu -q tests/ --ignore=tests/test_gpu.py 2>&1 | tail -3 || rc=1
     exit $rc
     ;;
-  *) echo "usage: $0 check|perf|headline|ws|decode|fp8check|fp8|final [dir]" >&2; exit 2 ;;
+  call)  # the public call as fast as its kernels (docs/k6.md, "Host time"): host time per call before the
+    # eager fast path (e27c37a, with today's host_times.py and timing.py) and now, on one machine; then every
+    # speed table with the public call beside the kernel alone
+    rc=0
+    before=$(mktemp -d)/fa3-before
+    git worktree add -f --detach "$before" e27c37a > /dev/null
+    cp harness/host_times.py harness/timing.py "$before/harness/"
+    (cd "$before" && PYTHONPATH="$before:${PYTHONPATH:-}" timeout 200 $py -c "from harness import host_times, results
+out = results.open_result_file('$PWD/$dir/host-times-before-$gpu.json', 'bash scripts/reproduce.sh call (at e27c37a)')
+host_times.run(out.append)
+out.close()") || rc=1
+    git worktree remove --force "$before"
+    timeout 150 $py bench.py --host-times --out "$dir/host-times-$gpu.json" || rc=1
+    timeout 540 $py bench.py k6 --sweep --out "$dir/ws-sweep-call-$gpu.json" > /dev/null || rc=1
+    timeout 360 $py bench.py k7_k4 k7 k8 --dtype fp8 --sweep --out "$dir/fp8-sweep-call-$gpu.json" > /dev/null || rc=1
+    for n in 16384 8192; do  # the cells a power-capped run moves most, in rounds
+      timeout 280 $py bench.py k7 --dtype fp8 --sweep --seqlen $n --rounds 3 --out "$dir/fp8-rounds-call-n$n-$gpu.json" \
+        > /dev/null || rc=1
+    done
+    for causal in 0 1; do
+      CHECK=1 SEQLEN=8192 HEADDIM=128 CAUSAL=$causal timeout 100 $py bench.py k6 --out "$dir/bench-k6-c$causal-$gpu.json" || rc=1
+    done
+    exit $rc
+    ;;
+  *) echo "usage: $0 check|perf|headline|ws|decode|fp8check|fp8|final|call [dir]" >&2; exit 2 ;;
 esac
