@@ -68,11 +68,23 @@ def sweep_rows(sweep):
     return [r for r in sweep["rows"] if r.get("tflops")]
 
 
-def tflops_at(rows, kernel, seqlen, head_dim, causal):
+def tflops_at(rows, kernel, seqlen, head_dim, causal, key="tflops"):
+    """A cell's TFLOP/s: ``tflops`` the kernel alone, ``call_tflops`` the public call (burst-timed)."""
     for r in rows:
         if (r["kernel"], r["seqlen"], r["head_dim"], r["causal"]) == (kernel, seqlen, head_dim, causal):
-            return r["tflops"]
+            return r.get(key)
     return None
+
+
+def has_calls(run) -> bool:
+    """Whether a run timed the public calls too (``bench.py`` since the eager fast path)."""
+    return any(r.get("call_tflops") for r in run["rows"])
+
+
+ALONE = ("the kernel alone: its compiled launch between CUDA events, a peer's call likewise (`tflops` in "
+         "the result file)")
+CALL = ("the public call, eager, back to back: `attention(...)` and the peers' own calls, CUDA events "
+        "around bursts of calls, so host time counts (`call_tflops`)")
 
 
 def refcheck_summary(refcheck, kernel):
@@ -98,22 +110,28 @@ def readme_table(sweep, refcheck):
 
 def headline_table(bench_files):
     """README: the CHECK=1 headline runs, each kernel with its ratio to the peers timed in the
-    same run, then the peers themselves."""
-    header = ["GPU", "workload (bf16)", "kernel", "TFLOP/s", "vs cuDNN", "vs flash-attn-4"]
+    same run, then the peers themselves. Runs that timed the public calls rate those (a kernel's
+    call against the peers' calls) and show the kernel alone beside them."""
+    header = ["GPU", "workload (bf16)", "kernel", "TFLOP/s (kernel alone)", "TFLOP/s (public call)", "vs cuDNN",
+              "vs flash-attn-4"]
     body = []
     for f in sorted(bench_files, key=lambda f: (gpu_short_name(f["meta"].get("device", "")), f["meta"]["command"])):
         gpu = gpu_short_name(f["meta"].get("device", ""))
-        peers = {r["kernel"]: r["tflops"] for r in f["rows"] if r["kernel"] in PEERS and r.get("tflops")}
+        key = "call_tflops" if has_calls(f) else "tflops"
+        peers = {r["kernel"]: r[key] for r in f["rows"] if r["kernel"] in PEERS and r.get(key)}
         r0 = f["rows"][0]
         work = f"B={r0['batch']} H={r0['nheads']} N={r0['seqlen']} d={r0['head_dim']}{' causal' if r0['causal'] else ''}"
         for r in f["rows"]:
-            if r["kernel"] not in PEERS and r.get("tflops"):
-                ratios = [f"{r['tflops'] / peers[p]:.2f}×" if p in peers else "—" for p in ("sdpa-cudnn", "fa4")]
-                body.append([gpu, work, f"`{r['kernel']}`", fmt(r["tflops"])] + ratios)
-        body.append([gpu, work, "*cuDNN / flash-attn-4*", f"{fmt(peers.get('sdpa-cudnn'))} / {fmt(peers.get('fa4'))}",
-                     "", ""])
+            if r["kernel"] not in PEERS and r.get(key):
+                ratios = [f"{r[key] / peers[p]:.2f}×" if p in peers else "—" for p in ("sdpa-cudnn", "fa4")]
+                body.append([gpu, work, f"`{r['kernel']}`", fmt(r["tflops"]), fmt(r.get("call_tflops"))] + ratios)
+        body.append([gpu, work, "*cuDNN / flash-attn-4*",
+                     *(f"{fmt(by.get('sdpa-cudnn'))} / {fmt(by.get('fa4'))}" for by in (
+                         {r["kernel"]: r.get(k) for r in f["rows"]} for k in ("tflops", "call_tflops"))), "", ""])
     commands = sorted({f["meta"]["command"] for f in bench_files})
-    return markdown_table(header, body) + "\n\nFrom: " + "; ".join(f"`{c}`" for c in commands)
+    return ("Ratios: the public calls' where the run timed them (" + CALL + "), else the kernel alone's (older runs: "
+            "a dash under public call).\n\n" + markdown_table(header, body)
+            + "\n\nFrom: " + "; ".join(f"`{c}`" for c in commands))
 
 
 def family_table(sweep, kernels):
@@ -132,7 +150,7 @@ def family_table(sweep, kernels):
     note = (f"TFLOP/s on an {gpu} (forward, {dtypes}, batch = 16384/N, heads = 2048/d; causal counts half the FLOPs). "
             f"From `{sweep['meta'].get('command', '')}` on {sweep['meta'].get('date', '')[:10]}, "
             f"torch {sweep['meta'].get('torch', '?')}, nvidia-cutlass-dsl {sweep['meta'].get('nvidia-cutlass-dsl', '?')}. "
-            "A dash: not run (refused, or past the kernel's sweep limit).")
+            f"A dash: not run (refused, or past the kernel's sweep limit). Timed: {ALONE}.")
     return note + "\n\n" + markdown_table(header, body)
 
 
@@ -258,6 +276,7 @@ def ws_steps_table(sweep):
     rounds = max((len(r.get("ms_rounds", ())) for r in sweep["rows"]), default=0)
     how = (f"every kernel and peer timed {rounds} times in one run (the order reversed each round; the median)"
            if rounds > 1 else "every kernel and peer timed in one run")
+    how += f"; {ALONE}"
     return (f"TFLOP/s on an {gpu}, bf16, batch = 16384/N, heads = 2048/d, {how}: "
             f"`{sweep['meta'].get('command', '')}`, {sweep['meta'].get('date', '')[:10]}, torch "
             f"{sweep['meta'].get('torch', '?')}, nvidia-cutlass-dsl {sweep['meta'].get('nvidia-cutlass-dsl', '?')}.\n\n"
@@ -594,16 +613,18 @@ def fp8_sweep_table(sweep):
     steps = [k for k in FP8_STEPS if any(r["kernel"] == k for r in rows)]
     scale_peers = [p for p in ("sdpa-cudnn", "fa4") if any(r["kernel"] == p for r in rows)]
     cells = ws_cells(sweep)
+    key = "call_tflops" if has_calls(sweep) else "tflops"
 
     def vs(k, n, d, c):
-        t, best = tflops_at(rows, k, n, d, c), tflops_at(rows, BEST_OF_FP8[0], n, d, c)
+        t, best = tflops_at(rows, k, n, d, c, key), tflops_at(rows, BEST_OF_FP8[0], n, d, c, key)
         return t / best if t and best else None
 
-    body = [[d, c, n] + [fmt(tflops_at(rows, k, n, d, c)) for k in steps + list(BEST_OF_FP8) + scale_peers]
+    body = [[d, c, n] + [fmt(tflops_at(rows, k, n, d, c, key)) for k in steps + list(BEST_OF_FP8) + scale_peers]
             + [f"{vs('k7', n, d, c):.2f}×" if vs("k7", n, d, c) else "—"] for d, c, n in cells]
     gpu = gpu_short_name(sweep["meta"].get("device", ""))
     return (f"TFLOP/s on an {gpu}, batch = 16384/N, heads = 2048/d, all timed in one run: "
-            f"`{sweep['meta'].get('command', '')}`, {sweep['meta'].get('date', '')[:10]}. `k7_k4` and `k7` take "
+            f"`{sweep['meta'].get('command', '')}`, {sweep['meta'].get('date', '')[:10]}; "
+            f"{CALL if key == 'call_tflops' else ALONE}. `k7_k4` and `k7` take "
             "e4m3 inputs (per-tensor descales) and include the V^T pass; `k8` takes the same sources quantized its "
             "own way (rotation, a scale per tile) and includes the V^T pass; cuDNN FP8 takes the same "
             "e4m3 tensors as `k7`; bf16 cuDNN and flash-attn-4 run on the bf16 sources, for scale.\n\n"
@@ -613,18 +634,46 @@ def fp8_sweep_table(sweep):
 
 
 def fp8_summary(sweep):
-    """Per FP8 stage: geomean and worst ratio to cuDNN FP8 over the FP8 sweep (docs/k7.md, README)."""
+    """Per FP8 stage: geomean and worst ratio to cuDNN FP8 over the FP8 sweep (docs/k7.md, README):
+    the public calls' where the run timed them, with the kernel alone's geomean and the worst
+    cell's public call over the kernel alone beside."""
     rows = sweep_rows(sweep)
+    calls = has_calls(sweep)
     body = []
     for k in (k for k in FP8_STEPS if any(r["kernel"] == k for r in rows)):
-        ratios = []
-        for d, c, n in ws_cells(sweep):
-            t, best = tflops_at(rows, k, n, d, c), tflops_at(rows, BEST_OF_FP8[0], n, d, c)
-            if t and best:
-                ratios.append(t / best)
-        body.append([f"`{k}`", f"{_geomean(ratios):.3f}×" if ratios else "—",
-                     f"{min(ratios):.2f}×" if ratios else "—", sum(x >= 1.0 for x in ratios), len(ratios)])
-    return markdown_table(["kernel", "geomean vs cuDNN FP8", "worst cell", "cells ≥ 1.0×", "cells"], body)
+        ratio = {}
+        for key in ("tflops", "call_tflops"):
+            ratio[key] = [t / best for d, c, n in ws_cells(sweep)
+                          if (t := tflops_at(rows, k, n, d, c, key)) and (best := tflops_at(rows, BEST_OF_FP8[0], n, d, c, key))]
+        main = ratio["call_tflops" if calls else "tflops"]
+        line = [f"`{k}`", f"{_geomean(main):.3f}×" if main else "—", f"{min(main):.2f}×" if main else "—",
+                sum(x >= 1.0 for x in main), len(main)]
+        if calls:
+            own = [tflops_at(rows, k, n, d, c, "call_tflops") / tflops_at(rows, k, n, d, c)
+                   for d, c, n in ws_cells(sweep) if tflops_at(rows, k, n, d, c, "call_tflops")]
+            line += [f"{_geomean(ratio['tflops']):.3f}×", f"{min(own):.3f}×"]
+        body.append(line)
+    header = ["kernel", "geomean vs cuDNN FP8", "worst cell", "cells ≥ 1.0×", "cells"]
+    if calls:
+        header[1] += " (public calls)"
+        header += ["geomean (kernels alone)", "worst cell: public call / kernel alone"]
+    return markdown_table(header, body)
+
+
+def fp8_rounds_table(runs):
+    """docs/k7.md: K7's public call against its kernel alone where a single run's power cap moved them
+    most (the long sequences), each cell timed in rounds."""
+    body = []
+    for f in sorted(runs, key=lambda f: f["file"]):
+        for r in f["rows"]:
+            if r["kernel"] == "k7" and r.get("call_tflops"):
+                body.append([r["head_dim"], r["causal"], r["seqlen"], fmt(r["tflops"]), fmt(r["call_tflops"]),
+                             f"{r['call_tflops'] / r['tflops']:.3f}×", f"{r['vs_best_peer']:.2f}×"])
+    gpu = gpu_short_name(runs[0]["meta"].get("device", ""))
+    return (f"{gpu}, each candidate timed 3 times per cell, the order reversed each round, the median: "
+            + "; ".join(f"`{f['meta'].get('command', '')}`" for f in sorted(runs, key=lambda f: f["file"])) + ".\n\n"
+            + markdown_table(["d", "causal", "N", "`k7` alone", "`k7` public call", "call / alone",
+                              "call / cuDNN FP8's"], sorted(body)))
 
 
 def fp8_tune_table(tunes):
@@ -721,8 +770,74 @@ def ws_readme_table(sweep):
         body.append([f"`{k}`", get_kernel(k).title, f"{_geomean(ratios):.3f}×" if known else "—",
                      f"{min(known):.2f}×" if known else "—", fmt(tflops_at(rows, k, 8192, 128, 0))])
     return (f"{len(ws_cells(sweep))} cells (d 64/128/256 × causal × N 512…16k), {gpu}, one run "
-            f"(`{sweep['meta'].get('command', '')}`):\n\n"
+            f"(`{sweep['meta'].get('command', '')}`), {'the public calls' if has_calls(sweep) else 'the kernels alone'}:\n\n"
             + markdown_table(["kernel", "what it adds", "geomean × best peer", "worst cell", "d128 N=8k TFLOP/s"], body))
+
+
+def ws_call_table(sweep):
+    """docs/k6.md: K6 through its public call over the sweep, every cell: the kernel alone, the call,
+    the peers' calls, and both ratios to the faster peer."""
+    rows = sweep_rows(sweep)
+    body, ratios, alone = [], [], []
+    for d, c, n in ws_cells(sweep):
+        peers = {p: tflops_at(rows, p, n, d, c, "call_tflops") for p in BEST_OF}
+        peers_alone = {p: tflops_at(rows, p, n, d, c) for p in BEST_OF}
+        call, own = tflops_at(rows, "k6", n, d, c, "call_tflops"), tflops_at(rows, "k6", n, d, c)
+        best, best_alone = max(x for x in peers.values() if x), max(x for x in peers_alone.values() if x)
+        ratios.append(call / best)
+        alone.append(own / best_alone)
+        body.append([d, c, n, fmt(own), fmt(call)] + [fmt(peers[p]) for p in BEST_OF]
+                    + [f"{ratios[-1]:.2f}×", f"{alone[-1]:.2f}×"])
+    gpu = gpu_short_name(sweep["meta"].get("device", ""))
+    summary = (f"`k6` through `attention()`: geomean {_geomean(ratios):.3f}× the faster peer's call, worst cell "
+               f"{min(ratios):.2f}×, {sum(x >= 1.0 for x in ratios)} of {len(ratios)} cells ≥ 1.0×; the kernel alone "
+               f"{_geomean(alone):.3f}×, worst {min(alone):.2f}×.")
+    return (f"TFLOP/s on an {gpu}, bf16, batch = 16384/N, heads = 2048/d, one run: "
+            f"`{sweep['meta'].get('command', '')}`, {sweep['meta'].get('date', '')[:10]}. {summary}\n\n"
+            + markdown_table(["d", "causal", "N", "`k6` alone", "`k6` public call"]
+                             + [f"*{p}* call" for p in BEST_OF] + ["call / best peer's call", "alone / best peer"],
+                             body))
+
+
+def ws_call_readme(sweep):
+    """README: one sentence on K6 through its public call."""
+    rows = sweep_rows(sweep)
+    ratios, alone = [], []
+    for d, c, n in ws_cells(sweep):
+        best = max(x for x in (tflops_at(rows, p, n, d, c, "call_tflops") for p in BEST_OF) if x)
+        best_alone = max(x for x in (tflops_at(rows, p, n, d, c) for p in BEST_OF) if x)
+        ratios.append(tflops_at(rows, "k6", n, d, c, "call_tflops") / best)
+        alone.append(tflops_at(rows, "k6", n, d, c) / best_alone)
+    return (f"Timed as a model calls it, `attention(\"k6\", ...)` eager and back to back beside the peers' own "
+            f"calls (`{sweep['meta'].get('command', '')}`, {gpu_short_name(sweep['meta'].get('device', ''))}): "
+            f"`k6` {_geomean(ratios):.3f}× geomean, worst cell {min(ratios):.2f}× (the kernel alone in the same run: "
+            f"{_geomean(alone):.3f}×, worst {min(alone):.2f}×; [K6](docs/k6.md#host-time) has every cell).")
+
+
+def host_times_table(after, before=None):
+    """docs/k6.md: host microseconds per call at a tiny shape, before the eager fast path and now,
+    each beside SDPA's call in the same run."""
+    def by_name(run):
+        return {r["kernel"]: r for r in run["rows"] if r.get("host_us")} if run else {}
+
+    now, then = by_name(after), by_name(before)
+    sdpa = "sdpa (default backend)"
+    body = []
+    for name, r in now.items():
+        was = then.get(name)
+        body.append([name, fmt(was["host_us"]) if was else "—",
+                     f"{was['host_us'] / then[sdpa]['host_us']:.2f}×" if was and sdpa in then else "—", fmt(r["host_us"]),
+                     f"{r['host_us'] / now[sdpa]['host_us']:.2f}×" if sdpa in now else "—", fmt(r.get("call_us"))])
+    r0 = after["rows"][0]
+    shape = f"B={r0['batch']} H={r0['nheads']} N={r0['seqlen']} d={r0['head_dim']}"
+    runs = [f"`{run['meta'].get('command', '')}` ({run['meta'].get('date', '')[:10]}, commit "
+            f"{(run['meta'].get('commit') or '?')[:7]})" for run in (before, after) if run]
+    return (f"Host µs per call on an {gpu_short_name(after['meta'].get('device', ''))}'s host, bf16 "
+            f"{shape}: the mean of 200 back-to-back calls with nothing synchronized, the median of 9 such bursts; "
+            f"per call on the GPU clock: one event pair around 200 calls. From " + " and ".join(runs) + ". A host's "
+            "speed moves from run to run (SDPA's own call among them): compare each call with SDPA's in its run.\n\n"
+            + markdown_table(["call", "µs before the fast path", "before / SDPA's call", "µs now", "now / SDPA's call",
+                              "µs per call now (GPU clock)"], body))
 
 
 def k6_rounds(sweep):
@@ -735,7 +850,8 @@ def k6_rounds(sweep):
 def ws_rounds_readme(sweep):
     """README: k6 over the sweep timed in rounds (``bench.py --rounds``), one sentence."""
     ratios, rounds = k6_rounds(sweep)
-    return (f"Timed again with each candidate {rounds} times per cell, the order reversed each round, the median "
+    return (f"Timed again ({'the public calls' if has_calls(sweep) else 'the kernels alone'}) with each candidate "
+            f"{rounds} times per cell, the order reversed each round, the median "
             f"(`{sweep['meta'].get('command', '')}`, {gpu_short_name(sweep['meta'].get('device', ''))}): "
             f"`k6` {_geomean(ratios):.3f}× geomean, worst cell {min(ratios):.2f}× ([K6](docs/k6.md) lists every run).")
 
@@ -932,6 +1048,15 @@ def main(argv=None):
         runs = [ws_rounds] + ([h200_rounds] if h200_rounds and h200_rounds is not ws_rounds else [])
         readme.write_text(replace_block(readme.read_text(), "ws-rounds-readme",
                                         "\n\n".join(ws_rounds_readme(run) for run in runs)))
+    ws_call = newest([f for f in finished("ws-sweep-call*.json") if has_calls(f)], TARGET_GPU)
+    if ws_call:
+        fill("k6", "ws-call", lambda: ws_call_table(ws_call))
+        if "<!-- table:ws-call-readme -->" in readme.read_text():
+            readme.write_text(replace_block(readme.read_text(), "ws-call-readme", ws_call_readme(ws_call)))
+    host_after = newest(finished("host-times-h*.json"), TARGET_GPU)
+    if host_after:
+        before = newest(finished("host-times-before-*.json"), TARGET_GPU)
+        fill("k6", "host-times", lambda: host_times_table(host_after, before))
     compile_files = finished("compile-ws-*.json")
     ncu_files = sorted(ROOT.glob("results/ncu-tensor-util-*.txt"))
     clocked = [f for f in rounds_runs if any(r.get("sm_clock_mhz") for r in f["rows"])]
@@ -994,11 +1119,15 @@ def main(argv=None):
     fp8_sweep = latest("fp8-sweep-*.json")
     if fp8_sweep:
         fill("k7", "fp8-sweep", lambda: fp8_sweep_table(fp8_sweep))
+    fp8_rounds = finished("fp8-rounds-call-*.json")
+    if fp8_rounds:
+        fill("k7", "fp8-rounds", lambda: fp8_rounds_table(fp8_rounds))
     if fp8_sweep and "<!-- table:fp8-readme -->" in readme.read_text():
         gpu = gpu_short_name(fp8_sweep["meta"].get("device", ""))
         readme.write_text(replace_block(readme.read_text(), "fp8-readme",
                                         f"On an {gpu}, d 128/256 × causal 0/1 × N 2k–16k, one run "
-                                        f"(`{fp8_sweep['meta'].get('command', '')}`):\n\n" + fp8_summary(fp8_sweep)))
+                                        f"(`{fp8_sweep['meta'].get('command', '')}`); "
+                                        f"{CALL if has_calls(fp8_sweep) else ALONE}:\n\n" + fp8_summary(fp8_sweep)))
     fp8_tunes = finished("fp8-tune-*.json")
     if fp8_tunes:
         fill("k7", "fp8-tune", lambda: fp8_tune_table(fp8_tunes))
