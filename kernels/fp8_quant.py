@@ -177,12 +177,17 @@ class QuantizeBlocks:
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mX8: cute.Tensor, mDescale: cute.Tensor, mSigns: cute.Tensor):
+        blk, head, batch = cute.arch.block_idx()
+        sMax = cutlass.utils.SmemAllocator().allocate_tensor(Float32, cute.make_layout(self.warps), byte_alignment=16)
+        self.quantize_block(mX, mX8, mDescale, mSigns, blk, head, batch, sMax)
+
+    @cute.jit
+    def quantize_block(self, mX: cute.Tensor, mX8: cute.Tensor, mDescale: cute.Tensor, mSigns: cute.Tensor, blk: Int32,
+                       head: Int32, batch: Int32, sMax: cute.Tensor):
+        """Block ``blk`` of (batch, head): its rows rotated, its amax, its descale, its e4m3 rows."""
         e, rpw, warps = self.elems, self.rows_per_warp, self.warps
         tidx, _, _ = cute.arch.thread_idx()
-        blk, head, batch = cute.arch.block_idx()
         lane, warp = tidx % 32, tidx // 32
-        smem = cutlass.utils.SmemAllocator()
-        sMax = smem.allocate_tensor(Float32, cute.make_layout(warps), byte_alignment=16)
         first = blk * self.block_rows
         rows = cutlass.min(self.block_rows, mX.shape[2] - first)
         raw = cute.make_rmem_tensor((e, rpw), mX.element_type)
@@ -221,6 +226,45 @@ class QuantizeBlocks:
                 cute.autovec_copy(x8, cute.local_tile(mX8[batch, head, first + r, None], (e,), (lane,)))
 
 
+
+class QuantizeInputs:
+    """K8's pre-pass quantizers for q, k and v in one launch (a launch costs its caller as much host
+    time as a small kernel takes): blockIdx.z picks the tensor and the batch, and each tensor is a
+    ``QuantizeBlocks`` of its own (q per tile_m rows, k and v per tile_n; q and k rotated). A CTA past
+    its tensor's blocks or heads (K/V: fewer heads with GQA, another length) has nothing to do."""
+
+    def __init__(self, head_dim: int, tile_m: int, tile_n: int, rotate: bool):
+        self.ops = (QuantizeBlocks(head_dim, tile_m, rotate), QuantizeBlocks(head_dim, tile_n, rotate),
+                    QuantizeBlocks(head_dim, tile_n, False))
+        self.warps = self.ops[0].warps
+        if any(op.warps != self.warps for op in self.ops):
+            raise ValueError(f"QuantizeInputs: tile_m {tile_m} and tile_n {tile_n} need warps of one count")
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mQ8: cute.Tensor, mK8: cute.Tensor,
+                 mV8: cute.Tensor, mDq: cute.Tensor, mDk: cute.Tensor, mDv: cute.Tensor, mSigns: cute.Tensor, stream):
+        blocks = cutlass.max(cute.ceil_div(mQ.shape[2], self.ops[0].block_rows),
+                             cute.ceil_div(mK.shape[2], self.ops[1].block_rows))
+        self.kernel(mQ, mK, mV, mQ8, mK8, mV8, mDq, mDk, mDv, mSigns).launch(
+            grid=(blocks, mQ.shape[1], 3 * mQ.shape[0]), block=[32 * self.warps, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mQ8: cute.Tensor, mK8: cute.Tensor,
+               mV8: cute.Tensor, mDq: cute.Tensor, mDk: cute.Tensor, mDv: cute.Tensor, mSigns: cute.Tensor):
+        blk, head, z = cute.arch.block_idx()
+        batch, which = z % mQ.shape[0], z // mQ.shape[0]
+        sMax = cutlass.utils.SmemAllocator().allocate_tensor(Float32, cute.make_layout(self.warps), byte_alignment=16)
+        if which == 0:
+            if blk < mDq.shape[2]:
+                self.ops[0].quantize_block(mQ, mQ8, mDq, mSigns, blk, head, batch, sMax)
+        elif head < mK.shape[1]:
+            if blk < mDk.shape[2]:
+                if which == 1:
+                    self.ops[1].quantize_block(mK, mK8, mDk, mSigns, blk, head, batch, sMax)
+                else:
+                    self.ops[2].quantize_block(mV, mV8, mDv, mSigns, blk, head, batch, sMax)
+
+
 def _inv_sqrt(d: int) -> float:
     """1/sqrt(d) rounded to float32, as ``rotate`` multiplies by it."""
     import struct
@@ -244,6 +288,46 @@ def compile_quantize_blocks(head_dim: int, block_rows: int, rotate: bool, dtype:
         return QuantizeBlocks(head_dim, block_rows, rotate), (x, x8, descale, signs, fake_stream())
 
     return jit_compile(("quantize_blocks", head_dim, block_rows, rotate, dtype), build, keep_ptx)
+
+
+@functools.cache
+def compile_quantize_inputs(head_dim: int, tile_m: int, tile_n: int, rotate: bool, dtype: str, keep_ptx: bool = False):
+    from .contract import cute_dtype, fake_stream, jit_compile
+
+    def build():
+        from cutlass.cute.runtime import make_fake_tensor
+
+        b, h, n, hk, nk, mq, mk = (cute.sym_int() for _ in range(7))
+        strides = lambda div: tuple(cute.sym_int64(divisibility=div) for _ in range(3)) + (1,)  # noqa: E731
+        xs = [make_fake_tensor(kind, (b, heads, rows, head_dim), stride=strides(div), assumed_align=16)
+              for kind, div in ((cute_dtype(dtype), 8), (cutlass.Float8E4M3FN, 16))
+              for heads, rows in ((h, n), (hk, nk), (hk, nk))]
+        descales = [make_fake_tensor(Float32, (b, heads, blocks), stride=(cute.sym_int64(), cute.sym_int64(), 1),
+                                     assumed_align=4) for heads, blocks in ((h, mq), (hk, mk), (hk, mk))]
+        signs = make_fake_tensor(Float32, (head_dim,), stride=(1,), assumed_align=16)
+        return QuantizeInputs(head_dim, tile_m, tile_n, rotate), (*xs, *descales, signs, fake_stream())
+
+    return jit_compile(("quantize_inputs", head_dim, tile_m, tile_n, rotate, dtype), build, keep_ptx)
+
+
+def quantize_inputs_cute(q, k, v, tile_m: int, tile_n: int, signs=None, keep: bool = False) -> tuple:
+    """(q8, k8, v8, dq, dk, dv) from 16-bit CUDA q, k, v in one launch (``QuantizeInputs``), bit for bit
+    three ``quantize_fp8_blocks``; ``signs`` None: no rotation. ``keep``: per-stream scratch."""
+    import torch
+
+    d = q.shape[-1]
+    outs = []
+    for name, x, rows in (("q", q, tile_m), ("k", k, tile_n), ("v", v, tile_n)):
+        shapes = (tuple(x.shape), (*x.shape[:2], -(-x.shape[2] // rows)))
+        if keep:
+            outs.append([scratch(x, name + part, s, t) for part, s, t in zip(("8", "d"), shapes, (torch.float8_e4m3fn, torch.float32))])
+        else:
+            outs.append([x.new_empty(shapes[0], dtype=torch.float8_e4m3fn), x.new_empty(shapes[1], dtype=torch.float32)])
+    (q8, dq), (k8, dk), (v8, dv) = outs
+    rotate = signs is not None
+    fn = compile_quantize_inputs(d, tile_m, tile_n, rotate, str(q.dtype)[6:])
+    fn(q, k, v, q8, k8, v8, dq, dk, dv, signs if rotate else hadamard_signs(d, device=q.device))
+    return q8, k8, v8, dq, dk, dv
 
 
 def quantize_fp8_blocks_cute(x, block_rows: int, signs=None, keep: str = ""):

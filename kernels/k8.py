@@ -60,18 +60,24 @@ class K8FMHA(k7.K7FMHA):
 def quantize_inputs(q, k, v, tile_m: int, tile_n: int, rotate: bool = True, keep: bool = False) -> tuple:
     """(q8, k8, v8, dq, dk, dv): q and k rotated (with ``rotate``) and quantized per tile_m / tile_n
     rows, v per tile_n keys in its own layout; d* float32 (batch, heads, blocks). What an FP8
-    caller passes to ``attention("k8", q8, k8, v8, descale_q=dq, ...)``."""
+    caller passes to ``attention("k8", q8, k8, v8, descale_q=dq, ...)``. 16-bit CUDA tensors take
+    one launch (``fp8_quant.QuantizeInputs``; ``keep``: into per-stream scratch), others the torch
+    arithmetic it reproduces."""
+    import torch
+
     signs = fp8_quant.hadamard_signs(q.shape[-1], HADAMARD_SEED, q.device) if rotate else None
-    q8, dq = fp8_quant.quantize_fp8_blocks(q, tile_m, signs, keep="q" if keep else "")
-    k8, dk = fp8_quant.quantize_fp8_blocks(k, tile_n, signs, keep="k" if keep else "")
-    v8, dv = fp8_quant.quantize_fp8_blocks(v, tile_n, keep="v" if keep else "")
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and k.dtype == v.dtype == q.dtype:
+        return fp8_quant.quantize_inputs_cute(q, k, v, tile_m, tile_n, signs, keep)
+    q8, dq = fp8_quant.quantize_fp8_blocks(q, tile_m, signs)
+    k8, dk = fp8_quant.quantize_fp8_blocks(k, tile_n, signs)
+    v8, dv = fp8_quant.quantize_fp8_blocks(v, tile_n)
     return q8, k8, v8, dq, dk, dv
 
 
 def prepare_fp8_blocks(q, k, v, tile_m: int, tile_n: int, rotate: bool = True, keep: bool = False):
-    """The pre-pass of every K8 launch from 16-bit q, k, v: (q8, k8, vt8, descale rows). On a GPU four
-    launches: three ``QuantizeBlocks``, then V^T and the rows in one (``k7.transpose_v_with_descales``);
-    ``keep``: into per-stream scratch (``contract.scratch``)."""
+    """The pre-pass of every K8 launch from 16-bit q, k, v: (q8, k8, vt8, descale rows). On a GPU two
+    launches: the three quantizers in one (``fp8_quant.QuantizeInputs``), then V^T and the rows in
+    one (``k7.transpose_v_with_descales``); ``keep``: into per-stream scratch (``contract.scratch``)."""
     q8, k8, v8, dq, dk, dv = quantize_inputs(q, k, v, tile_m, tile_n, rotate, keep)
     if v8.is_cuda:
         return (q8, k8, *k7.transpose_v_with_descales(v8, dq, dk, dv, keep))

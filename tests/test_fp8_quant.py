@@ -210,3 +210,40 @@ def test_v_transpose_with_descales_writes_the_torch_rows():
     assert torch.equal(rows.isnan().cpu(), want.isnan())
     assert torch.equal(rows.cpu().nan_to_num(), want.nan_to_num())
     assert torch.equal(vt.view(torch.uint8), transpose_v_fp8(v8).view(torch.uint8))
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_k8s_three_quantizers_compile_into_one_kernel_without_spills(d):
+    from harness.inspect_ptx import ptxas_report
+    from kernels.contract import compiled_ptx
+    from kernels.fp8_quant import compile_quantize_inputs
+    from kernels.k8 import block_sizes
+
+    ptx = compiled_ptx(compile_quantize_inputs(d, *block_sizes(d), True, "bfloat16", keep_ptx=True))
+    report = ptxas_report(ptx)
+    assert len(report) == 1 and all(spill == 0 for _, _, _, spill in report), report
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and ptx.count("div.rn.f32") >= 3  # a scale per tensor's blocks
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("shape", ["mha", "gqa_longer_kv", "shorter_kv"])
+def test_k8s_one_launch_quantizer_is_bit_exact_against_torch(d, shape):
+    from kernels.fp8_quant import quantize_fp8_blocks_torch, quantize_inputs_cute
+    from kernels.k8 import block_sizes
+
+    heads_kv, n_kv = dict(mha=(4, 1000), gqa_longer_kv=(2, 4097), shorter_kv=(4, 17))[shape]
+    q = torch.randn(2, 1000, 4, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)  # strided heads
+    k, v = (torch.randn(2, heads_kv, n_kv, d, device="cuda", dtype=torch.bfloat16) * s for s in (4.0, 0.5))
+    tile_m, tile_n = block_sizes(d)
+    signs = hadamard_signs(d, device="cuda")
+    for keep in (False, True):
+        got = quantize_inputs_cute(q, k, v, tile_m, tile_n, signs, keep)
+        want = [*quantize_fp8_blocks_torch(q, tile_m, signs), *quantize_fp8_blocks_torch(k, tile_n, signs),
+                *quantize_fp8_blocks_torch(v, tile_n)]
+        want = [want[0], want[2], want[4], want[1], want[3], want[5]]
+        for g, w in zip(got, want):
+            assert g.shape == w.shape
+            assert torch.equal(g.view(torch.uint8) if g.dtype == torch.float8_e4m3fn else g,
+                               w.view(torch.uint8) if w.dtype == torch.float8_e4m3fn else w)
