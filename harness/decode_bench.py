@@ -17,7 +17,6 @@ import functools
 import itertools
 import math
 import statistics
-import time
 
 from harness.timing import failure, graph_ms, host_rows  # module-level: the CPU tests replace graph_ms
 

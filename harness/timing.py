@@ -16,35 +16,11 @@ def benchmark(fn, warmup_ms: float = 100.0, rep_ms: float = 300.0, min_reps: int
     then differed by up to 9% on an H100 (docs/k6.md). ``state``, a dict, receives the GPU's SM
     clock, power and temperature over the timed launches (``harness.gpu_state``) where NVML answers.
     """
-    import time
-
-    import torch
-
-    from harness.gpu_state import sampler
-
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(3):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    est = max(start.elapsed_time(end) / 3, 1e-3)
+    est = _estimate(fn, 3)
     for _ in range(max(1, int(warmup_ms / est))):
         fn()
-    n = max(min_reps, min(max_reps, int(rep_ms / est)))
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
-    gpu = sampler() if state is not None else None
-    t0 = time.monotonic()  # the warm-up's tail may still run: the same kernel
-    for s, e in events:
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
-    if gpu:
-        state.update(gpu.window(t0, time.monotonic()) or {})
-    return statistics.median(s.elapsed_time(e) for s, e in events)
+    # the warm-up's tail may still run: the same kernel
+    return statistics.median(_timed_bursts(fn, 1, max(min_reps, min(max_reps, int(rep_ms / est))), state))
 
 
 def burst_ms(fn, rep_ms: float = 200.0, state: dict | None = None) -> float:
@@ -52,24 +28,30 @@ def burst_ms(fn, rep_ms: float = 200.0, state: dict | None = None) -> float:
     event pair around each burst of calls, nothing synchronized inside, so the slower of the host
     and the GPU sets the time. Warm-up first; bursts of at least 20 calls and about 10 ms each,
     repeated for about ``rep_ms``. ``state`` as in ``benchmark``."""
+    _estimate(fn, 10)
+    est = _estimate(fn, 10)  # the second burst: warm
+    calls = max(20, int(10.0 / est))
+    return statistics.median(_timed_bursts(fn, calls, max(5, min(200, int(rep_ms / (calls * est)))), state))
+
+
+def _estimate(fn, calls: int) -> float:
+    """Milliseconds per call of one burst of ``calls`` (after a first call that may compile)."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    return max(_timed_bursts(fn, calls, 1, None)[0], 1e-3)
+
+
+def _timed_bursts(fn, calls: int, bursts: int, state: dict | None) -> list:
+    """Milliseconds per call of each of ``bursts`` bursts of ``calls`` back-to-back calls, an event
+    pair around each; ``state`` gets the GPU's clock and power over them."""
     import time
 
     import torch
 
     from harness.gpu_state import sampler
 
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(2):  # the second burst: warm
-        start.record()
-        for _ in range(10):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-    est = max(start.elapsed_time(end) / 10, 1e-3)
-    calls = max(20, int(10.0 / est))
-    bursts = max(5, min(200, int(rep_ms / (calls * est))))
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(bursts)]
     gpu = sampler() if state is not None else None
     t0 = time.monotonic()
@@ -81,7 +63,7 @@ def burst_ms(fn, rep_ms: float = 200.0, state: dict | None = None) -> float:
     torch.cuda.synchronize()
     if gpu:
         state.update(gpu.window(t0, time.monotonic()) or {})
-    return statistics.median(s.elapsed_time(e) / calls for s, e in events)
+    return [s.elapsed_time(e) / calls for s, e in events]
 
 
 def host_us(call, n: int = 200) -> float:
@@ -102,15 +84,7 @@ def host_us(call, n: int = 200) -> float:
 def call_us(call, n: int = 200) -> float:
     """Microseconds per call on the GPU clock: one event pair around n back-to-back calls, so the
     slower of host and kernel sets it (what a loop of eager calls sees)."""
-    import torch
-
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(n):
-        call()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / n * 1e3
+    return _timed_bursts(call, n, 1, None)[0] * 1e3
 
 
 def host_rows(calls: dict, base: dict, emit, rounds: int = 9) -> None:

@@ -89,8 +89,8 @@ def test_decode_without_a_gpu_exits_2_and_writes_nothing(monkeypatch, tmp_path, 
 
 @pytest.mark.parametrize("argv,says", [
     (["--decode", "k4"], "own grid"),
-    (["--decode", "--seqlen", "4096"], "not ['seqlen']"),
-    (["--decode", "--causal", "1"], "not ['causal']"),
+    (["--decode", "--seqlen", "4096"], "not --seqlen"),
+    (["--decode", "--causal", "1"], "not --causal"),
     (["--decode", "--batch", "0"], "--batch must be positive"),
     (["--decode", "--q-len", "0"], "--q-len must be positive"),
     (["--decode", "--headdim", "96"], "--headdim must be one of (64, 128, 256)"),
@@ -101,11 +101,10 @@ def test_decode_without_a_gpu_exits_2_and_writes_nothing(monkeypatch, tmp_path, 
     (["--decode", "--host-times", "--splits-curve"], "runs only the host times"),
     (["--decode", "--pages-curve", "--splits-curve"], "runs only the page-size curve"),
     (["--decode", "--pages-curve", "--num-splits", "2"], "runs only the page-size curve"),
-    (["k4", "--q-len", "2"], "--q-len, --num-splits, --grid-only, --splits-curve, --host-times and --pages-curve to "
-                             "--decode"),
+    (["k4", "--q-len", "2"], "--q-len, --num-splits, --grid-only, --splits-curve and --pages-curve to --decode"),
     (["--splits-curve"], "to --decode"),
     (["--pages-curve"], "to --decode"),
-    (["--host-times"], "to --decode"),
+    (["--host-times", "--batch", "8"], "--host-times times its own calls"),  # the prefill calls' host times
     (["--grid-only"], "to --decode"),
 ])
 def test_decode_refusals_come_before_any_work(fake_gpu, capsys, argv, says):
