@@ -29,7 +29,7 @@ import torch
 
 from kernels import get_kernel
 from kernels.contract import (Problem, StreamBuffers, UnsupportedProblem, as_causal, as_flag, as_scale,
-                              fresh_buffers)
+                              fresh_buffers, num_sms)
 
 from .inputs import shared_dtype, torch_dtype
 
@@ -161,7 +161,7 @@ def resolve_splits(p: Problem, num_splits: int, max_seqlen_k: Optional[int] = No
     if key not in _SPLITS:
         from kernels import decode
 
-        _SPLITS[key] = decode.choose_num_splits(p.batch, p.kv_heads, p.group, p.seqlen, key[4], decode.sm_count(),
+        _SPLITS[key] = decode.choose_num_splits(p.batch, p.kv_heads, p.group, p.seqlen, key[4], num_sms(),
                                                 decode.config(p.head_dim)["tile_n"])
     return _SPLITS[key]
 
@@ -174,7 +174,7 @@ def launcher_for(p: Problem, num_splits: int, seqlens: bool, kernel: str, page_s
     ctas = decode.grid_ctas(p.batch, p.kv_heads, p.group, p.seqlen)
     key = (p.head_dim, p.dtype, p.causal, p.group, num_splits, seqlens, MERGE[kernel], decode.deterministic_requested(),
            torch.cuda.current_device(),  # the defaults may differ by GPU (decode.NO_CLAIM_GPUS, SHARED_SM_GPUS)
-           ctas > decode.sm_count(), page_size)
+           ctas > num_sms(), page_size)
     if key not in _LAUNCHERS:
         _LAUNCHERS[key] = decode.make_launcher(p.head_dim, p.dtype, p.causal, p.group, num_splits, seqlens,
                                                merge=MERGE[kernel], ctas=ctas, page_size=page_size)

@@ -37,6 +37,7 @@ LOG2_E = math.log2(math.e)  # exp(x) == exp2(x * LOG2_E): the kernels fold it in
 LN_2 = math.log(2.0)  # natural-log LSE from a log2-domain max: m * LN_2 + ln(l)
 SMEM_CAPACITY = 227 * 1024  # H100 / H200: the most dynamic SMEM one CTA can opt into
 GRID_YZ_LIMIT = 65535  # gridDim.y and gridDim.z (heads and batch in the fused kernels)
+H100_SMS = 132  # SMs of an H100 SXM or an H200: the grid a compile without a GPU sizes for
 HOPPER = ((9, 0),)
 # Kernels with no Hopper-only instruction (K1, K2) may run on these; they are tested on Hopper only.
 AMPERE_AND_LATER = ((8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0))
@@ -227,6 +228,24 @@ def cute_dtype(name: str):
     import cutlass
 
     return {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16, "float32": cutlass.Float32}[name]
+
+
+def num_sms() -> int:
+    """SMs of the current GPU (persistent grids, split counts), ``H100_SMS`` without one."""
+    try:
+        import torch
+    except ImportError:
+        return H100_SMS
+    if not torch.cuda.is_available():
+        return H100_SMS
+    return _sms_of(torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _sms_of(device: int) -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def ensure_arch() -> None:

@@ -56,6 +56,7 @@ from .contract import (
     cute_dtype,
     fake_stream,
     jit_compile,
+    num_sms,
 )
 
 HEAD_DIMS = (64, 128, 256)
@@ -1002,26 +1003,6 @@ def compile_combine(head_dim: int, dtype: str, merge_prefetch: int = 0, keep_ptx
     return jit_compile(("decode_combine", head_dim, dtype, merge_prefetch), build, keep_ptx)
 
 
-def sm_count() -> int:
-    """SMs of the current GPU (132 on H100/H200 SXM, the CPU-compile default)."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return 132
-    return _sm_count(torch.cuda.current_device())
-
-
-_SM_COUNTS: dict = {}
-
-
-def _sm_count(device: int) -> int:
-    if device not in _SM_COUNTS:
-        import torch
-
-        _SM_COUNTS[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _SM_COUNTS[device]
-
-
 class DecodeLauncher:
     """The main kernel and (with S > 1) the merge, bound to a split count: a ``Combine`` launch,
     or the main kernel's last-CTA merge. Called with tensors in the decode layout, it reuses the
@@ -1149,7 +1130,7 @@ def make_launcher(head_dim: int, dtype: str, causal: bool, group: int, num_split
     if cfg.get("claim_after") is None and (deterministic_requested() or listed_gpu(NO_CLAIM_GPUS)):
         cfg["claim_after"] = 0
     if cfg.get("tile_n") is None and listed_gpu(SHARED_SM_GPUS):
-        cfg["tile_n"] = shared_sm_tile_n(head_dim, num_splits, ctas, sm_count())
+        cfg["tile_n"] = shared_sm_tile_n(head_dim, num_splits, ctas, num_sms())
     cfg = config(head_dim, **cfg)
     boxes = page_boxes(cfg["tile_n"], page_size) if page_size else 1
     if isinstance(cfg["claim_after"], bool) or not isinstance(cfg["claim_after"], int) or cfg["claim_after"] < 0:
@@ -1183,7 +1164,7 @@ def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_splits: int = 0, m
     tile_n = config(p.head_dim, **knobs)["tile_n"]
     if not isinstance(num_splits, int) or not 0 <= num_splits <= MAX_SPLITS:
         raise UnsupportedProblem(f"num_splits must be an int in [0, {MAX_SPLITS}] (0: automatic), got {num_splits!r}")
-    splits = num_splits or choose_num_splits(p.batch, p.kv_heads, p.group, p.seqlen, p.kv_len, sm_count(), tile_n)
+    splits = num_splits or choose_num_splits(p.batch, p.kv_heads, p.group, p.seqlen, p.kv_len, num_sms(), tile_n)
     if knobs.get("claim_after") and merge == "combine" and splits > 1:
         raise UnsupportedProblem("claim_after needs an in-kernel merge (last_cta or last_split): the merging CTA "
                                  "resets the claim counter")

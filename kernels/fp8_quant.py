@@ -24,7 +24,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
-from .contract import StreamBuffers, scratch
+from .contract import H100_SMS, StreamBuffers, scratch
 
 E4M3_MAX = 448.0
 
@@ -531,7 +531,7 @@ def compile_quantize_tensors(head_dim: int, count: int, dtype: str, keep_ptx: bo
     return amax, cast
 
 
-PARTIALS = 132  # amax CTAs per tensor: one wave on an H100, and fewer than a cast CTA's threads
+PARTIALS = H100_SMS  # amax CTAs per tensor: one wave on an H100, and fewer than a cast CTA's threads
 _PARTIALS = StreamBuffers()  # the partial amaxes: scratch, one set per stream and shape
 
 

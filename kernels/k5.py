@@ -45,6 +45,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from . import schedule, sm90, tma_pipeline
 from .contract import (
+    H100_SMS,
     LOG2_E,
     SMEM_CAPACITY,
     Capabilities,
@@ -55,6 +56,7 @@ from .contract import (
     fake_attention_args,
     fused_attention,
     jit_compile,
+    num_sms,
     run_kernel,  # noqa: F401  (the contract's launch-only entry)
 )
 from .tiles import kv_tile_count, unmasked_kv_tile_count
@@ -91,18 +93,6 @@ TILE_STAGES = 2  # claimed tile indices in flight between the producer and the c
 PRODUCER_WARPS = 4  # warpgroup 0; only its warp 0 issues loads, the other three idle (24 regs, 32 with three consumer WGs)
 
 
-def num_sms() -> int:
-    """SMs of the current GPU (the persistent grid size); 132 (H100 SXM / H200) without one."""
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    except ImportError:
-        pass
-    return 132
-
-
 def max_cluster_ctas(cluster: int) -> int:
     """CTAs in the largest grid of ``cluster``-CTA clusters that runs in one wave at one CTA per SM:
     a cluster's CTAs share a GPC, and a GPC with an odd number of free SMs leaves one idle (the
@@ -129,7 +119,7 @@ def _max_cluster_ctas_on(cluster: int, device: int) -> int:
 
 class K5FMHA:
     def __init__(self, head_dim: int, dtype, causal: bool, num_wg: int, tile_n: int, kv_stages: int,
-                 q_stages: int, scheduler: str, tma_store: bool = False, sm_count: int = 132,
+                 q_stages: int, scheduler: str, tma_store: bool = False, sm_count: int = H100_SMS,
                  section_bytes: int = schedule.SECTION_BYTES, o_store_per_wg: bool = False, split_tail: bool = False,
                  pin_descriptors: bool = True, cluster: int = 1, q_in_regs: bool = False):
         self.head_dim = head_dim

@@ -18,6 +18,7 @@ TMA descriptors, views and mbarrier pipelines live in ``kernels/tma_pipeline.py`
 
 from __future__ import annotations
 
+import enum
 import operator
 
 import cutlass
@@ -29,12 +30,15 @@ from cutlass._mlir.dialects import llvm
 
 from .contract import LN_2
 
-# Named-barrier ids (0 is sync_threads). One table for the whole kernel: a barrier id used for
-# two purposes at once deadlocks or releases the wrong threads.
-EPILOGUE_BARRIER = 1  # every consumer is done reading the buffer sO aliases
-# 2, 3, 4: WARP_SCHEDULER_BARRIER (ping-pong), below
-EPILOGUE_STORE_BARRIER = 5  # sO is written and fenced: the storing warp may issue the TMA store
-# 5, 6, 7: the same per consumer warpgroup when each stores its own rows (store_o_tma_and_lse)
+class NamedBarrier(enum.IntEnum):
+    """Named-barrier ids (0 is sync_threads). One table for the whole kernel: a barrier id used for
+    two purposes at once deadlocks or releases the wrong threads."""
+
+    EPILOGUE = 1  # every consumer is done reading the buffer sO aliases
+    WARP_SCHEDULER = 2  # 2, 3, 4: one per consumer warpgroup, passing the tensor-core turn (ping-pong, K6)
+    # sO is written and fenced: the storing warp may issue the TMA store; 5, 6, 7 per consumer
+    # warpgroup when each stores its own rows (store_o_tma_and_lse)
+    EPILOGUE_STORE = 5
 
 
 # --------------------------------------------------------------------------------------
@@ -448,10 +452,10 @@ def store_o_tma_and_lse(acc_O: cute.Tensor, softmax: OnlineSoftmax, tiled_mma_pv
     lse, rO = finalize_o(acc_O, softmax, dtype)
     warp = cute.arch.make_warp_uniform(tidx // 32)
     if const_expr(wg_idx is None):
-        cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=num_threads)
-        store_barrier, storing_warp = EPILOGUE_STORE_BARRIER, warp == 0
+        cute.arch.barrier(barrier_id=NamedBarrier.EPILOGUE, number_of_threads=num_threads)
+        store_barrier, storing_warp = NamedBarrier.EPILOGUE_STORE, warp == 0
     else:
-        store_barrier, storing_warp = EPILOGUE_STORE_BARRIER + wg_idx, warp % 4 == 0
+        store_barrier, storing_warp = NamedBarrier.EPILOGUE_STORE + wg_idx, warp % 4 == 0
     store_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), dtype)
     thr_store = cute.make_tiled_copy_C(store_atom, tiled_mma_pv).get_slice(tidx)
     cute.copy(store_atom, thr_store.retile(rO), thr_store.partition_D(sO))
@@ -595,8 +599,6 @@ class StagedOperand:
 # Ping-pong between consumer warpgroups (K6): named barriers pass a token
 # --------------------------------------------------------------------------------------
 
-WARP_SCHEDULER_BARRIER = 2  # 2, 3, 4: one per consumer warpgroup (named-barrier ids: see the top)
-
 
 class WarpScheduler:
     """Consumer warpgroups take turns on the tensor cores.
@@ -620,13 +622,13 @@ class WarpScheduler:
     def init(self):
         if const_expr(self.enabled):
             if self._wg() == 0:
-                cute.arch.barrier_arrive(barrier_id=WARP_SCHEDULER_BARRIER, number_of_threads=2 * 128)
+                cute.arch.barrier_arrive(barrier_id=NamedBarrier.WARP_SCHEDULER, number_of_threads=2 * 128)
 
     def sync(self):
         if const_expr(self.enabled):
-            cute.arch.barrier(barrier_id=WARP_SCHEDULER_BARRIER + self._wg(), number_of_threads=2 * 128)
+            cute.arch.barrier(barrier_id=NamedBarrier.WARP_SCHEDULER + self._wg(), number_of_threads=2 * 128)
 
     def arrive(self):
         if const_expr(self.enabled):
             next_wg = (self._wg() + 1) % self.num_wg
-            cute.arch.barrier_arrive(barrier_id=WARP_SCHEDULER_BARRIER + next_wg, number_of_threads=2 * 128)
+            cute.arch.barrier_arrive(barrier_id=NamedBarrier.WARP_SCHEDULER + next_wg, number_of_threads=2 * 128)

@@ -112,7 +112,7 @@ def main(argv=None) -> int:
                 cfg["refill_at_release"] = bool(cfg["refill_at_release"])
                 for asked, merge in ((a, m) for a in splits_list for m in merges):
                     splits = asked or decode.choose_num_splits(b, h_kv, NHEADS // h_kv, 1, kv_len,
-                                                               decode.sm_count(), tile_n)
+                                                               decode.num_sms(), tile_n)
                     row = dict(device=device, head_dim=d, batch=b, nheads=NHEADS, nheads_kv=h_kv, seqlen_k=kv_len,
                                **cfg, num_splits=splits, auto_splits=asked == 0)
                     try:

@@ -138,7 +138,7 @@ def test_two_ctas_share_an_sm_only_on_a_wide_unsplit_grid(monkeypatch):
     # through the ordinary contract too: batch 64 x 32 K/V heads is 2048 CTAs, no split
     from kernels.contract import Problem
 
-    monkeypatch.setattr(decode, "sm_count", lambda: 132)
+    monkeypatch.setattr(decode, "num_sms", lambda: 132)
     assert decode.compile_kernel(Problem(64, 32, 1, 128, nheads_kv=32, seqlen_k=4096)).info["tile_n"] == 64
     assert decode.compile_kernel(Problem(1, 32, 1, 128, nheads_kv=8, seqlen_k=4096)).info["tile_n"] == 128
 
@@ -498,7 +498,7 @@ def test_shared_sm_tiles_match_the_reference(monkeypatch, d, causal, q_len):
     monkeypatch.setattr(kvcache, "_LAUNCHERS", {})
     monkeypatch.setattr(kvcache, "_PREPARED", {})
     h, h_kv, s_cache = 32, 4, 1000
-    b = decode.sm_count() // h_kv + 1
+    b = decode.num_sms() // h_kv + 1
     q = torch.randn(b, q_len, h, d, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(b, s_cache, h_kv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     lengths = [0, 1, 17, 999, 1000] + torch.randint(1, s_cache + 1, (b - 5,)).tolist()

@@ -13,7 +13,7 @@ from harness.inspect_ptx import count_instructions, ptxas_report, wgmma_a_source
 from kernels import get_kernel
 from kernels.contract import Problem, UnsupportedProblem
 from kernels.k5 import REGISTERS
-from kernels.sm90 import EPILOGUE_BARRIER, EPILOGUE_STORE_BARRIER, WARP_SCHEDULER_BARRIER
+from kernels.sm90 import NamedBarrier
 from script_loader import load_script
 
 WS_KERNELS = ("k5", "k6_pp", "k6", "k7", "k8")  # K7/K8: K6 in FP8
@@ -52,7 +52,7 @@ def _named_barriers(ptx):
 def _ping_pong_barriers(ptx):
     # The token's barriers count two warpgroups (256 threads); a register id is the DSL's way of
     # writing an id computed from the warpgroup index (the per-warpgroup O store's count 160).
-    ids = {str(WARP_SCHEDULER_BARRIER + i) for i in range(3)}
+    ids = {str(NamedBarrier.WARP_SCHEDULER + i) for i in range(3)}
     return [b for b in _named_barriers(ptx)
             if b[2] == "256" and (b[1].strip() in ids or b[1].strip().startswith("%r"))]
 
@@ -73,8 +73,8 @@ def test_tma_store_epilogue():
     assert re.search(r"cp\.async\.bulk\.tensor\.\w+\.global\.shared::cta", ptx)
     assert re.search(r"cp\.async\.bulk\.wait_group\.read\s+0;", ptx)
     barriers = set(_named_barriers(ptx))
-    assert {("sync", str(EPILOGUE_BARRIER), "256"), ("arrive", str(EPILOGUE_STORE_BARRIER), "288"),
-            ("sync", str(EPILOGUE_STORE_BARRIER), "288")} <= barriers, barriers
+    epilogue, store = str(int(NamedBarrier.EPILOGUE)), str(int(NamedBarrier.EPILOGUE_STORE))
+    assert {("sync", epilogue, "256"), ("arrive", store, "288"), ("sync", store, "288")} <= barriers, barriers
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])
@@ -83,7 +83,7 @@ def test_k6_stores_o_per_warpgroup(d):
     # its own barrier (5 + wg, a register id) and its first warp syncs there (160), then stores.
     ptx = _compile("k6", d).ptx
     barriers = set(_named_barriers(ptx))
-    assert not any(b[1].strip() == str(EPILOGUE_BARRIER) for b in barriers), barriers
+    assert not any(b[1].strip() == str(int(NamedBarrier.EPILOGUE)) for b in barriers), barriers
     per_wg = {(kind, count) for kind, bar_id, count in barriers if bar_id.strip().startswith("%r")}
     assert {("arrive", "160"), ("sync", "160")} <= per_wg, barriers
     assert re.search(r"cp\.async\.bulk\.wait_group\.read\s+0;", ptx)

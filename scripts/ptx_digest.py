@@ -1,0 +1,93 @@
+"""The PTX of every registered kernel, as digests: the check that a refactor moved code and changed
+no instruction (no GPU needed).
+
+    python scripts/ptx_digest.py --out /tmp/before.json      # before a move
+    python scripts/ptx_digest.py --check /tmp/before.json    # after it: exit 1 where any PTX differs
+
+Every kernel is compiled for sm_90a at each of its head dims among 64/128/256, causal and not, in
+bf16 (and e4m3 for the FP8 stages), with the default configuration of a problem of 4096 rows (the
+configuration can depend on the length: ``--seqlen`` picks another), plus the FP8 pre-pass
+kernels. A digest is the sha256 of the PTX text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kernels import get_kernel, kernel_names  # noqa: E402
+from kernels.contract import FP8_DTYPES, Problem, UnsupportedProblem, compiled_ptx  # noqa: E402
+
+
+def digest(ptx: str) -> str:
+    return hashlib.sha256(ptx.encode()).hexdigest()
+
+
+def kernel_digests(seqlen: int) -> dict:
+    out = {}
+    for name in kernel_names():
+        caps = get_kernel(name).caps
+        for d in (64, 128, 256):
+            if d not in caps.head_dims:
+                continue
+            for dtype in [t for t in caps.dtypes if t == "bfloat16" or t in FP8_DTYPES]:
+                for causal in (False, True):
+                    key = f"{name} d={d} {dtype} causal={int(causal)}"
+                    try:
+                        compiled = get_kernel(name).compile(Problem(1, 2, seqlen, d, dtype=dtype, causal=causal),
+                                                            keep_ptx=True)
+                    except UnsupportedProblem as e:
+                        out[key] = f"refused: {e}"
+                        continue
+                    out[key] = digest(compiled.ptx or "")
+                    print(f"{key}: {out[key][:12]}", flush=True)
+    return out
+
+
+def helper_digests() -> dict:
+    from kernels import fp8_quant, k7, k8
+
+    out = {}
+    for with_descales in (False, True):
+        out[f"TransposeV with_descales={with_descales}"] = digest(
+            compiled_ptx(k7.compile_transpose_v(keep_ptx=True, with_descales=with_descales)))
+    for d in (64, 128, 256):
+        tile_m, tile_n = k8.block_sizes(d)
+        out[f"QuantizeInputs d={d}"] = digest(compiled_ptx(fp8_quant.compile_quantize_inputs(
+            d, tile_m, tile_n, True, "bfloat16", keep_ptx=True)))
+        out[f"QuantizeBlocks d={d}"] = digest(compiled_ptx(fp8_quant.compile_quantize_blocks(
+            d, tile_m, True, "bfloat16", keep_ptx=True)))
+        for i, fn in enumerate(fp8_quant.compile_quantize_tensors(d, 3, "bfloat16", keep_ptx=True)):
+            out[f"QuantizeTensors d={d} {('amax', 'cast')[i]}"] = digest(compiled_ptx(fn))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", help="write the digests here")
+    ap.add_argument("--check", help="compare with the digests in this file; exit 1 where any differs")
+    ap.add_argument("--seqlen", type=int, default=4096, help="rows of the problem each kernel is configured for")
+    args = ap.parse_args(argv)
+    if not args.out and not args.check:
+        ap.error("give --out, --check or both")
+    now = {**kernel_digests(args.seqlen), **helper_digests()}
+    if args.out:
+        Path(args.out).write_text(json.dumps(now, indent=1, sort_keys=True) + "\n")
+    if args.check:
+        then = json.loads(Path(args.check).read_text())
+        changed = sorted(k for k in set(now) | set(then) if now.get(k) != then.get(k))
+        for k in changed:
+            print(f"differs: {k}: {str(then.get(k))[:12]} -> {str(now.get(k))[:12]}")
+        print(f"{len(now) - len(changed)} of {len(now)} PTX digests identical" if not changed else
+              f"{len(changed)} of {len(set(now) | set(then))} differ")
+        return 1 if changed else 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
