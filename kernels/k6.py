@@ -32,67 +32,23 @@ from . import k5, sm90, tma_pipeline
 from .contract import CompiledAttention, Problem, UnsupportedProblem, run_kernel  # noqa: F401  (run_kernel: the contract's launch-only entry)
 
 CAPS = k5.CAPS
-# Ping-pong up to d=128 only (with the overlap, the d=256 GEMMs already dwarf the softmax).
-PINGPONG_MAX_HEAD_DIM = 128
-# d=64 runs without the overlap: with it, S of the next tile lives beside P and O, three consumer
-# warpgroups get 160 registers each, and 128-key tiles spill (12 bytes, ptxas); 112-key tiles fit
-# but measured slower on an H100 than ping-pong alone at 128 keys (results/ws-tune-h100-early.json,
-# the first tuning run in docs/k6.md: "k6" there is the overlap at 112 keys, "k6_pp" ping-pong alone).
-OVERLAP_MIN_HEAD_DIM = 128
-TILE_N_WITH_OVERLAP = {64: 112}
-# d=128 non-causal with the overlap: 144-key tiles (FA3 takes 176, which spills here), 3% over 128
-# at 4k-8k keys and a tie at 16k (results/ws-tune-h100-d128n.json, each timed twice). Causal keeps
-# 128: its diagonal tiles waste more with wider tiles.
-NON_CAUSAL_TILE_N_WITH_OVERLAP = {128: 144}
-# ... and d=128 non-causal up to 2k keys: with 16 or fewer KV tiles per query tile, the overlap's
-# unhidden prologue (first QK + softmax) and epilogue (last PV) cost more than it hides (H100
-# sweep, docs/k6.md). The seqlen is known when a problem is compiled, so short and long
-# sequences simply get two compiled variants.
-NO_OVERLAP_UP_TO_SEQLEN = {(128, False): 2048}
-# Short sequences get their own tiles, (head_dim, causal) -> (up to this many keys, overrides):
-# d=64 causal takes two consumer warpgroups (128-row query tiles, whose diagonal wastes less than
-# 192 rows'), d=256 64-key tiles. Measured on an H100, each configuration timed twice
-# (results/ws-tune-h100-d64wg.json, ws-tune-h100-d256n.json): d=64 causal 1.12-1.16x at 512-1k,
-# a tie at 2k; d=256 causal 1.05x at 512-1k, 1.02x at 2k; non-causal 1.02x at 512-1k, 0.98x at 2k.
-SHORT_SEQUENCE_CONFIG = {
+# K6's measured defaults, each with the runs behind it (docs/k6-runs.md, "Why the defaults are what
+# they are", has the numbers; every result file is in results/).
+PINGPONG_MAX_HEAD_DIM = 128  # at d=256 the GEMMs dwarf the softmax: the overlap alone, as the anchors
+OVERLAP_MIN_HEAD_DIM = 128  # d=64 with the overlap spills at 128 keys, is slower at 112 (ws-tune-h100-early)
+TILE_N_WITH_OVERLAP = {64: 112}  # the width d=64 would take with the overlap (same run)
+NON_CAUSAL_TILE_N_WITH_OVERLAP = {128: 144}  # ws-tune-h100-d128n
+NO_OVERLAP_UP_TO_SEQLEN = {(128, False): 2048}  # the H100 sweep in docs/k6.md
+SHORT_SEQUENCE_CONFIG = {  # (head_dim, causal) -> (up to this many keys, overrides): ws-tune-h100-d64wg, -d256n
     (64, True): (1024, dict(num_wg=2)),
     (256, True): (2048, dict(tile_n=64)),
     (256, False): (1024, dict(tile_n=64)),
 }
-# ... and long ones wider key tiles, (head_dim, causal) -> (from this many keys, tile_n): d=64
-# non-causal from 16k keys takes 176 (FA3 takes 192 there, which spills 24 bytes here). Fewer,
-# wider tiles pay the per-tile costs (row max, O rescale, barriers) fewer times, while a partial
-# last tile wastes up to 175 keys of work: under 1% of a row only from 16k keys. Measured on an
-# H200, 3 rounds (results/ws-tune-h200-d64long-r3.json): +2.5% at 16k, +1.9% at 32k, a tie at 8k;
-# 160 keys +1.8%, +2.4%, -1%; cluster=2 on top adds nothing (ws-tune-h200-cluster-d64-r3.json).
-# An H100 had shown 192 keys +3% at 16k, +1% at 8k (ws-tune-h100-d64n.json).
-LONG_SEQUENCE_TILE_N = {(64, False): (16384, 176)}
-# d=256 sends O through SMEM and one TMA store (K5's tma_store) up to 8k keys: with one Q stage the
-# store holds the Q buffer until it has been read, but at these lengths the predicated register
-# stores of a 128x256 tile cost more. Measured on an H100 (results/ws-tune-h100-d256short.json,
-# ws-tune-h100-d256tmastore.json, each configuration timed twice): +13-15% at 512 keys, +3-8% at
-# 1k-4k, +2% at 8k, -2% at 16k.
-# d=64 (three consumer warpgroups' register stores) takes it too once each warpgroup stores its own
-# rows (below): +1.5-6% at 512-2k keys, +3% causal at 8k, -1 to -4% non-causal at 8k-16k
-# (results/ws-tune-h100-perwg-d64-r3.json). Keyed (head_dim, causal).
-TMA_STORE_UP_TO_SEQLEN = {(256, False): 8192, (256, True): 8192, (64, False): 2048, (64, True): 8192}
-# With the TMA store, each consumer warpgroup stores its own 64 rows (K5's o_store_per_wg) instead
-# of all of them waiting for the slowest at the end of every query tile: in a ping-pong the first
-# warpgroup's epilogue then runs under the other's last GEMMs. Measured on an H100, 3 rounds
-# (results/ws-tune-h100-perwg-r3.json, ws-tune-h100-perwg-d128long-r3.json): d=128/256 +1-8% up to
-# 2k keys, causal +0-2% at 4k-16k; but non-causal d=128 at 8k-16k -5%, which we have not explained
-# (it is the static persistent schedule; causal runs the dynamic one). So: causal, or up to 2k keys.
-O_STORE_PER_WG_NON_CAUSAL_UP_TO_SEQLEN = 2048
-# d=128 non-causal from 4k keys and d=256 from 2k: two CTAs per cluster share each K/V tile (K5's
-# cluster=2, as FA3 does for these head dims). Measured on an H200, 3 rounds against cluster=1 in
-# one run (results/ws-tune-h200-cluster-r3.json, ws-tune-h200-cluster-short-r3.json): d=128 -5% at
-# 1k (the variant without the overlap), a tie at 2k and 4k, +3.0% at 8k, +1.3% at 16k; d=256 a tie
-# at 512-1k, then +2.6%, +1.7%, +2.0%, +2.7% at 2k-16k. The chip runs at its power limit there,
-# and L2 now serves each K/V byte once per pair of SMs instead of once per SM. d=128 starts at 4k,
-# a tie, so that every length of the gains at 8k-16k takes it. Only with an even number of query
-# tiles per head: with an odd one, the last pair's second CTA walks every K/V tile for nothing
-# (a 128-query chunk against a long cache would run twice as many tiles as it has).
-CLUSTER_FROM_SEQLEN = {128: 4096, 256: 2048}
+LONG_SEQUENCE_TILE_N = {(64, False): (16384, 176)}  # (head_dim, causal) -> (from keys, tile_n): ws-tune-h200-d64long-r3
+TMA_STORE_UP_TO_SEQLEN = {(256, False): 8192, (256, True): 8192, (64, False): 2048,  # ws-tune-h100-d256short,
+                          (64, True): 8192}  # -d256tmastore, -perwg-d64-r3
+O_STORE_PER_WG_NON_CAUSAL_UP_TO_SEQLEN = 2048  # ws-tune-h100-perwg-r3, -perwg-d128long-r3
+CLUSTER_FROM_SEQLEN = {128: 4096, 256: 2048}  # ws-tune-h200-cluster-r3, -cluster-short-r3
 
 
 class K6FMHA(k5.K5FMHA):
@@ -284,6 +240,20 @@ def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_wg=None, tile_n=No
                    rescale_o_before_gemm=None, pin_pv_wait=None, o_store_per_wg=None, split_tail=None,
                    ctas=None, pin_descriptors=None, cluster=None, q_in_regs=None) -> CompiledAttention:
     CAPS.check(p)
+    return k5.build("k6", K6FMHA, p, config(p, dict(
+        num_wg=num_wg, tile_n=tile_n, kv_stages=kv_stages, q_stages=q_stages, scheduler=scheduler, tma_store=tma_store,
+        pingpong=pingpong, overlap=overlap, section_bytes=section_bytes, emulated_exp2=emulated_exp2,
+        skip_unit_rescale=skip_unit_rescale, rescale_o_before_gemm=rescale_o_before_gemm, pin_pv_wait=pin_pv_wait,
+        o_store_per_wg=o_store_per_wg, split_tail=split_tail, ctas=ctas, pin_descriptors=pin_descriptors,
+        cluster=cluster, q_in_regs=q_in_regs)), keep_ptx)
+
+
+def config(p: Problem, overrides: dict) -> dict:
+    """K6's configuration of ``p``: the measured defaults above wherever ``overrides`` leaves a knob
+    None, then K5's (``k5.default_config``)."""
+    num_wg, tile_n, overlap, pingpong = (overrides[k] for k in ("num_wg", "tile_n", "overlap", "pingpong"))
+    tma_store, o_store_per_wg, cluster = overrides["tma_store"], overrides["o_store_per_wg"], overrides["cluster"]
+    scheduler, split_tail, ctas = overrides["scheduler"], overrides["split_tail"], overrides["ctas"]
     if overlap is None:
         short = NO_OVERLAP_UP_TO_SEQLEN.get((p.head_dim, p.causal), 0)
         overlap = p.head_dim >= OVERLAP_MIN_HEAD_DIM and p.kv_len > short
@@ -306,12 +276,7 @@ def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_wg=None, tile_n=No
         tile_m = 64 * (num_wg or k5.DEFAULT_CONFIG[p.head_dim]["num_wg"])
         pairs_whole = -(-p.seqlen // tile_m) % 2 == 0
         cluster = 2 if pairs_whole and p.kv_len >= CLUSTER_FROM_SEQLEN.get(p.head_dim, float("inf")) else None
-    cfg = k5.default_config(p, dict(num_wg=num_wg, tile_n=tile_n, kv_stages=kv_stages, q_stages=q_stages,
-                                    scheduler=scheduler, tma_store=tma_store,
-                                    pingpong=pingpong, overlap=overlap, section_bytes=section_bytes,
-                                    emulated_exp2=emulated_exp2, skip_unit_rescale=skip_unit_rescale,
-                                    rescale_o_before_gemm=rescale_o_before_gemm, pin_pv_wait=pin_pv_wait,
-                                    o_store_per_wg=o_store_per_wg, split_tail=split_tail, ctas=ctas,
-                                    pin_descriptors=pin_descriptors, cluster=cluster, q_in_regs=q_in_regs))
+    cfg = k5.default_config(p, dict(overrides, num_wg=num_wg, tile_n=tile_n, tma_store=tma_store, pingpong=pingpong,
+                                    overlap=overlap, o_store_per_wg=o_store_per_wg, cluster=cluster))
     cfg["o_store_per_wg"] = bool(cfg["o_store_per_wg"] and cfg["tma_store"])  # only a TMA store has one
-    return k5.build("k6", K6FMHA, p, cfg, keep_ptx)
+    return cfg
