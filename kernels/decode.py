@@ -63,48 +63,16 @@ HEAD_DIMS = (64, 128, 256)
 TILE_M = 64  # one warpgroup: enough rows for group * q_len of any decode step up to 16 tokens at group 4
 NUM_THREADS = 128
 MAX_GROUP = TILE_M  # query heads per K/V head: one tile must hold a query position's group
-# Per head dim, from a first tuning pass on an H100 (32 query / 8 K/V heads, 32k keys, batch 1
-# and 8; docs/decode.md): two stages beat three or four at d=128 and d=256 (3.09 vs 3.03 TB/s at
-# d=128, batch 8), and at d=64 256-key tiles beat 128 (2.94 vs 2.84). The largest tile that
-# fits twice: a deeper ring did not buy bandwidth.
-# l2_prefetch, the tiles each split pulls into L2 before the PDL wait (results/decode-tune-prefetch-h100-*.json,
-# each against 0 in the same run): batch 1, 8 K/V heads, 32k keys went from 2.63 to 2.75 TB/s at d=128,
-# 2.18 to 2.33 at d=64 and 2.79 to 2.91 at d=256 (2 tiles there; 4 tied); rows that already streamed
-# at 3 TB/s did not move. refill_at_release (refill as soon as a stage is released) bought nothing
-# and cost 1-2% on long caches (results/decode-tune-refill-h100-d128.json): off.
-# Measured and left at batch 1, 8 K/V heads, d=128 (each timed twice in one run): merge_prefetch, the
-# splits whose partial rows the merge loads together with the LSEs (combine_row), 2.75 -> 2.70 TB/s
-# at 32k keys, 1.47 -> 1.39 at 4k (results/decode-tune-mergeprefetch-h100-d128.json); prefetch_ahead,
-# each refill also pulling the tile 2 or 4 further into L2, 2.74 -> 2.51 / 2.02 at 32k
-# (results/decode-tune-ahead-h100-d128.json); prefetch_after_wait, 2 or 4 more tiles hinted once the
-# wait is over, 2.75 -> 2.72 / 2.63 at 32k and 0.3-2% lower on every other row
-# (results/decode-tune-afterwait-h100-d128.json): the extra hints compete with the TMA loads.
-# claim_after (the splits walk their first 4 tiles, then claim the rest from a per-head counter, so
-# that they end together), with l2_prefetch 3 (results/decode-tune-claim5-h100-d*.json, against the
-# fixed shares in the same run): batch 1, 8 K/V heads, 32k keys 2.72 -> 2.79 TB/s at d=128 and 2.36
-# -> 2.40 at d=64; 128k keys 2.99 -> 3.08, batch 8 3.06 -> 3.12 at d=128; 4k keys 2% lower. At
-# d=256 it bought 1% at batch 1 and cost 1% at batch 8 (and 4% at 4k keys with the last-split
-# merge): off there.
-# claim_after is tuned on an H100. On an H200 (4.8 TB/s) the claims lost at every shape measured,
-# each configuration timed twice in one run (results/decode-tune-claim-h200-d128.json): batch 1,
-# 32 K/V heads, 32k keys 4.35 -> 3.89 TB/s; batch 8, 8 heads, 128k 4.56 -> 4.16; batch 1, 8 heads,
-# 32k 3.33-3.62 -> 3.24-3.40, 128k 3.94-4.23 -> 3.86. There the splits walk fixed shares unless the
-# caller sets claim_after (make_launcher).
-NO_CLAIM_GPUS = ("H200",)
-# With no split (S = 1) and more CTAs than SMs (batch x K/V heads x query tiles > 132), the grid runs
-# in waves of one CTA per SM, and every SM idles while a CTA drains its last tiles and the next one
-# starts. Tiles of half the keys halve the SMEM, so two CTAs share each SM: one streams while the
-# other starts or ends, and a grid of up to two CTAs per SM runs as one wave. Measured on an H200
-# at d=128 (results/decode-tune-stages-h200-d128.json, 128 against 64 keys in one run): batch 64, 32
-# K/V heads, 4k keys 4.36 -> 4.54 TB/s; 8 heads 4.40 -> 4.45; batch 8, 32 heads, 128k 4.42 -> 4.47; and at
-# batch 1 (S = 16, 128 CTAs: two per SM would leave half the SMs idle) 3.63 -> 3.05, hence S = 1 only.
-# d=256, 32 keys (results/decode-tune-sharedsm-h200-d256.json): batch 64, 32 heads, 4k 4.40 -> 4.53;
-# batch 8, 32k 4.42 -> 4.46. Not d=64: 128-key tiles fit three times, and batch 8 x 32 heads x 32k
-# fell from 4.46 to 3.36 TB/s (256 CTAs packed three to an SM; results/decode-tune-sharedsm-h200-d64.json).
-# Not measured on an H100 yet: there the defaults stay (scripts/reproduce.sh decode has the run).
-SHARED_SM_TILE_N = {128: 64, 256: 32}
-SHARED_SM_GPUS = ("H200",)
+# The measured defaults, each with the runs behind it (docs/decode-runs.md, "Why the defaults are what
+# they are", has the numbers; every result file is in results/).
+NO_CLAIM_GPUS = ("H200",)  # claims lose on an H200: decode-tune-claim-h200-d128
+SHARED_SM_TILE_N = {128: 64, 256: 32}  # half-width tiles, two CTAs an SM: decode-tune-stages-h200-d128, -sharedsm-h200-*
+SHARED_SM_GPUS = ("H200",)  # not measured on an H100 yet (scripts/reproduce.sh decode has the run)
+# refill_at_release: decode-tune-refill-h100-d128; merge_prefetch: -mergeprefetch-h100-d128;
+# prefetch_ahead: -ahead-h100-d128; prefetch_after_wait: -afterwait-h100-d128
 MEASURED_AND_OFF = dict(refill_at_release=False, merge_prefetch=0, prefetch_ahead=0, prefetch_after_wait=0)
+# tile_n, kv_stages: the first H100 pass (docs/decode.md); l2_prefetch: decode-tune-prefetch-h100-*;
+# claim_after: decode-tune-claim5-h100-d*
 DEFAULT_CONFIG = {64: dict(tile_n=256, kv_stages=2, l2_prefetch=3, claim_after=4, **MEASURED_AND_OFF),
                   128: dict(tile_n=128, kv_stages=2, l2_prefetch=3, claim_after=4, **MEASURED_AND_OFF),
                   256: dict(tile_n=64, kv_stages=2, l2_prefetch=2, claim_after=0, **MEASURED_AND_OFF)}
