@@ -60,8 +60,8 @@ from .contract import (
 )
 
 HEAD_DIMS = (64, 128, 256)
-TILE_M = 64  # one warpgroup: enough rows for group * q_len of any decode step up to 16 tokens at group 4
-NUM_THREADS = 128
+TILE_M = sm90.WGMMA_M  # one warpgroup: enough rows for group * q_len of any decode step up to 16 tokens at group 4
+NUM_THREADS = sm90.THREADS_PER_WARPGROUP
 MAX_GROUP = TILE_M  # query heads per K/V head: one tile must hold a query position's group
 # The measured defaults, each with the runs behind it (docs/decode-runs.md, "Why the defaults are what
 # they are", has the numbers; every result file is in results/).

@@ -66,7 +66,7 @@ DEFAULT_CONFIG = {
 
 def smem_bytes(head_dim: int, num_wg: int, tile_n: int, kv_stages: int, dtype_bytes: int = 2, **_) -> int:
     """sQ, kv_stages-deep sK and sVt, all swizzled WGMMA operands."""
-    return tma_pipeline.smem_bytes(64 * num_wg, tile_n, head_dim, dtype_bytes, kv_stages)
+    return tma_pipeline.smem_bytes(sm90.WGMMA_M * num_wg, tile_n, head_dim, dtype_bytes, kv_stages)
 
 
 class K4FMHA:
@@ -76,11 +76,11 @@ class K4FMHA:
         self.dtype = dtype
         self.causal = causal
         self.num_wg = num_wg
-        self.tile_m = 64 * num_wg  # warpgroup w owns query rows [64w, 64w + 64) of the tile
+        self.tile_m = sm90.WGMMA_M * num_wg  # warpgroup w owns query rows [64w, 64w + 64) of the tile
         self.tile_n = tile_n
         self.kv_stages = kv_stages
         self.refill_lag = refill_lag
-        self.num_threads = 128 * num_wg
+        self.num_threads = sm90.THREADS_PER_WARPGROUP * num_wg
         self.out_dtype = dtype  # O's dtype (K7: 16-bit out of 8-bit operands)
         self.p_offset = 0.0  # K7: P scaled into e4m3's range (sm90.OnlineSoftmax)
 
@@ -146,7 +146,7 @@ class K4FMHA:
         m_block = gdx - 1 - bx if const_expr(self.causal) else bx
         seqlen = mO.shape[2]
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        wg_idx = cute.arch.make_warp_uniform(tidx // 128)
+        wg_idx = cute.arch.make_warp_uniform(tidx // sm90.THREADS_PER_WARPGROUP)
 
         if warp_idx == 0:
             tma_pipeline.prefetch_descriptors(tma_atom_Q, tma_atom_K, tma_atom_V)
@@ -176,8 +176,8 @@ class K4FMHA:
         # ---- MMA partitions -------------------------------------------------------------
         # Operand descriptors are per warpgroup (the WGMMA is issued by all 128 threads of
         # it); accumulator fragments are per thread.
-        wg_mma_qk = tiled_mma_qk.get_slice(wg_idx * 128)
-        wg_mma_pv = tiled_mma_pv.get_slice(wg_idx * 128)
+        wg_mma_qk = tiled_mma_qk.get_slice(wg_idx * sm90.THREADS_PER_WARPGROUP)
+        wg_mma_pv = tiled_mma_pv.get_slice(wg_idx * sm90.THREADS_PER_WARPGROUP)
         thr_mma_qk = tiled_mma_qk.get_slice(tidx)
         tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))
         tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK))          # (.., stage)
@@ -265,7 +265,7 @@ def check_config(cfg: dict) -> None:
             f"K4 config {cfg}: needs 1 <= refill_lag < kv_stages (at iteration n warp 0 waits for tile n, "
             f"then loads tile n - refill_lag + kv_stages; with refill_lag >= kv_stages that tile is not "
             f"loaded yet and the kernel would hang)")
-    if not 1 <= num_wg <= 3 or 64 * num_wg > 256:
+    if not 1 <= num_wg <= 3 or sm90.WGMMA_M * num_wg > 256:
         raise UnsupportedProblem(
             f"K4 config {cfg}: num_wg must be 1, 2 or 3 (tile_m = 64*num_wg rows is one TMA box of at "
             f"most 256 rows, and 4 warpgroups would leave at most 128 registers per thread)")

@@ -126,7 +126,7 @@ class K5FMHA:
         self.dtype = dtype
         self.causal = causal
         self.num_wg = num_wg
-        self.tile_m = 64 * num_wg
+        self.tile_m = sm90.WGMMA_M * num_wg
         self.tile_n = tile_n
         self.kv_stages = kv_stages
         self.q_stages = q_stages
@@ -150,7 +150,7 @@ class K5FMHA:
         self.out_dtype = dtype  # K7: e4m3 inputs, 16-bit O
         self.p_offset = 0.0  # K7: P scaled into e4m3's range (sm90.OnlineSoftmax)
         self.block_scales = False  # K8: a descale per Q tile and per K / V tile (mDescale rows)
-        self.num_threads = 128 * (num_wg + 1)
+        self.num_threads = sm90.THREADS_PER_WARPGROUP * (num_wg + 1)
         self.producer_regs, self.consumer_regs = REGISTERS[num_wg]
         # K6 turns this on (ping-pong); in K5 its sync/arrive calls compile to nothing.
         self.warp_scheduler = sm90.WarpScheduler(num_wg, enabled=False)
@@ -253,7 +253,8 @@ class K5FMHA:
         pipeline_tile = pipeline.PipelineAsync.create(
             barrier_storage=storage.mbar_tile.data_ptr(), num_stages=TILE_STAGES,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128 * self.num_wg), defer_sync=True)
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, sm90.THREADS_PER_WARPGROUP * self.num_wg),
+            defer_sync=True)
         tile_slots = (pipeline_tile, storage.tile_idx.get_tensor(cute.make_layout(TILE_STAGES)), mTileCounter)
         sQ, sK, sVt = tma_pipeline.smem_tensors(storage, sQ_layout, sK_layout, sVt_layout)
         # The mbarrier inits must be visible to the TMA unit and to every thread (of the cluster:
@@ -431,12 +432,13 @@ class K5FMHA:
                 sVt: cute.Tensor, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, scale_log2: Float32,
                 pipelines: tuple, tile_slots: tuple, o_store: tuple):
         tile_m, tile_n, d = self.tile_m, self.tile_n, self.head_dim
-        tidx = cute.arch.thread_idx()[0] - 128 * (PRODUCER_WARPS // 4)  # thread index among the consumers
-        wg_idx = cute.arch.make_warp_uniform(tidx // 128)
+        # thread index among the consumers
+        tidx = cute.arch.thread_idx()[0] - sm90.THREADS_PER_WARPGROUP * (PRODUCER_WARPS // 4)
+        wg_idx = cute.arch.make_warp_uniform(tidx // sm90.THREADS_PER_WARPGROUP)
         seqlen = mO.shape[2]
 
-        wg_mma_qk = tiled_mma_qk.get_slice(wg_idx * 128)
-        wg_mma_pv = tiled_mma_pv.get_slice(wg_idx * 128)
+        wg_mma_qk = tiled_mma_qk.get_slice(wg_idx * sm90.THREADS_PER_WARPGROUP)
+        wg_mma_pv = tiled_mma_pv.get_slice(wg_idx * sm90.THREADS_PER_WARPGROUP)
         thr_mma_qk = tiled_mma_qk.get_slice(tidx)
         if const_expr(self.q_in_regs):
             tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_shape_A((tile_m, d)))
@@ -538,10 +540,10 @@ class K5FMHA:
             tma_atom_O, mO_tma = o_store
             sO = sQ[None, None, q_consume.index]
             # The box one store sends: the whole tile, or (per warpgroup) this warpgroup's rows.
-            sO_box, m_box, store_threads, store_wg = sO, m_block, 128 * self.num_wg, None
+            sO_box, m_box, store_threads, store_wg = sO, m_block, sm90.THREADS_PER_WARPGROUP * self.num_wg, None
             if const_expr(self.o_store_per_wg):
                 sO_box, m_box = cute.local_tile(sO, (64, d), (wg_idx, 0)), m_block * self.num_wg + wg_idx
-                store_threads, store_wg = 128, wg_idx
+                store_threads, store_wg = sm90.THREADS_PER_WARPGROUP, wg_idx
             tOsO, tOgO = tma_pipeline.partition_for_tma(tma_atom_O, mO_tma, sO_box, (self.o_store_rows(), d), head,
                                                         batch, coord=(m_box, 0))
             sm90.store_o_tma_and_lse(acc_O, softmax, tiled_mma_pv, tidx, sO, tOsO, tOgO, tma_atom_O, mLSE,
@@ -610,8 +612,8 @@ class K5FMHA:
         thread) a partial O fragment and its rows' LSE (fp32, 16-byte rows)."""
         if not self.split_tail:
             return 2
-        frag = 64 * self.head_dim // 128
-        return self.tail_counters() + self.sm_count * 2 * 128 * self.num_wg * (frag + 4)
+        frag = sm90.WGMMA_M * self.head_dim // sm90.THREADS_PER_WARPGROUP  # accumulator values a thread holds
+        return self.tail_counters() + self.sm_count * 2 * sm90.THREADS_PER_WARPGROUP * self.num_wg * (frag + 4)
 
     @cute.jit
     def merge_tail_piece(self, acc_O: cute.Tensor, softmax: sm90.OnlineSoftmax, piece: tuple,
@@ -629,7 +631,7 @@ class K5FMHA:
         lse, _ = sm90.finalize_o(acc_O, softmax, Float32)  # fp32: O normalized in place
         frag = cute.size(acc_O)
         stride = frag + 4
-        consumers = 128 * self.num_wg
+        consumers = sm90.THREADS_PER_WARPGROUP * self.num_wg
         ws = cute.recast_ptr(mCounter.iterator + self.tail_counters(), dtype=Float32)
         bx = cute.arch.block_idx()[0]
         mine = ws + ((bx * 2 + run) * consumers + tidx) * stride

@@ -273,7 +273,7 @@ def config(p: Problem, overrides: dict) -> dict:
     if o_store_per_wg is None:
         o_store_per_wg = p.causal or p.kv_len <= O_STORE_PER_WG_NON_CAUSAL_UP_TO_SEQLEN
     if cluster is None and not p.causal and scheduler in (None, "static") and not split_tail and ctas is None:
-        tile_m = 64 * (num_wg or k5.DEFAULT_CONFIG[p.head_dim]["num_wg"])
+        tile_m = sm90.WGMMA_M * (num_wg or k5.DEFAULT_CONFIG[p.head_dim]["num_wg"])
         pairs_whole = -(-p.seqlen // tile_m) % 2 == 0
         cluster = 2 if pairs_whole and p.kv_len >= CLUSTER_FROM_SEQLEN.get(p.head_dim, float("inf")) else None
     cfg = k5.default_config(p, dict(overrides, num_wg=num_wg, tile_n=tile_n, tma_store=tma_store, pingpong=pingpong,

@@ -93,7 +93,7 @@ K4_CONFIG = {  # K4's tiles, tile_n a multiple of 32; one more stage than K4 (8-
 
 
 def k4_smem_bytes(head_dim: int, num_wg: int, tile_n: int, kv_stages: int, **_) -> int:
-    return tma_pipeline.smem_bytes(64 * num_wg, tile_n, head_dim, 1, kv_stages)
+    return tma_pipeline.smem_bytes(sm90.WGMMA_M * num_wg, tile_n, head_dim, 1, kv_stages)
 
 
 K4_CAPS = tma_pipeline.smem_capabilities(HEAD_DIMS, lambda d: k4_smem_bytes(d, **K4_CONFIG[d]), "K4_CONFIG",

@@ -39,7 +39,7 @@ HADAMARD_SEED = 0  # the sign vector s; any fixed choice works, Q and K must sha
 def block_sizes(head_dim: int, cfg: dict | None = None) -> tuple:
     """(rows per Q block, keys per K/V block): the compiled tiles, tile_m = 64 * num_wg and tile_n."""
     cfg = cfg or DEFAULT_CONFIG[head_dim]
-    return 64 * cfg["num_wg"], cfg["tile_n"]
+    return sm90.WGMMA_M * cfg["num_wg"], cfg["tile_n"]
 
 
 class K8FMHA(k7.K7FMHA):

@@ -30,6 +30,10 @@ from cutlass._mlir.dialects import llvm
 
 from .contract import LN_2
 
+THREADS_PER_WARPGROUP = 128  # four warps: the unit that issues a WGMMA and owns its accumulator
+WGMMA_M = 64  # rows of a warpgroup's WGMMA: each consumer warpgroup owns 64 query rows of a tile
+
+
 class NamedBarrier(enum.IntEnum):
     """Named-barrier ids (0 is sync_threads). One table for the whole kernel: a barrier id used for
     two purposes at once deadlocks or releases the wrong threads."""
@@ -610,25 +614,27 @@ class WarpScheduler:
     warpgroup the token. Every warpgroup must sync and arrive equally often, or the token stalls.
     """
 
+    PAIR = 2 * THREADS_PER_WARPGROUP  # a barrier's count: its owner's sync and the previous one's arrive
+
     def __init__(self, num_wg: int, enabled: bool):
         self.num_wg = num_wg
         self.enabled = enabled and num_wg > 1
 
     def _wg(self):
         # Consumers are warpgroups 1..num_wg (0 is the producer).
-        return cute.arch.make_warp_uniform(cute.arch.thread_idx()[0] // 128) - 1
+        return cute.arch.make_warp_uniform(cute.arch.thread_idx()[0] // THREADS_PER_WARPGROUP) - 1
 
     @cute.jit
     def init(self):
         if const_expr(self.enabled):
             if self._wg() == 0:
-                cute.arch.barrier_arrive(barrier_id=NamedBarrier.WARP_SCHEDULER, number_of_threads=2 * 128)
+                cute.arch.barrier_arrive(barrier_id=NamedBarrier.WARP_SCHEDULER, number_of_threads=self.PAIR)
 
     def sync(self):
         if const_expr(self.enabled):
-            cute.arch.barrier(barrier_id=NamedBarrier.WARP_SCHEDULER + self._wg(), number_of_threads=2 * 128)
+            cute.arch.barrier(barrier_id=NamedBarrier.WARP_SCHEDULER + self._wg(), number_of_threads=self.PAIR)
 
     def arrive(self):
         if const_expr(self.enabled):
             next_wg = (self._wg() + 1) % self.num_wg
-            cute.arch.barrier_arrive(barrier_id=NamedBarrier.WARP_SCHEDULER + next_wg, number_of_threads=2 * 128)
+            cute.arch.barrier_arrive(barrier_id=NamedBarrier.WARP_SCHEDULER + next_wg, number_of_threads=self.PAIR)
