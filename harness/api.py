@@ -19,8 +19,8 @@ from typing import Optional
 import torch
 
 from kernels import REGISTRY, get_kernel
-from kernels.contract import (FP8_DTYPES, StreamBuffers, UnsupportedProblem, as_causal, as_flag, as_scale,
-                              fresh_buffers)
+from kernels.contract import (FP8_DTYPES, UnsupportedProblem, as_causal, as_flag, as_scale, fresh_buffers,
+                              scratch)
 
 from .inputs import (problem_from_tensors, require_cuda, require_name, require_quantizable, require_tensors,
                      torch_dtype)
@@ -186,16 +186,24 @@ def attention(name: str, q, k, v, causal: bool = False, softmax_scale=None, retu
 def _traced(name, q, k, v, causal, softmax_scale, return_lse, descales):
     """What torch.compile traces: the arguments as the op's schema takes them, then the op (every
     check that needs the tensors' data runs in its body, at run time)."""
-    causal = as_causal(causal)
-    scale = None if softmax_scale is None else as_scale(softmax_scale)
-    return_lse = as_flag("return_lse", return_lse)
-    require_name(name)
-    require_tensors(q, k, v)  # the op's own type error would not name the argument's role
+    causal, scale, return_lse = plain_arguments(name, q, k, v, causal, softmax_scale, return_lse)
     entry = REGISTRY.get(name)  # a plain lookup (torch.compile traces this function); the op names unknowns
     block = name if entry is not None and entry.block_descales else ""
     (dq, dk, dv), values = split_descales(q, dict(zip(DESCALE_NAMES, descales)), block)
     out, lse = torch.ops.fa3_cute.attention(name, q, k, v, causal, scale, return_lse, dq, dk, dv, values)
     return (out, lse) if return_lse else out
+
+
+def plain_arguments(name, q, k, v, causal, softmax_scale, return_lse) -> tuple:
+    """(causal, scale, return_lse) as plain Python values, after the checks that need no tensor data:
+    the flags are bools, the scale a positive number, the name a string, q/k/v tensors (the op's
+    own type errors would not name the argument's role)."""
+    causal = as_causal(causal)
+    scale = None if softmax_scale is None else as_scale(softmax_scale)
+    return_lse = as_flag("return_lse", return_lse)
+    require_name(name)
+    require_tensors(q, k, v)
+    return causal, scale, return_lse
 
 
 DESCALE_NAMES = ("descale_q", "descale_k", "descale_v")
@@ -250,11 +258,7 @@ def _signature(name, q, k, v, causal, softmax_scale, return_lse, descales) -> Op
 def _prepare(name, q, k, v, causal, softmax_scale, return_lse, descales) -> "_PreparedCall":
     """Every check, in the order that names the real problem first (nothing that needs a GPU
     before the device check), then the compiled kernel and the launch they allow."""
-    causal = as_causal(causal)
-    scale = None if softmax_scale is None else as_scale(softmax_scale)
-    return_lse = as_flag("return_lse", return_lse)
-    require_name(name)
-    require_tensors(q, k, v)
+    causal, scale, return_lse = plain_arguments(name, q, k, v, causal, softmax_scale, return_lse)
     entry = get_kernel(name)
     block = name if entry.block_descales else ""
     tensors, values = split_descales(q, dict(zip(DESCALE_NAMES, descales)), block)
@@ -295,8 +299,7 @@ class _PreparedCall:
         if self.return_lse:
             lse = q.new_empty(self.lse_shape, dtype=torch.float32)
         else:  # written and never read: one per stream and shape, reused
-            lse = _LSE_SCRATCH.get(self.device_index, self.lse_shape, functools.partial(
-                torch.empty, self.lse_shape, dtype=torch.float32, device=q.device))
+            lse = scratch(q, "lse", self.lse_shape, torch.float32)
         if self.descale_mode is None:
             self.run(q, k, v, out, lse, self.scale)
         elif self.descale_mode == "fixed":
@@ -308,8 +311,6 @@ class _PreparedCall:
             self.run(q, k, v, out, lse, self.scale, descales=descales)
         return out, lse
 
-
-_LSE_SCRATCH = StreamBuffers()
 
 
 def quantize_fp8_blocks(q, k, v):

@@ -75,19 +75,25 @@ def problem_from_tensors(q, k, v, causal: bool, softmax_scale=None) -> Problem:
         if t.requires_grad:
             raise UnsupportedProblem(f"{name} requires grad: these kernels are forward-only (no autograd); "
                                      "pass a tensor detached from the graph")
-        if t.stride(-1) != 1:
-            raise UnsupportedProblem(f"{name} must have a contiguous last dim (stride 1), got strides {t.stride()}")
-        row = 16 // t.element_size()  # elements per 16 bytes: TMA strides are multiples of 16 bytes
-        if any(s % row for s in t.stride()[:-1]) or t.data_ptr() % 16:
-            raise UnsupportedProblem(
-                f"{name} must be 16-byte aligned with strides that are multiples of {row} elements "
-                f"(TMA rows), got strides {t.stride()}; call .contiguous() first"
-            )
+        require_rows(name, t)
     if not (q.device == k.device == v.device):
         raise UnsupportedProblem(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     b, h, n, d = q.shape
     return Problem(b, h, n, d, dtype=dtype, causal=causal, softmax_scale=softmax_scale, seqlen_k=k.shape[2],
                    nheads_kv=k.shape[1])
+
+
+def require_rows(name: str, t) -> None:
+    """A contiguous last dim and rows in 16-byte pieces: what TMA (and the quantizers' 16-byte
+    loads) read."""
+    if t.stride(-1) != 1:
+        raise UnsupportedProblem(f"{name} must have a contiguous last dim (stride 1), got strides {t.stride()}")
+    row = 16 // t.element_size()  # elements per 16 bytes: TMA strides are multiples of 16 bytes
+    if any(s % row for s in t.stride()[:-1]) or t.data_ptr() % 16:
+        raise UnsupportedProblem(
+            f"{name} must be 16-byte aligned with strides that are multiples of {row} elements "
+            f"(TMA rows), got strides {t.stride()}; call .contiguous() first"
+        )
 
 
 QUANTIZABLE = ("bfloat16", "float16", "float32")
@@ -110,10 +116,7 @@ def require_quantizable(role: str, x, head_dims: tuple) -> None:
     if x.shape[-1] not in head_dims:
         raise UnsupportedProblem(f"{role}: head_dim {x.shape[-1]} not supported by the FP8 stages "
                                  f"(supported: {list(head_dims)})")
-    row = 16 // x.element_size()
-    if x.stride(-1) != 1 or any(s % row for s in x.stride()[:-1]) or x.data_ptr() % 16:
-        raise UnsupportedProblem(f"{role} must have a contiguous last dim, 16-byte alignment and strides that are "
-                                 f"multiples of {row} elements, got strides {x.stride()}; call .contiguous() first")
+    require_rows(role, x)
 
 
 def require_cuda(q, k, v) -> None:

@@ -371,6 +371,12 @@ def scratch(like, role: str, shape: tuple, dtype):
     return _SCRATCH.get(like.device.index, (role, shape, dtype), functools.partial(like.new_empty, shape, dtype=dtype))
 
 
+def buffer(like, role: str, shape: tuple, dtype, keep: bool):
+    """An output on ``like``'s device: ``scratch`` under ``role`` with ``keep`` (the pre-pass of a
+    launch), else a new tensor (a caller's own)."""
+    return scratch(like, role, shape, dtype) if keep else like.new_empty(shape, dtype=dtype)
+
+
 def fake_stream():
     from cutlass.cute.runtime import make_fake_stream
 

@@ -24,7 +24,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
-from .contract import H100_SMS, StreamBuffers, scratch
+from .contract import H100_SMS, buffer, scratch
 
 E4M3_MAX = 448.0
 
@@ -97,17 +97,16 @@ def _cast(y):
     return y.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
 
-def quantize_fp8_blocks(x, block_rows: int, signs=None, keep: str = ""):
+def quantize_fp8_blocks(x, block_rows: int, signs=None):
     """(x8, descale) with x (batch, heads, seqlen, d) in 16 or 32 bits: x8 e4m3 of the same shape,
     descale float32 (batch, heads, ceil(seqlen / block_rows)); row r of a head is ~ x8[r] *
     descale[r // block_rows]. With ``signs``, the rows are rotated first (``rotate``): Q and K only,
     and with the same signs. On a GPU (16-bit x) by ``QuantizeBlocks``, bit for bit the torch
-    arithmetic of ``quantize_fp8_blocks_torch``; ``keep``, a name, puts both in per-stream scratch
-    under it (``contract.scratch``)."""
+    arithmetic of ``quantize_fp8_blocks_torch``."""
     import torch
 
     if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
-        return quantize_fp8_blocks_cute(x, block_rows, signs, keep)
+        return quantize_fp8_blocks_cute(x, block_rows, signs)
     return quantize_fp8_blocks_torch(x, block_rows, signs)
 
 
@@ -203,16 +202,7 @@ class QuantizeBlocks:
                 self.rotate_row(y, mSigns, lane)
             for i in cutlass.range_constexpr(e):
                 amax = cute.arch.fmax(amax, cute.arch.fmax(y[i], -y[i]))
-        amax = cute.arch.warp_reduction_max(amax)
-        if lane == 0:
-            sMax[warp] = amax
-        cute.arch.sync_threads()
-        amax = sMax[0]
-        for w in cutlass.range_constexpr(1, warps):
-            amax = cute.arch.fmax(amax, sMax[w])
-        scale = Float32(1.0)
-        if amax > Float32(0.0):
-            scale = Float32(E4M3_MAX) / amax
+        scale = e4m3_scale(cta_max(amax, sMax, warps, warp, lane))
         if tidx == 0:
             mDescale[batch, head, blk] = Float32(1.0) / scale
         for j in cutlass.range_constexpr(rpw):
@@ -263,6 +253,29 @@ class QuantizeInputs:
                     self.ops[1].quantize_block(mK, mK8, mDk, mSigns, blk, head, batch, sMax)
                 else:
                     self.ops[2].quantize_block(mV, mV8, mDv, mSigns, blk, head, batch, sMax)
+
+
+@cute.jit
+def cta_max(value: Float32, sMax: cute.Tensor, warps: cutlass.Constexpr, warp: Int32, lane: Int32) -> Float32:
+    """The max of ``value`` over the CTA's ``warps`` warps: a warp reduction, then one value a warp
+    through ``sMax``."""
+    value = cute.arch.warp_reduction_max(value)
+    if lane == 0:
+        sMax[warp] = value
+    cute.arch.sync_threads()
+    value = sMax[0]
+    for w in cutlass.range_constexpr(1, warps):
+        value = cute.arch.fmax(value, sMax[w])
+    return value
+
+
+@cute.jit
+def e4m3_scale(amax: Float32) -> Float32:
+    """448 / amax, 1 where amax is 0 (an all-zero block or tensor): ``_scales`` on the GPU."""
+    scale = Float32(1.0)
+    if amax > Float32(0.0):
+        scale = Float32(E4M3_MAX) / amax
+    return scale
 
 
 def _inv_sqrt(d: int) -> float:
@@ -316,31 +329,23 @@ def quantize_inputs_cute(q, k, v, tile_m: int, tile_n: int, signs=None, keep: bo
     import torch
 
     d = q.shape[-1]
-    outs = []
-    for name, x, rows in (("q", q, tile_m), ("k", k, tile_n), ("v", v, tile_n)):
-        shapes = (tuple(x.shape), (*x.shape[:2], -(-x.shape[2] // rows)))
-        if keep:
-            outs.append([scratch(x, name + part, s, t) for part, s, t in zip(("8", "d"), shapes, (torch.float8_e4m3fn, torch.float32))])
-        else:
-            outs.append([x.new_empty(shapes[0], dtype=torch.float8_e4m3fn), x.new_empty(shapes[1], dtype=torch.float32)])
-    (q8, dq), (k8, dk), (v8, dv) = outs
+    (q8, dq), (k8, dk), (v8, dv) = ((buffer(x, name + "8", tuple(x.shape), torch.float8_e4m3fn, keep),
+                                      buffer(x, name + "d", (*x.shape[:2], -(-x.shape[2] // rows)), torch.float32, keep))
+                                     for name, x, rows in (("q", q, tile_m), ("k", k, tile_n), ("v", v, tile_n)))
     rotate = signs is not None
     fn = compile_quantize_inputs(d, tile_m, tile_n, rotate, str(q.dtype)[6:])
     fn(q, k, v, q8, k8, v8, dq, dk, dv, signs if rotate else hadamard_signs(d, device=q.device))
     return q8, k8, v8, dq, dk, dv
 
 
-def quantize_fp8_blocks_cute(x, block_rows: int, signs=None, keep: str = ""):
+def quantize_fp8_blocks_cute(x, block_rows: int, signs=None):
     import torch
 
     b, h, n, d = x.shape
     if d % 32 or d > 256 or x.stride(-1) != 1:
         raise ValueError(f"quantize_fp8_blocks: head dim {d} must be a multiple of 32 up to 256, rows contiguous")
-    shapes = (b, h, n, d), (b, h, -(-n // block_rows))
-    if keep:
-        x8, descale = (scratch(x, keep + part, s, t) for part, s, t in zip(("8", "d"), shapes, (torch.float8_e4m3fn, torch.float32)))
-    else:
-        x8, descale = x.new_empty(shapes[0], dtype=torch.float8_e4m3fn), x.new_empty(shapes[1], dtype=torch.float32)
+    x8 = x.new_empty((b, h, n, d), dtype=torch.float8_e4m3fn)
+    descale = x.new_empty((b, h, -(-n // block_rows)), dtype=torch.float32)
     rotate = signs is not None
     if not rotate:
         signs = hadamard_signs(d, device=x.device)  # not read
@@ -432,17 +437,6 @@ class QuantizeTensors:
             amax = self.block_amax(mX, blk * self.block_rows, warp, lane, amax)
         return amax
 
-    @cute.jit
-    def cta_max(self, value: Float32, sMax: cute.Tensor, warp: Int32, lane: Int32) -> Float32:
-        value = cute.arch.warp_reduction_max(value)
-        if lane == 0:
-            sMax[warp] = value
-        cute.arch.sync_threads()
-        value = sMax[0]
-        for w in cutlass.range_constexpr(1, self.WARPS):
-            value = cute.arch.fmax(value, sMax[w])
-        return value
-
     @cute.kernel
     def amax_kernel(self, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor, mPartial: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
@@ -456,7 +450,7 @@ class QuantizeTensors:
             amax = self.tensor_amax(mB, warp, lane)
         else:
             amax = self.tensor_amax(mC, warp, lane)
-        amax = self.cta_max(amax, sMax, warp, lane)
+        amax = cta_max(amax, sMax, self.WARPS, warp, lane)
         if tidx == 0:
             mPartial[t, bx] = amax
 
@@ -490,10 +484,7 @@ class QuantizeTensors:
         amax = Float32(0.0)
         if tidx < mPartial.shape[1]:
             amax = mPartial[t, tidx]
-        amax = self.cta_max(amax, sMax, warp, lane)
-        scale = Float32(1.0)
-        if amax > Float32(0.0):
-            scale = Float32(E4M3_MAX) / amax
+        scale = e4m3_scale(cta_max(amax, sMax, self.WARPS, warp, lane))
         if bx == 0 and tidx == 0:
             mDescale[t] = Float32(1.0) / scale
         if t == 0:
@@ -532,7 +523,6 @@ def compile_quantize_tensors(head_dim: int, count: int, dtype: str, keep_ptx: bo
 
 
 PARTIALS = H100_SMS  # amax CTAs per tensor: one wave on an H100, and fewer than a cast CTA's threads
-_PARTIALS = StreamBuffers()  # the partial amaxes: scratch, one set per stream and shape
 
 
 def quantize_fp8_tensors(*xs, keep: bool = False):
@@ -544,12 +534,12 @@ def quantize_fp8_tensors(*xs, keep: bool = False):
 
     x0, d = xs[0], xs[0].shape[-1]
     e4m3 = torch.float8_e4m3fn
-    outs = [scratch(x, f"x8_{i}", x.shape, e4m3) if keep else x.new_empty(x.shape, dtype=e4m3) for i, x in enumerate(xs)]
+    outs = [buffer(x, f"x8_{i}", tuple(x.shape), e4m3, keep) for i, x in enumerate(xs)]
     rows = max(x.shape[0] * x.shape[1] * x.shape[2] for x in xs)
     block_rows = QuantizeTensors.rows_per_block(d)
     shape = (len(xs), max(1, min(PARTIALS, -(-rows // block_rows))))
-    partial = _PARTIALS.get(x0.device.index, shape, functools.partial(x0.new_empty, shape, dtype=torch.float32))
-    descale = scratch(x0, "descales", (len(xs),), torch.float32) if keep else x0.new_empty((len(xs),), dtype=torch.float32)
+    partial = scratch(x0, "amax partials", shape, torch.float32)  # read by the cast launch alone
+    descale = buffer(x0, "descales", (len(xs),), torch.float32, keep)
     amax, cast = compile_quantize_tensors(d, len(xs), str(x0.dtype)[6:])
     pad = lambda ts: list(ts) + [ts[-1]] * (3 - len(ts))  # noqa: E731  (unused slots: never read)
     amax(*pad(xs), partial)

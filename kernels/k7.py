@@ -42,7 +42,7 @@ from .contract import (
     cute_dtype,
     fake_stream,
     jit_compile,
-    scratch,
+    buffer,
 )
 
 HEAD_DIMS = (64, 128, 256)
@@ -157,7 +157,7 @@ def transpose_v_fp8(v8, keep: bool = False):
         return transpose_v_fp8_torch(v8)
     b, h, n, d = v8.shape
     shape = (b, h, d, n + (-n % 16))
-    vt = scratch(v8, "vt", shape, v8.dtype) if keep else v8.new_empty(shape)
+    vt = buffer(v8, "vt", shape, v8.dtype, keep)
     compile_transpose_v()(v8, vt)
     return vt
 
@@ -166,10 +166,7 @@ def transpose_v_with_descales(v8, dq, dk, dv, keep: bool = False) -> tuple:
     """(V^T, descale rows): ``transpose_v_fp8`` and ``fp8_quant.descale_rows`` in one launch (CUDA)."""
     b, h, n, d = v8.shape
     vt_shape, rows_shape = (b, h, d, n + (-n % 16)), (*dq.shape[:2], dq.shape[2] + 2 * dk.shape[2])
-    if keep:
-        vt, rows = scratch(v8, "vt", vt_shape, v8.dtype), scratch(dq, "rows", rows_shape, dq.dtype)
-    else:
-        vt, rows = v8.new_empty(vt_shape), dq.new_empty(rows_shape)
+    vt, rows = buffer(v8, "vt", vt_shape, v8.dtype, keep), buffer(dq, "rows", rows_shape, dq.dtype, keep)
     compile_transpose_v(with_descales=True)(v8, vt, dq, dk, dv, rows)
     return vt, rows
 

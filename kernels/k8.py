@@ -114,8 +114,8 @@ def run_kernel(compiled: CompiledAttention, q, k, v, out, lse, softmax_scale=Non
     info = compiled.info
     scale = compiled.problem.scale if softmax_scale is None else softmax_scale
     if q.dtype != torch.float8_e4m3fn:
-        q8, k8, vt8, descales = prepare_fp8_blocks(q, k, v, info["tile_m"], info["tile_n"], info["rotate"], keep=True)
-        compiled.launch(q8, k8, vt8, out, lse, descales, scale)
+        q8, k8, vt8, rows = prepare_fp8_blocks(q, k, v, info["tile_m"], info["tile_n"], info["rotate"], keep=True)
+        compiled.launch(q8, k8, vt8, out, lse, rows, scale)
     elif descales is not None:
         vt, rows = k7.transpose_v_with_descales(v, *descales, keep=True)
         compiled.launch(q, k, vt, out, lse, rows, scale)

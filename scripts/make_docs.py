@@ -244,10 +244,11 @@ def _geomean(xs):
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
 
 
-def _vs_best(rows, kernel, n, d, c):
-    """(TFLOP/s, ratio to the faster of the BEST_OF peers in the same cell) or (None, None)."""
-    t = tflops_at(rows, kernel, n, d, c)
-    best = max((x for x in (tflops_at(rows, p, n, d, c) for p in BEST_OF) if x), default=None)
+def _vs_best(rows, kernel, n, d, c, key="tflops"):
+    """(TFLOP/s, ratio to the faster of the BEST_OF peers in the same cell) or (None, None); ``key``
+    picks the timing (``tflops_at``)."""
+    t = tflops_at(rows, kernel, n, d, c, key)
+    best = max((x for x in (tflops_at(rows, p, n, d, c, key) for p in BEST_OF) if x), default=None)
     return t, (t / best if t and best else None)
 
 
@@ -774,20 +775,22 @@ def ws_readme_table(sweep):
             + markdown_table(["kernel", "what it adds", "geomean × best peer", "worst cell", "d128 N=8k TFLOP/s"], body))
 
 
+def k6_call_ratios(sweep) -> tuple:
+    """Per cell of a sweep through the public call: k6's call over the faster peer's call, and k6
+    alone over the faster peer alone (two lists, in ``ws_cells`` order)."""
+    rows = sweep_rows(sweep)
+    return tuple([_vs_best(rows, "k6", n, d, c, key)[1] for d, c, n in ws_cells(sweep)]
+                 for key in ("call_tflops", "tflops"))
+
+
 def ws_call_table(sweep):
     """docs/k6.md: K6 through its public call over the sweep, every cell: the kernel alone, the call,
     the peers' calls, and both ratios to the faster peer."""
     rows = sweep_rows(sweep)
-    body, ratios, alone = [], [], []
-    for d, c, n in ws_cells(sweep):
-        peers = {p: tflops_at(rows, p, n, d, c, "call_tflops") for p in BEST_OF}
-        peers_alone = {p: tflops_at(rows, p, n, d, c) for p in BEST_OF}
-        call, own = tflops_at(rows, "k6", n, d, c, "call_tflops"), tflops_at(rows, "k6", n, d, c)
-        best, best_alone = max(x for x in peers.values() if x), max(x for x in peers_alone.values() if x)
-        ratios.append(call / best)
-        alone.append(own / best_alone)
-        body.append([d, c, n, fmt(own), fmt(call)] + [fmt(peers[p]) for p in BEST_OF]
-                    + [f"{ratios[-1]:.2f}×", f"{alone[-1]:.2f}×"])
+    ratios, alone = k6_call_ratios(sweep)
+    body = [[d, c, n, fmt(tflops_at(rows, "k6", n, d, c)), fmt(tflops_at(rows, "k6", n, d, c, "call_tflops"))]
+            + [fmt(tflops_at(rows, p, n, d, c, "call_tflops")) for p in BEST_OF] + [f"{r:.2f}×", f"{a:.2f}×"]
+            for (d, c, n), r, a in zip(ws_cells(sweep), ratios, alone)]
     gpu = gpu_short_name(sweep["meta"].get("device", ""))
     summary = (f"`k6` through `attention()`: geomean {_geomean(ratios):.3f}× the faster peer's call, worst cell "
                f"{min(ratios):.2f}×, {sum(x >= 1.0 for x in ratios)} of {len(ratios)} cells ≥ 1.0×; the kernel alone "
@@ -801,13 +804,7 @@ def ws_call_table(sweep):
 
 def ws_call_readme(sweep):
     """README: one sentence on K6 through its public call."""
-    rows = sweep_rows(sweep)
-    ratios, alone = [], []
-    for d, c, n in ws_cells(sweep):
-        best = max(x for x in (tflops_at(rows, p, n, d, c, "call_tflops") for p in BEST_OF) if x)
-        best_alone = max(x for x in (tflops_at(rows, p, n, d, c) for p in BEST_OF) if x)
-        ratios.append(tflops_at(rows, "k6", n, d, c, "call_tflops") / best)
-        alone.append(tflops_at(rows, "k6", n, d, c) / best_alone)
+    ratios, alone = k6_call_ratios(sweep)
     return (f"Timed as a model calls it, `attention(\"k6\", ...)` eager and back to back beside the peers' own "
             f"calls (`{sweep['meta'].get('command', '')}`, {gpu_short_name(sweep['meta'].get('device', ''))}): "
             f"`k6` {_geomean(ratios):.3f}× geomean, worst cell {min(ratios):.2f}× (the kernel alone in the same run: "
