@@ -244,15 +244,16 @@ def _signature(name, q, k, v, causal, softmax_scale, return_lse, descales) -> Op
         elif type(x) in _NUMBER:
             kinds.append((type(x), x))
         elif type(x) is torch.Tensor and x.is_cuda:
-            kinds.append((x.shape, x.stride(), x.dtype, x.device, x.requires_grad))
+            kinds.append((x.shape, x.stride(), x.dtype, x.get_device(), x.requires_grad))
         else:
             return None
-    device = q.device
+    # get_device() (an int, half the cost of .device) with is_cuda: a CUDA tensor's index
+    index = q.get_device()
     return (name, causal, softmax_scale, return_lse, *kinds,
-            q.shape, q.stride(), q.dtype, device, q.requires_grad, q.data_ptr() % 16,
-            k.shape, k.stride(), k.dtype, k.device, k.requires_grad, k.data_ptr() % 16,
-            v.shape, v.stride(), v.dtype, v.device, v.requires_grad, v.data_ptr() % 16,
-            torch._C._cuda_getCurrentRawStream(device.index), torch.are_deterministic_algorithms_enabled())
+            q.shape, q.stride(), q.dtype, index, q.requires_grad, q.data_ptr() % 16,
+            k.shape, k.stride(), k.dtype, k.is_cuda, k.get_device(), k.requires_grad, k.data_ptr() % 16,
+            v.shape, v.stride(), v.dtype, v.is_cuda, v.get_device(), v.requires_grad, v.data_ptr() % 16,
+            torch._C._cuda_getCurrentRawStream(index), torch.are_deterministic_algorithms_enabled())
 
 
 def _prepare(name, q, k, v, causal, softmax_scale, return_lse, descales) -> "_PreparedCall":
@@ -290,6 +291,7 @@ class _PreparedCall:
             else:  # checked on the GPU as the V^T launch reads them (kernels.fp8_quant.descale_rows)
                 self.descale_mode = "tensors"  # numbers among them: one-element tensors made now, kept
                 self.constants = tuple(None if t is not None else _constant(x, device) for t, x in zip(tensors, values))
+                self.as_float = tuple(t is not None and t.dtype != torch.float32 for t in tensors)
 
     def __call__(self, q, k, v, descales) -> tuple:
         if self.device_index != torch.cuda.current_device():
@@ -305,8 +307,8 @@ class _PreparedCall:
         elif self.descale_mode == "fixed":
             self.run(q, k, v, out, lse, self.scale, descale=self.descale)
         elif self.descale_mode == "tensors":
-            self.run(q, k, v, out, lse, self.scale, descales=tuple(x.float() if c is None else c
-                                                                   for x, c in zip(descales, self.constants)))
+            given = [x if c is None else c for x, c in zip(descales, self.constants)]
+            self.run(q, k, v, out, lse, self.scale, descales=[x.float() if f else x for x, f in zip(given, self.as_float)])
         else:
             self.run(q, k, v, out, lse, self.scale, descales=descales)
         return out, lse

@@ -24,7 +24,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
-from .contract import H100_SMS, buffer, scratch
+from .contract import H100_SMS, buffers, scratch, scratch_set
 
 E4M3_MAX = 448.0
 
@@ -329,9 +329,10 @@ def quantize_inputs_cute(q, k, v, tile_m: int, tile_n: int, signs=None, keep: bo
     import torch
 
     d = q.shape[-1]
-    (q8, dq), (k8, dk), (v8, dv) = ((buffer(x, name + "8", tuple(x.shape), torch.float8_e4m3fn, keep),
-                                      buffer(x, name + "d", (*x.shape[:2], -(-x.shape[2] // rows)), torch.float32, keep))
-                                     for name, x, rows in (("q", q, tile_m), ("k", k, tile_n), ("v", v, tile_n)))
+    specs = []
+    for x, rows in ((q, tile_m), (k, tile_n), (v, tile_n)):
+        specs += [(tuple(x.shape), torch.float8_e4m3fn), ((*x.shape[:2], -(-x.shape[2] // rows)), torch.float32)]
+    q8, dq, k8, dk, v8, dv = buffers(q, "quantize_inputs", tuple(specs), keep)
     rotate = signs is not None
     fn = compile_quantize_inputs(d, tile_m, tile_n, rotate, str(q.dtype)[6:])
     fn(q, k, v, q8, k8, v8, dq, dk, dv, signs if rotate else hadamard_signs(d, device=q.device))
@@ -534,12 +535,15 @@ def quantize_fp8_tensors(*xs, keep: bool = False):
 
     x0, d = xs[0], xs[0].shape[-1]
     e4m3 = torch.float8_e4m3fn
-    outs = [buffer(x, f"x8_{i}", tuple(x.shape), e4m3, keep) for i, x in enumerate(xs)]
     rows = max(x.shape[0] * x.shape[1] * x.shape[2] for x in xs)
     block_rows = QuantizeTensors.rows_per_block(d)
     shape = (len(xs), max(1, min(PARTIALS, -(-rows // block_rows))))
-    partial = scratch(x0, "amax partials", shape, torch.float32)  # read by the cast launch alone
-    descale = buffer(x0, "descales", (len(xs),), torch.float32, keep)
+    specs = tuple((tuple(x.shape), e4m3) for x in xs) + (((len(xs),), torch.float32),)
+    if keep:  # the partials (read by the cast launch alone) in the same lookup
+        *outs, descale, partial = scratch_set(x0, "quantize_tensors", specs + ((shape, torch.float32),))
+    else:
+        *outs, descale = buffers(x0, "quantize_tensors", specs, keep)
+        partial = scratch(x0, "amax partials", shape, torch.float32)
     amax, cast = compile_quantize_tensors(d, len(xs), str(x0.dtype)[6:])
     pad = lambda ts: list(ts) + [ts[-1]] * (3 - len(ts))  # noqa: E731  (unused slots: never read)
     amax(*pad(xs), partial)

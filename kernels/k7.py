@@ -43,6 +43,7 @@ from .contract import (
     fake_stream,
     jit_compile,
     buffer,
+    buffers,
 )
 
 HEAD_DIMS = (64, 128, 256)
@@ -162,12 +163,17 @@ def transpose_v_fp8(v8, keep: bool = False):
     return vt
 
 
-def transpose_v_with_descales(v8, dq, dk, dv, keep: bool = False) -> tuple:
-    """(V^T, descale rows): ``transpose_v_fp8`` and ``fp8_quant.descale_rows`` in one launch (CUDA)."""
+def transpose_v_with_descales(v8, dq, dk, dv, keep: bool = False, per_tensor: bool = False) -> tuple:
+    """(V^T, descale rows): ``transpose_v_fp8`` and ``fp8_quant.descale_rows`` in one launch (CUDA).
+    dq, dk, dv: K8's float32 (batch, heads, blocks), or with ``per_tensor`` K7's three one-element
+    float32 tensors of any shape, read as they are, and rows (3,) (a view costs a call 1 us)."""
+    import torch
+
     b, h, n, d = v8.shape
-    vt_shape, rows_shape = (b, h, d, n + (-n % 16)), (*dq.shape[:2], dq.shape[2] + 2 * dk.shape[2])
-    vt, rows = buffer(v8, "vt", vt_shape, v8.dtype, keep), buffer(dq, "rows", rows_shape, dq.dtype, keep)
-    compile_transpose_v(with_descales=True)(v8, vt, dq, dk, dv, rows)
+    rows_shape = (3,) if per_tensor else (*dq.shape[:2], dq.shape[2] + 2 * dk.shape[2])
+    vt, rows = buffers(v8, "vt+rows", (((b, h, d, n + (-n % 16)), v8.dtype), (rows_shape, torch.float32)), keep)
+    ranks = (dq.dim(), dk.dim(), dv.dim()) if per_tensor else None
+    compile_transpose_v(with_descales=True, ranks=ranks)(v8, vt, dq, dk, dv, rows)
     return vt, rows
 
 
@@ -274,8 +280,8 @@ def run_kernel(compiled: CompiledAttention, q, k, v, out, lse, softmax_scale=Non
         q8, k8, vt8, descale = prepare_fp8(q, k, v, keep=True)
         compiled.launch(q8, k8, vt8, out, lse, descale, scale)
     elif descales is not None:
-        vt, rows = transpose_v_with_descales(v, *(d.view(1, 1, 1) for d in descales), keep=True)
-        compiled.launch(q, k, vt, out, lse, rows.view(3), scale)
+        vt, rows = transpose_v_with_descales(v, *descales, keep=True, per_tensor=True)
+        compiled.launch(q, k, vt, out, lse, rows, scale)
     else:
         compiled.launch(q, k, transpose_v_fp8(v, keep=True), out, lse, descale, scale)
 
@@ -306,6 +312,9 @@ class TransposeV:
     @cute.jit
     def with_descales(self, mV: cute.Tensor, mVt: cute.Tensor, mDq: cute.Tensor, mDk: cute.Tensor, mDv: cute.Tensor,
                       mRows: cute.Tensor, stream):
+        if cutlass.const_expr(cute.rank(mRows) == 1):  # K7's three numbers: K8's rows of one block each
+            mDq, mDk, mDv = (cute.make_tensor(x.iterator, cute.make_layout((1, 1, 1))) for x in (mDq, mDk, mDv))
+            mRows = cute.make_tensor(mRows.iterator, cute.make_layout((1, 1, 3)))
         self.kernel_with_descales(mV, mVt, mDq, mDk, mDv, mRows).launch(grid=self.grid(mV, mVt),
                                                                          block=[self.THREADS, 1, 1], stream=stream)
 
@@ -358,8 +367,9 @@ class TransposeV:
 
 
 @functools.cache
-def compile_transpose_v(keep_ptx: bool = False, with_descales: bool = False):
-    """``TransposeV`` compiled (kept here: the JIT cache's own lookup costs a call microseconds)."""
+def compile_transpose_v(keep_ptx: bool = False, with_descales: bool = False, ranks: tuple | None = None):
+    """``TransposeV`` compiled (kept here: the JIT cache's own lookup costs a call microseconds);
+    ``ranks``: K7's three one-element descales, of these ranks, and rows (3,)."""
     def build():
         from cutlass.cute.runtime import make_fake_tensor
 
@@ -370,6 +380,11 @@ def compile_transpose_v(keep_ptx: bool = False, with_descales: bool = False):
                               + (1,), assumed_align=16)
         if not with_descales:
             return TransposeV(), (v, vt, fake_stream())
-        return TransposeV().with_descales, (v, vt, *fp8_quant.fake_descale_rows(), fake_stream())
+        if ranks is None:
+            return TransposeV().with_descales, (v, vt, *fp8_quant.fake_descale_rows(), fake_stream())
+        ones = (make_fake_tensor(Float32, (1,) * r, stride=tuple(cute.sym_int64() for _ in range(r)), assumed_align=4)
+                for r in ranks)
+        rows = make_fake_tensor(Float32, (3,), stride=(1,), assumed_align=4)
+        return TransposeV().with_descales, (v, vt, *ones, rows, fake_stream())
 
-    return jit_compile(("k7_transpose_v", with_descales), build, keep_ptx)
+    return jit_compile(("k7_transpose_v", with_descales, ranks), build, keep_ptx)

@@ -3,6 +3,8 @@ local, and the arithmetic the CuTe kernels must match is what the docstring says
 
 import math
 
+import re
+
 import pytest
 import torch
 
@@ -210,6 +212,33 @@ def test_v_transpose_with_descales_writes_the_torch_rows():
     assert torch.equal(rows.isnan().cpu(), want.isnan())
     assert torch.equal(rows.cpu().nan_to_num(), want.nan_to_num())
     assert torch.equal(vt.view(torch.uint8), transpose_v_fp8(v8).view(torch.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("shapes", [((), (), ()), ((1,), (1, 1), ())])
+def test_v_transpose_reads_k7s_one_element_descales_as_they_are(shapes):
+    from kernels.k7 import transpose_v_fp8, transpose_v_with_descales
+
+    v8 = torch.randn(1, 4, 333, 64, device="cuda").to(torch.float8_e4m3fn)
+    values = [0.25, 3.0, 0.5]
+    ds = [torch.full(s, x, device="cuda") for s, x in zip(shapes, values)]
+    vt, rows = transpose_v_with_descales(v8, *ds, per_tensor=True)
+    assert rows.shape == (3,) and rows.tolist() == values
+    assert torch.equal(vt.view(torch.uint8), transpose_v_fp8(v8).view(torch.uint8))
+    for bad in (-1.0, 0.0, float("nan"), float("inf")):
+        ds[1].fill_(bad)
+        _, rows = transpose_v_with_descales(v8, *ds, per_tensor=True)
+        assert rows[1].isnan() and rows[0] == 0.25 and rows[2] == 0.5
+
+
+def test_k7s_one_element_descale_variants_compile():
+    from kernels.contract import compiled_ptx
+    from kernels.k7 import compile_transpose_v
+
+    for ranks in ((0, 0, 0), (1, 2, 0)):  # the three descales and the (3,) rows: a bare pointer each
+        ptx = compiled_ptx(compile_transpose_v(keep_ptx=True, with_descales=True, ranks=ranks))
+        assert len(re.findall(r"_param_[2-5]\[8\]", ptx)) == 4, ranks
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])
