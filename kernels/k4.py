@@ -81,8 +81,6 @@ class K4FMHA:
         self.kv_stages = kv_stages
         self.refill_lag = refill_lag
         self.num_threads = sm90.THREADS_PER_WARPGROUP * num_wg
-        self.out_dtype = dtype  # O's dtype (K7: 16-bit out of 8-bit operands)
-        self.p_offset = 0.0  # K7: P scaled into e4m3's range (sm90.OnlineSoftmax)
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
@@ -93,9 +91,10 @@ class K4FMHA:
 
     @cute.jit
     def launch(self, mQ: cute.Tensor, mK: cute.Tensor, mVt: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
-               mDescale: Optional[cute.Tensor], softmax_scale: Float32, stream):
+               mAux: Optional[cute.Tensor], softmax_scale: Float32, stream):
         """Build the MMAs, SMEM layouts and TMA atoms around V viewed as (d, seqlen, heads, batch)
-        (its major mode read from the view), then launch. ``mDescale``: None here; K7's descales."""
+        (its major mode read from the view), then launch. ``mAux``: None here; an operand that a
+        subclass's hooks (``score_scale``, ``finish_o``) read."""
         d, dt = self.head_dim, self.dtype
         v_major = LayoutEnum.from_tensor(mVt)
         # GEMM-I  S(tile_m, tile_n) = Q(tile_m, d) . K(tile_n, d)^T, both K-major (d contiguous).
@@ -126,14 +125,14 @@ class K4FMHA:
 
         scale_log2 = softmax_scale * LOG2_E
         grid = (cute.ceil_div(mQ.shape[2], self.tile_m), mQ.shape[1], mQ.shape[0])
-        self.kernel(mQ_tma, mK_tma, mV_tma, mO, mLSE, mDescale, tma_atom_Q, tma_atom_K, tma_atom_V, scale_log2,
+        self.kernel(mQ_tma, mK_tma, mV_tma, mO, mLSE, mAux, tma_atom_Q, tma_atom_K, tma_atom_V, scale_log2,
                     sQ_layout, sK_layout, sVt_layout, tiled_mma_qk, tiled_mma_pv, SharedStorage).launch(
             grid=grid, block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream,
             min_blocks_per_mp=1)
 
     @cute.kernel
     def kernel(self, mQ_tma: cute.Tensor, mK_tma: cute.Tensor, mV_tma: cute.Tensor, mO: cute.Tensor,
-               mLSE: cute.Tensor, mDescale: Optional[cute.Tensor], tma_atom_Q: cute.CopyAtom,
+               mLSE: cute.Tensor, mAux: Optional[cute.Tensor], tma_atom_Q: cute.CopyAtom,
                tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
                scale_log2: Float32, sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
                sVt_layout: cute.ComposedLayout, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
@@ -190,9 +189,7 @@ class K4FMHA:
         # of the tile each accumulator register holds.
         tScS = thr_mma_qk.partition_C(cute.make_identity_tensor((tile_m, tile_n)))
 
-        if const_expr(mDescale is not None):  # K7: the scores are of q8 . k8, their descales join the scale
-            scale_log2 = scale_log2 * mDescale[0] * mDescale[1]
-        softmax = sm90.OnlineSoftmax(cute.size(sm90.acc_mn_view(acc_O), mode=[0]), scale_log2, self.p_offset)
+        softmax = self.tile_softmax(cute.size(sm90.acc_mn_view(acc_O), mode=[0]), self.score_scale(scale_log2, mAux))
         row_scale = cute.make_rmem_tensor(softmax.num_rows, Float32)
 
         # Q is loaded once and read by every QK GEMM; its stage is never released.
@@ -208,10 +205,9 @@ class K4FMHA:
                               masked=True)
 
         # ---- Epilogue: normalize once, write O and LSE straight from registers ------------
-        if const_expr(mDescale is not None):  # K7: O in v's units
-            acc_O.store(acc_O.load() * mDescale[2])
+        self.finish_o(acc_O, mAux)
         sm90.store_o_and_lse(acc_O, softmax, tiled_mma_pv, tidx, mO, mLSE, m_block, head, batch, tile_m,
-                             self.out_dtype)
+                             mO.element_type)
 
     @cute.jit
     def kv_iteration(self, n_block: Int32, n_tiles: Int32, m_block: Int32, seqlen: Int32, warp_idx: Int32,
@@ -236,14 +232,26 @@ class K4FMHA:
             sm90.mask_tile(acc_S, tScS, m_block, n_block, seqlen, self.tile_m, self.tile_n, self.causal)
         softmax.step(acc_S, row_scale, check_inf=masked)
         softmax.rescale(acc_O, row_scale)
-        self.convert_p(acc_S, tOrP)
+        self.p_to_operand(acc_S, tOrP)
         sm90.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_consume.index], zero_init=False, wg_wait=0)
         pipeline_kv.consumer_release(kv_consume)
 
+    # ---- Hooks: what a later stage changes about the scores, P and O (K4's own behaviour here) ----
 
-    def convert_p(self, acc_S: cute.Tensor, tOrP: cute.Tensor):
+    def score_scale(self, scale_log2: Float32, mAux) -> Float32:
+        """The factor on S = QK^T before exp2 (log2 units)."""
+        return scale_log2
+
+    def tile_softmax(self, num_rows: int, scale_log2: Float32, *tile) -> sm90.OnlineSoftmax:
+        """A fresh row max / sum for a query tile (``tile``: its coordinates, for a stage that needs them)."""
+        return sm90.OnlineSoftmax(num_rows, scale_log2)
+
+    def p_to_operand(self, acc_S: cute.Tensor, tOrP: cute.Tensor):
         """The register handoff: acc_S's C fragment re-read in A-operand order, narrowed."""
         sm90.convert_to(sm90.acc_as_operand_a(acc_S), tOrP)
+
+    def finish_o(self, acc_O: cute.Tensor, mAux):
+        """O's accumulator after the last KV tile, before normalization and the store."""
 
 
 def config(head_dim: int, overrides: dict, defaults: dict = None) -> dict:

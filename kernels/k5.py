@@ -43,7 +43,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.cute.runtime import make_fake_tensor
 from cutlass.tensor_utils import LayoutEnum
 
-from . import schedule, sm90, tma_pipeline
+from . import k4, schedule, sm90, tma_pipeline
 from .contract import (
     H100_SMS,
     LOG2_E,
@@ -147,13 +147,8 @@ class K5FMHA:
             raise UnsupportedProblem(f"q_in_regs: Q in registers ({head_dim // 4} per thread) does not fit beside O "
                                      f"({head_dim // 2}) at head_dim {head_dim}; head_dim <= 128 only")
         self.q_in_regs = q_in_regs
-        self.out_dtype = dtype  # K7: e4m3 inputs, 16-bit O
-        self.p_offset = 0.0  # K7: P scaled into e4m3's range (sm90.OnlineSoftmax)
-        self.block_scales = False  # K8: a descale per Q tile and per K / V tile (mDescale rows)
         self.num_threads = sm90.THREADS_PER_WARPGROUP * (num_wg + 1)
         self.producer_regs, self.consumer_regs = REGISTERS[num_wg]
-        # K6 turns this on (ping-pong); in K5 its sync/arrive calls compile to nothing.
-        self.warp_scheduler = sm90.WarpScheduler(num_wg, enabled=False)
 
     def o_store_rows(self) -> int:
         return 64 if self.o_store_per_wg else self.tile_m
@@ -181,9 +176,9 @@ class K5FMHA:
 
     @cute.jit
     def launch(self, mQ: cute.Tensor, mK: cute.Tensor, mVt: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
-               mDescale, softmax_scale: Float32, mTileCounter: cute.Tensor, stream):
+               mAux, softmax_scale: Float32, mTileCounter: cute.Tensor, stream):
         """``mVt``: V as a (d, keys, heads, batch) view (its major mode read from the view).
-        ``mDescale``: None here; K7's descales."""
+        ``mAux``: None here; an operand that a subclass's hooks read (K4's)."""
         d, dt = self.head_dim, self.dtype
         mQt = tma_pipeline.seq_major_view(mQ)
         mKt = tma_pipeline.seq_major_view(mK)
@@ -226,14 +221,14 @@ class K5FMHA:
         # K/V may have fewer heads (GQA: query head h reads K/V head h // group) and more rows
         # than Q (chunked prefill): the kernel takes both from K's shape.
         kv_shape = (mK.shape[2], mQ.shape[1] // mK.shape[1])
-        self.kernel(mQ_tma, mK_tma, mV_tma, mO, mLSE, mDescale, mTileCounter, kv_shape, tma_atom_Q, tma_atom_K, tma_atom_V,
+        self.kernel(mQ_tma, mK_tma, mV_tma, mO, mLSE, mAux, mTileCounter, kv_shape, tma_atom_Q, tma_atom_K, tma_atom_V,
                     (tma_atom_O, mO_tma), scale_log2, sQ_layout, sK_layout, sVt_layout, tiled_mma_qk, tiled_mma_pv, SharedStorage).launch(
             grid=(grid_x, 1, 1), block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(),
             stream=stream, min_blocks_per_mp=1, **({"cluster": [self.cluster, 1, 1]} if self.cluster > 1 else {}))
 
     @cute.kernel
     def kernel(self, mQ_tma: cute.Tensor, mK_tma: cute.Tensor, mV_tma: cute.Tensor, mO: cute.Tensor,
-               mLSE: cute.Tensor, mDescale, mTileCounter: cute.Tensor, kv_shape: tuple, tma_atom_Q: cute.CopyAtom,
+               mLSE: cute.Tensor, mAux, mTileCounter: cute.Tensor, kv_shape: tuple, tma_atom_Q: cute.CopyAtom,
                tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom, o_store: tuple, scale_log2: Float32,
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sVt_layout: cute.ComposedLayout,
                tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, SharedStorage: cutlass.Constexpr):
@@ -274,7 +269,7 @@ class K5FMHA:
                           pipelines, tile_slots)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
-            self.consume(mO, mLSE, mDescale, kv_shape, sQ, sK, sVt, tiled_mma_qk, tiled_mma_pv, scale_log2, pipelines,
+            self.consume(mO, mLSE, mAux, kv_shape, sQ, sK, sVt, tiled_mma_qk, tiled_mma_pv, scale_log2, pipelines,
                          tile_slots, o_store)
 
     @cute.jit
@@ -428,7 +423,7 @@ class K5FMHA:
     # ---- Consumers: WGMMA + softmax only ------------------------------------------------------
 
     @cute.jit
-    def consume(self, mO: cute.Tensor, mLSE: cute.Tensor, mDescale, kv_shape: tuple, sQ: cute.Tensor, sK: cute.Tensor,
+    def consume(self, mO: cute.Tensor, mLSE: cute.Tensor, mAux, kv_shape: tuple, sQ: cute.Tensor, sK: cute.Tensor,
                 sVt: cute.Tensor, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, scale_log2: Float32,
                 pipelines: tuple, tile_slots: tuple, o_store: tuple):
         tile_m, tile_n, d = self.tile_m, self.tile_n, self.head_dim
@@ -451,14 +446,13 @@ class K5FMHA:
         tOrP = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((tile_m, tile_n)))
         acc_O = cute.make_rmem_tensor(tiled_mma_pv.partition_shape_C((tile_m, d)), Float32)
         tScS = thr_mma_qk.partition_C(cute.make_identity_tensor((tile_m, tile_n)))
-        if const_expr(mDescale is not None and not self.block_scales):  # K7: the scores are of q8 . k8, their descales join the scale
-            scale_log2 = scale_log2 * mDescale[0] * mDescale[1]
+        scale_log2 = self.score_scale(scale_log2, mAux)
 
         q_consume = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
         kv_consume = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
         tile_consume = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, TILE_STAGES)
         tile_idx, step, num_tiles, decode = self.tiles(mO, kv_shape)
-        ctx = (mO, mLSE, mDescale, kv_shape, sQ, pipelines, o_store, decode, tidx, wg_idx, scale_log2,
+        ctx = (mO, mLSE, mAux, kv_shape, sQ, pipelines, o_store, decode, tidx, wg_idx, scale_log2,
                (tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O, tScS), tile_slots)
         if const_expr(self.split_tail):
             n_kv = kv_tile_count(0, seqlen, tile_m, tile_n, False, kv_shape[0])
@@ -479,14 +473,13 @@ class K5FMHA:
     def consume_tile(self, tile_idx: Int32, span, q_consume: pipeline.PipelineState,
                      kv_consume: pipeline.PipelineState, ctx: tuple):
         """One query tile (or, split tail, its KV tiles [lo, hi)): mainloop, then the epilogue."""
-        (mO, mLSE, mDescale, kv_shape, sQ, pipelines, o_store, decode, tidx, wg_idx, scale_log2, mmas_all,
+        (mO, mLSE, mAux, kv_shape, sQ, pipelines, o_store, decode, tidx, wg_idx, scale_log2, mmas_all,
          tile_slots) = ctx
         tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O, tScS = mmas_all
         pipeline_q = pipelines[0]
         tile_m, tile_n = self.tile_m, self.tile_n
         seqlen = mO.shape[2]
         num_rows = cute.size(sm90.acc_mn_view(acc_O), mode=[0])
-        per_tensor_scales = mDescale is not None and not self.block_scales  # K7 (scale_log2 has q's and k's)
         m_block, head, batch = self.tile_at(tile_idx, decode)
         seqlen_k, _ = kv_shape
         n_tiles = kv_tile_count(m_block, seqlen, tile_m, tile_n, self.causal, seqlen_k)
@@ -496,7 +489,7 @@ class K5FMHA:
             n_lo, n_tiles, piece = span
         mask_lens = (seqlen_k, seqlen_k - seqlen)  # key length, causal diagonal offset
         acc_O.fill(0.0)
-        softmax = self.tile_softmax(num_rows, scale_log2, mDescale, m_block, head, batch, seqlen, n_tiles, seqlen_k)
+        softmax = self.tile_softmax(num_rows, scale_log2, mAux, m_block, head, batch, seqlen, n_tiles, seqlen_k)
         row_scale = cute.make_rmem_tensor(num_rows, Float32)
         pipeline_q.consumer_wait(q_consume)
         # Q's stage as a compile-time index, one mainloop per stage: Q's WGMMA descriptors are then
@@ -512,8 +505,7 @@ class K5FMHA:
                 mmas = (tiled_mma_qk, tiled_mma_pv, tSrQ_stage, tSrK, tOrVt, tOrP, acc_O, tScS)
                 kv_consume = self.mainloop(m_block, mask_lens, n_tiles, n_unmasked, kv_consume, pipelines, mmas,
                                            softmax, row_scale, n_lo)
-        if const_expr(per_tensor_scales):  # K7: O in v's units
-            acc_O.store(acc_O.load() * mDescale[2])
+        self.finish_o(acc_O, mAux)
         if const_expr(span is None):
             self.epilogue(tile_idx, q_consume, acc_O, softmax, ctx, m_block, head, batch)
         else:
@@ -530,7 +522,7 @@ class K5FMHA:
     def epilogue(self, tile_idx: Int32, q_consume: pipeline.PipelineState, acc_O: cute.Tensor,
                  softmax: sm90.OnlineSoftmax, ctx: tuple, m_block: Int32, head: Int32, batch: Int32):
         """O and LSE of a whole tile: through SMEM and a TMA store, or from registers."""
-        (mO, mLSE, mDescale, kv_shape, sQ, pipelines, o_store, decode, tidx, wg_idx, scale_log2, mmas_all,
+        (mO, mLSE, mAux, kv_shape, sQ, pipelines, o_store, decode, tidx, wg_idx, scale_log2, mmas_all,
          tile_slots) = ctx
         tiled_mma_pv = mmas_all[1]
         pipeline_q = pipelines[0]
@@ -547,14 +539,14 @@ class K5FMHA:
             tOsO, tOgO = tma_pipeline.partition_for_tma(tma_atom_O, mO_tma, sO_box, (self.o_store_rows(), d), head,
                                                         batch, coord=(m_box, 0))
             sm90.store_o_tma_and_lse(acc_O, softmax, tiled_mma_pv, tidx, sO, tOsO, tOgO, tma_atom_O, mLSE,
-                                     m_block, head, batch, seqlen, tile_m, self.out_dtype, store_threads, store_wg)
+                                     m_block, head, batch, seqlen, tile_m, mO.element_type, store_threads, store_wg)
             pipeline_q.consumer_release(q_consume)  # the store has read sO: Q's buffer is free
         else:
             # Every QK of this tile has retired: the producer may load the next tile's Q.
             pipeline_q.consumer_release(q_consume)
             # K4's epilogue: normalize once, O and LSE straight from registers.
             sm90.store_o_and_lse(acc_O, softmax, tiled_mma_pv, tidx, mO, mLSE, m_block, head, batch, tile_m,
-                                 self.out_dtype)
+                                 mO.element_type)
 
     @cute.jit
     def mainloop(self, m_block: Int32, mask_lens: tuple, n_tiles: Int32, n_unmasked: Int32,
@@ -580,13 +572,13 @@ class K5FMHA:
                      masked: cutlass.Constexpr[bool]) -> pipeline.PipelineState:
         """K4's iteration with separate K and V waits, and no loads: S = QK^T, (mask), softmax,
         O = O*scale + P V. Each stage is released right after the WGMMA that read it retired.
-        (K6's ping-pong: arrive once QK is issued, sync before PV; no-ops here.)"""
+        Two hooks mark where a later stage may coordinate warpgroups (no-ops here)."""
         _, pipeline_k, pipeline_v = pipelines
         tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O, tScS = mmas
         pipeline_k.consumer_wait(kv_consume)
         acc_S = cute.make_rmem_tensor(tiled_mma_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
         sm90.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_consume.index], zero_init=True, wg_wait=-1)
-        self.warp_scheduler.arrive()
+        self.after_qk_issue()
         warpgroup.wait_group(0)
         pipeline_k.consumer_release(kv_consume)
         if const_expr(masked):
@@ -594,9 +586,9 @@ class K5FMHA:
                            mask_lens[1])
         softmax.step(acc_S, row_scale, check_inf=masked, n_block=n_block)
         softmax.rescale(acc_O, row_scale)
-        self.convert_p(acc_S, tOrP)
+        self.p_to_operand(acc_S, tOrP)
         pipeline_v.consumer_wait(kv_consume)
-        self.warp_scheduler.sync()
+        self.before_pv_issue()
         sm90.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_consume.index], zero_init=False, wg_wait=0)
         pipeline_v.consumer_release(kv_consume)
         kv_consume.advance()
@@ -671,18 +663,22 @@ class K5FMHA:
             for j in cutlass.range_constexpr(softmax.num_rows):
                 acc_mn[j, None].store(acc_mn[j, None].load() * cute.arch.rcp_approx(total[j]))
                 lse[j] = lse[j] + cute.math.log(total[j], fastmath=True)
-            rO = cute.make_rmem_tensor_like(acc_O, self.out_dtype)
+            rO = cute.make_rmem_tensor_like(acc_O, mO.element_type)
             sm90.convert_to(acc_O, rO)
             sm90.store_rows(rO, lse, tiled_mma_pv, tidx, mO, mLSE, m_block, head, batch, self.tile_m)
 
-    def tile_softmax(self, num_rows: int, scale_log2: Float32, mDescale, m_block: Int32, head: Int32, batch: Int32,
-                     seqlen: Int32, n_tiles: Int32, seqlen_k: Int32) -> sm90.OnlineSoftmax:
-        """A fresh row max / sum for each query tile (K8: one that knows the tile's descales)."""
-        return sm90.OnlineSoftmax(num_rows, scale_log2, self.p_offset)
+    # K4's hooks, as K4 has them; ``tile_softmax`` gets (mAux, m_block, head, batch, seqlen, n_tiles,
+    # seqlen_k) after the scale.
+    score_scale = k4.K4FMHA.score_scale
+    tile_softmax = k4.K4FMHA.tile_softmax
+    p_to_operand = k4.K4FMHA.p_to_operand
+    finish_o = k4.K4FMHA.finish_o
 
-    def convert_p(self, acc_S: cute.Tensor, tOrP: cute.Tensor):
-        """K4's register handoff: acc_S's C fragment re-read in A-operand order, narrowed."""
-        sm90.convert_to(sm90.acc_as_operand_a(acc_S), tOrP)
+    def after_qk_issue(self):
+        """A warpgroup has issued its QK WGMMAs (not waited for them)."""
+
+    def before_pv_issue(self):
+        """A warpgroup is about to issue its PV WGMMAs."""
 
 
 def schedule_config(p: Problem) -> dict:
@@ -732,16 +728,17 @@ def check_config(cfg: dict, name: str = "K5") -> None:
                                  f"{cluster} CTAs")
 
 
-def build(name: str, kernel_cls, p: Problem, cfg: dict, keep_ptx: bool, fake_args=None) -> CompiledAttention:
+def build(name: str, kernel_cls, p: Problem, cfg: dict, keep_ptx: bool, fake_args=None,
+          dtype: str | None = None) -> CompiledAttention:
     """Compile ``kernel_cls`` (K5FMHA or a subclass) for ``p`` and bind its tile counter.
 
     The dynamic scheduler's counter is an int32 pair in GMEM that must read zero at every launch;
     the kernel resets it itself, so one zeroed pair per (device, stream) serves every call.
-    ``fake_args(dtype, head_dim)``: the kernel's arguments before the counter (K7: FP8 q, k, V^T
-    and descales); by default (q, k, v, o, lse, softmax_scale).
+    ``fake_args(dtype, head_dim)``: the kernel's arguments before the counter, by default (q, k, v,
+    o, lse, softmax_scale); ``dtype`` (default ``p.dtype``): the kernel class's dtype argument.
     """
     check_config(dict(cfg, causal=p.causal), name.upper())
-    dt = cute_dtype(p.out_dtype)  # the inputs' dtype but for K7/K8, whose kernel class fixes e4m3 inputs
+    dt = cute_dtype(dtype or p.dtype)  # the kernel class's dtype
     # ctas: fewer persistent CTAs than SMs (tests: a split tail on a small problem)
     cfg = dict(cfg)
     ctas = cfg.pop("ctas", None)
@@ -751,7 +748,7 @@ def build(name: str, kernel_cls, p: Problem, cfg: dict, keep_ptx: bool, fake_arg
         raise UnsupportedProblem(
             f"{name.upper()} config {cfg} at head_dim {p.head_dim} needs {kernel.smem_bytes() // 1024} KB of SMEM "
             f"(limit {SMEM_CAPACITY // 1024} KB): use fewer kv_stages or a smaller tile_n")
-    key = (name, p.head_dim, p.out_dtype, p.causal, sm_count, tuple(sorted(cfg.items())))
+    key = (name, p.head_dim, dtype or p.dtype, p.causal, sm_count, tuple(sorted(cfg.items())))
 
     def args():
         if fake_args is None:

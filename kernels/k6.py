@@ -55,7 +55,7 @@ class K6FMHA(k5.K5FMHA):
     def __init__(self, *args, pingpong: bool, overlap: bool, emulated_exp2: int = 0, skip_unit_rescale: bool = False,
                  rescale_o_before_gemm: bool = None, pin_pv_wait=None, **kw):
         super().__init__(*args, **kw)
-        self.warp_scheduler = sm90.WarpScheduler(self.num_wg, pingpong)  # K5's no-op calls come alive
+        self.warp_scheduler = sm90.WarpScheduler(self.num_wg, pingpong)  # K5's two hooks call it (below)
         self.overlap = overlap
         if rescale_o_before_gemm is None:
             rescale_o_before_gemm = self.head_dim > 128
@@ -73,6 +73,12 @@ class K6FMHA(k5.K5FMHA):
             raise UnsupportedProblem("pin_pv_wait='before_exp2' splits a plain ex2 softmax: not with emulated_exp2")
         self.pin_pv_wait = pin_pv_wait
         self.skip_unit_rescale = skip_unit_rescale
+
+    def after_qk_issue(self):
+        self.warp_scheduler.arrive()  # the next warpgroup's GEMMs may queue behind these
+
+    def before_pv_issue(self):
+        self.warp_scheduler.sync()  # wait for the token
 
     def tile_softmax(self, *args) -> sm90.OnlineSoftmax:
         """K5's, with the two softmax knobs (off unless asked for: both lost on an H100, docs/k6.md)."""
@@ -149,7 +155,7 @@ class K6FMHA(k5.K5FMHA):
         sm90.mask_tile(acc_S, tScS, m_block, n_block, mask_lens[0], self.tile_m, self.tile_n, self.causal,
                        mask_lens[1])
         softmax.step(acc_S, row_scale, check_inf=True, n_block=n_block)  # O is still zero: no rescale needed
-        self.convert_p(acc_S, tOrP)
+        self.p_to_operand(acc_S, tOrP)
 
     @cute.jit
     def overlapped_step(self, n_block: Int32, m_block: Int32, mask_lens: tuple, kv_consume: pipeline.PipelineState,
@@ -189,7 +195,7 @@ class K6FMHA(k5.K5FMHA):
         else:
             warpgroup.wait_group(0)  # PV done: its P and V may be overwritten, O may be touched
             pipeline_v.consumer_release(kv_prev)
-            self.convert_p(acc_S, tOrP)
+            self.p_to_operand(acc_S, tOrP)
             if const_expr(not self.rescale_o_before_gemm):
                 softmax.rescale(acc_O, row_scale)
         return kv_consume
@@ -209,7 +215,7 @@ class K6FMHA(k5.K5FMHA):
             warpgroup.wait_group(0)
             if const_expr(row_sum is not None):
                 sm90.exp2_rows_and_sum(acc_S, row_scale, row_sum)
-            self.convert_p(acc_S, tOrP)
+            self.p_to_operand(acc_S, tOrP)
             if const_expr(not self.rescale_o_before_gemm):
                 sm90.scale_rows(acc_O, row_scale)
         else:
@@ -218,7 +224,7 @@ class K6FMHA(k5.K5FMHA):
                 sm90.scale_rows(acc_O, row_scale)
             if const_expr(row_sum is not None):
                 sm90.exp2_rows_and_sum(acc_S, row_scale, row_sum)
-            self.convert_p(acc_S, tOrP)
+            self.p_to_operand(acc_S, tOrP)
 
     @cute.jit
     def last_pv(self, kv_consume: pipeline.PipelineState, pipelines: tuple, mmas: tuple,

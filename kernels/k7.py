@@ -62,11 +62,28 @@ DTYPES = ("bfloat16", "float16", "float8_e4m3fn")  # 16-bit: quantized per tenso
 CAPS = Capabilities(head_dims=HEAD_DIMS, dtypes=DTYPES, gqa=True, unequal_lengths=True)
 
 
-class K7FMHA(k6.K6FMHA):
+class PerTensorScales:
+    """K7's four hooks, for K6's kernel and K4's alike: the scores are of q8 . k8, so q's and k's
+    descales join the softmax scale; P is offset into e4m3's range and narrowed to it; O comes out
+    in v's units until v's descale multiplies it. ``mAux`` is the (3,) float32 descales."""
+
+    def score_scale(self, scale_log2: Float32, mAux: cute.Tensor) -> Float32:
+        return scale_log2 * mAux[0] * mAux[1]
+
+    def tile_softmax(self, num_rows: int, scale_log2: Float32, *tile) -> sm90.OnlineSoftmax:
+        return sm90.OnlineSoftmax(num_rows, scale_log2, P_OFFSET)
+
+    def p_to_operand(self, acc_S: cute.Tensor, tOrP: cute.Tensor):
+        """K4's register handoff, in FP8: the permuted view, narrowed to e4m3."""
+        sm90.convert_to_fp8(acc_S, tOrP)
+
+    def finish_o(self, acc_O: cute.Tensor, mAux: cute.Tensor):
+        acc_O.store(acc_O.load() * mAux[2])
+
+
+class K7FMHA(PerTensorScales, k6.K6FMHA):
     def __init__(self, head_dim: int, out_dtype, causal: bool, **kw):
-        super().__init__(head_dim, FP8, causal, **kw)
-        self.out_dtype = out_dtype
-        self.p_offset = P_OFFSET
+        super().__init__(head_dim, FP8, causal, **kw)  # O's dtype is mO's (out_dtype: the compile's key)
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mVt: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
@@ -74,10 +91,6 @@ class K7FMHA(k6.K6FMHA):
         # V^T (batch, heads, d, keys) -> (d, keys, heads, batch): K6's V view with keys contiguous,
         # which its launcher reads as K-major, the only mode 8-bit WGMMA takes.
         self.launch(mQ, mK, vt_view(mVt), mO, mLSE, mDescale, softmax_scale, mTileCounter, stream)
-
-    def convert_p(self, acc_S: cute.Tensor, tOrP: cute.Tensor):
-        """K4's register handoff, in FP8: the permuted view, narrowed to e4m3."""
-        sm90.convert_to_fp8(acc_S, tOrP)
 
 
 def vt_view(mVt: cute.Tensor) -> cute.Tensor:
@@ -101,19 +114,15 @@ K4_CAPS = tma_pipeline.smem_capabilities(HEAD_DIMS, lambda d: k4_smem_bytes(d, *
                                          dtypes=DTYPES)
 
 
-class K7OnK4FMHA(k4.K4FMHA):
+class K7OnK4FMHA(PerTensorScales, k4.K4FMHA):
     def __init__(self, head_dim: int, out_dtype, causal: bool, num_wg: int, tile_n: int, kv_stages: int,
                  refill_lag: int):
         super().__init__(head_dim, FP8, causal, num_wg, tile_n, kv_stages, refill_lag)
-        self.out_dtype = out_dtype
-        self.p_offset = P_OFFSET
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mVt: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
                  mDescale: cute.Tensor, softmax_scale: Float32, stream):
         self.launch(mQ, mK, vt_view(mVt), mO, mLSE, mDescale, softmax_scale, stream)
-
-    convert_p = K7FMHA.convert_p
 
 
 # --------------------------------------------------------------------------------------
@@ -247,7 +256,7 @@ def compile_kernel(p: Problem, *, keep_ptx: bool = False, structure: str = "k6",
     if structure == "k4":
         return compile_on_k4(p, keep_ptx, overrides)
     CAPS.check(p)
-    return k5.build("k7", K7FMHA, p, config(p, overrides), keep_ptx, fake_args=fake_args)
+    return k5.build("k7", K7FMHA, p, config(p, overrides), keep_ptx, fake_args=fake_args, dtype=p.out_dtype)
 
 
 def compile_on_k4(p: Problem, keep_ptx: bool, overrides: dict) -> CompiledAttention:

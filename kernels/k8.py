@@ -43,18 +43,23 @@ def block_sizes(head_dim: int, cfg: dict | None = None) -> tuple:
 
 
 class K8FMHA(k7.K7FMHA):
-    def __init__(self, *args, **kw):
-        super().__init__(*args, **kw)
-        self.block_scales = True  # mDescale holds rows of tile descales, not K7's three numbers
+    """``mAux`` holds rows of tile descales, not K7's three numbers: the softmax applies them, so
+    the scale and O are left as they are."""
 
-    def tile_softmax(self, num_rows: int, scale_log2: Float32, mDescale: cute.Tensor, m_block: Int32, head: Int32,
+    def score_scale(self, scale_log2: Float32, mAux: cute.Tensor) -> Float32:
+        return scale_log2
+
+    def finish_o(self, acc_O: cute.Tensor, mAux: cute.Tensor):
+        pass
+
+    def tile_softmax(self, num_rows: int, scale_log2: Float32, mAux: cute.Tensor, m_block: Int32, head: Int32,
                      batch: Int32, seqlen: Int32, n_tiles: Int32, seqlen_k: Int32) -> sm90.OnlineSoftmax:
-        # mDescale[b, h]: q's descale per Q tile, then k's and v's per KV tile of its K/V head.
-        row = mDescale[batch, head, None]
+        # mAux[b, h]: q's descale per Q tile, then k's and v's per KV tile of its K/V head.
+        row = mAux[batch, head, None]
         m_tiles, kv_tiles = cute.ceil_div(seqlen, self.tile_m), cute.ceil_div(seqlen_k, self.tile_n)
         k_d = cute.make_tensor(row.iterator + m_tiles, cute.make_layout(kv_tiles))
         v_d = cute.make_tensor(row.iterator + m_tiles + kv_tiles, cute.make_layout(kv_tiles))
-        return sm90.BlockScaledSoftmax(num_rows, scale_log2 * row[m_block], self.p_offset, k_d, v_d, n_tiles - 1)
+        return sm90.BlockScaledSoftmax(num_rows, scale_log2 * row[m_block], k7.P_OFFSET, k_d, v_d, n_tiles - 1)
 
 
 def quantize_inputs(q, k, v, tile_m: int, tile_n: int, rotate: bool = True, keep: bool = False) -> tuple:
@@ -98,7 +103,7 @@ def compile_kernel(p: Problem, *, keep_ptx: bool = False, rotate: bool = True, *
     """``rotate=False`` is block quantization alone (the accuracy ablation)."""
     CAPS.check(p)
     cfg = k7.config(p, overrides, "K8")
-    compiled = k5.build("k8", K8FMHA, p, cfg, keep_ptx, fake_args=fake_args)
+    compiled = k5.build("k8", K8FMHA, p, cfg, keep_ptx, fake_args=fake_args, dtype=p.out_dtype)
     # The quantizer's blocks must be the compiled tiles: run_kernel reads them from here.
     compiled.info.update(rotate=rotate, tile_m=block_sizes(p.head_dim, cfg)[0])
     return compiled
