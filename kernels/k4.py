@@ -196,7 +196,7 @@ class K4FMHA:
         tma_pipeline.wait_q(pipeline_q)
         # Unmasked tiles first, then the diagonal / seqlen-tail tiles with the masked path.
         loads = (pipeline_kv, *kv_loads)
-        mmas = (tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O, tScS)
+        mmas = sm90.Mmas(tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O, tScS)
         for n_block in cutlass.range(n_unmasked, unroll=1):
             self.kv_iteration(n_block, n_tiles, m_block, seqlen, warp_idx, loads, mmas, softmax, row_scale,
                               masked=False)
@@ -211,7 +211,7 @@ class K4FMHA:
 
     @cute.jit
     def kv_iteration(self, n_block: Int32, n_tiles: Int32, m_block: Int32, seqlen: Int32, warp_idx: Int32,
-                     loads: tuple, mmas: tuple, softmax: sm90.OnlineSoftmax, row_scale: cute.Tensor,
+                     loads: tuple, mmas: sm90.Mmas, softmax: sm90.OnlineSoftmax, row_scale: cute.Tensor,
                      masked: cutlass.Constexpr[bool]):
         """One KV tile: S = QK^T, (mask), softmax on the fragment, O = O*scale + P V."""
         pipeline_kv, *kv_loads = loads

@@ -33,6 +33,7 @@ pipelines' mbarriers are the only synchronization between producer and consumers
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
@@ -60,6 +61,34 @@ from .contract import (
     run_kernel,  # noqa: F401  (the contract's launch-only entry)
 )
 from .tiles import kv_tile_count, unmasked_kv_tile_count
+
+class TileSlots(NamedTuple):
+    """Dynamic scheduling: the claimed tile indices in SMEM slots, their pipeline, and the
+    global counter the producer claims from (with the split tail's workspace after it)."""
+
+    pipeline: object
+    sTileIdx: object
+    mTileCounter: object
+
+
+class ConsumerContext(NamedTuple):
+    """What every query tile of a consumer warpgroup reads: outputs, shapes, SMEM, pipelines, the
+    O store, the tile grid (``tiles``), the thread's place, the scale, the GEMM state."""
+
+    mO: object
+    mLSE: object
+    mAux: object
+    kv_shape: tuple
+    sQ: object
+    pipelines: tuple
+    o_store: tuple
+    tile_grid: tuple
+    tidx: object
+    wg_idx: object
+    scale_log2: object
+    mmas: sm90.Mmas
+    tile_slots: TileSlots
+
 
 # GQA and keys outnumbering queries (bottom-right causal) come with K5's tile loop: K/V heads
 # are indexed as head // group, and the KV walk takes its length from K.
@@ -250,7 +279,7 @@ class K5FMHA:
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, sm90.THREADS_PER_WARPGROUP * self.num_wg),
             defer_sync=True)
-        tile_slots = (pipeline_tile, storage.tile_idx.get_tensor(cute.make_layout(TILE_STAGES)), mTileCounter)
+        tile_slots = TileSlots(pipeline_tile, storage.tile_idx.get_tensor(cute.make_layout(TILE_STAGES)), mTileCounter)
         sQ, sK, sVt = tma_pipeline.smem_tensors(storage, sQ_layout, sK_layout, sVt_layout)
         # The mbarrier inits must be visible to the TMA unit and to every thread (of the cluster:
         # the other CTA multicasts into this one's stages and releases them): the last CTA-wide
@@ -274,7 +303,8 @@ class K5FMHA:
 
     @cute.jit
     def tiles(self, mO: cute.Tensor, kv_shape: tuple):
-        """(first tile index, step, number of tiles, decode args) of this CTA's tile loop."""
+        """(first tile index, step, number of tiles, tile grid) of this CTA's tile loop; the tile grid
+        is what ``tile_at`` needs to turn a tile index into coordinates."""
         seqlen, nheads, batch = mO.shape[2], mO.shape[1], mO.shape[0]
         seqlen_k, group = kv_shape
         num_m_blocks = cute.ceil_div(seqlen, self.tile_m)
@@ -291,13 +321,13 @@ class K5FMHA:
         return bx, gdx, num_m_blocks * nheads * batch, (num_m_blocks, nheads, nheads * batch, section)
 
     @cute.jit
-    def tile_at(self, tile_idx: Int32, decode: tuple):
+    def tile_at(self, tile_idx: Int32, tile_grid: tuple):
         """(m_block, head, batch) of a tile index from ``tiles``. In a cluster the index names a
         group of ``cluster`` neighbouring query tiles, and the CTA's rank picks one. With an odd
         m-block count the last group's second tile lies past the sequence: that CTA still loads
         its half of every K/V tile for its partner, and computes on zero-filled Q rows that
         nothing stores (the O store and the LSE stop at seqlen)."""
-        m_block, head, batch = schedule.tile_coords(tile_idx, *decode, self.causal)
+        m_block, head, batch = schedule.tile_coords(tile_idx, *tile_grid, self.causal)
         if const_expr(self.cluster > 1):
             m_block = m_block * self.cluster + cute.arch.block_idx_in_cluster()
         return m_block, head, batch
@@ -354,8 +384,9 @@ class K5FMHA:
         q_produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
         kv_produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
         tile_produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, TILE_STAGES)
-        tile_idx, step, num_tiles, decode = self.tiles(mO, kv_shape)
-        loads = (seqlen, mQ_tma, mK_tma, mV_tma, kv_shape, tma_atom_Q, tma_atom_K, tma_atom_V, sQ, sK, sVt, pipelines, decode)
+        tile_idx, step, num_tiles, tile_grid = self.tiles(mO, kv_shape)
+        loads = (seqlen, mQ_tma, mK_tma, mV_tma, kv_shape, tma_atom_Q, tma_atom_K, tma_atom_V, sQ, sK, sVt, pipelines,
+                 tile_grid)
         if const_expr(self.split_tail):
             n_kv = kv_tile_count(0, seqlen, tile_m, tile_n, False, kv_shape[0])
             waves, _, _, s0, s1, n_units = schedule.tail_plan(num_tiles, step, tile_idx, n_kv)
@@ -381,10 +412,10 @@ class K5FMHA:
     def load_tile(self, tile_idx: Int32, span, q_produce: pipeline.PipelineState,
                   kv_produce: pipeline.PipelineState, loads: tuple):
         """Q and the K/V tiles of one query tile: all of them, or (split tail) KV tiles [lo, hi)."""
-        seqlen, mQ_tma, mK_tma, mV_tma, kv_shape, tma_atom_Q, tma_atom_K, tma_atom_V, sQ, sK, sVt, pipelines, decode = loads
+        seqlen, mQ_tma, mK_tma, mV_tma, kv_shape, tma_atom_Q, tma_atom_K, tma_atom_V, sQ, sK, sVt, pipelines, tile_grid = loads
         pipeline_q, pipeline_k, pipeline_v = pipelines
         tile_m, tile_n, d = self.tile_m, self.tile_n, self.head_dim
-        m_block, head, batch = self.tile_at(tile_idx, decode)
+        m_block, head, batch = self.tile_at(tile_idx, tile_grid)
         tQsQ, tQgQ = tma_pipeline.partition_for_tma(tma_atom_Q, mQ_tma, sQ, (tile_m, d), head, batch,
                                                     coord=(m_block, 0))
         seqlen_k, group = kv_shape
@@ -451,9 +482,10 @@ class K5FMHA:
         q_consume = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
         kv_consume = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
         tile_consume = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, TILE_STAGES)
-        tile_idx, step, num_tiles, decode = self.tiles(mO, kv_shape)
-        ctx = (mO, mLSE, mAux, kv_shape, sQ, pipelines, o_store, decode, tidx, wg_idx, scale_log2,
-               (tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O, tScS), tile_slots)
+        tile_idx, step, num_tiles, tile_grid = self.tiles(mO, kv_shape)
+        ctx = ConsumerContext(mO, mLSE, mAux, kv_shape, sQ, pipelines, o_store, tile_grid, tidx, wg_idx, scale_log2,
+                              sm90.Mmas(tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O, tScS),
+                              tile_slots)
         if const_expr(self.split_tail):
             n_kv = kv_tile_count(0, seqlen, tile_m, tile_n, False, kv_shape[0])
             waves, steps, parts, s0, s1, n_units = schedule.tail_plan(num_tiles, step, tile_idx, n_kv)
@@ -461,7 +493,8 @@ class K5FMHA:
                 unit_tile, lo, hi = schedule.work_unit(u, tile_idx, step, waves, s0, s1, n_kv)
                 # A piece of the tail: (tail tile, which of this CTA's runs, steps, CTAs sharing
                 # them); whole tiles (and a tail tile one run covers) end as usual.
-                piece = (unit_tile - waves * step, Int32(0) if u == waves else Int32(1), steps, parts, n_kv)
+                piece = schedule.TailPiece(unit_tile - waves * step, Int32(0) if u == waves else Int32(1), steps,
+                                           parts, n_kv)
                 q_consume, kv_consume = self.consume_tile(unit_tile, (lo, hi, piece), q_consume, kv_consume, ctx)
         else:
             while tile_idx < num_tiles:
@@ -471,16 +504,15 @@ class K5FMHA:
 
     @cute.jit
     def consume_tile(self, tile_idx: Int32, span, q_consume: pipeline.PipelineState,
-                     kv_consume: pipeline.PipelineState, ctx: tuple):
+                     kv_consume: pipeline.PipelineState, ctx: "ConsumerContext"):
         """One query tile (or, split tail, its KV tiles [lo, hi)): mainloop, then the epilogue."""
-        (mO, mLSE, mAux, kv_shape, sQ, pipelines, o_store, decode, tidx, wg_idx, scale_log2, mmas_all,
-         tile_slots) = ctx
-        tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O, tScS = mmas_all
+        mO, mLSE, mAux, kv_shape, sQ, pipelines, tidx = ctx.mO, ctx.mLSE, ctx.mAux, ctx.kv_shape, ctx.sQ, ctx.pipelines, ctx.tidx
+        tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O, tScS = ctx.mmas
         pipeline_q = pipelines[0]
         tile_m, tile_n = self.tile_m, self.tile_n
         seqlen = mO.shape[2]
         num_rows = cute.size(sm90.acc_mn_view(acc_O), mode=[0])
-        m_block, head, batch = self.tile_at(tile_idx, decode)
+        m_block, head, batch = self.tile_at(tile_idx, ctx.tile_grid)
         seqlen_k, _ = kv_shape
         n_tiles = kv_tile_count(m_block, seqlen, tile_m, tile_n, self.causal, seqlen_k)
         n_unmasked = unmasked_kv_tile_count(m_block, seqlen, tile_m, tile_n, self.causal, seqlen_k)
@@ -489,7 +521,7 @@ class K5FMHA:
             n_lo, n_tiles, piece = span
         mask_lens = (seqlen_k, seqlen_k - seqlen)  # key length, causal diagonal offset
         acc_O.fill(0.0)
-        softmax = self.tile_softmax(num_rows, scale_log2, mAux, m_block, head, batch, seqlen, n_tiles, seqlen_k)
+        softmax = self.tile_softmax(num_rows, ctx.scale_log2, mAux, m_block, head, batch, seqlen, n_tiles, seqlen_k)
         row_scale = cute.make_rmem_tensor(num_rows, Float32)
         pipeline_q.consumer_wait(q_consume)
         # Q's stage as a compile-time index, one mainloop per stage: Q's WGMMA descriptors are then
@@ -502,30 +534,29 @@ class K5FMHA:
                     tSrQ_stage = tSrQ
                 else:
                     tSrQ_stage = tSrQ[None, None, None, q_stage]
-                mmas = (tiled_mma_qk, tiled_mma_pv, tSrQ_stage, tSrK, tOrVt, tOrP, acc_O, tScS)
+                mmas = sm90.Mmas(tiled_mma_qk, tiled_mma_pv, tSrQ_stage, tSrK, tOrVt, tOrP, acc_O, tScS)
                 kv_consume = self.mainloop(m_block, mask_lens, n_tiles, n_unmasked, kv_consume, pipelines, mmas,
                                            softmax, row_scale, n_lo)
         self.finish_o(acc_O, mAux)
         if const_expr(span is None):
             self.epilogue(tile_idx, q_consume, acc_O, softmax, ctx, m_block, head, batch)
         else:
-            if n_lo == 0 and n_tiles == piece[4]:  # a whole tile
+            if n_lo == 0 and n_tiles == piece.n_kv:  # a whole tile
                 self.epilogue(tile_idx, q_consume, acc_O, softmax, ctx, m_block, head, batch)
             else:
                 pipeline_q.consumer_release(q_consume)  # this piece's QKs have retired
-                self.merge_tail_piece(acc_O, softmax, piece, tiled_mma_pv, tidx, mO, mLSE, tile_slots[2], m_block,
+                self.merge_tail_piece(acc_O, softmax, piece, tiled_mma_pv, tidx, mO, mLSE, ctx.tile_slots.mTileCounter, m_block,
                                       head, batch)
         q_consume.advance()
         return q_consume, kv_consume
 
     @cute.jit
     def epilogue(self, tile_idx: Int32, q_consume: pipeline.PipelineState, acc_O: cute.Tensor,
-                 softmax: sm90.OnlineSoftmax, ctx: tuple, m_block: Int32, head: Int32, batch: Int32):
+                 softmax: sm90.OnlineSoftmax, ctx: "ConsumerContext", m_block: Int32, head: Int32, batch: Int32):
         """O and LSE of a whole tile: through SMEM and a TMA store, or from registers."""
-        (mO, mLSE, mAux, kv_shape, sQ, pipelines, o_store, decode, tidx, wg_idx, scale_log2, mmas_all,
-         tile_slots) = ctx
-        tiled_mma_pv = mmas_all[1]
-        pipeline_q = pipelines[0]
+        mO, mLSE, sQ, o_store, tidx, wg_idx = ctx.mO, ctx.mLSE, ctx.sQ, ctx.o_store, ctx.tidx, ctx.wg_idx
+        tiled_mma_pv = ctx.mmas.tiled_mma_pv
+        pipeline_q = ctx.pipelines[0]
         tile_m, d = self.tile_m, self.head_dim
         seqlen = mO.shape[2]
         if const_expr(self.tma_store):
@@ -550,7 +581,7 @@ class K5FMHA:
 
     @cute.jit
     def mainloop(self, m_block: Int32, mask_lens: tuple, n_tiles: Int32, n_unmasked: Int32,
-                 kv_consume: pipeline.PipelineState, pipelines: tuple, mmas: tuple, softmax: sm90.OnlineSoftmax,
+                 kv_consume: pipeline.PipelineState, pipelines: tuple, mmas: sm90.Mmas, softmax: sm90.OnlineSoftmax,
                  row_scale: cute.Tensor, n_lo=0) -> pipeline.PipelineState:
         """One query tile's KV loop, descending: the masked diagonal / seqlen-tail tiles first,
         then the mask-free rest. A piece of a split tail stops at KV tile ``n_lo``."""
@@ -568,7 +599,7 @@ class K5FMHA:
 
     @cute.jit
     def kv_iteration(self, n_block: Int32, m_block: Int32, mask_lens: tuple, kv_consume: pipeline.PipelineState,
-                     pipelines: tuple, mmas: tuple, softmax: sm90.OnlineSoftmax, row_scale: cute.Tensor,
+                     pipelines: tuple, mmas: sm90.Mmas, softmax: sm90.OnlineSoftmax, row_scale: cute.Tensor,
                      masked: cutlass.Constexpr[bool]) -> pipeline.PipelineState:
         """K4's iteration with separate K and V waits, and no loads: S = QK^T, (mask), softmax,
         O = O*scale + P V. Each stage is released right after the WGMMA that read it retired.

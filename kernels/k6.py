@@ -94,7 +94,7 @@ class K6FMHA(k5.K5FMHA):
 
     @cute.jit
     def mainloop(self, m_block: Int32, mask_lens: tuple, n_tiles: Int32, n_unmasked: Int32,
-                 kv_consume: pipeline.PipelineState, pipelines: tuple, mmas: tuple, softmax: sm90.OnlineSoftmax,
+                 kv_consume: pipeline.PipelineState, pipelines: tuple, mmas: sm90.Mmas, softmax: sm90.OnlineSoftmax,
                  row_scale: cute.Tensor, n_lo=0) -> pipeline.PipelineState:
         if const_expr(not self.overlap):
             # K5's loop with the token around each batch of GEMMs: sync before the first QK,
@@ -143,7 +143,7 @@ class K6FMHA(k5.K5FMHA):
 
     @cute.jit
     def first_qk_softmax(self, n_block: Int32, m_block: Int32, mask_lens: tuple, kv_consume: pipeline.PipelineState,
-                         pipelines: tuple, mmas: tuple, softmax: sm90.OnlineSoftmax, row_scale: cute.Tensor):
+                         pipelines: tuple, mmas: sm90.Mmas, softmax: sm90.OnlineSoftmax, row_scale: cute.Tensor):
         """S = QK^T of the first tile, masked (the first tile is the only one that may hold the
         seqlen tail, and, causal, the diagonal), softmax, P into registers. No PV yet."""
         _, pipeline_k, _ = pipelines
@@ -159,7 +159,7 @@ class K6FMHA(k5.K5FMHA):
 
     @cute.jit
     def overlapped_step(self, n_block: Int32, m_block: Int32, mask_lens: tuple, kv_consume: pipeline.PipelineState,
-                        pipelines: tuple, mmas: tuple, softmax: sm90.OnlineSoftmax, row_scale: cute.Tensor,
+                        pipelines: tuple, mmas: sm90.Mmas, softmax: sm90.OnlineSoftmax, row_scale: cute.Tensor,
                         masked: cutlass.Constexpr[bool]) -> pipeline.PipelineState:
         """QK of tile ``n_block`` and PV of the previous tile in flight together; the softmax of
         ``n_block`` runs under the PV. ``kv_consume`` enters on the previous tile's stage."""
@@ -227,7 +227,7 @@ class K6FMHA(k5.K5FMHA):
             self.p_to_operand(acc_S, tOrP)
 
     @cute.jit
-    def last_pv(self, kv_consume: pipeline.PipelineState, pipelines: tuple, mmas: tuple,
+    def last_pv(self, kv_consume: pipeline.PipelineState, pipelines: tuple, mmas: sm90.Mmas,
                 softmax: sm90.OnlineSoftmax, row_scale: cute.Tensor) -> pipeline.PipelineState:
         _, _, pipeline_v = pipelines
         _, tiled_mma_pv, _, _, tOrVt, tOrP, acc_O, _ = mmas

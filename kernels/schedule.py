@@ -18,6 +18,8 @@ that is a single step; with a persistent grid (one CTA per SM) each CTA loops ov
 its producer warp loads the next tile while the consumers finish the current one.
 """
 
+from typing import NamedTuple
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
@@ -114,6 +116,17 @@ class TileCounters:
 # as split-KV decode does). With fewer steps than CTAs only the first ``steps`` CTAs take one
 # each ("parts"): the merge counts a tile's pieces as the CTAs from the owner of its first step to
 # the owner of its last, so no CTA in that range may be left without a piece.
+
+class TailPiece(NamedTuple):
+    """One piece of a split tail, as the consumer that computes it sees it: the tail tile, which of
+    this CTA's (at most two) runs it is, the tail's KV steps, the CTAs sharing them, KV tiles per tile."""
+
+    tile: object
+    run: object
+    steps: object
+    parts: object
+    n_kv: object
+
 
 def tail_runs(num_tiles: int, grid: int, n_kv: int) -> list:
     """Per CTA, its pieces of the tail: [(tail tile r, KV lo, KV hi)], at most two. The twin of

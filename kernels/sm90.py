@@ -21,6 +21,8 @@ from __future__ import annotations
 import enum
 import operator
 
+from typing import NamedTuple
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
@@ -602,6 +604,21 @@ class StagedOperand:
 # --------------------------------------------------------------------------------------
 # Ping-pong between consumer warpgroups (K6): named barriers pass a token
 # --------------------------------------------------------------------------------------
+
+
+class Mmas(NamedTuple):
+    """One consumer warpgroup's GEMM state (K4-K6): the two tiled MMAs, their operand fragments
+    (Q's, K's and V's as SMEM descriptors, P's in registers), O's accumulator, and the coordinate
+    probe that says which (row, col) of the S tile each accumulator register holds."""
+
+    tiled_mma_qk: object
+    tiled_mma_pv: object
+    tSrQ: object
+    tSrK: object
+    tOrVt: object
+    tOrP: object
+    acc_O: object
+    tScS: object
 
 
 class WarpScheduler:
