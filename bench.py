@@ -23,6 +23,7 @@ import argparse
 import os
 import sys
 
+from harness.api import fp8_inputs
 from harness.config import DEFAULTS, SWEEP_HEAD_DIMS, SWEEP_SEQLENS, parse_bool, problem_from, sweep_problems
 from harness.peers import BEST_OF, BEST_OF_FP8, best_peer
 from kernels import get_kernel, kernel_names
@@ -240,14 +241,10 @@ def run_problem(names, problem, check: bool, peers: bool, sweep: bool, emit, rou
     if peers:
         candidates = peer_callables(q, k, v, problem.causal, problem.scale)
     if fp8:  # the kernels and cuDNN FP8 take the e4m3 tensors; the bf16 peers their sources, for scale
-        import torch
-
-        from harness.api import quantize_fp8
         from harness.peers import cudnn_fp8_peer
 
-        (q, dq), (k, dk), (v, dv) = (quantize_fp8(x) for x in (q, k, v))
-        run_kw, best_of = dict(descale=torch.stack([dq, dk, dv])), BEST_OF_FP8
-        descales = dict(descale_q=dq, descale_k=dk, descale_v=dv)
+        q, k, v, descales, three = fp8_inputs(q, k, v)
+        run_kw, best_of = dict(descale=three), BEST_OF_FP8
         if peers:
             candidates["cudnn-fp8"] = cudnn_fp8_peer(q, k, v, run_kw["descale"], problem.causal, problem.scale)
     rows, timed = [], {}  # the first round's rows, in order; name -> (launch, call) for later rounds
@@ -286,14 +283,9 @@ def run_problem(names, problem, check: bool, peers: bool, sweep: bool, emit, rou
         if fp8 and get_kernel(name).block_descales:
             # K8 gets the same sources quantized its own way (rotation, a scale per tile): e4m3 in,
             # V^T in the time, as K7 and cuDNN FP8.
-            from harness.api import quantize_fp8_blocks
-            from kernels.fp8_quant import descale_rows
-
-            q8, k8, v8, *blocks = quantize_fp8_blocks(*sources)
-            row = dict(base, kernel=name, **kernel_row(name, problem, check, sweep, q8, k8, v8,
-                                                       descales=dict(zip(("descale_q", "descale_k", "descale_v"),
-                                                                         blocks)),
-                                                       descale=descale_rows(*blocks)))
+            q8, k8, v8, blocks, rows = fp8_inputs(*sources, blocks=True)
+            row = dict(base, kernel=name, **kernel_row(name, problem, check, sweep, q8, k8, v8, descales=blocks,
+                                                       descale=rows))
         else:
             row = dict(base, kernel=name, **kernel_row(name, problem, check, sweep, q, k, v, descales, **run_kw))
         launch, call = row.pop("launch", None), row.pop("call", None)

@@ -315,6 +315,21 @@ class _PreparedCall:
 
 
 
+def fp8_inputs(q, k, v, blocks: bool = False) -> tuple:
+    """16-bit q, k, v in e4m3, the one place the harness and the CLIs quantize: (q8, k8, v8,
+    descales, launch_descale). Per-tensor scales (``quantize_fp8``: K7, cuDNN's FP8), or with
+    ``blocks`` K8's (``quantize_fp8_blocks``; a stage's ``block_descales`` says which it takes);
+    ``descales`` as ``attention`` takes them (descale_q/k/v), ``launch_descale`` as the compiled
+    launch does (``run_kernel``'s ``descale``: the three numbers, or K8's rows)."""
+    if blocks:
+        from kernels.fp8_quant import descale_rows
+
+        q8, k8, v8, *blocks = quantize_fp8_blocks(q, k, v)
+        return q8, k8, v8, dict(zip(DESCALE_NAMES, blocks)), descale_rows(*blocks)
+    (q8, dq), (k8, dk), (v8, dv) = (quantize_fp8(x) for x in (q, k, v))
+    return q8, k8, v8, dict(zip(DESCALE_NAMES, (dq, dk, dv))), torch.stack([dq, dk, dv])
+
+
 def quantize_fp8_blocks(q, k, v):
     """K8's quantization, for a caller that keeps FP8 tensors: q and k rotated by K8's Hadamard
     matrix and quantized per Q / K tile, v per V tile, all float8_e4m3fn, with float32 descales

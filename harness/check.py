@@ -408,14 +408,15 @@ def fp8_quantized(name: str, p: Problem, q, k, v) -> tuple:
     """The FP8 inputs ``name``'s pre-pass makes of q, k, v (the same arithmetic, so the same
     bytes): (q8, k8, v8, descales) with V in its natural layout and descales broadcastable as
     ``emulate_fp8`` takes them. K8's Q and K come rotated; their scores are still Q K^T."""
-    from kernels.k7 import quantize_fp8
-    from kernels.k8 import block_sizes, quantize_inputs
+    from harness.api import fp8_inputs
+    from kernels.k8 import block_sizes
 
-    if not get_kernel(name).block_descales:  # per-tensor scales
-        (q8, dq), (k8, dk), (v8, dv) = (quantize_fp8(x) for x in (q, k, v))
+    blocks = get_kernel(name).block_descales
+    q8, k8, v8, descales, _ = fp8_inputs(q, k, v, blocks)
+    dq, dk, dv = descales.values()
+    if not blocks:  # per-tensor scales
         return q8, k8, v8, (dq, dk, dv)
     tm, tn = block_sizes(p.head_dim)  # the default configuration's tiles, which the check compiles
-    q8, k8, v8, dq, dk, dv = quantize_inputs(q, k, v, tm, tn)
     rows = lambda d, block, n: d.repeat_interleave(block, dim=-1)[..., :n, None]  # noqa: E731
     return q8, k8, v8, (rows(dq, tm, q.shape[2]), rows(dk, tn, k.shape[2]).transpose(-1, -2),
                         rows(dv, tn, v.shape[2]))

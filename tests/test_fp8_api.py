@@ -235,3 +235,23 @@ def test_an_fp8_call_runs_under_torch_compile():
     want = f(q8, k8, v8, dq, dk, dv)
     got = torch.compile(f, fullgraph=True)(q8, k8, v8, dq, dk, dv)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("blocks", [False, True])
+def test_fp8_inputs_is_the_public_quantizers_and_the_launchs_descales(blocks):
+    from harness.api import fp8_inputs
+    from kernels.fp8_quant import descale_rows
+
+    q, k, v = (torch.randn(1, 4, 100, 64, dtype=torch.bfloat16) * s for s in (1.0, 3.0, 0.5))
+    q8, k8, v8, descales, launch = fp8_inputs(q, k, v, blocks)
+    assert list(descales) == ["descale_q", "descale_k", "descale_v"]
+    if blocks:
+        want = quantize_fp8_blocks(q, k, v)
+        assert torch.equal(launch, descale_rows(*want[3:]))
+    else:
+        pairs = [quantize_fp8(x) for x in (q, k, v)]
+        want = [x8 for x8, _ in pairs] + [d for _, d in pairs]
+        assert torch.equal(launch, torch.stack(want[3:]))
+    for got, expected in zip((q8, k8, v8, *descales.values()), want):
+        assert torch.equal(got.view(torch.uint8) if got.dtype == torch.float8_e4m3fn else got,
+                           expected.view(torch.uint8) if expected.dtype == torch.float8_e4m3fn else expected)
