@@ -29,7 +29,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 
 from . import k5, sm90, tma_pipeline
-from .contract import CompiledAttention, Problem, UnsupportedProblem, run_kernel  # noqa: F401  (run_kernel: the contract's launch-only entry)
+from .contract import CompiledAttention, Problem, run_kernel  # noqa: F401  (run_kernel: the contract's launch-only entry)
 
 CAPS = k5.CAPS
 # K6's measured defaults, each with the runs behind it (docs/k6-runs.md, "Why the defaults are what
@@ -52,40 +52,19 @@ CLUSTER_FROM_SEQLEN = {128: 4096, 256: 2048}  # ws-tune-h200-cluster-r3, -cluste
 
 
 class K6FMHA(k5.K5FMHA):
-    def __init__(self, *args, pingpong: bool, overlap: bool, emulated_exp2: int = 0, skip_unit_rescale: bool = False,
-                 rescale_o_before_gemm: bool = None, pin_pv_wait=None, **kw):
+    def __init__(self, *args, pingpong: bool, overlap: bool, rescale_o_before_gemm: bool = None, **kw):
         super().__init__(*args, **kw)
         self.warp_scheduler = sm90.WarpScheduler(self.num_wg, pingpong)  # K5's two hooks call it (below)
         self.overlap = overlap
         if rescale_o_before_gemm is None:
             rescale_o_before_gemm = self.head_dim > 128
         self.rescale_o_before_gemm = overlap and rescale_o_before_gemm
-        self.emulated_exp2 = emulated_exp2
-        pin_pv_wait = "after_softmax" if pin_pv_wait is True else pin_pv_wait  # its first form, a bool
-        if pin_pv_wait not in (None, False, "after_softmax", "before_exp2"):
-            raise ValueError(f"pin_pv_wait must be None, 'after_softmax' or 'before_exp2', got {pin_pv_wait!r}")
-        if pin_pv_wait and not overlap:
-            raise UnsupportedProblem(f"pin_pv_wait={pin_pv_wait!r} pins the wait for the PV of the overlap, "
-                                     "which is off here (overlap=False)")
-        if pin_pv_wait and skip_unit_rescale:
-            raise UnsupportedProblem("pin_pv_wait rescales O with a plain multiply: not with skip_unit_rescale")
-        if pin_pv_wait == "before_exp2" and emulated_exp2:
-            raise UnsupportedProblem("pin_pv_wait='before_exp2' splits a plain ex2 softmax: not with emulated_exp2")
-        self.pin_pv_wait = pin_pv_wait
-        self.skip_unit_rescale = skip_unit_rescale
 
     def after_qk_issue(self):
         self.warp_scheduler.arrive()  # the next warpgroup's GEMMs may queue behind these
 
     def before_pv_issue(self):
         self.warp_scheduler.sync()  # wait for the token
-
-    def tile_softmax(self, *args) -> sm90.OnlineSoftmax:
-        """K5's, with the two softmax knobs (off unless asked for: both lost on an H100, docs/k6.md)."""
-        softmax = k5.K5FMHA.tile_softmax(self, *args)
-        softmax.emulated_exp2 = self.emulated_exp2
-        softmax.skip_unit_rescale = self.skip_unit_rescale and not softmax.scaled_max
-        return softmax
 
     @cute.jit
     def consume(self, *args):
@@ -181,50 +160,23 @@ class K6FMHA(k5.K5FMHA):
         if const_expr(masked):
             sm90.mask_tile(acc_S, tScS, m_block, n_block, mask_lens[0], self.tile_m, self.tile_n, self.causal,
                        mask_lens[1])
-        split = self.pin_pv_wait == "before_exp2"
-        if const_expr(split and softmax.scaled_max):
-            raise UnsupportedProblem("pin_pv_wait='before_exp2' splits a plain softmax: not K8's block-scaled one")
-        if const_expr(split):  # the exponents only; exp2 runs after the pinned wait
-            softmax.step(acc_S, row_scale, check_inf=masked, n_block=n_block, exponentiate=False)
-        else:
-            softmax.step(acc_S, row_scale, check_inf=masked, n_block=n_block)
-        if const_expr(self.pin_pv_wait):
-            self.wait_pv_then_convert(mask_lens[0] > 0, acc_S, tOrP, acc_O, row_scale,
-                                      softmax.row_sum if const_expr(split) else None)
-            pipeline_v.consumer_release(kv_prev)
-        else:
-            warpgroup.wait_group(0)  # PV done: its P and V may be overwritten, O may be touched
-            pipeline_v.consumer_release(kv_prev)
-            self.p_to_operand(acc_S, tOrP)
-            if const_expr(not self.rescale_o_before_gemm):
-                softmax.rescale(acc_O, row_scale)
+        self.softmax_under_pv(acc_S, tOrP, acc_O, softmax, row_scale, n_block, masked, (pipeline_v, kv_prev),
+                              mask_lens)
         return kv_consume
 
     @cute.jit
-    def wait_pv_then_convert(self, seqlen_k_positive: cutlass.Boolean, acc_S: cute.Tensor, tOrP: cute.Tensor,
-                             acc_O: cute.Tensor, row_scale: cute.Tensor, row_sum):
-        """wait_group(0), P into tOrP, O rescaled, behind a branch that is always taken.
-
-        ptxas treats the wait as free and hoists it above every exponential that does not need it:
-        in the SASS of the plain version no ``MUFU.EX2`` of the tile is left before the wait, so PV
-        only overlaps the row max. It does not move code across a branch, and a branch whose two
-        sides differ (here, the order of the two steps) is not merged back by LLVM either. The
-        other side is correct too; it just never runs (there is a KV tile, so the key length is > 0).
-        """
-        if seqlen_k_positive:
-            warpgroup.wait_group(0)
-            if const_expr(row_sum is not None):
-                sm90.exp2_rows_and_sum(acc_S, row_scale, row_sum)
-            self.p_to_operand(acc_S, tOrP)
-            if const_expr(not self.rescale_o_before_gemm):
-                sm90.scale_rows(acc_O, row_scale)
-        else:
-            warpgroup.wait_group(0)
-            if const_expr(not self.rescale_o_before_gemm):
-                sm90.scale_rows(acc_O, row_scale)
-            if const_expr(row_sum is not None):
-                sm90.exp2_rows_and_sum(acc_S, row_scale, row_sum)
-            self.p_to_operand(acc_S, tOrP)
+    def softmax_under_pv(self, acc_S: cute.Tensor, tOrP: cute.Tensor, acc_O: cute.Tensor, softmax: sm90.OnlineSoftmax,
+                         row_scale: cute.Tensor, n_block: Int32, masked: cutlass.Constexpr[bool], v_stage: tuple,
+                         mask_lens: tuple):
+        """Tile j+1's softmax while PV j runs, then the wait for PV j (``v_stage``: its V stage, to
+        release): after it P (j's) may be overwritten and O touched."""
+        pipeline_v, kv_prev = v_stage
+        softmax.step(acc_S, row_scale, check_inf=masked, n_block=n_block)
+        warpgroup.wait_group(0)  # PV done: its P and V may be overwritten, O may be touched
+        pipeline_v.consumer_release(kv_prev)
+        self.p_to_operand(acc_S, tOrP)
+        if const_expr(not self.rescale_o_before_gemm):
+            softmax.rescale(acc_O, row_scale)
 
     @cute.jit
     def last_pv(self, kv_consume: pipeline.PipelineState, pipelines: tuple, mmas: sm90.Mmas,
@@ -246,12 +198,16 @@ def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_wg=None, tile_n=No
                    rescale_o_before_gemm=None, pin_pv_wait=None, o_store_per_wg=None, split_tail=None,
                    ctas=None, pin_descriptors=None, cluster=None, q_in_regs=None) -> CompiledAttention:
     CAPS.check(p)
-    return k5.build("k6", K6FMHA, p, config(p, dict(
+    cfg = config(p, dict(
         num_wg=num_wg, tile_n=tile_n, kv_stages=kv_stages, q_stages=q_stages, scheduler=scheduler, tma_store=tma_store,
         pingpong=pingpong, overlap=overlap, section_bytes=section_bytes, emulated_exp2=emulated_exp2,
         skip_unit_rescale=skip_unit_rescale, rescale_o_before_gemm=rescale_o_before_gemm, pin_pv_wait=pin_pv_wait,
         o_store_per_wg=o_store_per_wg, split_tail=split_tail, ctas=ctas, pin_descriptors=pin_descriptors,
-        cluster=cluster, q_in_regs=q_in_regs)), keep_ptx)
+        cluster=cluster, q_in_regs=q_in_regs))
+    kernel_cls = K6FMHA
+    if any(knob in cfg for knob in ("emulated_exp2", "skip_unit_rescale", "pin_pv_wait")):
+        from .experiments import K6Knobs as kernel_cls  # measured and left off: kernels/experiments.py
+    return k5.build("k6", kernel_cls, p, cfg, keep_ptx)
 
 
 def config(p: Problem, overrides: dict) -> dict:

@@ -8,8 +8,6 @@ other head dims and dtypes, and the builds of the knobs that were measured and l
 
 import re
 
-import pytest
-
 # test (file::function) -> the case ids the quick run keeps (a regex searched in the id between
 # the brackets; None: the whole test waits for the full grid).
 QUICK = {
