@@ -67,9 +67,9 @@ def decode_cases(quick: bool):
     every length, causal bottom-right, forced split counts, fp16, graph replay. ``quick``: one
     case per behaviour, at d=128 bf16, few compiled variants (under a minute on an H100)."""
     from harness.check import KVCacheCase as C
-    from kernels.decode import config
+    from harness.kvcache import kv_tile
 
-    tiles = -(-4000 // config(128)["tile_n"])  # KV tiles of the forced-split cases' longer sequence
+    tiles = -(-4000 // kv_tile(128))  # KV tiles of the forced-split cases' longer sequence
     if quick:
         yield from quick_decode_cases(tiles)
         return

@@ -125,6 +125,13 @@ def check_seqlens(cache_seqlens, batch: int, device) -> None:
         raise UnsupportedProblem(f"cache_seqlens must be on q's device ({device}), got {cache_seqlens.device}")
 
 
+def kv_tile(head_dim: int) -> int:
+    """Keys per KV tile of the decode kernels at ``head_dim`` (their default configuration)."""
+    from kernels import decode
+
+    return decode.config(head_dim)["tile_n"]
+
+
 def check_page_size(head_dim: int, page_size: int) -> None:
     """Pages of whole KV tiles, or tiles of whole pages (``decode.page_boxes`` says which sizes)."""
     from kernels import decode

@@ -32,7 +32,6 @@ pipelines' mbarriers are the only synchronization between producer and consumers
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import cutlass
@@ -120,30 +119,6 @@ REGISTERS = {2: (24, 240), 3: (32, 160)}
 SCHEDULERS = ("single", "static", "dynamic")
 TILE_STAGES = 2  # claimed tile indices in flight between the producer and the consumers
 PRODUCER_WARPS = 4  # warpgroup 0; only its warp 0 issues loads, the other three idle (24 regs, 32 with three consumer WGs)
-
-
-def max_cluster_ctas(cluster: int) -> int:
-    """CTAs in the largest grid of ``cluster``-CTA clusters that runs in one wave at one CTA per SM:
-    a cluster's CTAs share a GPC, and a GPC with an odd number of free SMs leaves one idle (the
-    driver's occupancy query; without a GPU, or where the query fails (under compute-sanitizer), the
-    SMs rounded down to whole clusters: still correct, the clusters that do not fit run later)."""
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            return _max_cluster_ctas_on(cluster, torch.cuda.current_device())
-    except Exception:  # noqa: BLE001  (only the grid size depends on it)
-        pass
-    return num_sms() // cluster * cluster
-
-
-@functools.lru_cache(maxsize=None)
-def _max_cluster_ctas_on(cluster: int, device: int) -> int:
-    import torch
-    from cutlass.utils import HardwareInfo
-
-    torch.zeros(1, device=f"cuda:{device}")  # the query's driver calls need the device's context
-    return cluster * max(HardwareInfo(device).get_max_active_clusters(cluster), 1)
 
 
 class K5FMHA:
@@ -773,7 +748,7 @@ def build(name: str, kernel_cls, p: Problem, cfg: dict, keep_ptx: bool, fake_arg
     # ctas: fewer persistent CTAs than SMs (tests: a split tail on a small problem)
     cfg = dict(cfg)
     ctas = cfg.pop("ctas", None)
-    sm_count = ctas or (num_sms() if cfg.get("cluster", 1) == 1 else max_cluster_ctas(cfg["cluster"]))
+    sm_count = ctas or (num_sms() if cfg.get("cluster", 1) == 1 else schedule.max_cluster_ctas(cfg["cluster"]))
     kernel = kernel_cls(p.head_dim, dt, p.causal, sm_count=sm_count, **cfg)
     if kernel.smem_bytes() > SMEM_CAPACITY:
         raise UnsupportedProblem(

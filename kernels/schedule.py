@@ -18,6 +18,7 @@ that is a single step; with a persistent grid (one CTA per SM) each CTA loops ov
 its producer warp loads the next tile while the consumers finish the current one.
 """
 
+import functools
 from typing import NamedTuple
 
 import cutlass
@@ -75,6 +76,36 @@ def tile_coords(tile_idx: Int32, num_m_blocks: Int32, nheads: Int32, num_bh: Int
         m_block = num_m_blocks - 1 - m_block
     batch = bh // nheads
     return m_block, bh - batch * nheads, batch
+
+
+# --------------------------------------------------------------------------------------
+# Clusters: how many CTAs one wave of them holds
+# --------------------------------------------------------------------------------------
+
+def max_cluster_ctas(cluster: int) -> int:
+    """CTAs in the largest grid of ``cluster``-CTA clusters that runs in one wave at one CTA per SM:
+    a cluster's CTAs share a GPC, and a GPC with an odd number of free SMs leaves one idle (the
+    driver's occupancy query; without a GPU, or where the query fails (under compute-sanitizer), the
+    SMs rounded down to whole clusters: still correct, the clusters that do not fit run later)."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return _max_cluster_ctas_on(cluster, torch.cuda.current_device())
+    except Exception:  # noqa: BLE001  (only the grid size depends on it)
+        pass
+    from .contract import num_sms
+
+    return num_sms() // cluster * cluster
+
+
+@functools.lru_cache(maxsize=None)
+def _max_cluster_ctas_on(cluster: int, device: int) -> int:
+    import torch
+    from cutlass.utils import HardwareInfo
+
+    torch.zeros(1, device=f"cuda:{device}")  # the query's driver calls need the device's context
+    return cluster * max(HardwareInfo(device).get_max_active_clusters(cluster), 1)
 
 
 class TileCounters:
