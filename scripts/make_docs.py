@@ -213,7 +213,17 @@ def refcheck_runs_summary(runs, kernels, stem):
         body.append([gpu_short_name(f["meta"].get("device", "")), f["meta"].get("date", "")[:10],
                      f"`{f['meta'].get('command', '')}`", counts])
     return (markdown_table(["GPU", "date", "command", "cases that pass"], body)
-            + f"\n\nEvery case of every run, with its errors: [{stem}-runs.md]({stem}-runs.md#correctness).")
+            + f"\n\nEvery case of the newest run on each GPU, with its errors: [{stem}-runs.md]({stem}-runs.md#correctness)"
+            " (an older run's cases are in its result file).")
+
+
+def printed_in_full(runs):
+    """The refcheck runs (newest first) whose every case a page prints: the newest on each GPU of
+    each grid (the KV-cache grid's rows name a case); the summary lists them all."""
+    first = {}
+    for f in runs:
+        first.setdefault((gpu_short_name(f["meta"].get("device", "")), any("case" in r for r in f["rows"])), f)
+    return [f for f in runs if any(f is g for g in first.values())]
 
 
 def tune_table(tune):
@@ -1031,7 +1041,7 @@ def main(argv=None):
                       key=lambda f: f["meta"].get("date", ""), reverse=True)
         if runs:
             fill(family, "refcheck-summary", lambda: refcheck_runs_summary(runs, kernels, family))
-            fill(family, "refcheck", lambda: "\n\n".join(refcheck_table(f, kernels) for f in runs))
+            fill(family, "refcheck", lambda: "\n\n".join(refcheck_table(f, kernels) for f in printed_in_full(runs)))
     # The step-by-step tables want a run of every stage; a run of k6 alone in rounds gets its own.
     ws_sweep = latest_with("ws-sweep*.json", ["k4", "k5"])
     rounds_runs = [f for f in finished("ws-sweep-rounds*.json") if any(r["kernel"] == "k6" for r in f["rows"])]
