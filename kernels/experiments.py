@@ -1,10 +1,17 @@
 """Knobs that were measured and left off, apart from the lessons they would clutter.
 
 Each stays built, tested (``tests/test_warp_specialized.py``, the full grid; ``tests/test_gpu.py``)
-and reachable by the tuning scripts through the stage's own ``compile_kernel`` overrides; the runs
-that decided against them are in docs/k6-runs.md.
+and reachable by the tuning scripts through K6's own ``compile_kernel`` overrides, which build
+K6's kernel with the mixins below (``kernel_class``); the runs that decided against them are in
+docs/k6-runs.md.
 
-``K6Knobs``, K6's kernel with three softmax-side knobs:
+``SplitTail`` (``split_tail``, static non-causal only): when the last wave of equal tiles is
+partial, the rest of the SMs idle through it. Every CTA walks the whole waves round-robin; the
+tiles left over are cut along their KV tiles into one contiguous run of KV steps per CTA
+(stream-K, ``schedule.tail_plan``); each piece ends with a partial O and LSE, and the last warp to
+finish its rows of a tile merges them by LSE weights, as split-KV decode does.
+
+``SoftmaxKnobs``, three softmax-side knobs:
 
 * ``emulated_exp2=n``: of every 8 columns of a tile with no masked score, ``n`` take
   ``sm90.exp2_poly`` (a cubic on the FMA pipe) instead of ``ex2`` (MUFU), to unload the MUFU.
@@ -18,14 +25,166 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, const_expr
+import cutlass.pipeline as pipeline
+import functools
+
+from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 
-from . import k5, k6, sm90
+from . import k5, k6, schedule, sm90
 from .contract import UnsupportedProblem
+from .tiles import kv_tile_count
+
+SOFTMAX_KNOBS = ("emulated_exp2", "skip_unit_rescale", "pin_pv_wait")
 
 
-class K6Knobs(k6.K6FMHA):
+def kernel_class(cfg: dict, causal: bool):
+    """(kernel class, configuration it takes) for K6's configuration ``cfg``: K6FMHA, or K6FMHA with
+    the mixins its knobs need (a knob left at its off value asks for none)."""
+    mixins = []
+    if cfg.get("split_tail"):
+        SplitTail.check(dict(cfg, causal=causal))
+        mixins.append(SplitTail)
+    if any(cfg.get(k) for k in SOFTMAX_KNOBS):
+        mixins.append(SoftmaxKnobs)
+    else:
+        cfg = {k: v for k, v in cfg.items() if k not in SOFTMAX_KNOBS}
+    if not cfg.get("split_tail"):
+        cfg = {k: v for k, v in cfg.items() if k != "split_tail"}
+    return (_with(tuple(mixins)) if mixins else k6.K6FMHA), cfg
+
+
+@functools.cache
+def _with(mixins: tuple):
+    return type("K6" + "".join(m.__name__ for m in mixins), (*mixins, k6.K6FMHA), {})
+
+
+class SplitTail:
+    def __init__(self, *args, split_tail: bool = True, **kw):
+        super().__init__(*args, **kw)
+
+    @staticmethod
+    def check(cfg: dict) -> None:
+        if cfg.get("causal") or cfg.get("scheduler") != "static":
+            raise UnsupportedProblem(f"K6 config {cfg}: split_tail cuts the last wave of equal tiles, so it needs "
+                                     "the static scheduler and a non-causal problem")
+        if cfg.get("cluster", 1) > 1:
+            raise UnsupportedProblem(f"K6 config {cfg}: cluster={cfg['cluster']} runs query tiles in lockstep, "
+                                     "which a split tail's pieces are not: no split_tail with a cluster")
+
+    @cute.jit
+    def load_tiles(self, tile_idx: Int32, step: Int32, num_tiles: Int32, q_produce, kv_produce, tile_produce,
+                   loads: tuple, tile_slots) -> pipeline.PipelineState:
+        seqlen, kv_shape = loads[0], loads[4]
+        n_kv = kv_tile_count(0, seqlen, self.tile_m, self.tile_n, False, kv_shape[0])
+        waves, _, _, s0, s1, n_units = schedule.tail_plan(num_tiles, step, tile_idx, n_kv)
+        for u in cutlass.range(n_units, unroll=1):
+            unit_tile, lo, hi = schedule.work_unit(u, tile_idx, step, waves, s0, s1, n_kv)
+            q_produce, kv_produce = self.load_tile(unit_tile, (lo, hi), q_produce, kv_produce, loads)
+        return kv_produce
+
+    @cute.jit
+    def consume_tiles(self, tile_idx: Int32, step: Int32, num_tiles: Int32, q_consume, kv_consume, tile_consume,
+                      ctx: k5.ConsumerContext):
+        seqlen = ctx.mO.shape[2]
+        n_kv = kv_tile_count(0, seqlen, self.tile_m, self.tile_n, False, ctx.kv_shape[0])
+        waves, steps, parts, s0, s1, n_units = schedule.tail_plan(num_tiles, step, tile_idx, n_kv)
+        for u in cutlass.range(n_units, unroll=1):
+            unit_tile, lo, hi = schedule.work_unit(u, tile_idx, step, waves, s0, s1, n_kv)
+            # A piece of the tail: (tail tile, which of this CTA's runs, steps, CTAs sharing
+            # them); whole tiles (and a tail tile one run covers) end as usual.
+            piece = schedule.TailPiece(unit_tile - waves * step, Int32(0) if u == waves else Int32(1), steps,
+                                       parts, n_kv)
+            q_consume, kv_consume = self.consume_tile(unit_tile, (lo, hi, piece), q_consume, kv_consume, ctx)
+
+    @cute.jit
+    def end_tile(self, tile_idx: Int32, span, q_consume, acc_O: cute.Tensor, softmax: sm90.OnlineSoftmax,
+                 ctx: k5.ConsumerContext, m_block: Int32, head: Int32, batch: Int32):
+        n_lo, n_tiles, piece = span
+        if n_lo == 0 and n_tiles == piece.n_kv:  # a whole tile
+            self.epilogue(tile_idx, q_consume, acc_O, softmax, ctx, m_block, head, batch)
+        else:
+            ctx.pipelines[0].consumer_release(q_consume)  # this piece's QKs have retired
+            self.merge_tail_piece(acc_O, softmax, piece, ctx.mmas.tiled_mma_pv, ctx.tidx, ctx.mO, ctx.mLSE,
+                                  ctx.tile_slots.mTileCounter, m_block, head, batch)
+
+    def zeroed_counter_ints(self) -> int:
+        return self.tail_counters()
+
+    def counter_ints(self) -> int:
+        """The whole counter buffer with a split tail: counters, then per (CTA, run, consumer
+        thread) a partial O fragment and its rows' LSE (fp32, 16-byte rows)."""
+        frag = sm90.WGMMA_M * self.head_dim // sm90.THREADS_PER_WARPGROUP  # accumulator values a thread holds
+        return self.tail_counters() + self.sm_count * 2 * sm90.THREADS_PER_WARPGROUP * self.num_wg * (frag + 4)
+
+    def tail_counters(self) -> int:
+        """Int32s before the split tail's workspace in the counter buffer: the dynamic scheduler's
+        pair, then one merge counter per (tail tile, consumer warp), rounded to 16 bytes."""
+        return (2 + self.sm_count * 4 * self.num_wg + 3) // 4 * 4
+
+    @cute.jit
+    def merge_tail_piece(self, acc_O: cute.Tensor, softmax: sm90.OnlineSoftmax, piece: tuple,
+                         tiled_mma_pv: cute.TiledMma, tidx: Int32, mO: cute.Tensor, mLSE: cute.Tensor,
+                         mCounter: cute.Tensor, m_block: Int32, head: Int32, batch: Int32):
+        """Split tail: write this piece's O (normalized, fp32) and LSE, count it; the warp that
+        counts a tile's last piece of its 16 rows merges every piece's (by LSE weights) and stores O.
+
+        Each warp owns its 16 rows of the tile in every CTA alike (the PV MMA's layout), so warps
+        merge independently: no CTA barrier, and a thread reads back exactly the fragment that the
+        same thread of another CTA wrote. The fence before the count releases the stores; the
+        merging warp's fence after it acquires the others'. It resets the counter for the next
+        launch."""
+        r, run, steps, parts, n_kv = piece
+        lse, _ = sm90.finalize_o(acc_O, softmax, Float32)  # fp32: O normalized in place
+        frag = cute.size(acc_O)
+        stride = frag + 4
+        consumers = sm90.THREADS_PER_WARPGROUP * self.num_wg
+        ws = cute.recast_ptr(mCounter.iterator + self.tail_counters(), dtype=Float32)
+        bx = cute.arch.block_idx()[0]
+        mine = ws + ((bx * 2 + run) * consumers + tidx) * stride
+        cute.make_tensor(mine, acc_O.layout).store(acc_O.load())
+        for j in cutlass.range_constexpr(softmax.num_rows):
+            mine[frag + j] = lse[j]
+        cute.arch.fence_acq_rel_gpu()
+        cute.arch.sync_warp()
+        lane, warp = tidx % 32, tidx // 32
+        counter = mCounter.iterator + 2 + r * (consumers // 32) + warp
+        done = Int32(0)
+        if lane == 0:
+            done = cute.arch.atomic_add(counter, Int32(1), sem="acq_rel", scope="gpu")
+        done = cute.arch.shuffle_sync(done, 0)
+        first = schedule.tail_owner(r * n_kv, steps, parts)
+        last = schedule.tail_owner((r + 1) * n_kv - 1, steps, parts)
+        if done == last - first:
+            cute.arch.fence_acq_rel_gpu()
+            if lane == 0:
+                cute.make_tensor(counter, cute.make_layout(1))[0] = Int32(0)
+            acc_mn = sm90.acc_mn_view(acc_O)
+            total = cute.make_rmem_tensor(softmax.num_rows, Float32)
+            total.fill(1.0)
+            for c in cutlass.range(first, last + 1, unroll=1):
+                if c != bx:
+                    run_c = Int32(0) if (c * steps // parts) // n_kv == r else Int32(1)
+                    theirs = ws + ((c * 2 + run_c) * consumers + tidx) * stride
+                    their_mn = sm90.acc_mn_view(cute.make_tensor(theirs, acc_O.layout))
+                    for j in cutlass.range_constexpr(softmax.num_rows):
+                        lse_c = theirs[frag + j]
+                        m_new = cute.arch.fmax(lse[j], lse_c)
+                        a = cute.math.exp(lse[j] - m_new, fastmath=True)
+                        b = cute.math.exp(lse_c - m_new, fastmath=True)
+                        acc_mn[j, None].store(acc_mn[j, None].load() * a + their_mn[j, None].load() * b)
+                        total[j] = total[j] * a + b
+                        lse[j] = m_new
+            for j in cutlass.range_constexpr(softmax.num_rows):
+                acc_mn[j, None].store(acc_mn[j, None].load() * cute.arch.rcp_approx(total[j]))
+                lse[j] = lse[j] + cute.math.log(total[j], fastmath=True)
+            rO = cute.make_rmem_tensor_like(acc_O, mO.element_type)
+            sm90.convert_to(acc_O, rO)
+            sm90.store_rows(rO, lse, tiled_mma_pv, tidx, mO, mLSE, m_block, head, batch, self.tile_m)
+
+
+
+class SoftmaxKnobs:
     def __init__(self, *args, emulated_exp2: int = 0, skip_unit_rescale: bool = False, pin_pv_wait=None, **kw):
         super().__init__(*args, **kw)
         pin_pv_wait = "after_softmax" if pin_pv_wait is True else pin_pv_wait  # its first form, a bool

@@ -63,7 +63,7 @@ from .tiles import kv_tile_count, unmasked_kv_tile_count
 
 class TileSlots(NamedTuple):
     """Dynamic scheduling: the claimed tile indices in SMEM slots, their pipeline, and the
-    global counter the producer claims from (with the split tail's workspace after it)."""
+    global counter the producer claims from."""
 
     pipeline: object
     sTileIdx: object
@@ -124,7 +124,7 @@ PRODUCER_WARPS = 4  # warpgroup 0; only its warp 0 issues loads, the other three
 class K5FMHA:
     def __init__(self, head_dim: int, dtype, causal: bool, num_wg: int, tile_n: int, kv_stages: int,
                  q_stages: int, scheduler: str, tma_store: bool = False, sm_count: int = H100_SMS,
-                 section_bytes: int = schedule.SECTION_BYTES, o_store_per_wg: bool = False, split_tail: bool = False,
+                 section_bytes: int = schedule.SECTION_BYTES, o_store_per_wg: bool = False,
                  pin_descriptors: bool = True, cluster: int = 1, q_in_regs: bool = False):
         self.head_dim = head_dim
         self.dtype = dtype
@@ -140,7 +140,6 @@ class K5FMHA:
         self.scheduler = scheduler
         self.sm_count = sm_count
         self.section_bytes = section_bytes
-        self.split_tail = split_tail  # schedule.tail_runs: the last partial wave cut along KV
         self.pin_descriptors = pin_descriptors  # sm90.StagedOperand for K and V (False: as K4 indexes them)
         self.cluster = cluster  # CTAs sharing each K/V tile through multicast (1: none)
         self.kv_mcast_mask = (1 << cluster) - 1 if cluster > 1 else None
@@ -354,7 +353,6 @@ class K5FMHA:
              tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom, sQ: cute.Tensor,
              sK: cute.Tensor, sVt: cute.Tensor, pipelines: tuple, tile_slots: tuple):
         pipeline_q, pipeline_k, pipeline_v = pipelines
-        tile_m, tile_n, d = self.tile_m, self.tile_n, self.head_dim
         seqlen = mO.shape[2]
         q_produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
         kv_produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
@@ -362,20 +360,7 @@ class K5FMHA:
         tile_idx, step, num_tiles, tile_grid = self.tiles(mO, kv_shape)
         loads = (seqlen, mQ_tma, mK_tma, mV_tma, kv_shape, tma_atom_Q, tma_atom_K, tma_atom_V, sQ, sK, sVt, pipelines,
                  tile_grid)
-        if const_expr(self.split_tail):
-            n_kv = kv_tile_count(0, seqlen, tile_m, tile_n, False, kv_shape[0])
-            waves, _, _, s0, s1, n_units = schedule.tail_plan(num_tiles, step, tile_idx, n_kv)
-            for u in cutlass.range(n_units, unroll=1):
-                unit_tile, lo, hi = schedule.work_unit(u, tile_idx, step, waves, s0, s1, n_kv)
-                q_produce, kv_produce = self.load_tile(unit_tile, (lo, hi), q_produce, kv_produce, loads)
-        else:
-            while tile_idx < num_tiles:
-                q_produce, kv_produce = self.load_tile(tile_idx, None, q_produce, kv_produce, loads)
-                if const_expr(self.scheduler == "dynamic"):
-                    tile_idx = self.claim_next_tile(tile_slots, tile_produce, step, num_tiles)
-                    tile_produce.advance()
-                else:
-                    tile_idx += step
+        kv_produce = self.load_tiles(tile_idx, step, num_tiles, q_produce, kv_produce, tile_produce, loads, tile_slots)
         # Wait until the consumers have released every V stage: no mbarrier arrive may land
         # after this CTA has exited (K's are released before V's; in a cluster the arrives come
         # from the other CTA too, so wait for K's as well).
@@ -384,9 +369,23 @@ class K5FMHA:
         pipeline_v.producer_tail(kv_produce)
 
     @cute.jit
+    def load_tiles(self, tile_idx: Int32, step: Int32, num_tiles: Int32, q_produce: pipeline.PipelineState,
+                   kv_produce: pipeline.PipelineState, tile_produce: pipeline.PipelineState, loads: tuple,
+                   tile_slots: TileSlots) -> pipeline.PipelineState:
+        """The producer's walk over this CTA's tiles: round-robin, or those it claims."""
+        while tile_idx < num_tiles:
+            q_produce, kv_produce = self.load_tile(tile_idx, None, q_produce, kv_produce, loads)
+            if const_expr(self.scheduler == "dynamic"):
+                tile_idx = self.claim_next_tile(tile_slots, tile_produce, step, num_tiles)
+                tile_produce.advance()
+            else:
+                tile_idx += step
+        return kv_produce
+
+    @cute.jit
     def load_tile(self, tile_idx: Int32, span, q_produce: pipeline.PipelineState,
                   kv_produce: pipeline.PipelineState, loads: tuple):
-        """Q and the K/V tiles of one query tile: all of them, or (split tail) KV tiles [lo, hi)."""
+        """Q and the K/V tiles of one query tile: all of them (``span`` None), or KV tiles [lo, hi)."""
         seqlen, mQ_tma, mK_tma, mV_tma, kv_shape, tma_atom_Q, tma_atom_K, tma_atom_V, sQ, sK, sVt, pipelines, tile_grid = loads
         pipeline_q, pipeline_k, pipeline_v = pipelines
         tile_m, tile_n, d = self.tile_m, self.tile_n, self.head_dim
@@ -436,7 +435,6 @@ class K5FMHA:
         # thread index among the consumers
         tidx = cute.arch.thread_idx()[0] - sm90.THREADS_PER_WARPGROUP * (PRODUCER_WARPS // 4)
         wg_idx = cute.arch.make_warp_uniform(tidx // sm90.THREADS_PER_WARPGROUP)
-        seqlen = mO.shape[2]
 
         wg_mma_qk = tiled_mma_qk.get_slice(wg_idx * sm90.THREADS_PER_WARPGROUP)
         wg_mma_pv = tiled_mma_pv.get_slice(wg_idx * sm90.THREADS_PER_WARPGROUP)
@@ -461,27 +459,24 @@ class K5FMHA:
         ctx = ConsumerContext(mO, mLSE, mAux, kv_shape, sQ, pipelines, o_store, tile_grid, tidx, wg_idx, scale_log2,
                               sm90.Mmas(tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O, tScS),
                               tile_slots)
-        if const_expr(self.split_tail):
-            n_kv = kv_tile_count(0, seqlen, tile_m, tile_n, False, kv_shape[0])
-            waves, steps, parts, s0, s1, n_units = schedule.tail_plan(num_tiles, step, tile_idx, n_kv)
-            for u in cutlass.range(n_units, unroll=1):
-                unit_tile, lo, hi = schedule.work_unit(u, tile_idx, step, waves, s0, s1, n_kv)
-                # A piece of the tail: (tail tile, which of this CTA's runs, steps, CTAs sharing
-                # them); whole tiles (and a tail tile one run covers) end as usual.
-                piece = schedule.TailPiece(unit_tile - waves * step, Int32(0) if u == waves else Int32(1), steps,
-                                           parts, n_kv)
-                q_consume, kv_consume = self.consume_tile(unit_tile, (lo, hi, piece), q_consume, kv_consume, ctx)
-        else:
-            while tile_idx < num_tiles:
-                q_consume, kv_consume = self.consume_tile(tile_idx, None, q_consume, kv_consume, ctx)
-                tile_idx = self.next_tile(tile_idx, step, tile_slots, tile_consume)
-                tile_consume.advance()
+        self.consume_tiles(tile_idx, step, num_tiles, q_consume, kv_consume, tile_consume, ctx)
+
+    @cute.jit
+    def consume_tiles(self, tile_idx: Int32, step: Int32, num_tiles: Int32, q_consume: pipeline.PipelineState,
+                      kv_consume: pipeline.PipelineState, tile_consume: pipeline.PipelineState,
+                      ctx: ConsumerContext):
+        """The consumers' walk over this CTA's tiles: round-robin, or those the producer claimed."""
+        while tile_idx < num_tiles:
+            q_consume, kv_consume = self.consume_tile(tile_idx, None, q_consume, kv_consume, ctx)
+            tile_idx = self.next_tile(tile_idx, step, ctx.tile_slots, tile_consume)
+            tile_consume.advance()
 
     @cute.jit
     def consume_tile(self, tile_idx: Int32, span, q_consume: pipeline.PipelineState,
                      kv_consume: pipeline.PipelineState, ctx: "ConsumerContext"):
-        """One query tile (or, split tail, its KV tiles [lo, hi)): mainloop, then the epilogue."""
-        mO, mLSE, mAux, kv_shape, sQ, pipelines, tidx = ctx.mO, ctx.mLSE, ctx.mAux, ctx.kv_shape, ctx.sQ, ctx.pipelines, ctx.tidx
+        """One query tile (or, with ``span`` = (lo, hi, end), its KV tiles [lo, hi)): mainloop, then
+        the end of the tile (``end_tile``)."""
+        mO, mAux, kv_shape, sQ, pipelines, tidx = ctx.mO, ctx.mAux, ctx.kv_shape, ctx.sQ, ctx.pipelines, ctx.tidx
         tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O, tScS = ctx.mmas
         pipeline_q = pipelines[0]
         tile_m, tile_n = self.tile_m, self.tile_n
@@ -491,9 +486,9 @@ class K5FMHA:
         seqlen_k, _ = kv_shape
         n_tiles = kv_tile_count(m_block, seqlen, tile_m, tile_n, self.causal, seqlen_k)
         n_unmasked = unmasked_kv_tile_count(m_block, seqlen, tile_m, tile_n, self.causal, seqlen_k)
-        n_lo, piece = 0, None
+        n_lo = 0
         if const_expr(span is not None):
-            n_lo, n_tiles, piece = span
+            n_lo, n_tiles, _ = span
         mask_lens = (seqlen_k, seqlen_k - seqlen)  # key length, causal diagonal offset
         acc_O.fill(0.0)
         softmax = self.tile_softmax(num_rows, ctx.scale_log2, mAux, m_block, head, batch, seqlen, n_tiles, seqlen_k)
@@ -513,17 +508,15 @@ class K5FMHA:
                 kv_consume = self.mainloop(m_block, mask_lens, n_tiles, n_unmasked, kv_consume, pipelines, mmas,
                                            softmax, row_scale, n_lo)
         self.finish_o(acc_O, mAux)
-        if const_expr(span is None):
-            self.epilogue(tile_idx, q_consume, acc_O, softmax, ctx, m_block, head, batch)
-        else:
-            if n_lo == 0 and n_tiles == piece.n_kv:  # a whole tile
-                self.epilogue(tile_idx, q_consume, acc_O, softmax, ctx, m_block, head, batch)
-            else:
-                pipeline_q.consumer_release(q_consume)  # this piece's QKs have retired
-                self.merge_tail_piece(acc_O, softmax, piece, tiled_mma_pv, tidx, mO, mLSE, ctx.tile_slots.mTileCounter, m_block,
-                                      head, batch)
+        self.end_tile(tile_idx, span, q_consume, acc_O, softmax, ctx, m_block, head, batch)
         q_consume.advance()
         return q_consume, kv_consume
+
+    @cute.jit
+    def end_tile(self, tile_idx: Int32, span, q_consume: pipeline.PipelineState, acc_O: cute.Tensor,
+                 softmax: sm90.OnlineSoftmax, ctx: ConsumerContext, m_block: Int32, head: Int32, batch: Int32):
+        """After a tile's last PV: the epilogue (a variant that cuts tiles into spans ends a span its way)."""
+        self.epilogue(tile_idx, q_consume, acc_O, softmax, ctx, m_block, head, batch)
 
     @cute.jit
     def epilogue(self, tile_idx: Int32, q_consume: pipeline.PipelineState, acc_O: cute.Tensor,
@@ -559,7 +552,7 @@ class K5FMHA:
                  kv_consume: pipeline.PipelineState, pipelines: tuple, mmas: sm90.Mmas, softmax: sm90.OnlineSoftmax,
                  row_scale: cute.Tensor, n_lo=0) -> pipeline.PipelineState:
         """One query tile's KV loop, descending: the masked diagonal / seqlen-tail tiles first,
-        then the mask-free rest. A piece of a split tail stops at KV tile ``n_lo``."""
+        then the mask-free rest, down to KV tile ``n_lo``."""
         n_masked, n_free = n_tiles - n_unmasked, n_unmasked
         if const_expr(not isinstance(n_lo, int)):
             n_masked = cutlass.max(n_tiles - cutlass.max(n_unmasked, n_lo), 0)
@@ -600,78 +593,13 @@ class K5FMHA:
         kv_consume.advance()
         return kv_consume
 
-    def tail_counters(self) -> int:
-        """Int32s before the split tail's workspace in the counter buffer: the dynamic scheduler's
-        pair, then one merge counter per (tail tile, consumer warp), rounded to 16 bytes."""
-        return (2 + self.sm_count * 4 * self.num_wg + 3) // 4 * 4
+    def counter_ints(self) -> int:
+        """Int32s of the counter buffer: the dynamic scheduler's pair (a variant may add its own)."""
+        return 2
 
-    def tail_buffer_ints(self) -> int:
-        """The whole counter buffer with a split tail: counters, then per (CTA, run, consumer
-        thread) a partial O fragment and its rows' LSE (fp32, 16-byte rows)."""
-        if not self.split_tail:
-            return 2
-        frag = sm90.WGMMA_M * self.head_dim // sm90.THREADS_PER_WARPGROUP  # accumulator values a thread holds
-        return self.tail_counters() + self.sm_count * 2 * sm90.THREADS_PER_WARPGROUP * self.num_wg * (frag + 4)
-
-    @cute.jit
-    def merge_tail_piece(self, acc_O: cute.Tensor, softmax: sm90.OnlineSoftmax, piece: tuple,
-                         tiled_mma_pv: cute.TiledMma, tidx: Int32, mO: cute.Tensor, mLSE: cute.Tensor,
-                         mCounter: cute.Tensor, m_block: Int32, head: Int32, batch: Int32):
-        """Split tail: write this piece's O (normalized, fp32) and LSE, count it; the warp that
-        counts a tile's last piece of its 16 rows merges every piece's (by LSE weights) and stores O.
-
-        Each warp owns its 16 rows of the tile in every CTA alike (the PV MMA's layout), so warps
-        merge independently: no CTA barrier, and a thread reads back exactly the fragment that the
-        same thread of another CTA wrote. The fence before the count releases the stores; the
-        merging warp's fence after it acquires the others'. It resets the counter for the next
-        launch."""
-        r, run, steps, parts, n_kv = piece
-        lse, _ = sm90.finalize_o(acc_O, softmax, Float32)  # fp32: O normalized in place
-        frag = cute.size(acc_O)
-        stride = frag + 4
-        consumers = sm90.THREADS_PER_WARPGROUP * self.num_wg
-        ws = cute.recast_ptr(mCounter.iterator + self.tail_counters(), dtype=Float32)
-        bx = cute.arch.block_idx()[0]
-        mine = ws + ((bx * 2 + run) * consumers + tidx) * stride
-        cute.make_tensor(mine, acc_O.layout).store(acc_O.load())
-        for j in cutlass.range_constexpr(softmax.num_rows):
-            mine[frag + j] = lse[j]
-        cute.arch.fence_acq_rel_gpu()
-        cute.arch.sync_warp()
-        lane, warp = tidx % 32, tidx // 32
-        counter = mCounter.iterator + 2 + r * (consumers // 32) + warp
-        done = Int32(0)
-        if lane == 0:
-            done = cute.arch.atomic_add(counter, Int32(1), sem="acq_rel", scope="gpu")
-        done = cute.arch.shuffle_sync(done, 0)
-        first = schedule.tail_owner(r * n_kv, steps, parts)
-        last = schedule.tail_owner((r + 1) * n_kv - 1, steps, parts)
-        if done == last - first:
-            cute.arch.fence_acq_rel_gpu()
-            if lane == 0:
-                cute.make_tensor(counter, cute.make_layout(1))[0] = Int32(0)
-            acc_mn = sm90.acc_mn_view(acc_O)
-            total = cute.make_rmem_tensor(softmax.num_rows, Float32)
-            total.fill(1.0)
-            for c in cutlass.range(first, last + 1, unroll=1):
-                if c != bx:
-                    run_c = Int32(0) if (c * steps // parts) // n_kv == r else Int32(1)
-                    theirs = ws + ((c * 2 + run_c) * consumers + tidx) * stride
-                    their_mn = sm90.acc_mn_view(cute.make_tensor(theirs, acc_O.layout))
-                    for j in cutlass.range_constexpr(softmax.num_rows):
-                        lse_c = theirs[frag + j]
-                        m_new = cute.arch.fmax(lse[j], lse_c)
-                        a = cute.math.exp(lse[j] - m_new, fastmath=True)
-                        b = cute.math.exp(lse_c - m_new, fastmath=True)
-                        acc_mn[j, None].store(acc_mn[j, None].load() * a + their_mn[j, None].load() * b)
-                        total[j] = total[j] * a + b
-                        lse[j] = m_new
-            for j in cutlass.range_constexpr(softmax.num_rows):
-                acc_mn[j, None].store(acc_mn[j, None].load() * cute.arch.rcp_approx(total[j]))
-                lse[j] = lse[j] + cute.math.log(total[j], fastmath=True)
-            rO = cute.make_rmem_tensor_like(acc_O, mO.element_type)
-            sm90.convert_to(acc_O, rO)
-            sm90.store_rows(rO, lse, tiled_mma_pv, tidx, mO, mLSE, m_block, head, batch, self.tile_m)
+    def zeroed_counter_ints(self) -> int:
+        """Of those, how many read zero again after every launch (the kernel resets them)."""
+        return 2
 
     # K4's hooks, as K4 has them; ``tile_softmax`` gets (mAux, m_block, head, batch, seqlen, n_tiles,
     # seqlen_k) after the scale.
@@ -719,16 +647,12 @@ def check_config(cfg: dict, name: str = "K5") -> None:
         raise UnsupportedProblem(f"{name} config {cfg}: kv_stages and q_stages must be >= 1")
     if cfg["scheduler"] not in SCHEDULERS:
         raise UnsupportedProblem(f"{name} config {cfg}: scheduler must be one of {SCHEDULERS}")
-    if cfg.get("split_tail") and (cfg.get("causal") or cfg["scheduler"] != "static"):
-        raise UnsupportedProblem(f"{name} config {cfg}: split_tail cuts the last wave of equal tiles, so it needs "
-                                 "the static scheduler and a non-causal problem")
     cluster = cfg.get("cluster", 1)
     if cluster not in (1, 2, 4):
         raise UnsupportedProblem(f"{name} config {cfg}: cluster must be 1, 2 or 4 CTAs")
-    if cluster > 1 and (cfg.get("causal") or cfg["scheduler"] != "static" or cfg.get("split_tail")):
+    if cluster > 1 and (cfg.get("causal") or cfg["scheduler"] != "static"):
         raise UnsupportedProblem(f"{name} config {cfg}: cluster={cluster} runs query tiles that read the same K/V "
-                                 "tiles in lockstep, so it needs the static scheduler, a non-causal problem and no "
-                                 "split_tail")
+                                 "tiles in lockstep, so it needs the static scheduler and a non-causal problem")
     if cfg.get("ctas") is not None and (cfg["ctas"] < cluster or cfg["ctas"] % cluster):
         raise UnsupportedProblem(f"{name} config {cfg}: ctas must be a whole number (>= 1) of clusters of "
                                  f"{cluster} CTAs")
@@ -745,7 +669,7 @@ def build(name: str, kernel_cls, p: Problem, cfg: dict, keep_ptx: bool, fake_arg
     """
     check_config(dict(cfg, causal=p.causal), name.upper())
     dt = cute_dtype(dtype or p.dtype)  # the kernel class's dtype
-    # ctas: fewer persistent CTAs than SMs (tests: a split tail on a small problem)
+    # ctas: fewer persistent CTAs than SMs (tests: a variant's tail on a small problem)
     cfg = dict(cfg)
     ctas = cfg.pop("ctas", None)
     sm_count = ctas or (num_sms() if cfg.get("cluster", 1) == 1 else schedule.max_cluster_ctas(cfg["cluster"]))
@@ -761,14 +685,14 @@ def build(name: str, kernel_cls, p: Problem, cfg: dict, keep_ptx: bool, fake_arg
             *head, stream = fake_attention_args(dt, p.head_dim, separate_kv=True)
         else:
             *head, stream = fake_args(dt, p.head_dim)
-        return kernel, (*head, make_fake_tensor(Int32, (kernel.tail_buffer_ints(),), stride=(1,)), stream)
+        return kernel, (*head, make_fake_tensor(Int32, (kernel.counter_ints(),), stride=(1,)), stream)
 
     fn = jit_compile(key, args, keep_ptx)
     info = dict(cfg, smem_bytes=kernel.smem_bytes(), **({"ctas": ctas} if ctas else {}))
     compiled = fused_attention(name, p, fn, keep_ptx, info)
-    counters = schedule.TileCounters(kernel.tail_buffer_ints())
-    compiled.buffers["counters"] = counters  # tests read them back (a split tail's end at tail_counters())
-    compiled.buffers["tail_counters"] = kernel.tail_counters()
+    counters = schedule.TileCounters(kernel.counter_ints())
+    compiled.buffers["counters"] = counters  # tests read them back: the first zeroed_ints must be zero
+    compiled.buffers["zeroed_ints"] = kernel.zeroed_counter_ints()
     compiled.launch = lambda q, *args: fn(q, *args, counters.get(q.device))
     return compiled
 

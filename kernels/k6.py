@@ -205,8 +205,10 @@ def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_wg=None, tile_n=No
         o_store_per_wg=o_store_per_wg, split_tail=split_tail, ctas=ctas, pin_descriptors=pin_descriptors,
         cluster=cluster, q_in_regs=q_in_regs))
     kernel_cls = K6FMHA
-    if any(knob in cfg for knob in ("emulated_exp2", "skip_unit_rescale", "pin_pv_wait")):
-        from .experiments import K6Knobs as kernel_cls  # measured and left off: kernels/experiments.py
+    if any(knob in cfg for knob in ("split_tail", "emulated_exp2", "skip_unit_rescale", "pin_pv_wait")):
+        from .experiments import kernel_class  # measured and left off: kernels/experiments.py
+
+        kernel_cls, cfg = kernel_class(cfg, p.causal)
     return k5.build("k6", kernel_cls, p, cfg, keep_ptx)
 
 

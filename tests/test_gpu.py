@@ -149,7 +149,7 @@ def test_k6_split_tail_matches_sdpa_and_leaves_counters_at_zero(d, seqlen, dtype
         verdict = _run_against_sdpa("k6", compiled, p)
         assert not verdict, verdict
     (counters,) = compiled.buffers["counters"]._pairs.values()  # the one buffer the launches used
-    assert int(counters[:compiled.buffers["tail_counters"]].abs().sum()) == 0
+    assert int(counters[:compiled.buffers["zeroed_ints"]].abs().sum()) == 0
     if num_tiles % min(num_tiles, ctas) and seqlen > tile_n:  # a partial last wave: there is a tail
         assert any(len(r) == 2 or (r and r[0][1:] != (0, -(-seqlen // tile_n))) for r in runs)  # pieces exist
 
