@@ -9,6 +9,7 @@ public call adds to), SDPA and flash-attn-4, timed by ``timing.host_rows``.
 from __future__ import annotations
 
 SHAPE = dict(batch=1, nheads=16, seqlen=128, head_dim=128)
+SDPA = "sdpa (default backend)"  # every call's ratio is to this one's, round by round
 
 
 def host_calls(batch: int, nheads: int, seqlen: int, head_dim: int) -> dict:
@@ -41,7 +42,7 @@ def host_calls(batch: int, nheads: int, seqlen: int, head_dim: int) -> dict:
                                                                  descale_k=blocks[4], descale_v=blocks[5]),
         "k7 attention, bf16 (quantized inside)": lambda: attention("k7", q, k, v),
         "k8 attention, bf16 (quantized inside)": lambda: attention("k8", q, k, v),
-        "sdpa (default backend)": lambda: F.scaled_dot_product_attention(q, k, v),
+        SDPA: lambda: F.scaled_dot_product_attention(q, k, v),
     }
     try:
         from flash_attn.cute import flash_attn_func
@@ -58,4 +59,4 @@ def run(emit, rounds: int = 9, **shape) -> None:
     from harness.timing import host_rows
 
     shape = dict(SHAPE, **shape)
-    host_rows(host_calls(**shape), dict(mode="host", **shape), emit, rounds)
+    host_rows(host_calls(**shape), dict(mode="host", **shape), emit, rounds, baseline=SDPA)

@@ -87,12 +87,15 @@ def call_us(call, n: int = 200) -> float:
     return _timed_bursts(call, n, 1, None)[0] * 1e3
 
 
-def host_rows(calls: dict, base: dict, emit, rounds: int = 9) -> None:
+def host_rows(calls: dict, base: dict, emit, rounds: int = 9, baseline: str | None = None) -> None:
     """One row per call (name -> call()): its host microseconds per call (``host_us``: no graph, no
     sync inside the loop) and the same calls' per-call time on the GPU clock (``call_us``: the max
-    of host and kernel). The calls take turns, ``rounds`` bursts of 200 each after a warm-up; each
-    row is the median burst (a host's timing drifts by tens of percent from one second to the
-    next). A call that raises gets a row with the reason."""
+    of host and kernel). The calls take turns, ``rounds`` bursts of 200 each after a warm-up, the
+    order reversed every other round; each row is the median burst (a host's timing drifts by tens
+    of percent from one second to the next). With ``baseline`` (a name among the calls) each row
+    also gets ``vs_baseline``: the median over rounds of its burst over the baseline's burst of the
+    same round, which the drift between rounds does not move. A call that raises gets a row with
+    the reason."""
     host, failed = {}, {}
     for name, call in calls.items():
         try:
@@ -101,12 +104,14 @@ def host_rows(calls: dict, base: dict, emit, rounds: int = 9) -> None:
             host[name] = []
         except Exception as e:
             failed[name] = failure(e)
-    for _ in range(rounds):
-        for name in [n for n in host if n not in failed]:
+    for i in range(rounds):
+        order = list(host) if i % 2 == 0 else list(host)[::-1]
+        for name in [n for n in order if n not in failed]:
             try:
                 host[name].append(host_us(calls[name]))
             except Exception as e:
                 failed[name] = failure(e)
+    base_rounds = host.get(baseline) if baseline not in failed else None
     for name in calls:
         if name not in failed:
             try:
@@ -116,8 +121,12 @@ def host_rows(calls: dict, base: dict, emit, rounds: int = 9) -> None:
         if name in failed:
             emit(dict(base, kernel=name, status=failed[name]))
         else:
-            emit(dict(base, kernel=name, host_us=statistics.median(host[name]), call_us=per_call, rounds=rounds,
-                      status="ok"))
+            row = dict(base, kernel=name, host_us=statistics.median(host[name]), call_us=per_call, rounds=rounds,
+                       host_rounds=host[name], status="ok")
+            if base_rounds:
+                row.update(baseline=baseline,
+                           vs_baseline=statistics.median(x / y for x, y in zip(host[name], base_rounds)))
+            emit(row)
 
 
 def failure(e: Exception) -> str:

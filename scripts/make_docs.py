@@ -829,12 +829,17 @@ def host_times_table(after, before=None):
 
     now, then = by_name(after), by_name(before)
     sdpa = "sdpa (default backend)"
+
+    def vs_sdpa(r, run):  # round by round where the run recorded it, else the medians' ratio
+        if r.get("vs_baseline") is not None:
+            return f"{r['vs_baseline']:.2f}×"
+        return f"{r['host_us'] / run[sdpa]['host_us']:.2f}×" if sdpa in run else "—"
+
     body = []
     for name, r in now.items():
         was = then.get(name)
-        body.append([name, fmt(was["host_us"]) if was else "—",
-                     f"{was['host_us'] / then[sdpa]['host_us']:.2f}×" if was and sdpa in then else "—", fmt(r["host_us"]),
-                     f"{r['host_us'] / now[sdpa]['host_us']:.2f}×" if sdpa in now else "—", fmt(r.get("call_us"))])
+        body.append([name, fmt(was["host_us"]) if was else "—", vs_sdpa(was, then) if was else "—",
+                     fmt(r["host_us"]), vs_sdpa(r, now), fmt(r.get("call_us"))])
     r0 = after["rows"][0]
     shape = f"B={r0['batch']} H={r0['nheads']} N={r0['seqlen']} d={r0['head_dim']}"
     runs = [f"`{run['meta'].get('command', '')}` ({run['meta'].get('date', '')[:10]}, commit "
@@ -842,7 +847,9 @@ def host_times_table(after, before=None):
     return (f"Host µs per call on an {gpu_short_name(after['meta'].get('device', ''))}'s host, bf16 "
             f"{shape}: the mean of 200 back-to-back calls with nothing synchronized, the median of 9 such bursts; "
             f"per call on the GPU clock: one event pair around 200 calls. From " + " and ".join(runs) + ". A host's "
-            "speed moves from run to run (SDPA's own call among them): compare each call with SDPA's in its run.\n\n"
+            "speed moves from run to run and within one (SDPA's own call among them): the ratios compare each call's "
+            "burst with SDPA's burst of the same round, the median over the rounds (runs before those were "
+            "recorded: the ratio of the medians).\n\n"
             + markdown_table(["call", "µs before the fast path", "before / SDPA's call", "µs now", "now / SDPA's call",
                               "µs per call now (GPU clock)"], body))
 

@@ -263,3 +263,18 @@ def test_gpu_state_window_keeps_the_samples_inside_the_timing():
     assert sampler.window(1.5, 3.5) == dict(sm_clock_mhz=1002.5, power_w=100.0, temp_c=43,
                                             clock_limited_by=["power_cap"], samples=2)
     assert sampler.window(7, 8) is None
+
+
+def test_host_rows_ratio_is_round_by_round_and_the_order_alternates(monkeypatch):
+    from harness import timing
+
+    # The host slows down 3x in the second round: medians of each call would move, the ratio not.
+    seen, speed = [], {"a": 10.0, "sdpa": 5.0}
+    slow = iter([1, 1, 3, 3, 1, 1])
+    monkeypatch.setattr(timing, "host_us", lambda call: (seen.append(call()), speed[seen[-1]] * next(slow))[1])
+    monkeypatch.setattr(timing, "call_us", lambda call: 1.0)
+    rows = []
+    timing.host_rows({"a": lambda: "a", "sdpa": lambda: "sdpa"}, {}, rows.append, rounds=3, baseline="sdpa")
+    assert seen == ["a", "sdpa", "sdpa", "a", "a", "sdpa"]  # the timed bursts (the warm-up calls each directly)
+    a = next(r for r in rows if r["kernel"] == "a")
+    assert a["host_rounds"] == [10.0, 30.0, 10.0] and a["vs_baseline"] == 2.0 and a["baseline"] == "sdpa"
