@@ -26,11 +26,6 @@ class Combine:
 
     ROWS_PER_CTA = 4
 
-    # Named as the registered module, which imports it: the PTX entry's name embeds the instance's
-    # repr, module included (kernel_cutlass_kernel_kernelsdecodeCombine_...), and so stays what it was
-    # before the class moved here.
-    __module__ = "kernels.decode"
-
     def __init__(self, merge_prefetch: int = 0):
         self.merge_prefetch = merge_prefetch
 

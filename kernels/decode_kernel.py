@@ -46,11 +46,6 @@ class DecodeFMHA:
     (query tile, split, K/V head, batch), O and LSE written directly (no split) or as fp32
     partials merged by ``Combine`` or in the kernel (``merge``)."""
 
-    # Named as the registered module, which imports it: the PTX entry's name embeds the instance's
-    # repr, module included (kernel_cutlass_kernel_kernelsdecodeDecodeFMHA_...), and so stays what it
-    # was before the class moved here (the PTX digests, profiles and sanitizer filters see no change).
-    __module__ = "kernels.decode"
-
     def __init__(self, head_dim: int, dtype, causal: bool, group: int, tile_n: int, kv_stages: int, split: bool,
                  merge: str = "combine", l2_prefetch: int = 0, refill_at_release: bool = False,
                  merge_prefetch: int = 0, prefetch_ahead: int = 0, prefetch_after_wait: int = 0,
