@@ -14,6 +14,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
+from . import simt
+
 
 class Combine:
     """O[b, i, h] = sum_s exp(LSE_s - LSE) O_s with LSE = log sum_s exp(LSE_s), per row (b, i, h).
@@ -98,6 +100,4 @@ def combine_row(mO_partial: cute.Tensor, mLSE_partial: cute.Tensor, mO: cute.Ten
 
 @cute.jit
 def warp_allreduce(x: Float32, op: cutlass.Constexpr) -> Float32:
-    for i in cutlass.range_constexpr(5):
-        x = op(x, cute.arch.shuffle_sync_bfly(x, offset=16 >> i))
-    return x
+    return simt.butterfly_allreduce(x, op, 32, high_first=True)

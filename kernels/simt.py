@@ -106,11 +106,22 @@ def mask_scores(sS: cute.Tensor, row: Int32, lane: Int32, q_idx: Int32, kv_start
 
 
 @cute.jit
-def row_group_reduce(val: Float32, op: cutlass.Constexpr, threads_per_row: cutlass.Constexpr) -> Float32:
-    """Combine ``val`` across the row group with butterfly shuffles (xor 1, 2, ...)."""
-    for i in cutlass.range_constexpr(int(math.log2(threads_per_row))):
-        val = op(val, cute.arch.shuffle_sync_bfly(val, offset=1 << i))
+def butterfly_allreduce(val: Float32, op: cutlass.Constexpr, lanes: cutlass.Constexpr,
+                        high_first: cutlass.Constexpr = False) -> Float32:
+    """Combine ``val`` over each aligned group of ``lanes`` lanes (a power of 2) with butterfly
+    shuffles: xor 1, 2, ... (``high_first``: from lanes/2 down). Every lane ends with the result;
+    the order only matters to rounding."""
+    steps = int(math.log2(lanes))
+    for i in cutlass.range_constexpr(steps):
+        offset = (lanes >> 1 >> i) if cutlass.const_expr(high_first) else (1 << i)
+        val = op(val, cute.arch.shuffle_sync_bfly(val, offset=offset))
     return val
+
+
+@cute.jit
+def row_group_reduce(val: Float32, op: cutlass.Constexpr, threads_per_row: cutlass.Constexpr) -> Float32:
+    """Combine ``val`` across the row group (its ``threads_per_row`` neighbouring lanes)."""
+    return butterfly_allreduce(val, op, threads_per_row)
 
 
 def init_row_state(head_dim: int, threads_per_row: int):

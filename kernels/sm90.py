@@ -30,6 +30,7 @@ from cutlass.cute.nvgpu import warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass._mlir.dialects import llvm
 
+from . import simt
 from .contract import LN_2
 
 THREADS_PER_WARPGROUP = 128  # four warps: the unit that issues a WGMMA and owns its accumulator
@@ -203,9 +204,7 @@ def exp2_poly(x: Float32, *, loc=None, ip=None) -> Float32:
 @cute.jit
 def quad_allreduce(x: Float32, op: cutlass.Constexpr) -> Float32:
     """The 4 lanes 4k..4k+3 own the same two rows: butterfly over lane bits 0 and 1."""
-    x = op(x, cute.arch.shuffle_sync_bfly(x, offset=1))
-    x = op(x, cute.arch.shuffle_sync_bfly(x, offset=2))
-    return x
+    return simt.butterfly_allreduce(x, op, 4)
 
 
 @cute.jit
