@@ -10,7 +10,7 @@ What changes relative to K4 (same WGMMAs, same register softmax, same P handoff)
   get: ``setmaxnreg`` moves them (producer down to 24, consumers up to 240 with two consumer
   warpgroups; 32 / 160 with three). The launch asks for one CTA per SM (``min_blocks_per_mp=1``)
   so ptxas pins the launch budget (168 or 128 per thread) that the two numbers balance against.
-* K and V get pipelines of their own, so QK can start as soon as K has landed (K6 relies on it).
+* K and V get pipelines of their own, so QK can start as soon as K has landed, before V has.
 * KV tiles are walked in *descending* order: the diagonal and seqlen-tail tiles, the only ones
   that need a mask, come first, and the rest of the loop runs mask-free.
 * Tile order (``kernels/schedule.py``): a 1-D grid of (m_block, head, batch) tiles, heaviest
@@ -107,8 +107,8 @@ DEFAULT_CONFIG = {
 # TMA store instead of predicated register stores; that holds the Q buffer until the store has
 # read it, which only a second Q stage hides (d<=128). Measured on an H100 (docs/k6.md), it pays
 # at d=128 (causal short sequences most) and not at d=64, where three warpgroups' register
-# stores are already small. K6 found it paying at d=256 up to 8k keys, and at d=64 once each
-# warpgroup stores its own rows (o_store_per_wg; k6.TMA_STORE_UP_TO_SEQLEN).
+# stores are already small (and, with each warpgroup storing its own rows, o_store_per_wg, at more
+# shapes: docs/k6.md).
 # Persistent CTAs (one per SM, looping over tiles) by default: a static round-robin where every
 # tile costs the same (non-causal); for causal, whose tiles differ, a static assignment leaves some
 # SMs idle at the end (measured on an H100: docs/k5.md), so each CTA claims its next tile from an
@@ -145,7 +145,7 @@ class K5FMHA:
         self.kv_mcast_mask = (1 << cluster) - 1 if cluster > 1 else None
         # QK reads Q from registers, loaded once per tile, instead of from SMEM at every KV tile
         # (measured and left off, docs/k6.md): Q takes d/4 registers per thread beside O's d/2.
-        # It fits up to d=128 (K6's tiles; d=64's 176-key tiles spill 148 bytes), not at d=256.
+        # It fits up to d=128 (d=64's 176-key tiles spill 148 bytes), not at d=256.
         if q_in_regs and head_dim > 128:
             raise UnsupportedProblem(f"q_in_regs: Q in registers ({head_dim // 4} per thread) does not fit beside O "
                                      f"({head_dim // 2}) at head_dim {head_dim}; head_dim <= 128 only")
@@ -617,7 +617,7 @@ class K5FMHA:
 
 def schedule_config(p: Problem) -> dict:
     """Persistent (static) non-causal and dynamic causal, L2 sections by key length
-    (schedule.section_bytes): K5's schedule, which K6-K8 share."""
+    (schedule.section_bytes)."""
     return dict(scheduler="dynamic" if p.causal else "static",
                 section_bytes=schedule.section_bytes(p.kv_len) if p.causal else schedule.SECTION_BYTES)
 
