@@ -307,12 +307,11 @@ class _PreparedCall:
         elif self.descale_mode == "fixed":
             self.run(q, k, v, out, lse, self.scale, descale=self.descale)
         elif self.descale_mode == "tensors":
-            given = [x if c is None else c for x, c in zip(descales, self.constants)]
-            self.run(q, k, v, out, lse, self.scale, descales=[x.float() if f else x for x, f in zip(given, self.as_float)])
+            self.run(q, k, v, out, lse, self.scale, descales=[c if c is not None else x.float() if f else x
+                                                              for x, c, f in zip(descales, self.constants, self.as_float)])
         else:
             self.run(q, k, v, out, lse, self.scale, descales=descales)
         return out, lse
-
 
 
 def fp8_inputs(q, k, v, blocks: bool = False) -> tuple:
@@ -324,8 +323,8 @@ def fp8_inputs(q, k, v, blocks: bool = False) -> tuple:
     if blocks:
         from kernels.fp8_quant import descale_rows
 
-        q8, k8, v8, *blocks = quantize_fp8_blocks(q, k, v)
-        return q8, k8, v8, dict(zip(DESCALE_NAMES, blocks)), descale_rows(*blocks)
+        q8, k8, v8, *descales = quantize_fp8_blocks(q, k, v)
+        return q8, k8, v8, dict(zip(DESCALE_NAMES, descales)), descale_rows(*descales)
     (q8, dq), (k8, dk), (v8, dv) = (quantize_fp8(x) for x in (q, k, v))
     return q8, k8, v8, dict(zip(DESCALE_NAMES, (dq, dk, dv))), torch.stack([dq, dk, dv])
 

@@ -392,7 +392,7 @@ def scratch_set(like, role: str, specs: tuple) -> tuple:
 def buffer(like, role: str, shape: tuple, dtype, keep: bool):
     """An output on ``like``'s device: ``scratch`` under ``role`` with ``keep`` (the pre-pass of a
     launch), else a new tensor (a caller's own)."""
-    return scratch(like, role, shape, dtype) if keep else like.new_empty(shape, dtype=dtype)
+    return buffers(like, role, ((shape, dtype),), keep)[0]
 
 
 def buffers(like, role: str, specs: tuple, keep: bool) -> tuple:

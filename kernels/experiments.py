@@ -23,11 +23,11 @@ finish its rows of a tile merges them by LSE weights, as split-KV decode does.
 
 from __future__ import annotations
 
+import functools
+
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-import functools
-
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 
@@ -41,16 +41,15 @@ SOFTMAX_KNOBS = ("emulated_exp2", "skip_unit_rescale", "pin_pv_wait")
 def kernel_class(cfg: dict, causal: bool):
     """(kernel class, configuration it takes) for K6's configuration ``cfg``: K6FMHA, or K6FMHA with
     the mixins its knobs need (a knob left at its off value asks for none)."""
-    mixins = []
-    if cfg.get("split_tail"):
+    mixins, unused = [], set()
+    for mixin, knobs in ((SplitTail, ("split_tail",)), (SoftmaxKnobs, SOFTMAX_KNOBS)):
+        if any(cfg.get(k) for k in knobs):
+            mixins.append(mixin)
+        else:
+            unused.update(knobs)  # at their off values: K6FMHA takes no such argument
+    if SplitTail in mixins:
         SplitTail.check(dict(cfg, causal=causal))
-        mixins.append(SplitTail)
-    if any(cfg.get(k) for k in SOFTMAX_KNOBS):
-        mixins.append(SoftmaxKnobs)
-    else:
-        cfg = {k: v for k, v in cfg.items() if k not in SOFTMAX_KNOBS}
-    if not cfg.get("split_tail"):
-        cfg = {k: v for k, v in cfg.items() if k != "split_tail"}
+    cfg = {k: v for k, v in cfg.items() if k not in unused}
     return (_with(tuple(mixins)) if mixins else k6.K6FMHA), cfg
 
 
@@ -73,11 +72,16 @@ class SplitTail:
                                      "which a split tail's pieces are not: no split_tail with a cluster")
 
     @cute.jit
+    def tail_plan(self, seqlen: Int32, seqlen_k: Int32, num_tiles: Int32, step: Int32, tile_idx: Int32) -> tuple:
+        """(KV tiles per tile, then ``schedule.tail_plan``'s six values) for this CTA; the producer
+        and the consumers walk the same units."""
+        n_kv = kv_tile_count(0, seqlen, self.tile_m, self.tile_n, False, seqlen_k)
+        return (n_kv, *schedule.tail_plan(num_tiles, step, tile_idx, n_kv))
+
+    @cute.jit
     def load_tiles(self, tile_idx: Int32, step: Int32, num_tiles: Int32, q_produce, kv_produce, tile_produce,
                    loads: tuple, tile_slots) -> pipeline.PipelineState:
-        seqlen, kv_shape = loads[0], loads[4]
-        n_kv = kv_tile_count(0, seqlen, self.tile_m, self.tile_n, False, kv_shape[0])
-        waves, _, _, s0, s1, n_units = schedule.tail_plan(num_tiles, step, tile_idx, n_kv)
+        n_kv, waves, _, _, s0, s1, n_units = self.tail_plan(loads[0], loads[4][0], num_tiles, step, tile_idx)
         for u in cutlass.range(n_units, unroll=1):
             unit_tile, lo, hi = schedule.work_unit(u, tile_idx, step, waves, s0, s1, n_kv)
             q_produce, kv_produce = self.load_tile(unit_tile, (lo, hi), q_produce, kv_produce, loads)
@@ -86,9 +90,8 @@ class SplitTail:
     @cute.jit
     def consume_tiles(self, tile_idx: Int32, step: Int32, num_tiles: Int32, q_consume, kv_consume, tile_consume,
                       ctx: k5.ConsumerContext):
-        seqlen = ctx.mO.shape[2]
-        n_kv = kv_tile_count(0, seqlen, self.tile_m, self.tile_n, False, ctx.kv_shape[0])
-        waves, steps, parts, s0, s1, n_units = schedule.tail_plan(num_tiles, step, tile_idx, n_kv)
+        n_kv, waves, steps, parts, s0, s1, n_units = self.tail_plan(ctx.mO.shape[2], ctx.kv_shape[0], num_tiles, step,
+                                                                     tile_idx)
         for u in cutlass.range(n_units, unroll=1):
             unit_tile, lo, hi = schedule.work_unit(u, tile_idx, step, waves, s0, s1, n_kv)
             # A piece of the tail: (tail tile, which of this CTA's runs, steps, CTAs sharing

@@ -46,11 +46,8 @@ class K8FMHA(k7.K7FMHA):
     """``mAux`` holds rows of tile descales, not K7's three numbers: the softmax applies them, so
     the scale and O are left as they are."""
 
-    def score_scale(self, scale_log2: Float32, mAux: cute.Tensor) -> Float32:
-        return scale_log2
-
-    def finish_o(self, acc_O: cute.Tensor, mAux: cute.Tensor):
-        pass
+    score_scale = k5.K5FMHA.score_scale  # K4's own: the scale as it is
+    finish_o = k5.K5FMHA.finish_o  # K4's own: O as it is
 
     def tile_softmax(self, num_rows: int, scale_log2: Float32, mAux: cute.Tensor, m_block: Int32, head: Int32,
                      batch: Int32, seqlen: Int32, n_tiles: Int32, seqlen_k: Int32) -> sm90.OnlineSoftmax:

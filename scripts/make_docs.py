@@ -812,12 +812,17 @@ def ws_call_table(sweep):
                              body))
 
 
+def _k6_run_clause(sweep, ratios) -> str:
+    """A README sentence's middle: the run, then k6's geomean and worst cell against the best peer."""
+    return (f"(`{sweep['meta'].get('command', '')}`, {gpu_short_name(sweep['meta'].get('device', ''))}): "
+            f"`k6` {_geomean(ratios):.3f}× geomean, worst cell {min(ratios):.2f}×")
+
+
 def ws_call_readme(sweep):
     """README: one sentence on K6 through its public call."""
     ratios, alone = k6_call_ratios(sweep)
     return (f"Timed as a model calls it, `attention(\"k6\", ...)` eager and back to back beside the peers' own "
-            f"calls (`{sweep['meta'].get('command', '')}`, {gpu_short_name(sweep['meta'].get('device', ''))}): "
-            f"`k6` {_geomean(ratios):.3f}× geomean, worst cell {min(ratios):.2f}× (the kernel alone in the same run: "
+            f"calls {_k6_run_clause(sweep, ratios)} (the kernel alone in the same run: "
             f"{_geomean(alone):.3f}×, worst {min(alone):.2f}×; [K6](docs/k6.md#host-time) has every cell).")
 
 
@@ -866,8 +871,7 @@ def ws_rounds_readme(sweep):
     ratios, rounds = k6_rounds(sweep)
     return (f"Timed again ({'the public calls' if has_calls(sweep) else 'the kernels alone'}) with each candidate "
             f"{rounds} times per cell, the order reversed each round, the median "
-            f"(`{sweep['meta'].get('command', '')}`, {gpu_short_name(sweep['meta'].get('device', ''))}): "
-            f"`k6` {_geomean(ratios):.3f}× geomean, worst cell {min(ratios):.2f}× ([K6](docs/k6.md) lists every run).")
+            f"{_k6_run_clause(sweep, ratios)} ([K6](docs/k6.md) lists every run).")
 
 
 def ws_rounds_runs_table(runs):
