@@ -278,20 +278,22 @@ class _PreparedCall:
     kernel and its scale, the outputs' shapes and dtype, and how descales reach the kernel."""
 
     def __init__(self, entry, problem, compiled, return_lse: bool, device, tensors: tuple, values):
-        self.run = functools.partial(entry.load().run_kernel, compiled)
+        module = entry.load()
         self.scale, self.return_lse, self.device_index = problem.scale, return_lse, device.index
         self.lse_shape = (problem.batch, problem.nheads, problem.seqlen)
         self.out_dtype = torch_dtype(problem.out_dtype)
-        self.descale_mode = None
+        self.descale_mode, example = None, None
         if problem.dtype in FP8_DTYPES:
             if entry.block_descales:
-                self.descale_mode = "blocks"
-            elif all(t is None for t in tensors):  # three numbers, checked: one tensor made now, kept
-                self.descale_mode, self.descale = "fixed", _constant(tuple(values), device)
-            else:  # checked on the GPU as the V^T launch reads them (kernels.fp8_quant.descale_rows)
-                self.descale_mode = "tensors"  # numbers among them: one-element tensors made now, kept
+                self.descale_mode, example = "blocks", tensors
+            else:  # checked on the GPU as the V^T pass reads them (kernels.fp8_quant.descale_rows)
+                self.descale_mode = "tensors"  # numbers among them (checked): 0-d tensors made now, kept
                 self.constants = tuple(None if t is not None else _constant(x, device) for t, x in zip(tensors, values))
                 self.as_float = tuple(t is not None and t.dtype != torch.float32 for t in tensors)
+                example = tuple(c if c is not None else t for t, c in zip(tensors, self.constants))
+        # A stage may bind what the shapes decide once (K7/K8: the V pass fused with the kernel).
+        prepare = getattr(module, "prepare_run", None)
+        self.run = (prepare and prepare(compiled, example, device)) or functools.partial(module.run_kernel, compiled)
 
     def __call__(self, q, k, v, descales) -> tuple:
         if self.device_index != torch.cuda.current_device():
@@ -304,8 +306,6 @@ class _PreparedCall:
             lse = scratch(q, "lse", self.lse_shape, torch.float32)
         if self.descale_mode is None:
             self.run(q, k, v, out, lse, self.scale)
-        elif self.descale_mode == "fixed":
-            self.run(q, k, v, out, lse, self.scale, descale=self.descale)
         elif self.descale_mode == "tensors":
             self.run(q, k, v, out, lse, self.scale, descales=[c if c is not None else x.float() if f else x
                                                               for x, c, f in zip(descales, self.constants, self.as_float)])

@@ -218,6 +218,10 @@ class CompiledAttention:
     buffers: dict = field(default_factory=dict)
     ptx: Optional[str] = None
     info: dict = field(default_factory=dict)
+    # Another @cute.jit function around the same kernel object, compiled on first use (``FusedLaunch``):
+    # (key, make_entry(kernel), fake leading arguments) -> its launch.
+    compile_entry: Optional[Callable] = None
+    entries: dict = field(default_factory=dict)  # what compile_entry made, by its key
 
 
 # --------------------------------------------------------------------------------------
@@ -401,6 +405,24 @@ def buffers(like, role: str, specs: tuple, keep: bool) -> tuple:
     if keep:
         return scratch_set(like, role, specs)
     return tuple(like.new_empty(s, dtype=d) for s, d in specs)
+
+
+class FusedLaunch:
+    """Pre-pass kernels and a stage's kernel in one host call: ``make_entry(kernel)``, a @cute.jit
+    function launching them in order on one stream, compiled on first use; ``specs``, the
+    (shape, torch dtype) of the scratch they write (one set per device and stream); ``constants``,
+    tensors made once. A launch from Python costs its caller several microseconds, about what a
+    small pre-pass kernel takes on the GPU. Called as ``run_kernel`` is, less the compiled problem;
+    the entry takes (q, k, v, out, lse, *descales, *constants, *scratch, softmax_scale)."""
+
+    def __init__(self, compiled: CompiledAttention, key, make_entry, head_args, specs: tuple, constants: tuple = ()):
+        self.launch = compiled.entries.get(key)
+        if self.launch is None:
+            self.launch = compiled.entries[key] = compiled.compile_entry(key, make_entry, head_args)
+        self.role, self.specs, self.constants = key, specs, constants
+
+    def __call__(self, q, k, v, out, lse, scale, descales=()) -> None:
+        self.launch(q, k, v, out, lse, *descales, *self.constants, *scratch_set(q, self.role, self.specs), scale)
 
 
 def fake_stream():

@@ -52,8 +52,10 @@ from .contract import (
     CompiledAttention,
     Problem,
     UnsupportedProblem,
+    compiled_ptx,
     cute_dtype,
     fake_attention_args,
+    fake_stream,
     fused_attention,
     jit_compile,
     num_sms,
@@ -680,12 +682,15 @@ def build(name: str, kernel_cls, p: Problem, cfg: dict, keep_ptx: bool, fake_arg
             f"(limit {SMEM_CAPACITY // 1024} KB): use fewer kv_stages or a smaller tile_n")
     key = (name, p.head_dim, dtype or p.dtype, p.causal, sm_count, tuple(sorted(cfg.items())))
 
+    def counter():
+        return make_fake_tensor(Int32, (kernel.counter_ints(),), stride=(1,))
+
     def args():
         if fake_args is None:
             *head, stream = fake_attention_args(dt, p.head_dim, separate_kv=True)
         else:
             *head, stream = fake_args(dt, p.head_dim)
-        return kernel, (*head, make_fake_tensor(Int32, (kernel.counter_ints(),), stride=(1,)), stream)
+        return kernel, (*head, counter(), stream)
 
     fn = jit_compile(key, args, keep_ptx)
     info = dict(cfg, smem_bytes=kernel.smem_bytes(), **({"ctas": ctas} if ctas else {}))
@@ -693,7 +698,19 @@ def build(name: str, kernel_cls, p: Problem, cfg: dict, keep_ptx: bool, fake_arg
     counters = schedule.TileCounters(kernel.counter_ints())
     compiled.buffers["counters"] = counters  # tests read them back: the first zeroed_ints must be zero
     compiled.buffers["zeroed_ints"] = kernel.zeroed_counter_ints()
-    compiled.launch = lambda q, *args: fn(q, *args, counters.get(q.device))
+    compiled.launch = lambda q, *args: fn(q, *args, counters.get(q.get_device()))
+
+    def compile_entry(entry_key, make_entry, head_args):
+        entry = jit_compile((key, entry_key), lambda: (make_entry(kernel), (*head_args(dt, p.head_dim), counter(),
+                                                                           fake_stream())), keep_ptx)
+
+        def launch(q, *args):
+            entry(q, *args, counters.get(q.get_device()))
+
+        launch.ptx = compiled_ptx(entry) if keep_ptx else None
+        return launch
+
+    compiled.compile_entry = compile_entry
     return compiled
 
 

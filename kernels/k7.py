@@ -36,6 +36,7 @@ from .contract import (
     Capabilities,
     CompiledAttention,
     FakeShapes,
+    FusedLaunch,
     Problem,
     UnsupportedProblem,
     compiled_ptx,
@@ -176,14 +177,23 @@ def transpose_v_with_descales(v8, dq, dk, dv, keep: bool = False, per_tensor: bo
     """(V^T, descale rows): ``transpose_v_fp8`` and ``fp8_quant.descale_rows`` in one launch (CUDA).
     dq, dk, dv: K8's float32 (batch, heads, blocks), or with ``per_tensor`` K7's three one-element
     float32 tensors of any shape, read as they are, and rows (3,) (a view costs a call 1 us)."""
-    import torch
-
-    b, h, n, d = v8.shape
-    rows_shape = (3,) if per_tensor else (*dq.shape[:2], dq.shape[2] + 2 * dk.shape[2])
-    vt, rows = buffers(v8, "vt+rows", (((b, h, d, n + (-n % 16)), v8.dtype), (rows_shape, torch.float32)), keep)
+    vt, rows = buffers(v8, "vt+rows", v_pass_specs(v8.shape, rows_shape(dq, dk, per_tensor)), keep)
     ranks = (dq.dim(), dk.dim(), dv.dim()) if per_tensor else None
     compile_transpose_v(with_descales=True, ranks=ranks)(v8, vt, dq, dk, dv, rows)
     return vt, rows
+
+
+def v_pass_specs(v_shape, rows_shape) -> tuple:
+    """(shape, dtype) of V^T and of the descale rows ``TransposeV.with_descales`` writes: (3,) for
+    K7's three numbers, (batch, heads, q blocks + 2 * kv blocks) for K8's tiles."""
+    import torch
+
+    b, h, n, d = v_shape
+    return ((b, h, d, n + (-n % 16)), torch.float8_e4m3fn), (tuple(rows_shape), torch.float32)
+
+
+def rows_shape(dq, dk, per_tensor: bool) -> tuple:
+    return (3,) if per_tensor else (*dq.shape[:2], dq.shape[2] + 2 * dk.shape[2])
 
 
 def transpose_v_fp8_torch(v8):
@@ -225,6 +235,18 @@ def fake_args(out_dtype, head_dim: int, kv_heads: bool = True) -> tuple:
                           stride=tuple(cute.sym_int64(divisibility=16) for _ in range(3)) + (1,), assumed_align=16)
     descale = make_fake_tensor(Float32, (3,), stride=(1,), assumed_align=4)
     return q, k, vt, f.tensor(out_dtype, (head_dim,)), f.tensor(Float32, ()), descale, Float32(1.0), fake_stream()
+
+
+def fake_descales(ranks: tuple | None) -> tuple:
+    """(dq, dk, dv, rows) placeholders for ``TransposeV.with_descales``: K7's one-element tensors of
+    these ranks and rows (3,), or with ``ranks`` None K8's (``fp8_quant.fake_descale_rows``)."""
+    from cutlass.cute.runtime import make_fake_tensor
+
+    if ranks is None:
+        return fp8_quant.fake_descale_rows()
+    ones = (make_fake_tensor(Float32, (1,) * r, stride=tuple(cute.sym_int64() for _ in range(r)), assumed_align=4)
+            for r in ranks)
+    return (*ones, make_fake_tensor(Float32, (3,), stride=(1,), assumed_align=4))
 
 
 def config(p: Problem, overrides: dict, name: str = "K7") -> dict:
@@ -279,20 +301,106 @@ def capabilities(structure: str = "k6") -> Capabilities:
 def run_kernel(compiled: CompiledAttention, q, k, v, out, lse, softmax_scale=None, descale=None,
                descales=None) -> None:
     """e4m3 q, k, v with either ``descale``, the kernel's (3,) float32 descales, or ``descales``, the
-    caller's three as one-element float32 tensors, which the V^T launch checks as it copies them
+    caller's three as one-element float32 tensors, which the V^T pass checks as it copies them
     (``transpose_v_with_descales``: one that is not a finite number > 0 turns to NaN, and O with
-    it); 16-bit q, k, v: the whole pre-pass (``prepare_fp8``). Intermediates are per-stream scratch."""
+    it); 16-bit q, k, v: the whole pre-pass. Both of the latter in one host call (``prepare_run``);
+    intermediates are per-stream scratch."""
     import torch
 
     scale = compiled.problem.scale if softmax_scale is None else softmax_scale
-    if q.dtype != torch.float8_e4m3fn:
+    if descale is not None:
+        compiled.launch(q, k, transpose_v_fp8(v, keep=True), out, lse, descale, scale)
+    elif compiled.compile_entry is not None:
+        prepare_run(compiled, descales, q.device)(q, k, v, out, lse, scale, descales or ())
+    elif q.dtype != torch.float8_e4m3fn:  # k7_k4: a launch each
         q8, k8, vt8, descale = prepare_fp8(q, k, v, keep=True)
         compiled.launch(q8, k8, vt8, out, lse, descale, scale)
-    elif descales is not None:
+    else:
         vt, rows = transpose_v_with_descales(v, *descales, keep=True, per_tensor=True)
         compiled.launch(q, k, vt, out, lse, rows, scale)
-    else:
-        compiled.launch(q, k, transpose_v_fp8(v, keep=True), out, lse, descale, scale)
+
+
+# --------------------------------------------------------------------------------------
+# One host call: the pre-pass kernels, then the attention kernel
+# --------------------------------------------------------------------------------------
+
+class VPassThenKernel:
+    """e4m3 V as the caller has it: the V^T pass, which also writes the descale rows (K7's three
+    numbers or K8's tile descales), then the kernel reading both."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+                 mDq: cute.Tensor, mDk: cute.Tensor, mDv: cute.Tensor, mVt: cute.Tensor, mRows: cute.Tensor,
+                 softmax_scale: Float32, mTileCounter: cute.Tensor, stream):
+        TransposeV().with_descales(mV, mVt, mDq, mDk, mDv, mRows, stream)
+        self.kernel.launch(mQ, mK, vt_view(mVt), mO, mLSE, mRows, softmax_scale, mTileCounter, stream)
+
+
+class QuantizeThenKernel:
+    """16-bit q, k, v: K7's whole pre-pass (``fp8_quant.QuantizeTensors``' two kernels for all three,
+    then the V^T pass), then the kernel."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+                 mQ8: cute.Tensor, mK8: cute.Tensor, mV8: cute.Tensor, mDescale: cute.Tensor, mPartial: cute.Tensor,
+                 mVt: cute.Tensor, softmax_scale: Float32, mTileCounter: cute.Tensor, stream):
+        quantize = fp8_quant.QuantizeTensors(self.kernel.head_dim, 3)
+        quantize.amax(mQ, mK, mV, mPartial, stream)
+        quantize.cast(mQ, mK, mV, mQ8, mK8, mV8, mPartial, mDescale, stream)
+        TransposeV()(mV8, mVt, stream)
+        self.kernel.launch(mQ8, mK8, vt_view(mVt), mO, mLSE, mDescale, softmax_scale, mTileCounter, stream)
+
+
+def prepare_run(compiled: CompiledAttention, descales, device, per_tensor: bool = True):
+    """``run_kernel`` for one call signature (``harness.api``'s prepared calls), as one host call
+    (``contract.FusedLaunch``) on ``device``: e4m3 inputs with the caller's descale tensors (``descales``; K8's
+    per block without ``per_tensor``) take ``VPassThenKernel``, 16-bit ones ``QuantizeThenKernel``.
+    None where ``run_kernel`` itself is the path (k7_k4)."""
+    import torch
+
+    if compiled.compile_entry is None:
+        return None
+    p = compiled.problem
+    v_shape = (p.batch, p.kv_heads, p.kv_len, p.head_dim)
+    if p.dtype == "float8_e4m3fn":
+        ranks = tuple(x.dim() for x in descales) if per_tensor else None
+        return FusedLaunch(compiled, ("v pass", ranks), VPassThenKernel, lambda dt, d: v_pass_args(dt, d, ranks),
+                           v_pass_specs(v_shape, rows_shape(*descales[:2], per_tensor)))
+    e4m3, f32 = torch.float8_e4m3fn, torch.float32
+    rows = max(p.batch * p.nheads * p.seqlen, p.batch * p.kv_heads * p.kv_len)
+    partials = max(1, min(fp8_quant.PARTIALS, -(-rows // fp8_quant.QuantizeTensors.rows_per_block(p.head_dim))))
+    specs = (((p.batch, p.nheads, p.seqlen, p.head_dim), e4m3), (v_shape, e4m3), (v_shape, e4m3), ((3,), f32),
+             ((3, partials), f32), v_pass_specs(v_shape, (3,))[0])
+    return FusedLaunch(compiled, ("quantize", p.dtype), QuantizeThenKernel,
+                       lambda dt, d: quantize_args(dt, d, cute_dtype(p.dtype)), specs)
+
+
+def v_pass_args(out_dtype, head_dim: int, ranks: tuple | None) -> tuple:
+    """``VPassThenKernel``'s placeholders before the tile counter."""
+    q, k, vt, o, lse, _, scale, _ = fake_args(out_dtype, head_dim)
+    v = FakeShapes().tensor(FP8, (head_dim,), align_elems=16, kv=True)
+    *descales, rows = fake_descales(ranks)
+    return (q, k, v, o, lse, *descales, vt, rows, scale)
+
+
+def quantize_args(out_dtype, head_dim: int, in_dtype) -> tuple:
+    """``QuantizeThenKernel``'s placeholders before the tile counter (16-bit q, k, v of ``in_dtype``)."""
+    from cutlass.cute.runtime import make_fake_tensor
+
+    q8, k8, vt, o, lse, descale, scale, _ = fake_args(out_dtype, head_dim)
+    f = FakeShapes()
+    q, k, v = f.tensor(in_dtype, (head_dim,)), f.tensor(in_dtype, (head_dim,), kv=True), f.tensor(
+        in_dtype, (head_dim,), kv=True)
+    g = FakeShapes()
+    v8 = g.tensor(FP8, (head_dim,), align_elems=16, kv=True)
+    partial = make_fake_tensor(Float32, (3, cute.sym_int()), stride=(cute.sym_int64(), 1), assumed_align=4)
+    return (q, k, v, o, lse, q8, k8, v8, descale, partial, vt, scale)
 
 
 # --------------------------------------------------------------------------------------
@@ -389,11 +497,6 @@ def compile_transpose_v(keep_ptx: bool = False, with_descales: bool = False, ran
                               + (1,), assumed_align=16)
         if not with_descales:
             return TransposeV(), (v, vt, fake_stream())
-        if ranks is None:
-            return TransposeV().with_descales, (v, vt, *fp8_quant.fake_descale_rows(), fake_stream())
-        ones = (make_fake_tensor(Float32, (1,) * r, stride=tuple(cute.sym_int64() for _ in range(r)), assumed_align=4)
-                for r in ranks)
-        rows = make_fake_tensor(Float32, (3,), stride=(1,), assumed_align=4)
-        return TransposeV().with_descales, (v, vt, *ones, rows, fake_stream())
+        return TransposeV().with_descales, (v, vt, *fake_descales(ranks), fake_stream())
 
     return jit_compile(("k7_transpose_v", with_descales, ranks), build, keep_ptx)

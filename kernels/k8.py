@@ -26,7 +26,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from . import fp8_quant, k5, k7, sm90
-from .contract import Capabilities, CompiledAttention, FakeShapes, Problem
+from .contract import Capabilities, CompiledAttention, FakeShapes, FusedLaunch, Problem, cute_dtype
 
 # 16-bit inputs, which K8 quantizes itself, or e4m3 ones quantized as it would (``quantize_inputs``)
 # with their per-block descales. GQA and keys outnumbering queries as in K7: K and V keep their own
@@ -110,16 +110,61 @@ def run_kernel(compiled: CompiledAttention, q, k, v, out, lse, softmax_scale=Non
                descales=None) -> None:
     """16-bit q, k, v: the whole pre-pass. e4m3 ones (``quantize_inputs``): either ``descale``, their
     ``fp8_quant.descale_rows``, or ``descales``, the caller's (dq, dk, dv), made into those rows in
-    the V^T launch; only V^T is made here. Intermediates are per-stream scratch."""
+    the V^T pass; only V^T is made here. Both of the latter in one host call (``prepare_run``);
+    intermediates are per-stream scratch."""
+    scale = compiled.problem.scale if softmax_scale is None else softmax_scale
+    if descale is not None:
+        compiled.launch(q, k, k7.transpose_v_fp8(v), out, lse, descale, scale)
+    else:
+        prepare_run(compiled, descales, q.device)(q, k, v, out, lse, scale, descales or ())
+
+
+class QuantizeBlocksThenKernel:
+    """16-bit q, k, v: K8's whole pre-pass (``fp8_quant.QuantizeInputs``, then the V^T pass with the
+    descale rows), then the kernel."""
+
+    def __init__(self, kernel, quantize: fp8_quant.QuantizeInputs):
+        self.kernel, self.quantize = kernel, quantize
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+                 mSigns: cute.Tensor, mQ8: cute.Tensor, mK8: cute.Tensor, mV8: cute.Tensor, mDq: cute.Tensor,
+                 mDk: cute.Tensor, mDv: cute.Tensor, mVt: cute.Tensor, mRows: cute.Tensor, softmax_scale: Float32,
+                 mTileCounter: cute.Tensor, stream):
+        self.quantize(mQ, mK, mV, mQ8, mK8, mV8, mDq, mDk, mDv, mSigns, stream)
+        k7.TransposeV().with_descales(mV8, mVt, mDq, mDk, mDv, mRows, stream)
+        self.kernel.launch(mQ8, mK8, k7.vt_view(mVt), mO, mLSE, mRows, softmax_scale, mTileCounter, stream)
+
+
+def prepare_run(compiled: CompiledAttention, descales, device):
+    """``k7.prepare_run`` with K8's descales, one per block; 16-bit inputs take
+    ``QuantizeBlocksThenKernel`` (its sign vector made on ``device``)."""
     import torch
 
-    info = compiled.info
-    scale = compiled.problem.scale if softmax_scale is None else softmax_scale
-    if q.dtype != torch.float8_e4m3fn:
-        q8, k8, vt8, rows = prepare_fp8_blocks(q, k, v, info["tile_m"], info["tile_n"], info["rotate"], keep=True)
-        compiled.launch(q8, k8, vt8, out, lse, rows, scale)
-    elif descales is not None:
-        vt, rows = k7.transpose_v_with_descales(v, *descales, keep=True)
-        compiled.launch(q, k, vt, out, lse, rows, scale)
-    else:
-        compiled.launch(q, k, k7.transpose_v_fp8(v), out, lse, descale, scale)
+    p, info = compiled.problem, compiled.info
+    if p.dtype == "float8_e4m3fn":
+        return k7.prepare_run(compiled, descales, device, per_tensor=False)
+    tile_m, tile_n, rotate = info["tile_m"], info["tile_n"], info["rotate"]
+    e4m3, f32 = torch.float8_e4m3fn, torch.float32
+    q_shape, kv_shape = (p.batch, p.nheads, p.seqlen, p.head_dim), (p.batch, p.kv_heads, p.kv_len, p.head_dim)
+    mq, mk = -(-p.seqlen // tile_m), -(-p.kv_len // tile_n)
+    specs = ((q_shape, e4m3), (kv_shape, e4m3), (kv_shape, e4m3), ((p.batch, p.nheads, mq), f32),
+             ((p.batch, p.kv_heads, mk), f32), ((p.batch, p.kv_heads, mk), f32),
+             *k7.v_pass_specs(kv_shape, (p.batch, p.nheads, mq + 2 * mk)))
+    signs = fp8_quant.hadamard_signs(p.head_dim, HADAMARD_SEED, device)  # unread without rotate
+    quantize = fp8_quant.QuantizeInputs(p.head_dim, tile_m, tile_n, rotate)
+    return FusedLaunch(compiled, ("quantize", p.dtype, rotate), lambda kernel: QuantizeBlocksThenKernel(kernel, quantize),
+                       lambda dt, d: quantize_args(dt, d, cute_dtype(p.dtype)), specs, constants=(signs,))
+
+
+def quantize_args(out_dtype, head_dim: int, in_dtype) -> tuple:
+    """``QuantizeBlocksThenKernel``'s placeholders before the tile counter."""
+    from cutlass.cute.runtime import make_fake_tensor
+
+    q8, k8, vt, o, lse, rows, scale, _ = fake_args(out_dtype, head_dim)
+    f, g = FakeShapes(), FakeShapes()
+    q, k, v = (f.tensor(in_dtype, (head_dim,), kv=kv) for kv in (False, True, True))
+    v8 = g.tensor(k7.FP8, (head_dim,), align_elems=16, kv=True)
+    dq, dk, dv, _ = fp8_quant.fake_descale_rows()
+    signs = make_fake_tensor(Float32, (head_dim,), stride=(1,), assumed_align=16)
+    return (q, k, v, o, lse, signs, q8, k8, v8, dq, dk, dv, vt, rows, scale)

@@ -122,10 +122,11 @@ class TileCounters:
         self._pairs = {}
         self.size = size  # more than the pair with a split tail: its merge counters and partials
 
-    def get(self, device):
+    def get(self, device: int):
+        """The pair of the current stream on CUDA device ``device`` (an index: cheaper than torch.device)."""
         import torch
 
-        key = (device.index, torch._C._cuda_getCurrentRawStream(device.index))  # ints: cheap
+        key = (device, torch._C._cuda_getCurrentRawStream(device))  # ints: cheap
         pair = self._pairs.get(key)
         if pair is None:
             pair = torch.zeros(self.size, dtype=torch.int32, device=device)

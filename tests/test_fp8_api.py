@@ -141,6 +141,25 @@ def test_an_fp8_problem_compiles_k7s_one_kernel_with_e4m3_wgmmas():
     assert bf16.ptx == compiled.ptx
 
 
+@pytest.mark.parametrize("name", ["k7", "k8"])
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "bfloat16"])
+def test_a_prepared_fp8_call_is_one_host_call_of_its_pre_pass_and_kernel(name, dtype):
+    from harness.inspect_ptx import count_instructions
+    from kernels.contract import FusedLaunch
+
+    p = Problem(1, 2, 100, 128, dtype=dtype)
+    compiled = get_kernel(name).compile(p, keep_ptx=True)
+    descales = (torch.ones(()), torch.ones(1), torch.ones(())) if name == "k7" else (torch.ones(1, 2, 1),) * 3
+    fused = get_kernel(name).load().prepare_run(compiled, descales if dtype != "bfloat16" else None, torch.device("cpu"))
+    assert isinstance(fused, FusedLaunch)
+    # e4m3: the V^T pass, then attention; bf16: K7's amax, cast and V^T passes (K8's quantizer and
+    # V^T pass), then attention. Every kernel launched from one host function.
+    kernels = {("k7", "float8_e4m3fn"): 2, ("k8", "float8_e4m3fn"): 2, ("k7", "bfloat16"): 4, ("k8", "bfloat16"): 3}
+    assert fused.launch.ptx.count(".entry ") == kernels[name, dtype]
+    counts, alone = count_instructions(fused.launch.ptx), count_instructions(compiled.ptx)
+    assert counts["e4m3 wgmma"] == alone["e4m3 wgmma"] > 0 and counts["cp.async.bulk.tensor"] > 0
+
+
 def test_descales_become_one_float32_vector():
     _, ((q8, dq), _, _) = _fp8()
     tensors, values = split_descales(q8, dict(descale_q=dq, descale_k=None, descale_v=torch.tensor(0.25)))
