@@ -19,6 +19,10 @@ finish its rows of a tile merges them by LSE weights, as split-KV decode does.
 * ``pin_pv_wait``: the overlap's wait for PV j, which ptxas hoists above tile j+1's exponentials
   (so PV only overlaps the row max), pinned after them behind a branch (``"after_softmax"``), or
   with the exponentials themselves after the wait (``"before_exp2"``).
+
+``QInRegisters`` (``q_in_regs``): QK reads Q from registers, loaded from SMEM once per tile,
+instead of from SMEM at every KV tile. Q takes d/4 registers per thread beside O's d/2: it fits up
+to d=128 (d=64's 176-key tiles spill 148 bytes), not at d=256.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ def kernel_class(cfg: dict, causal: bool):
     """(kernel class, configuration it takes) for K6's configuration ``cfg``: K6FMHA, or K6FMHA with
     the mixins its knobs need (a knob left at its off value asks for none)."""
     mixins, unused = [], set()
-    for mixin, knobs in ((SplitTail, ("split_tail",)), (SoftmaxKnobs, SOFTMAX_KNOBS)):
+    for mixin, knobs in ((SplitTail, ("split_tail",)), (SoftmaxKnobs, SOFTMAX_KNOBS), (QInRegisters, ("q_in_regs",))):
         if any(cfg.get(k) for k in knobs):
             mixins.append(mixin)
         else:
@@ -255,3 +259,21 @@ class SoftmaxKnobs:
             if const_expr(row_sum is not None):
                 sm90.exp2_rows_and_sum(acc_S, row_scale, row_sum)
             self.p_to_operand(acc_S, tOrP)
+
+
+class QInRegisters:
+    def __init__(self, *args, q_in_regs: bool = True, **kw):
+        super().__init__(*args, **kw)
+        if self.head_dim > 128:
+            raise UnsupportedProblem(f"q_in_regs: Q in registers ({self.head_dim // 4} per thread) does not fit "
+                                     f"beside O ({self.head_dim // 2}) at head_dim {self.head_dim}; head_dim <= 128 only")
+
+    def q_source(self):
+        return warpgroup.OperandSource.RMEM
+
+    def q_fragment(self, wg_mma_qk, sQ: cute.Tensor) -> cute.Tensor:
+        return wg_mma_qk.make_fragment_A(wg_mma_qk.partition_shape_A((self.tile_m, self.head_dim)))
+
+    def q_operand(self, tiled_mma_qk, sQ: cute.Tensor, tSrQ: cute.Tensor, q_stage: int, tidx: Int32) -> cute.Tensor:
+        sm90.load_a_operand(tiled_mma_qk, sQ[None, None, q_stage], tSrQ, tidx, self.dtype)  # this tile's Q
+        return tSrQ

@@ -127,7 +127,7 @@ class K5FMHA:
     def __init__(self, head_dim: int, dtype, causal: bool, num_wg: int, tile_n: int, kv_stages: int,
                  q_stages: int, scheduler: str, tma_store: bool = False, sm_count: int = H100_SMS,
                  section_bytes: int = schedule.SECTION_BYTES, o_store_per_wg: bool = False,
-                 pin_descriptors: bool = True, cluster: int = 1, q_in_regs: bool = False):
+                 pin_descriptors: bool = True, cluster: int = 1):
         self.head_dim = head_dim
         self.dtype = dtype
         self.causal = causal
@@ -145,18 +145,22 @@ class K5FMHA:
         self.pin_descriptors = pin_descriptors  # sm90.StagedOperand for K and V (False: as K4 indexes them)
         self.cluster = cluster  # CTAs sharing each K/V tile through multicast (1: none)
         self.kv_mcast_mask = (1 << cluster) - 1 if cluster > 1 else None
-        # QK reads Q from registers, loaded once per tile, instead of from SMEM at every KV tile
-        # (measured and left off, docs/k6.md): Q takes d/4 registers per thread beside O's d/2.
-        # It fits up to d=128 (d=64's 176-key tiles spill 148 bytes), not at d=256.
-        if q_in_regs and head_dim > 128:
-            raise UnsupportedProblem(f"q_in_regs: Q in registers ({head_dim // 4} per thread) does not fit beside O "
-                                     f"({head_dim // 2}) at head_dim {head_dim}; head_dim <= 128 only")
-        self.q_in_regs = q_in_regs
         self.num_threads = sm90.THREADS_PER_WARPGROUP * (num_wg + 1)
         self.producer_regs, self.consumer_regs = REGISTERS[num_wg]
 
     def o_store_rows(self) -> int:
         return 64 if self.o_store_per_wg else self.tile_m
+
+    # Where QK's A operand (Q) comes from: SMEM, the stage's Q tile, at every KV tile. Hooks, so that
+    # a variant can hold Q in registers instead (experiments.QInRegisters).
+    def q_source(self):
+        return warpgroup.OperandSource.SMEM
+
+    def q_fragment(self, wg_mma_qk, sQ: cute.Tensor) -> cute.Tensor:
+        return wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))
+
+    def q_operand(self, tiled_mma_qk, sQ: cute.Tensor, tSrQ: cute.Tensor, q_stage: int, tidx: Int32) -> cute.Tensor:
+        return tSrQ[None, None, None, q_stage]
 
     def o_store_layout(self, sQ_stage):
         """The SMEM layout one O store reads: a Q stage, or the first 64 rows of one (the same
@@ -191,8 +195,7 @@ class K5FMHA:
         # Each consumer warpgroup owns 64 rows of the tile_m-row query tile, as in K4.
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
             dt, dt, OperandMajorMode.K, OperandMajorMode.K, Float32,
-            atom_layout_mnk=(self.num_wg, 1, 1), tiler_mn=(64, self.tile_n),
-            a_source=warpgroup.OperandSource.RMEM if const_expr(self.q_in_regs) else warpgroup.OperandSource.SMEM)
+            atom_layout_mnk=(self.num_wg, 1, 1), tiler_mn=(64, self.tile_n), a_source=self.q_source())
         v_major = LayoutEnum.from_tensor(mVt)
         tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
             dt, dt, OperandMajorMode.K, v_major.sm90_mma_major_mode(), Float32,
@@ -441,10 +444,7 @@ class K5FMHA:
         wg_mma_qk = tiled_mma_qk.get_slice(wg_idx * sm90.THREADS_PER_WARPGROUP)
         wg_mma_pv = tiled_mma_pv.get_slice(wg_idx * sm90.THREADS_PER_WARPGROUP)
         thr_mma_qk = tiled_mma_qk.get_slice(tidx)
-        if const_expr(self.q_in_regs):
-            tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_shape_A((tile_m, d)))
-        else:
-            tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))
+        tSrQ = self.q_fragment(wg_mma_qk, sQ)
         tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK))
         tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(sVt))
         if const_expr(self.pin_descriptors):  # K's and V's descriptors made once, not in every KV step
@@ -501,11 +501,7 @@ class K5FMHA:
         # k-block of every KV tile: about 15 more instructions per KV tile at d=128 (SASS, docs/k6.md).
         for q_stage in cutlass.range_constexpr(self.q_stages):
             if q_consume.index == q_stage:
-                if const_expr(self.q_in_regs):  # this tile's Q into the registers QK reads
-                    sm90.load_a_operand(tiled_mma_qk, sQ[None, None, q_stage], tSrQ, tidx, self.dtype)
-                    tSrQ_stage = tSrQ
-                else:
-                    tSrQ_stage = tSrQ[None, None, None, q_stage]
+                tSrQ_stage = self.q_operand(tiled_mma_qk, sQ, tSrQ, q_stage, tidx)
                 mmas = sm90.Mmas(tiled_mma_qk, tiled_mma_pv, tSrQ_stage, tSrK, tOrVt, tOrP, acc_O, tScS)
                 kv_consume = self.mainloop(m_block, mask_lens, n_tiles, n_unmasked, kv_consume, pipelines, mmas,
                                            softmax, row_scale, n_lo)

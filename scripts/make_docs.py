@@ -451,6 +451,33 @@ def ncu_compare_table(path):
             + markdown_table(["metric", "`k6`", "flash-attn-4"], body))
 
 
+def ncu_profile_table(f, workload: str, top: int = 3):
+    """docs/k5-k8.md, docs/decode.md: scripts/ncu_profile.py's rows of one workload (bf16, fp8,
+    decode), each candidate's longest kernel: activity of the tensor, issue and MUFU pipes and the
+    stall reasons with the most warp cycles per issued instruction."""
+    rows = [r for r in f["rows"] if r["workload"] == workload]
+    r0 = next((r for r in rows if r["status"] == "ok"), rows[0])
+    shape = (f"batch {r0['batch']}, 32 query heads on {r0['nheads_kv']} K/V heads, {r0['seqlen_k']} keys, d=128"
+             if workload == "decode" else f"batch {r0['batch']} x {r0['nheads']} heads, N={r0['seqlen']}, "
+             f"d={r0['head_dim']}, non-causal, {'e4m3 inputs' if workload == 'fp8' else 'bf16'}")
+    head = (f"`{f['meta'].get('command', '')}`, {gpu_short_name(f['meta'].get('device', ''))}, "
+            f"{f['meta'].get('date', '')[:10]}: {shape}. One profiled call each, its longest kernel "
+            "(ncu at the card's own clocks: read the ratios, not the durations).")
+    body = []
+    for r in rows:
+        if r["status"] != "ok":
+            body.append([r["label"], "—", "—", "—", "—", "—", f"not profiled: {r['status'][:80]}"])
+            continue
+        stalls = sorted(((k[6:], v) for k, v in r.items() if k.startswith("stall_")), key=lambda kv: -kv[1])[:top]
+        body.append([f"`{r['label']}`" if r["label"] == r["job"].split("-")[0] or r["label"] == r["job"]
+                     else r["label"], str(r["kernels_in_call"]), f"{r['duration_us']:.0f}",
+                     f"{r['tensor_pipe_pct']:.1f}", f"{r['issue_active_pct']:.1f}", f"{r['xu_pipe_pct']:.1f}",
+                     ", ".join(f"{name} {v:.2f}" for name, v in stalls)])
+    return head + "\n\n" + markdown_table(
+        ["call", "kernels", "longest kernel (µs)", "tensor pipe (% of peak)", "issue slots (% of peak)",
+         "MUFU/XU pipe (% of peak)", "top stalls (warp cycles per issue)"], body)
+
+
 def ncu_stalls_table(f, top: int = 8):
     """docs/k6.md: scripts/ncu_stalls.py, per kernel the SASS instructions where most warp-stall
     samples fell (share of all the kernel's samples, the leading reason)."""
@@ -1098,6 +1125,10 @@ def main(argv=None):
     gqa_pairs = [pair for pair in gqa_pairs if all(pair)]
     if gqa_pairs:
         fill("k6", "gqa", lambda: "\n\n".join(gqa_table(mha, gqa) for mha, gqa in gqa_pairs))
+    profiles = newest(finished("ncu-profile-*.json"), TARGET_GPU)
+    if profiles:
+        for stem, workload in (("k5", "bf16"), ("k6", "bf16"), ("k7", "fp8"), ("k8", "fp8"), ("decode", "decode")):
+            fill(stem, f"ncu-profile-{workload}", lambda: ncu_profile_table(profiles, workload))
     compares = sorted(ROOT.glob("results/ncu-compare-*.txt"))
     if compares:
         fill("k6", "ncu-compare", lambda: "\n\n".join(ncu_compare_table(f) for f in compares))
