@@ -411,20 +411,6 @@ def ws_compile_table(files):
                               "setmaxnreg", "wgmma"], body))
 
 
-def ncu_table(path):
-    """docs/k5.md, docs/k6.md: scripts/ncu_tensor_util.sh output as a table."""
-    lines = path.read_text().splitlines()
-    values = {}
-    for line in lines[1:]:
-        kernel, metric, value = line.split(maxsplit=2)
-        values.setdefault(kernel, {})[metric.split(".")[0]] = value.replace(",", "")
-    body = [[f"`{k}`", v.get("sm__pipe_tensor_op_hmma_cycles_active", "—"),
-             f"{int(v['gpu__time_duration']) / 1e6:.2f}" if "gpu__time_duration" in v else "—"]
-            for k, v in values.items()]
-    return (f"`{path.relative_to(ROOT)}`: {lines[0]}\n\n"
-            + markdown_table(["kernel", "tensor pipe active (% of peak)", "duration under ncu (ms)"], body))
-
-
 def ncu_compare_table(path):
     """docs/k6.md: scripts/ncu_compare.sh output, one row per metric, k6 beside flash-attn-4."""
     lines = path.read_text().splitlines()
@@ -457,7 +443,7 @@ def ncu_profile_table(f, workload: str, top: int = 3):
     stall reasons with the most warp cycles per issued instruction."""
     rows = [r for r in f["rows"] if r["workload"] == workload]
     r0 = next((r for r in rows if r["status"] == "ok"), rows[0])
-    shape = (f"batch {r0['batch']}, 32 query heads on {r0['nheads_kv']} K/V heads, {r0['seqlen_k']} keys, d=128"
+    shape = (f"batch {r0['batch']}, 32 query heads on {r0['nheads_kv']} K/V heads, {r0['kv_len']} keys, d=128"
              if workload == "decode" else f"batch {r0['batch']} x {r0['nheads']} heads, N={r0['seqlen']}, "
              f"d={r0['head_dim']}, non-causal, {'e4m3 inputs' if workload == 'fp8' else 'bf16'}")
     head = (f"`{f['meta'].get('command', '')}`, {gpu_short_name(f['meta'].get('device', ''))}, "
@@ -1103,7 +1089,6 @@ def main(argv=None):
         before = newest(finished("host-times-before-*.json"), TARGET_GPU)
         fill("k6", "host-times", lambda: host_times_table(host_after, before))
     compile_files = finished("compile-ws-*.json")
-    ncu_files = sorted(ROOT.glob("results/ncu-tensor-util-*.txt"))
     clocked = [f for f in rounds_runs if any(r.get("sm_clock_mhz") for r in f["rows"])]
     for stem in ("k5", "k6"):
         if ws_sweep:
@@ -1118,8 +1103,6 @@ def main(argv=None):
             fill(stem, "power", lambda: power_table(newest(clocked, TARGET_GPU) or newest(clocked)))
         if compile_files:
             fill(stem, "ws-compile", lambda: ws_compile_table(compile_files))
-        if ncu_files:
-            fill(stem, "ncu", lambda: "\n\n".join(ncu_table(f) for f in ncu_files))
     gqa_pairs = [(newest(finished("ws-gqa-g1-*.json"), gpu), newest(finished("ws-gqa-g4-*.json"), gpu))
                  for gpu in (TARGET_GPU, "H200")]  # the issues' GPU first
     gqa_pairs = [pair for pair in gqa_pairs if all(pair)]

@@ -44,8 +44,9 @@ METRICS = {
     "smsp__inst_executed.sum": "instructions",
     **{f"smsp__average_warps_issue_stalled_{s}_per_issue_active.ratio": f"stall_{s}" for s in STALLS},
 }
+TO_US = {"ns": 1e-3, "nsecond": 1e-3, "ms": 1e3, "msecond": 1e3}  # durations to microseconds
 PREFILL = dict(batch=2, nheads=16, seqlen=8192, head_dim=128)
-DECODE = dict(batch=8, seqlen_k=32768, nheads_kv=8)
+DECODE = dict(batch=8, kv_len=32768, nheads_kv=8)
 # name -> (workload, what the docs call it)
 JOBS = {
     "k5": ("bf16", "k5"), "k6_pp": ("bf16", "k6_pp"), "k6": ("bf16", "k6"),
@@ -126,7 +127,7 @@ def profile(name: str) -> dict:
         if r.get("Metric Name") in METRICS:
             k = kernels.setdefault(r["ID"], {"kernel_name": r["Kernel Name"]})
             value = number(r["Metric Value"])
-            k[METRICS[r["Metric Name"]]] = value / 1e3 if r["Metric Unit"] == "nsecond" else value
+            k[METRICS[r["Metric Name"]]] = value * TO_US.get(r["Metric Unit"], 1.0)
     if not kernels:
         raise RuntimeError(f"{name}: ncu profiled no kernel")
     main = max(kernels.values(), key=lambda k: k.get("duration_us", 0))

@@ -57,7 +57,7 @@ case "$part" in
         2>&1 | grep "SUMMARY\|: ok\|FAIL" || { echo "synccheck $k: timed out or failed"; rc=1; }
     done | tee "$dir/sanitizer-$gpu.txt"
     timeout 300 $py bench.py k4 k5 k6_pp k6 --sweep --out "$dir/ws-sweep-$gpu.json" > "$dir/ws-sweep-$gpu.log" || rc=1
-    timeout 150 bash scripts/ncu_tensor_util.sh 8192 128 0 > "$dir/ncu-tensor-util-$gpu.txt" || rc=1
+    timeout 600 $py scripts/ncu_profile.py --out "$dir/ncu-profile-$gpu.json" || rc=1
     timeout 330 $py scripts/tune.py --kernels k6 --seqlen 512 2048 8192 16384 --causal 1 \
       --configs '[{}, {"scheduler": "single"}, {"scheduler": "static"}]' --out "$dir/ws-tune-$gpu-scheduler.json" || rc=1
     timeout 300 $py scripts/tune.py --kernels k6 --headdim 64 128 --seqlen 512 1024 4096 \
