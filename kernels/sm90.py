@@ -414,12 +414,13 @@ def store_rows(rO: cute.Tensor, lse: cute.Tensor, tiled_mma_pv: cute.TiledMma, t
     tOcO_mn = acc_mn_view(thr_mma_pv.partition_C(cute.make_identity_tensor((tile_m, d))))
     rO_mn = acc_mn_view(rO)
     rows_left = mO.shape[2] - m_block * tile_m
-    for r in cutlass.range_constexpr(cute.size(lse)):
+    for r in cutlass.range_constexpr(cute.size(rO_mn, mode=[0])):
         row = tOcO_mn[r, 0][0]
         if row < rows_left:
             cute.autovec_copy(rO_mn[r, None], tOgO_mn[r, None])
-            if tOcO_mn[r, 0][1] == 0:
-                mLSE[batch, head, m_block * tile_m + row] = lse[r]
+            if const_expr(mLSE is not None):  # K9's dK and dV: rows without an LSE
+                if tOcO_mn[r, 0][1] == 0:
+                    mLSE[batch, head, m_block * tile_m + row] = lse[r]
 
 
 @cute.jit

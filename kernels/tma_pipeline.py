@@ -189,7 +189,7 @@ def partition_for_tma(tma_atom: cute.CopyAtom, mX_tma: cute.Tensor, sX: cute.Ten
                                  cute.group_modes(gX, 0, 2))
 
 
-def _tma_pipeline(barriers, num_stages: int, consumer_warps: int, tx_bytes: int, cluster: int = 1):
+def make_tma_pipeline(barriers, num_stages: int, consumer_warps: int, tx_bytes: int, cluster: int = 1):
     """Full/empty mbarrier pairs per stage. One elected producer thread arms a stage with the
     expected byte count; the TMA engine completes it; one lane per consumer warp releases it.
     Shared by a ``cluster`` of CTAs (multicast loads): lane r of each consumer warp releases the
@@ -210,8 +210,8 @@ def make_pipelines(storage, dtype, sQ_layout, sK_layout, sV_layout, kv_stages: i
     arrives on the empty barrier when the warp is done with a stage.
     """
     consumer_warps = num_threads // cute.arch.WARP_SIZE
-    pipeline_q = _tma_pipeline(storage.mbar_q.data_ptr(), 1, consumer_warps, stage_bytes(dtype, sQ_layout))
-    pipeline_kv = _tma_pipeline(storage.mbar_kv.data_ptr(), kv_stages, consumer_warps,
+    pipeline_q = make_tma_pipeline(storage.mbar_q.data_ptr(), 1, consumer_warps, stage_bytes(dtype, sQ_layout))
+    pipeline_kv = make_tma_pipeline(storage.mbar_kv.data_ptr(), kv_stages, consumer_warps,
                                 stage_bytes(dtype, sK_layout, sV_layout))
     # Barrier init must be visible to the async (TMA) proxy and to every thread before use:
     # one fence and one CTA barrier for both pipelines.
@@ -223,7 +223,7 @@ def make_pipelines(storage, dtype, sQ_layout, sK_layout, sV_layout, kv_stages: i
 def make_kv_pipeline(storage, dtype, sK_layout, sV_layout, kv_stages: int, num_threads: int):
     """``make_pipelines`` without Q's (decode loads Q with the threads): K+V only, then the same
     fence and CTA barrier."""
-    pipeline_kv = _tma_pipeline(storage.mbar_kv.data_ptr(), kv_stages, num_threads // cute.arch.WARP_SIZE,
+    pipeline_kv = make_tma_pipeline(storage.mbar_kv.data_ptr(), kv_stages, num_threads // cute.arch.WARP_SIZE,
                                 stage_bytes(dtype, sK_layout, sV_layout))
     cute.arch.mbarrier_init_fence()
     cute.arch.sync_threads()
@@ -326,7 +326,7 @@ def make_ws_pipelines(mbar_q, mbar_k, mbar_v, q_bytes: int, k_bytes: int, v_byte
     producer warp never consumes. Unlike ``make_pipelines`` this does not sync the CTA: the
     caller does it once, right before the role split (the last barrier all threads reach).
     """
-    return tuple(_tma_pipeline(mbar, stages, consumer_warps, nbytes, ctas)
+    return tuple(make_tma_pipeline(mbar, stages, consumer_warps, nbytes, ctas)
                  for mbar, stages, nbytes, ctas in ((mbar_q, q_stages, q_bytes, 1), (mbar_k, kv_stages, k_bytes, cluster),
                                                     (mbar_v, kv_stages, v_bytes, cluster)))
 

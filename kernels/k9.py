@@ -1,0 +1,382 @@
+"""K9: the backward pass, FA2's algorithm (the FA2 paper's Algorithm 2) on Hopper's tensor cores.
+
+Given O and the forward's LSE, the gradients of O = softmax(scale * Q K^T) V are, with P
+recomputed from the LSE (the forward never stores it):
+
+    D = rowsum(dO * O)                 (a pre-pass, one value per query row)
+    P = exp(scale * Q K^T - LSE)
+    dV = P^T dO        dP = dO V^T        dS = P * (dP - D)
+    dQ = scale * dS K  dK = scale * dS^T Q
+
+Parallelism over keys: one CTA owns one K/V tile of one (batch, head) and walks the query tiles,
+so dK and dV accumulate in registers for the whole walk and are written once; dQ of a query tile
+gets a contribution from every key tile, which CTAs add into an fp32 accumulator with atomics.
+Three launches, as FA2 and FA3 do: the pre-pass (D, the LSE in log2 units, dQ's accumulator
+zeroed), the main kernel, a post-pass that narrows dQ to the input dtype.
+
+The main kernel is K4's shape turned around: no warp specialization, warp 0 issues the TMA loads,
+and each of ``num_wg`` warpgroups owns 64 keys of the K/V tile (K4: 64 query rows). Five WGMMAs
+per query tile, with the operands where each GEMM can read them:
+
+* S^T = K Q^T and dP^T = V dO^T: keys are the M axis, so the results land in registers as P^T and
+  dS^T, exactly the A operands dV and dK need (the register handoff of K4's P).
+* dV += P^T dO and dK += dS^T Q: Q and dO stay in the SMEM the TMA wrote (d contiguous) and are
+  read as MN-major B operands: the same bytes, the layout's two modes swapped.
+* dQ = dS K: queries are the M axis, so dS goes through SMEM (``sdS``, written transposed from the
+  registers) and K is read MN-major from its buffer; the warpgroups split d between them.
+
+Scale: dS is stored already multiplied by softmax_scale, so dQ and dK come out scaled.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+from cutlass.tensor_utils import LayoutEnum
+
+from . import simt, sm90, tma_pipeline
+from .contract import LOG2_E, FakeShapes, Problem, UnsupportedProblem, cute_dtype, fake_stream, jit_compile
+
+HEAD_DIMS = (64, 128)
+# Per head dim: warpgroups (64 keys each), query rows per step, Q/dO stages. At d=128, dK and dV
+# take 128 fp32 registers per thread for the whole walk; a 64-row query step keeps S^T and dP^T
+# at 32 each (FA3's 64 x 128 tile for d=128).
+DEFAULT_CONFIG = {
+    64: dict(num_wg=2, tile_m=64, q_stages=2),
+    128: dict(num_wg=2, tile_m=64, q_stages=2),
+}
+
+
+def transpose_view(s: cute.Tensor) -> cute.Tensor:
+    """The same SMEM with its first two modes swapped: a K-major WGMMA operand tile read as the
+    MN-major operand of another GEMM (the bytes do not move)."""
+    return cute.make_tensor(s.iterator, cute.select(s.layout, mode=[1, 0, *range(2, cute.rank(s.layout))]))
+
+
+class K9Backward:
+    def __init__(self, head_dim: int, dtype, causal: bool, num_wg: int, tile_m: int, q_stages: int):
+        self.head_dim, self.dtype, self.causal = head_dim, dtype, causal
+        self.num_wg = num_wg
+        self.tile_n = sm90.WGMMA_M * num_wg  # keys of the CTA: warpgroup w owns [64w, 64w + 64)
+        self.tile_m = tile_m  # query rows per step of the walk
+        self.q_stages = q_stages
+        self.num_threads = sm90.THREADS_PER_WARPGROUP * num_wg
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE2: cute.Tensor,
+                 mD: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, softmax_scale: Float32,
+                 stream):
+        d, dt, tile_m, tile_n = self.head_dim, self.dtype, self.tile_m, self.tile_n
+        K_MAJOR, MN_MAJOR = OperandMajorMode.K, OperandMajorMode.MN
+        # S^T, dP^T (tile_n, tile_m) = K, V (tile_n, d) . Q, dO (tile_m, d)^T: both operands K-major.
+        tiled_mma_sdp = sm90_utils.make_trivial_tiled_mma(dt, dt, K_MAJOR, K_MAJOR, Float32,
+                                                          atom_layout_mnk=(self.num_wg, 1, 1), tiler_mn=(64, tile_m))
+        # dV, dK (tile_n, d) += P^T, dS^T (registers) . dO, Q: B contracted over queries, d contiguous.
+        tiled_mma_dkv = sm90_utils.make_trivial_tiled_mma(dt, dt, K_MAJOR, MN_MAJOR, Float32,
+                                                          atom_layout_mnk=(self.num_wg, 1, 1), tiler_mn=(64, d),
+                                                          a_source=warpgroup.OperandSource.RMEM)
+        # dQ (tile_m, d) = dS (tile_m, tile_n) . K (tile_n, d): queries contiguous in sdS, d in sK;
+        # the warpgroups split d.
+        tiled_mma_dq = sm90_utils.make_trivial_tiled_mma(dt, dt, MN_MAJOR, MN_MAJOR, Float32,
+                                                         atom_layout_mnk=(1, self.num_wg, 1),
+                                                         tiler_mn=(64, d // self.num_wg))
+
+        sK_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (tile_n, tile_m, d), dt, 1)  # K and V
+        sQ_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (tile_n, tile_m, d), dt, self.q_stages)
+        sdS_layout = cute.select(sm90_utils.make_smem_layout_a(LayoutEnum.COL_MAJOR, (tile_m, d, tile_n), dt, 1),
+                                 mode=[0, 1])
+
+        tma_atom_K, mK_tma = tma_pipeline.make_tma_load(tma_pipeline.seq_major_view(mK), sK_layout, (tile_n, d))
+        tma_atom_V, mV_tma = tma_pipeline.make_tma_load(tma_pipeline.seq_major_view(mV), sK_layout, (tile_n, d))
+        tma_atom_Q, mQ_tma = tma_pipeline.make_tma_load(tma_pipeline.seq_major_view(mQ), sQ_layout, (tile_m, d))
+        tma_atom_dO, mdO_tma = tma_pipeline.make_tma_load(tma_pipeline.seq_major_view(mdO), sQ_layout, (tile_m, d))
+
+        @cute.struct
+        class SharedStorage:
+            mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_qdo: cute.struct.MemRange[cutlass.Int64, 2 * self.q_stages]
+            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sdS_layout)], 1024]
+
+        grid = (cute.ceil_div(mK.shape[2], tile_n), mK.shape[1], mK.shape[0])
+        self.kernel(mQ_tma, mK_tma, mV_tma, mdO_tma, mLSE2, mD, mdQaccum, mdK, mdV, tma_atom_Q, tma_atom_K,
+                    tma_atom_V, tma_atom_dO, softmax_scale * LOG2_E, softmax_scale, sK_layout, sQ_layout, sdS_layout,
+                    tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, SharedStorage).launch(
+            grid=grid, block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream,
+            min_blocks_per_mp=1)
+
+    @cute.kernel
+    def kernel(self, mQ_tma: cute.Tensor, mK_tma: cute.Tensor, mV_tma: cute.Tensor, mdO_tma: cute.Tensor,
+               mLSE2: cute.Tensor, mD: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
+               tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
+               tma_atom_dO: cute.CopyAtom, scale_log2: Float32, softmax_scale: Float32,
+               sK_layout: cute.ComposedLayout, sQ_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout,
+               tiled_mma_sdp: cute.TiledMma, tiled_mma_dkv: cute.TiledMma, tiled_mma_dq: cute.TiledMma,
+               SharedStorage: cutlass.Constexpr):
+        d, tile_m, tile_n, stages = self.head_dim, self.tile_m, self.tile_n, self.q_stages
+        tidx, _, _ = cute.arch.thread_idx()
+        n_block, head, batch = cute.arch.block_idx()
+        seqlen = mLSE2.shape[2]
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg_idx = cute.arch.make_warp_uniform(tidx // sm90.THREADS_PER_WARPGROUP)
+        if warp_idx == 0:
+            tma_pipeline.prefetch_descriptors(tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO)
+
+        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
+        consumer_warps = self.num_threads // cute.arch.WARP_SIZE
+        pipeline_kv = tma_pipeline.make_tma_pipeline(storage.mbar_kv.data_ptr(), 1, consumer_warps,
+                                                     tma_pipeline.stage_bytes(self.dtype, sK_layout, sK_layout))
+        pipeline_qdo = tma_pipeline.make_tma_pipeline(storage.mbar_qdo.data_ptr(), stages, consumer_warps,
+                                                      tma_pipeline.stage_bytes(self.dtype, sQ_layout, sQ_layout))
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        # The query tiles this key tile sees: all, or (causal, aligned at the top left when the
+        # lengths are equal) those with a row at or after its first key.
+        m_tiles = cute.ceil_div(seqlen, tile_m)
+        m_first = (n_block * tile_n) // tile_m if const_expr(self.causal) else 0
+        count = m_tiles - m_first
+
+        tKsK, tKgK = tma_pipeline.partition_for_tma(tma_atom_K, mK_tma, sK, (tile_n, d), head, batch, (None, 0))
+        tVsV, tVgV = tma_pipeline.partition_for_tma(tma_atom_V, mV_tma, sV, (tile_n, d), head, batch, (None, 0))
+        tQsQ, tQgQ = tma_pipeline.partition_for_tma(tma_atom_Q, mQ_tma, sQ, (tile_m, d), head, batch, (None, 0))
+        tdOsdO, tdOgdO = tma_pipeline.partition_for_tma(tma_atom_dO, mdO_tma, sdO, (tile_m, d), head, batch,
+                                                        (None, 0))
+        qdo_loads = (tma_atom_Q, tQgQ, tQsQ, tma_atom_dO, tdOgdO, tdOsdO)
+        if warp_idx == 0:
+            tma_pipeline.load_kv_stage(pipeline_kv, tma_pipeline.pipe_state(1, 0, producer=True), n_block,
+                                       tma_atom_K, tKgK, tKsK, tma_atom_V, tVgV, tVsV)
+            for t in cutlass.range(cutlass.min(stages, count), unroll=1):
+                tma_pipeline.load_kv_stage(pipeline_qdo, tma_pipeline.pipe_state(stages, t, producer=True),
+                                           m_first + t, *qdo_loads)
+
+        # ---- MMA partitions ------------------------------------------------------------------
+        wg_sdp = tiled_mma_sdp.get_slice(wg_idx * sm90.THREADS_PER_WARPGROUP)
+        wg_dkv = tiled_mma_dkv.get_slice(wg_idx * sm90.THREADS_PER_WARPGROUP)
+        wg_dq = tiled_mma_dq.get_slice(wg_idx * sm90.THREADS_PER_WARPGROUP)
+        tSrK = wg_sdp.make_fragment_A(wg_sdp.partition_A(sK))[None, None, None, 0]
+        tSrV = wg_sdp.make_fragment_A(wg_sdp.partition_A(sV))[None, None, None, 0]
+        tSrQ = wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ))  # (.., stage)
+        tSrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))  # (.., stage)
+        tdVrdO = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_view(sdO)))  # (.., stage)
+        tdKrQ = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_view(sQ)))  # (.., stage)
+        tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
+        tdQrK = wg_dq.make_fragment_B(wg_dq.partition_B(transpose_view(sK)))[None, None, None, 0]
+        tdVrP = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((tile_n, tile_m)))
+        tdKrdS = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((tile_n, tile_m)))
+        acc_dV = cute.make_rmem_tensor(tiled_mma_dkv.partition_shape_C((tile_n, d)), Float32)
+        acc_dK = cute.make_rmem_tensor(tiled_mma_dkv.partition_shape_C((tile_n, d)), Float32)
+        acc_dV.fill(0.0)
+        acc_dK.fill(0.0)
+        # Which (key, query) of the S^T tile, and which (query, d) of the dQ tile, each register holds.
+        tScS = tiled_mma_sdp.get_slice(tidx).partition_C(cute.make_identity_tensor((tile_n, tile_m)))
+        thr_dq = tiled_mma_dq.get_slice(tidx)
+        tdQcdQ = thr_dq.partition_C(cute.make_identity_tensor((tile_m, d)))
+
+        pipeline_kv.consumer_wait(tma_pipeline.pipe_state(1, 0, producer=False))
+        for t in cutlass.range(count, unroll=1):
+            m_block = m_first + t
+            qdo = tma_pipeline.pipe_state(stages, t, producer=False)
+            pipeline_qdo.consumer_wait(qdo)
+            acc_S = cute.make_rmem_tensor(tiled_mma_sdp.partition_shape_C((tile_n, tile_m)), Float32)
+            acc_dP = cute.make_rmem_tensor(tiled_mma_sdp.partition_shape_C((tile_n, tile_m)), Float32)
+            sm90.gemm(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, qdo.index], zero_init=True, wg_wait=-1)
+            sm90.gemm(tiled_mma_sdp, acc_dP, tSrV, tSrdO[None, None, None, qdo.index], zero_init=True, wg_wait=0)
+            self.p_and_ds(acc_S, acc_dP, tScS, mLSE2, mD, n_block, m_block, head, batch, seqlen, scale_log2,
+                          softmax_scale)
+            sm90.convert_to(sm90.acc_as_operand_a(acc_S), tdVrP)
+            sm90.convert_to(sm90.acc_as_operand_a(acc_dP), tdKrdS)
+            sm90.gemm(tiled_mma_dkv, acc_dV, tdVrP, tdVrdO[None, None, None, qdo.index], zero_init=False, wg_wait=-1)
+            sm90.gemm(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQ[None, None, None, qdo.index], zero_init=False, wg_wait=-1)
+            # dS^T into sdS, read back as dS (queries contiguous) by the dQ GEMM of every warpgroup.
+            cute.arch.sync_threads()  # the previous step's dQ GEMMs are done reading sdS
+            self.store_ds(acc_dP, tScS, sdS)
+            cute.arch.fence_view_async_shared()  # generic-proxy stores -> the WGMMA's async reads
+            cute.arch.sync_threads()
+            acc_dQ = cute.make_rmem_tensor(tiled_mma_dq.partition_shape_C((tile_m, d)), Float32)
+            sm90.gemm(tiled_mma_dq, acc_dQ, tdQrdS, tdQrK, zero_init=True, wg_wait=0)
+            pipeline_qdo.consumer_release(qdo)  # dV's and dK's GEMMs (the only readers of Q/dO) are done
+            if warp_idx == 0:
+                if t + stages < count:
+                    tma_pipeline.load_kv_stage(pipeline_qdo, tma_pipeline.pipe_state(stages, t + stages, producer=True),
+                                               m_first + t + stages, *qdo_loads)
+            self.add_dq(acc_dQ, tdQcdQ, mdQaccum, m_block, head, batch, seqlen)
+
+        for acc, mX in ((acc_dK, mdK), (acc_dV, mdV)):
+            rX = cute.make_rmem_tensor_like(acc, self.dtype)
+            sm90.convert_to(acc, rX)
+            sm90.store_rows(rX, None, tiled_mma_dkv, tidx, mX, None, n_block, head, batch, tile_n)
+
+    @cute.jit
+    def p_and_ds(self, acc_S: cute.Tensor, acc_dP: cute.Tensor, tScS: cute.Tensor, mLSE2: cute.Tensor,
+                 mD: cute.Tensor, n_block: Int32, m_block: Int32, head: Int32, batch: Int32, seqlen: Int32,
+                 scale_log2: Float32, softmax_scale: Float32):
+        """In place: acc_S becomes P^T = exp2(S^T * scale_log2 - LSE2), acc_dP becomes
+        dS^T * scale = P^T * (dP^T - D) * scale. A query past the sequence gets LSE2 = +inf
+        (P = 0); causal, a key after the query gets P = 0."""
+        for i in cutlass.range_constexpr(cute.size(acc_S)):
+            key, row = tScS[i]
+            q = m_block * self.tile_m + row
+            lse2, dq_dot = Float32(math.inf), Float32(0.0)
+            if q < seqlen:
+                lse2, dq_dot = mLSE2[batch, head, q], mD[batch, head, q]
+            p = cute.math.exp2(acc_S[i] * scale_log2 - lse2, fastmath=True)
+            if const_expr(self.causal):
+                if n_block * self.tile_n + key > q:
+                    p = Float32(0.0)
+            acc_S[i] = p
+            acc_dP[i] = p * (acc_dP[i] - dq_dot) * softmax_scale
+
+    @cute.jit
+    def store_ds(self, acc_dS: cute.Tensor, tScS: cute.Tensor, sdS: cute.Tensor):
+        """This thread's dS^T values into sdS[query, key], narrowed (one 2-byte store each)."""
+        for i in cutlass.range_constexpr(cute.size(acc_dS)):
+            key, row = tScS[i]
+            sdS[row, key] = acc_dS[i].to(self.dtype)
+
+    @cute.jit
+    def add_dq(self, acc_dQ: cute.Tensor, tdQcdQ: cute.Tensor, mdQaccum: cute.Tensor, m_block: Int32,
+               head: Int32, batch: Int32, seqlen: Int32):
+        """This key tile's share of dQ for the query tile, added into the fp32 accumulator."""
+        for i in cutlass.range_constexpr(cute.size(acc_dQ)):
+            row, col = tdQcdQ[i]
+            q = m_block * self.tile_m + row
+            if q < seqlen:
+                cute.arch.atomic_add(mdQaccum.iterator + cute.crd2idx((batch, head, q, col), mdQaccum.layout),
+                                     acc_dQ[i])
+
+
+# --------------------------------------------------------------------------------------
+# The pre-pass and the post-pass: one warp per query row
+# --------------------------------------------------------------------------------------
+
+class Prepass:
+    """D = rowsum(dO * O) in fp32 and the LSE in log2 units, one warp per query row (lane l holds
+    elements l, l + 32, ... of the row); the row of dQ's fp32 accumulator zeroed on the way."""
+
+    WARPS = 4
+
+    @cute.jit
+    def __call__(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mLSE2: cute.Tensor, mD: cute.Tensor,
+                 mdQaccum: cute.Tensor, stream):
+        grid = (cute.ceil_div(mO.shape[2], self.WARPS), mO.shape[1], mO.shape[0])
+        self.kernel(mO, mdO, mLSE, mLSE2, mD, mdQaccum).launch(grid=grid, block=[32 * self.WARPS, 1, 1],
+                                                               stream=stream)
+
+    @cute.kernel
+    def kernel(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mLSE2: cute.Tensor, mD: cute.Tensor,
+               mdQaccum: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        bx, head, batch = cute.arch.block_idx()
+        lane, q = tidx % 32, bx * self.WARPS + tidx // 32
+        if q < mO.shape[2]:
+            dot = Float32(0.0)
+            for j in cutlass.range_constexpr(cute.size(mO, mode=[3]) // 32):
+                c = lane + 32 * j
+                dot += mO[batch, head, q, c].to(Float32) * mdO[batch, head, q, c].to(Float32)
+                mdQaccum[batch, head, q, c] = Float32(0.0)
+            dot = simt.butterfly_allreduce(dot, lambda a, b: a + b, 32)
+            if lane == 0:
+                mD[batch, head, q] = dot
+                mLSE2[batch, head, q] = mLSE[batch, head, q] * LOG2_E
+
+
+class Postpass:
+    """dQ's fp32 accumulator narrowed to the input dtype, one warp per query row."""
+
+    WARPS = 4
+
+    @cute.jit
+    def __call__(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, stream):
+        grid = (cute.ceil_div(mdQ.shape[2], self.WARPS), mdQ.shape[1], mdQ.shape[0])
+        self.kernel(mdQaccum, mdQ).launch(grid=grid, block=[32 * self.WARPS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        bx, head, batch = cute.arch.block_idx()
+        lane, q = tidx % 32, bx * self.WARPS + tidx // 32
+        if q < mdQ.shape[2]:
+            for j in cutlass.range_constexpr(cute.size(mdQ, mode=[3]) // 32):
+                c = lane + 32 * j
+                mdQ[batch, head, q, c] = mdQaccum[batch, head, q, c].to(mdQ.element_type)
+
+
+# --------------------------------------------------------------------------------------
+# Host: compile and launch
+# --------------------------------------------------------------------------------------
+
+def config(p: Problem, overrides: dict) -> dict:
+    cfg = dict(DEFAULT_CONFIG[p.head_dim])
+    cfg.update({k: v for k, v in overrides.items() if v is not None})
+    return cfg
+
+
+def check(p: Problem) -> None:
+    if p.head_dim not in HEAD_DIMS:
+        raise UnsupportedProblem(f"K9 (backward): head_dim {p.head_dim} not supported (supported: {list(HEAD_DIMS)})")
+    if p.dtype not in ("bfloat16", "float16"):
+        raise UnsupportedProblem(f"K9 (backward): dtype {p.dtype} not supported (bfloat16, float16)")
+    if p.kv_heads != p.nheads or p.kv_len != p.seqlen:
+        raise UnsupportedProblem("K9 (backward): K and V must have q's heads and length (no GQA, seqlen_k == seqlen_q)")
+
+
+def compile_backward(p: Problem, keep_ptx: bool = False, **overrides) -> tuple:
+    """(pre-pass, main kernel, post-pass) compiled for ``p``'s head dim, dtype and masking."""
+    check(p)
+    cfg = config(p, overrides)
+    dt = cute_dtype(p.dtype)
+
+    def tensors():
+        f = FakeShapes()
+        x = lambda dtype: f.tensor(dtype, (p.head_dim,))  # noqa: E731
+        rows = lambda: f.tensor(Float32, ())  # noqa: E731
+        return f, x, rows
+
+    def main():
+        f, x, rows = tensors()
+        return (K9Backward(p.head_dim, dt, p.causal, **cfg),
+                (x(dt), x(dt), x(dt), x(dt), rows(), rows(), x(Float32), x(dt), x(dt), Float32(1.0), fake_stream()))
+
+    def pre():
+        f, x, rows = tensors()
+        return Prepass(), (x(dt), x(dt), rows(), rows(), rows(), x(Float32), fake_stream())
+
+    def post():
+        f, x, rows = tensors()
+        return Postpass(), (x(Float32), x(dt), fake_stream())
+
+    key = ("k9", p.head_dim, p.dtype, p.causal, tuple(sorted(cfg.items())))
+    return (jit_compile(("k9_pre", p.head_dim, p.dtype), pre, keep_ptx), jit_compile(key, main, keep_ptx),
+            jit_compile(("k9_post", p.head_dim, p.dtype), post, keep_ptx))
+
+
+def run_backward(compiled: tuple, q, k, v, o, lse, do, softmax_scale: float) -> tuple:
+    """(dq, dk, dv) of attention(q, k, v) = o with log-sum-exp ``lse`` (natural log, float32,
+    (batch, heads, seqlen)), for the gradient ``do`` of o. Three launches."""
+    import torch
+
+    pre, main, post = compiled
+    b, h, n, d = q.shape
+    lse2 = torch.empty(b, h, n, device=q.device, dtype=torch.float32)
+    dot = torch.empty_like(lse2)
+    dq_accum = torch.empty(b, h, n, d, device=q.device, dtype=torch.float32)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    do = do.contiguous()
+    pre(o, do, lse, lse2, dot, dq_accum)
+    main(q, k, v, do, lse2, dot, dq_accum, dk, dv, softmax_scale)
+    post(dq_accum, dq)
+    return dq, dk, dv
