@@ -168,9 +168,9 @@ class K9Backward:
         wg_dkv = tiled_mma_dkv.get_slice(wg_idx * sm90.THREADS_PER_WARPGROUP)
         wg_dq = tiled_mma_dq.get_slice(wg_idx * sm90.THREADS_PER_WARPGROUP)
         tSrK = wg_sdp.make_fragment_A(wg_sdp.partition_A(sK))[None, None, None, 0]
-        tSrV = wg_sdp.make_fragment_A(wg_sdp.partition_A(sV))[None, None, None, 0]
+        tdPrV = wg_sdp.make_fragment_A(wg_sdp.partition_A(sV))[None, None, None, 0]
         tSrQ = wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ))  # (.., stage)
-        tSrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))  # (.., stage)
+        tdPrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))  # (.., stage)
         tdVrdO = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_view(sdO)))  # (.., stage)
         tdKrQ = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_view(sQ)))  # (.., stage)
         tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
@@ -194,7 +194,7 @@ class K9Backward:
             acc_S = cute.make_rmem_tensor(tiled_mma_sdp.partition_shape_C((tile_n, tile_m)), Float32)
             acc_dP = cute.make_rmem_tensor(tiled_mma_sdp.partition_shape_C((tile_n, tile_m)), Float32)
             sm90.gemm(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, qdo.index], zero_init=True, wg_wait=-1)
-            sm90.gemm(tiled_mma_sdp, acc_dP, tSrV, tSrdO[None, None, None, qdo.index], zero_init=True, wg_wait=0)
+            sm90.gemm(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, qdo.index], zero_init=True, wg_wait=0)
             self.p_and_ds(acc_S, acc_dP, tScS, mLSE2, mD, n_block, m_block, head, batch, seqlen, scale_log2,
                           softmax_scale)
             sm90.convert_to(sm90.acc_as_operand_a(acc_S), tdVrP)

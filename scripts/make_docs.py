@@ -411,6 +411,27 @@ def ws_compile_table(files):
                               "setmaxnreg", "wgmma"], body))
 
 
+def k9_time_table(run):
+    """docs/k9.md: scripts/time_backward.py, K9 beside cuDNN's and flash-attn-4's autograd backward."""
+    cells = {}
+    for r in run["rows"]:
+        cells.setdefault((r["head_dim"], r["causal"], r["seqlen"]), {})[r["kernel"]] = r
+    body = []
+    for (d, c, n), row in sorted(cells.items()):
+        k9 = row.get("k9")
+        peers = [row[p]["tflops"] for p in ("sdpa-cudnn", "fa4") if p in row]
+        body.append([str(d), str(c), str(n), f"{k9['ms']:.3f}" if k9 else "—", fmt(k9["tflops"]) if k9 else "—",
+                     *(fmt(row[p]["tflops"]) if p in row else "—" for p in ("sdpa-cudnn", "fa4")),
+                     f"{k9['tflops'] / max(peers):.2f}×" if k9 and peers else "—"])
+    meta = run["meta"]
+    head = (f"TFLOP/s of one backward (10·B·H·N²·d FLOPs, halved for causal) on an "
+            f"{gpu_short_name(meta.get('device', ''))}, bf16, batch = 16384/N, heads = 2048/d; the median of 20 "
+            f"timings between CUDA events: `{meta.get('command', '')}`, {meta.get('date', '')[:10]}.")
+    return head + "\n\n" + markdown_table(
+        ["d", "causal", "N", "`k9` ms", "`k9`", "*cuDNN* (SDPA autograd)", "*flash-attn-4* (autograd)",
+         "k9 / best peer"], body)
+
+
 def ncu_compare_table(path):
     """docs/k6.md: scripts/ncu_compare.sh output, one row per metric, k6 beside flash-attn-4."""
     lines = path.read_text().splitlines()
@@ -1108,6 +1129,9 @@ def main(argv=None):
     gqa_pairs = [pair for pair in gqa_pairs if all(pair)]
     if gqa_pairs:
         fill("k6", "gqa", lambda: "\n\n".join(gqa_table(mha, gqa) for mha, gqa in gqa_pairs))
+    k9_run = newest(finished("k9-time-*.json"), TARGET_GPU)
+    if k9_run:
+        fill("k9", "k9-time", lambda: k9_time_table(k9_run))
     profiles = newest(finished("ncu-profile-*.json"), TARGET_GPU)
     if profiles:
         for stem, workload in (("k5", "bf16"), ("k6", "bf16"), ("k7", "fp8"), ("k8", "fp8"), ("decode", "decode")):
