@@ -22,6 +22,7 @@ from kernels import REGISTRY, get_kernel
 from kernels.contract import (FP8_DTYPES, UnsupportedProblem, as_causal, as_flag, as_scale, fresh_buffers,
                               scratch)
 
+from . import backward
 from .inputs import (problem_from_tensors, require_cuda, require_name, require_quantizable, require_tensors,
                      torch_dtype)
 
@@ -72,6 +73,9 @@ def _attention_fake(name, q, k, v, causal, softmax_scale, return_lse, descale_q=
     b, h, n, _ = q.shape
     out_dtype = torch.bfloat16 if q.dtype == torch.float8_e4m3fn else q.dtype
     return q.new_empty(q.shape, dtype=out_dtype), q.new_empty((b, h, n), dtype=torch.float32)
+
+
+backward.register(attention_op)  # K9's backward, through torch.library.register_autograd
 
 
 _DESCALES: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
@@ -175,9 +179,18 @@ def attention(name: str, q, k, v, causal: bool = False, softmax_scale=None, retu
     devices, stream, flags, descale kinds) runs every check and keeps what they decided; a later
     call with the same signature launches at once. Under torch.compile the call is the custom op
     ``fa3_cute::attention``, opaque to the compiler.
+
+    Differentiable: where q, k or v require grad (and grad mode is on), the call goes through the
+    custom op, whose backward is K9's (``harness.backward``; the LSE output is not differentiable).
+    What K9 cannot do (the FP8 stages, head dim 256, GQA, seqlen_k != seqlen) is refused here,
+    before the forward runs.
     """
     descales = (descale_q, descale_k, descale_v)
     if torch.compiler.is_compiling():
+        return _traced(name, q, k, v, causal, softmax_scale, return_lse, descales)
+    if backward.needs_grad(q, k, v):
+        causal_, scale, _ = plain_arguments(name, q, k, v, causal, softmax_scale, return_lse)
+        backward.check_differentiable(name, q, k, v, causal_, scale)
         return _traced(name, q, k, v, causal, softmax_scale, return_lse, descales)
     out, lse = _call(name, q, k, v, causal, softmax_scale, return_lse, descales)
     return (out, lse) if return_lse else out

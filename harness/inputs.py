@@ -72,9 +72,6 @@ def problem_from_tensors(q, k, v, causal: bool, softmax_scale=None) -> Problem:
         raise UnsupportedProblem(f"head_dim must be a multiple of 8 (rows are moved in 16-byte pieces), "
                                  f"got {q.shape[-1]}")
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.requires_grad:
-            raise UnsupportedProblem(f"{name} requires grad: these kernels are forward-only (no autograd); "
-                                     "pass a tensor detached from the graph")
         require_rows(name, t)
     if not (q.device == k.device == v.device):
         raise UnsupportedProblem(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")

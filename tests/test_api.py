@@ -87,8 +87,8 @@ def test_dtype_and_non_tensor_inputs_are_refused_by_name():
         attention("k4", q.float(), k.float(), v.float())
     with pytest.raises(UnsupportedProblem, match="k must be a torch.Tensor"):
         attention("k4", q, [1.0], v)
-    with pytest.raises(UnsupportedProblem, match="forward-only"):
-        attention("k4", q.requires_grad_(), k, v)
+    with pytest.raises(UnsupportedProblem, match="k7 is forward-only"):
+        attention("k7", q.clone().requires_grad_(), k, v)
 
 
 def test_fake_implementation_gives_output_shapes_without_a_gpu():

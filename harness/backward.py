@@ -1,0 +1,106 @@
+"""The backward pass as callers use it: ``attention_backward`` (O and LSE from the caller, as
+ring/context-parallel attention needs), and autograd for ``attention``.
+
+Autograd is registered on the custom op ``fa3_cute::attention`` (``torch.library.register_autograd``):
+the forward saves q, k, v, O and LSE; the backward is K9's (``kernels/k9.py``) on them. An eager
+``attention(...)`` whose inputs need gradients goes through the op (the prepared fast path is for
+calls that do not); torch.compile sees the same op. The LSE output is not differentiable.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import OrderedDict
+from typing import Optional
+
+import torch
+
+from kernels.contract import UnsupportedProblem
+
+from .inputs import problem_from_tensors, require_cuda
+
+# Stages whose forward has no backward here: the FP8 ones (a gradient through quantized inputs is
+# another question) and decode (a KV-cache read).
+FORWARD_ONLY = ("k7_k4", "k7", "k8", "decode_nosplit", "decode_combine", "decode")
+_COMPILED: "OrderedDict[tuple, tuple]" = OrderedDict()
+
+
+def needs_grad(q, k, v) -> bool:
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
+
+
+def check_differentiable(name: str, q, k, v, causal: bool, softmax_scale) -> None:
+    """Before a forward whose inputs need gradients: refuse what no backward here can do, naming
+    the constraint, before anything is launched."""
+    from kernels.k9 import check
+
+    if name in FORWARD_ONLY:
+        raise UnsupportedProblem(f"{name} is forward-only (no backward): call it on tensors that do not require "
+                                 "grad, under torch.no_grad(), or use a 16-bit stage such as k6 to train")
+    check(problem_from_tensors(q, k, v, causal, softmax_scale))
+
+
+def attention_backward(q, k, v, out, lse, dout, causal: bool = False, softmax_scale=None) -> tuple:
+    """(dq, dk, dv) of ``out = attention(q, k, v, causal, softmax_scale)`` for the gradient ``dout``
+    of ``out``, given the forward's ``out`` and ``lse`` (float32 (batch, heads, seqlen), the
+    natural-log LSE of the scaled scores, as ``attention(..., return_lse=True)`` returns it). By
+    K9 (``kernels/k9.py``): bf16 or fp16, head dim 64 or 128, K/V with q's heads and length."""
+    from kernels.k9 import check, compile_backward, run_backward
+
+    q, k, v, out, lse, dout = (t.detach() if isinstance(t, torch.Tensor) else t for t in (q, k, v, out, lse, dout))
+    p = problem_from_tensors(q, k, v, causal, softmax_scale)
+    check(p)
+    for name, t, shape, dtype in (("out", out, q.shape, q.dtype), ("dout", dout, q.shape, q.dtype),
+                                  ("lse", lse, q.shape[:3], torch.float32)):
+        if not isinstance(t, torch.Tensor) or t.shape != shape or t.dtype != dtype or t.device != q.device:
+            got = f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise UnsupportedProblem(f"{name} must be a {dtype} tensor of shape {tuple(shape)} on q's device "
+                                     f"({q.device}), got {got}")
+    require_cuda(q, k, v)
+    if torch.are_deterministic_algorithms_enabled():  # as torch's own non-deterministic kernels do
+        why = ("K9's backward adds dQ from every key tile with fp32 atomics, in an order that varies from run to "
+               "run: it has no deterministic mode yet")
+        if not torch.is_deterministic_algorithms_warn_only_enabled():
+            raise UnsupportedProblem(f"torch.use_deterministic_algorithms(True): {why}")
+        warnings.warn(why)
+    key = (p.with_(softmax_scale=None), q.get_device())
+    if key not in _COMPILED:
+        _COMPILED[key] = compile_backward(p)
+        while len(_COMPILED) > 16:
+            _COMPILED.popitem(last=False)
+    with torch.cuda.device(q.device):
+        return run_backward(_COMPILED[key], q, k, v, out.contiguous(), lse.contiguous(), dout, p.scale)
+
+
+@torch.library.custom_op("fa3_cute::attention_backward", mutates_args=())
+def attention_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                          dout: torch.Tensor, causal: bool, softmax_scale: Optional[float]
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``attention_backward`` as torch.compile sees it: opaque, its output shapes from the fake
+    implementation below (the kernels cannot run on the fake tensors the backward is traced with)."""
+    return attention_backward(q, k, v, out, lse, dout, causal, softmax_scale)
+
+
+@attention_backward_op.register_fake
+def _attention_backward_fake(q, k, v, out, lse, dout, causal, softmax_scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    name, q, k, v, causal, softmax_scale = inputs[:6]
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.causal, ctx.softmax_scale = causal, softmax_scale
+
+
+def _backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = torch.ops.fa3_cute.attention_backward(q, k, v, out, lse, grad_out.contiguous(), ctx.causal,
+                                                       ctx.softmax_scale)
+    return None, dq, dk, dv, None, None, None, None, None, None, None
+
+
+def register(op) -> None:
+    """Autograd for the custom op ``op`` (``harness.api.attention_op``)."""
+    torch.library.register_autograd(op, _backward, setup_context=_setup_context)

@@ -1,0 +1,112 @@
+"""Autograd through ``attention`` and the public ``attention_backward``: refusals before any launch
+(CPU), gradients and torch.compile (GPU)."""
+
+import pytest
+import torch
+
+from harness import attention, attention_backward
+from kernels.contract import UnsupportedProblem
+
+
+def _qkv(shape=(1, 2, 16, 64), device="cpu", grad=True, kv_heads=None):
+    b, h, n, d = shape
+    q = torch.randn(shape, device=device, dtype=torch.bfloat16)
+    k, v = (torch.randn(b, kv_heads or h, n, d, device=device, dtype=torch.bfloat16) for _ in range(2))
+    return [t.requires_grad_(grad) for t in (q, k, v)]
+
+
+@pytest.mark.parametrize("name,shape,kv_heads,match", [
+    ("k7", (1, 2, 16, 64), None, "k7 is forward-only"),
+    ("k8", (1, 2, 16, 64), None, "k8 is forward-only"),
+    ("k6", (1, 2, 16, 256), None, "K9 \\(backward\\): head_dim 256 not supported"),
+    ("k6", (1, 4, 16, 64), 2, "no GQA"),
+])
+def test_a_forward_no_backward_can_follow_is_refused_before_it_runs(name, shape, kv_heads, match):
+    with pytest.raises(UnsupportedProblem, match=match):
+        attention(name, *_qkv(shape, kv_heads=kv_heads))
+
+
+def test_a_differentiable_call_goes_on_to_the_device_check():
+    with pytest.raises(UnsupportedProblem, match="q must be a CUDA tensor"):
+        attention("k6", *_qkv())
+    with torch.no_grad():  # no graph wanted: a forward-only stage runs too
+        with pytest.raises(UnsupportedProblem, match="q must be a CUDA tensor"):
+            attention("k7", *_qkv())
+
+
+def test_attention_backward_refuses_bad_saved_tensors_by_name():
+    q, k, v = _qkv(grad=False)
+    out, dout, lse = torch.randn_like(q), torch.randn_like(q), torch.randn(1, 2, 16)
+    with pytest.raises(UnsupportedProblem, match="out must be a torch.bfloat16 tensor of shape \\(1, 2, 16, 64\\)"):
+        attention_backward(q, k, v, out[:, :, :8], lse, dout)
+    with pytest.raises(UnsupportedProblem, match="lse must be a torch.float32 tensor"):
+        attention_backward(q, k, v, out, lse.half(), dout)
+    with pytest.raises(UnsupportedProblem, match="head_dim 256"):
+        attention_backward(*_qkv((1, 2, 16, 256), grad=False), torch.randn(1, 2, 16, 256, dtype=torch.bfloat16),
+                           lse, torch.randn(1, 2, 16, 256, dtype=torch.bfloat16))
+    with pytest.raises(UnsupportedProblem, match="q must be a CUDA tensor"):
+        attention_backward(q, k, v, out, lse, dout)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_deterministic_mode_is_refused_until_there_is_one():
+    q, k, v = _qkv((1, 2, 64, 64), "cuda", grad=False)
+    out, lse = attention("k6", q, k, v, return_lse=True)
+    torch.use_deterministic_algorithms(True)
+    try:
+        with pytest.raises(UnsupportedProblem, match="no deterministic mode yet"):
+            attention_backward(q, k, v, out, lse, torch.randn_like(q))
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+# ---- GPU --------------------------------------------------------------------------------------
+
+def _reference(q, k, v, dout, causal, scale):
+    from tests.test_k9 import reference_grads
+
+    return reference_grads(q, k, v, dout, causal, scale)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["k4", "k6"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_backward_through_autograd_matches_float64(name, causal):
+    q, k, v = _qkv((2, 4, 300, 128), "cuda")
+    dout = torch.randn_like(q)
+    attention(name, q, k, v, causal=causal).backward(dout)
+    want = _reference(q, k, v, dout, causal, 128 ** -0.5)
+    for t, ref in zip((q, k, v), want):
+        assert torch.isfinite(t.grad).all()
+        assert float((t.grad.double() - ref).norm() / ref.norm()) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_attention_backward_is_what_autograd_computes():
+    q, k, v = _qkv((1, 2, 200, 64), "cuda")
+    dout = torch.randn_like(q)
+    out, lse = attention("k6", q, k, v, causal=True, return_lse=True)
+    out.backward(dout)
+    grads = attention_backward(q, k, v, out, lse, dout, causal=True)
+    for got, t in zip(grads, (q, k, v)):
+        assert torch.equal(got, t.grad)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_compiled_forward_backpropagates_as_the_eager_one():
+    def loss(q, k, v, w):
+        return (attention("k6", q, k, v, causal=True) * w).sum()  # w: a gradient that is not all ones
+
+    q, k, v = _qkv((1, 2, 256, 64), "cuda")
+    w = torch.randn_like(q)
+    loss(q, k, v, w).backward()
+    eager = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    torch.compile(loss, fullgraph=True)(q, k, v, w).backward()
+    for got, want in zip((q.grad, k.grad, v.grad), eager):
+        assert torch.equal(got, want)
