@@ -5,6 +5,7 @@
     python ref_check.py k4 --quick    # a smaller grid
     python ref_check.py --decode      # attention over a KV cache: decode_nosplit, decode_combine, decode
     python ref_check.py --decode --quick   # one KV-cache case per behaviour (about a minute)
+    python ref_check.py --backward    # the backward (K9): dq, dk, dv against float64 autograd
 
 For each kernel: causal and non-causal, every head dim it supports among 64 and 128 (all of
 them with --all-head-dims), seqlens that are and are not multiples of the tiles, batch*heads > 1
@@ -154,6 +155,44 @@ def run_decode(quick: bool, out) -> tuple:
     return rows, failures
 
 
+def backward_cases(seqlens):
+    """K9's grid: d 64/128 x causal x seqlens, batch 2 x heads 3, bf16; fp16 once per causal mode;
+    inputs 8x larger once per head dim (larger scores, a sharper softmax); batch 8 x 1024 heads.
+    GQA and keys longer than queries join when the backward takes them."""
+    for d in (64, 128):
+        for causal in (False, True):
+            for n in seqlens:
+                yield Problem(2, 3, n, d, causal=causal), 1.0
+            yield Problem(1, 4, 1000, d, dtype="float16", causal=causal), 1.0
+        yield Problem(2, 3, 1000, d, causal=True), 8.0
+    yield Problem(8, 1024, 80, 64, causal=True), 1.0
+
+
+def run_backward_grid(seqlens, out) -> tuple:
+    from harness.check import check_backward
+
+    rows, failures = [], 0
+    print("backward grid (K9, O and LSE from k6): dq, dk, dv each within twice the max error of SDPA's own 16-bit "
+          "backward + 1e-3 of float64 autograd (harness/check.py check_backward), outputs NaN-poisoned")
+    print(f"{'dtype':<10}{'b':>3}{'h':>6}{'seqlen':>7}{'d':>5}{'causal':>7}{'x':>4}"
+          f"{'dq_err':>11}{'sdpa':>11}{'dk_err':>11}{'sdpa':>11}{'dv_err':>11}{'sdpa':>11}  result")
+    for p, magnitude in backward_cases(seqlens):
+        try:
+            row = check_backward(p, magnitude=magnitude)
+        except Exception as e:  # a crash is a failure of this case
+            row = dict(kernel="k9", batch=p.batch, nheads=p.nheads, seqlen=p.seqlen, head_dim=p.head_dim,
+                       dtype=p.dtype, causal=int(p.causal), magnitude=magnitude, ok=False, status="crashed",
+                       reason=f"{type(e).__name__}: {e}"[:300])
+        rows.append(row)
+        failures += not row["ok"]
+        if out:
+            out.append(row)
+        errs = "".join(_e(row.get(f"{g}{suffix}")) for g in ("dq", "dk", "dv") for suffix in ("_max_abs", "_sdpa_max_abs"))
+        print(f"{p.dtype:<10}{p.batch:>3}{p.nheads:>6}{p.seqlen:>7}{p.head_dim:>5}{int(p.causal):>7}{magnitude:>4g}"
+              f"{errs}  {'ok' if row['ok'] else 'FAIL ' + row['reason']}", flush=True)
+    return rows, failures
+
+
 def describe_grid(seqlens, all_head_dims: bool) -> str:
     dims = "every head dim it supports" if all_head_dims else f"the head dims it supports among {HEAD_DIMS}"
     return (f"grid per kernel: {dims} x causal 0/1 x seqlen {', '.join(map(str, seqlens))}, batch 2 x heads 3, "
@@ -174,6 +213,7 @@ def main(argv=None) -> int:
     ap.add_argument("--all-head-dims", action="store_true")
     ap.add_argument("--out", help="write the per-case rows as JSON here, each as it is done")
     ap.add_argument("--decode", action="store_true", help="the KV-cache grid of the decode kernels instead")
+    ap.add_argument("--backward", action="store_true", help="the backward's grid (K9) against float64 autograd instead")
     ap.add_argument("--config", type=json.loads, default=None,
                     help="compile_kernel keywords for every case, as JSON (e.g. '{\"tile_n\": 128}'): check a "
                          "configuration before timing it; cases it cannot run are failures")
@@ -197,8 +237,8 @@ def main(argv=None) -> int:
     seqlens = QUICK_SEQLENS if args.quick else SEQLENS
     out = results.open_result_file(args.out, results.command_line("ref_check.py", argv))
     print(f"device: {torch.cuda.get_device_name()}")
-    if args.decode:
-        rows, failures = run_decode(args.quick, out)
+    if args.decode or args.backward:
+        rows, failures = run_decode(args.quick, out) if args.decode else run_backward_grid(seqlens, out)
         if out:
             out.close()
         print(f"\n{len(rows) - failures}/{len(rows)} cases passed" + (f", {failures} FAILED" if failures else ""))

@@ -130,6 +130,42 @@ def check_kernel(name: str, p: Problem, seed=None, config=None) -> CheckResult:
     return CheckResult(name, p, c.max_abs, c.rel_l2, c.lse_max_abs, not c.verdict, c.verdict, c.peer_max_abs)
 
 
+# The backward's bar: each gradient's max error against float64 autograd at most twice that of
+# SDPA's own 16-bit backward on the same inputs, plus GRAD_FLOOR (issue 34).
+GRAD_FLOOR = 1e-3
+
+
+def check_backward(p: Problem, forward: str = "k6", seed=None, magnitude: float = 1.0) -> dict:
+    """One backward case: fresh inputs (times ``magnitude``) and dO, O and LSE from ``forward``,
+    K9's dq, dk, dv into NaN-poisoned tensors, each compared with float64 autograd."""
+    import torch
+
+    from kernels.k9 import compile_backward, run_backward
+
+    from .api import attention
+    from .inputs import random_inputs
+    from .reference import reference_grads, sdpa_grads
+
+    q, k, v = (t * magnitude for t in random_inputs(p, seed=seed))
+    dout = torch.randn_like(q)
+    out, lse = attention(forward, q, k, v, causal=p.causal, return_lse=True)
+    grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
+    run_backward(compile_backward(p), q, k, v, out, lse, dout, p.scale, grads)
+    torch.cuda.synchronize()
+    want = reference_grads(q, k, v, dout, p.causal, p.scale)
+    peer = sdpa_grads(q, k, v, dout, p.causal, p.scale)
+    row, reasons = {}, []
+    for name, got, ref, sdpa_grad in zip(("dq", "dk", "dv"), grads, want, peer):
+        err = (got.double() - ref).abs().nan_to_num(float("inf"))
+        max_abs, peer_max_abs = float(err.max()), float((sdpa_grad.double() - ref).abs().max())
+        row.update({f"{name}_max_abs": max_abs, f"{name}_sdpa_max_abs": peer_max_abs})
+        if not max_abs <= PEER_FACTOR * peer_max_abs + GRAD_FLOOR:  # NaN fails too
+            reasons.append(f"{name} max_abs {max_abs:.3g} > {PEER_FACTOR:g} x SDPA's {peer_max_abs:.3g} + {GRAD_FLOOR:g}")
+    return dict(kernel="k9", forward=forward, batch=p.batch, nheads=p.nheads, seqlen=p.seqlen, head_dim=p.head_dim,
+                dtype=p.dtype, causal=int(p.causal), magnitude=magnitude, **row, ok=not reasons,
+                reason="; ".join(reasons), status="ok" if not reasons else "failed")
+
+
 @dataclass
 class KVCacheCase:
     """One attention_with_kvcache / decode_plan check (see ``check_kvcache``)."""

@@ -58,6 +58,28 @@ def reference(q, k, v, causal: bool, scale: float):
     return o, lse
 
 
+def reference_grads(q, k, v, dout, causal: bool, scale: float) -> tuple:
+    """(dq, dk, dv) in float64: autograd through an explicit softmax of float64 copies (GQA by
+    repeating K/V heads, whose gradients autograd then sums per group; causal bottom-right)."""
+    import torch
+
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    kr, vr = (t.repeat_interleave(group, dim=1) for t in (kd, vd))
+    s = torch.einsum("bhqd,bhkd->bhqk", qd, kr) * scale
+    if causal:
+        s = s.masked_fill(~causal_keep(q.shape[2], k.shape[2], q.device), -math.inf)
+    torch.einsum("bhqk,bhkd->bhqd", torch.softmax(s, dim=-1), vr).backward(dout.double())
+    return qd.grad, kd.grad, vd.grad
+
+
+def sdpa_grads(q, k, v, dout, causal: bool, scale: float) -> tuple:
+    """(dq, dk, dv) from SDPA's own backward in the inputs' dtype: the error a 16-bit backward makes."""
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    sdpa(*leaves, causal, scale).backward(dout)
+    return tuple(t.grad for t in leaves)
+
+
 def cache_lengths(cache_seqlens, batch: int, s_cache: int) -> list:
     """Each sequence's length as a Python int in [0, s_cache] (the kernels clamp the same way):
     ``cache_seqlens`` None (all rows), an int, or a tensor (batch,)."""

@@ -364,9 +364,10 @@ def compile_backward(p: Problem, keep_ptx: bool = False, **overrides) -> tuple:
             jit_compile(("k9_post", p.head_dim, p.dtype), post, keep_ptx))
 
 
-def run_backward(compiled: tuple, q, k, v, o, lse, do, softmax_scale: float) -> tuple:
+def run_backward(compiled: tuple, q, k, v, o, lse, do, softmax_scale: float, grads: tuple | None = None) -> tuple:
     """(dq, dk, dv) of attention(q, k, v) = o with log-sum-exp ``lse`` (natural log, float32,
-    (batch, heads, seqlen)), for the gradient ``do`` of o. Three launches."""
+    (batch, heads, seqlen)), for the gradient ``do`` of o, into ``grads`` if given (the checks
+    pass NaN-filled ones). Three launches."""
     import torch
 
     pre, main, post = compiled
@@ -374,7 +375,7 @@ def run_backward(compiled: tuple, q, k, v, o, lse, do, softmax_scale: float) -> 
     lse2 = torch.empty(b, h, n, device=q.device, dtype=torch.float32)
     dot = torch.empty_like(lse2)
     dq_accum = torch.empty(b, h, n, d, device=q.device, dtype=torch.float32)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dq, dk, dv = grads if grads is not None else (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
     do = do.contiguous()
     pre(o, do, lse, lse2, dot, dq_accum)
     main(q, k, v, do, lse2, dot, dq_accum, dk, dv, softmax_scale)

@@ -61,10 +61,27 @@ def test_deterministic_mode_is_refused_until_there_is_one():
         torch.use_deterministic_algorithms(False)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("heads,kv_heads,n,nk", [(4, 4, 33, 33), (4, 2, 20, 50), (6, 2, 7, 7)])
+def test_the_float64_reference_gradients_are_sdpas(heads, kv_heads, n, nk, causal):
+    # The reference the backward is held to, against SDPA's own float64 backward (GQA, bottom-right).
+    from harness.reference import causal_keep, reference_grads
+
+    q = torch.randn(2, heads, n, 32, dtype=torch.float64)
+    k, v = (torch.randn(2, kv_heads, nk, 32, dtype=torch.float64) for _ in range(2))
+    dout = torch.randn_like(q)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    mask = causal_keep(n, nk, "cpu") if causal else None
+    torch.nn.functional.scaled_dot_product_attention(*leaves, attn_mask=mask, scale=0.3,
+                                                     enable_gqa=heads != kv_heads).backward(dout)
+    for got, t in zip(reference_grads(q, k, v, dout, causal, 0.3), leaves):
+        assert torch.allclose(got, t.grad, rtol=1e-10, atol=1e-12)
+
+
 # ---- GPU --------------------------------------------------------------------------------------
 
 def _reference(q, k, v, dout, causal, scale):
-    from tests.test_k9 import reference_grads
+    from harness.reference import reference_grads
 
     return reference_grads(q, k, v, dout, causal, scale)
 

@@ -37,17 +37,6 @@ def test_k9_refuses_what_it_does_not_do(bad, match):
         check(Problem(**dict(dict(batch=1, nheads=4, seqlen=1000, head_dim=64), **bad)))
 
 
-def reference_grads(q, k, v, do, causal: bool, scale: float):
-    """dq, dk, dv by float64 autograd through softmax(scale q k^T, masked) v."""
-    q, k, v = (x.detach().double().requires_grad_() for x in (q, k, v))
-    s = torch.einsum("bhqd,bhkd->bhqk", q, k) * scale
-    if causal:
-        n = q.shape[2]
-        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
-    torch.einsum("bhqk,bhkd->bhqd", torch.softmax(s, dim=-1), v).backward(do.double())
-    return q.grad, k.grad, v.grad
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("d", [64, 128])
@@ -55,6 +44,7 @@ def reference_grads(q, k, v, do, causal: bool, scale: float):
 @pytest.mark.parametrize("n", [1, 17, 128, 1000])
 def test_k9_gradients_match_float64_autograd(n, causal, d):
     from harness import attention
+    from harness.reference import reference_grads
     from kernels.k9 import compile_backward, run_backward
 
     p = Problem(2, 4, n, d, causal=causal)
