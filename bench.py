@@ -83,6 +83,10 @@ def parse_args(argv=None):
                     help="only the host time per call, at a shape whose kernels take microseconds: each public "
                          "call beside SDPA's and flash-attn-4's (harness/host_times.py); with --decode the KV-cache "
                          "calls (the one call, the plan, the peers')")
+    ap.add_argument("--backward", action="store_true",
+                    help="the backward (K9) beside cuDNN's and flash-attn-4's autograd backward "
+                         "(harness/backward_bench.py): one workload (--seqlen, --headdim, --causal), or with --sweep "
+                         "d 64/128 x causal 0/1 x N 1k/4k/16k")
     ap.add_argument("--pages-curve", action="store_true",
                     help="decode: only TB/s on a paged cache against the page size (pages shuffled), at batch 1 "
                          "and 8, 32k keys, 8 K/V heads unless --batch/--seqlen-k/--nheads-kv say otherwise")
@@ -450,6 +454,47 @@ def host_times_main(args, argv) -> int:
     return 0
 
 
+def backward_main(args, argv) -> int:
+    """``--backward``: K9 beside the peers' backward, one workload or the sweep."""
+    from harness import backward_bench, results
+
+    other = flags_given(args, ("nheads", "batch", "dtype", "compile_only", "check", "no_peers"))
+    if args.rounds != 1:
+        other.append("--rounds")
+    if other or args.kernels:
+        print(f"error: --backward times K9 and the peers at bench.py's bf16 workload (batch 16384/N, heads 2048/d); "
+              f"it takes --seqlen, --headdim, --causal or --sweep, and --out, not {', '.join(other) or ' '.join(args.kernels)}",
+              file=sys.stderr)
+        return 2
+    import torch
+
+    if not torch.cuda.is_available():
+        print("No CUDA GPU is visible, so nothing can be timed here.", file=sys.stderr)
+        return 2
+    if args.sweep:
+        dims, causals, seqlens = (backward_bench.SWEEP[k] for k in ("head_dims", "causals", "seqlens"))
+    else:
+        try:
+            p = problem_from(seqlen=args.seqlen, headdim=args.headdim, causal=args.causal, batch=None, nheads=None,
+                             dtype=None)
+        except UnsupportedProblem as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        dims, causals, seqlens = (p.head_dim,), (int(p.causal),), (p.seqlen,)
+    out = results.open_result_file(args.out, results.command_line("bench.py", argv))
+    print(f"== {torch.cuda.get_device_name()}: backward, bf16, batch = 16384/N, heads = 2048/d")
+
+    def emit(row):
+        if out:
+            out.append(row)
+        print(backward_bench.format_row(row), flush=True)
+
+    backward_bench.run(emit, dims, causals, seqlens)
+    if out:
+        print(f"\nwrote {out.close()}")
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.decode:
@@ -464,6 +509,8 @@ def main(argv=None) -> int:
         return 2
     if args.host_times:
         return host_times_main(args, argv)
+    if args.backward:
+        return backward_main(args, argv)
     try:
         names = resolve_kernels(args.kernels)
         flags = dict(seqlen=args.seqlen, headdim=args.headdim, causal=args.causal, batch=args.batch,

@@ -245,3 +245,12 @@ def test_reproduce_script_stops_before_making_its_folder_without_a_gpu(tmp_path)
     done = subprocess.run(["bash", "scripts/reproduce.sh", "check", str(folder)], capture_output=True, text=True,
                           cwd=Path(__file__).parents[1], env=env)
     assert done.returncode == 2 and "no CUDA GPU is visible" in done.stderr and not folder.exists()
+
+
+def test_backward_refuses_what_it_would_ignore_and_needs_a_gpu(capsys):
+    assert bench.main(["--backward", "--batch", "4"]) == 2
+    assert "--backward times K9 and the peers" in capsys.readouterr().err
+    assert bench.main(["k6", "--backward"]) == 2
+    if not torch.cuda.is_available():
+        assert bench.main(["--backward", "--seqlen", "1024"]) == 2
+        assert "No CUDA GPU" in capsys.readouterr().err
