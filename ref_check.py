@@ -157,13 +157,17 @@ def run_decode(quick: bool, out) -> tuple:
 
 def backward_cases(seqlens):
     """K9's grid: d 64/128 x causal x seqlens, batch 2 x heads 3, bf16; fp16 once per causal mode;
-    inputs 8x larger once per head dim (larger scores, a sharper softmax); batch 8 x 1024 heads.
-    GQA and keys longer than queries join when the backward takes them."""
+    the forward grid's GQA heads and (seqlen_q, seqlen_k) pairs; inputs 8x larger once per head dim
+    (larger scores, a sharper softmax); batch 8 x 1024 heads."""
     for d in (64, 128):
         for causal in (False, True):
             for n in seqlens:
                 yield Problem(2, 3, n, d, causal=causal), 1.0
             yield Problem(1, 4, 1000, d, dtype="float16", causal=causal), 1.0
+            for nheads, nheads_kv in GQA_HEADS:
+                yield Problem(2, nheads, 1000, d, causal=causal, nheads_kv=nheads_kv), 1.0
+            for seqlen_q, seqlen_k in UNEQUAL_LENGTHS:
+                yield Problem(2, 4, seqlen_q, d, causal=causal, seqlen_k=seqlen_k, nheads_kv=2), 1.0
         yield Problem(2, 3, 1000, d, causal=True), 8.0
     yield Problem(8, 1024, 80, 64, causal=True), 1.0
 
@@ -174,21 +178,23 @@ def run_backward_grid(seqlens, out) -> tuple:
     rows, failures = [], 0
     print("backward grid (K9, O and LSE from k6): dq, dk, dv each within twice the max error of SDPA's own 16-bit "
           "backward + 1e-3 of float64 autograd (harness/check.py check_backward), outputs NaN-poisoned")
-    print(f"{'dtype':<10}{'b':>3}{'h':>6}{'seqlen':>7}{'d':>5}{'causal':>7}{'x':>4}"
+    print(f"{'dtype':<10}{'b':>3}{'h':>6}{'seqlen':>7}{'d':>5}{'causal':>7}{'kv h/len':>11}{'x':>4}"
           f"{'dq_err':>11}{'sdpa':>11}{'dk_err':>11}{'sdpa':>11}{'dv_err':>11}{'sdpa':>11}  result")
     for p, magnitude in backward_cases(seqlens):
         try:
             row = check_backward(p, magnitude=magnitude)
         except Exception as e:  # a crash is a failure of this case
             row = dict(kernel="k9", batch=p.batch, nheads=p.nheads, seqlen=p.seqlen, head_dim=p.head_dim,
-                       dtype=p.dtype, causal=int(p.causal), magnitude=magnitude, ok=False, status="crashed",
+                       dtype=p.dtype, causal=int(p.causal), nheads_kv=p.kv_heads, seqlen_k=p.kv_len,
+                       magnitude=magnitude, ok=False, status="crashed",
                        reason=f"{type(e).__name__}: {e}"[:300])
         rows.append(row)
         failures += not row["ok"]
         if out:
             out.append(row)
         errs = "".join(_e(row.get(f"{g}{suffix}")) for g in ("dq", "dk", "dv") for suffix in ("_max_abs", "_sdpa_max_abs"))
-        print(f"{p.dtype:<10}{p.batch:>3}{p.nheads:>6}{p.seqlen:>7}{p.head_dim:>5}{int(p.causal):>7}{magnitude:>4g}"
+        print(f"{p.dtype:<10}{p.batch:>3}{p.nheads:>6}{p.seqlen:>7}{p.head_dim:>5}{int(p.causal):>7}"
+              f"{f'{p.kv_heads}/{p.kv_len}':>11}{magnitude:>4g}"
               f"{errs}  {'ok' if row['ok'] else 'FAIL ' + row['reason']}", flush=True)
     return rows, failures
 

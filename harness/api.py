@@ -182,8 +182,7 @@ def attention(name: str, q, k, v, causal: bool = False, softmax_scale=None, retu
 
     Differentiable: where q, k or v require grad (and grad mode is on), the call goes through the
     custom op, whose backward is K9's (``harness.backward``; the LSE output is not differentiable).
-    What K9 cannot do (the FP8 stages, head dim 256, GQA, seqlen_k != seqlen) is refused here,
-    before the forward runs.
+    What K9 cannot do (the FP8 stages, head dim 256) is refused here, before the forward runs.
     """
     descales = (descale_q, descale_k, descale_v)
     if torch.compiler.is_compiling():

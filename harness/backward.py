@@ -44,7 +44,8 @@ def attention_backward(q, k, v, out, lse, dout, causal: bool = False, softmax_sc
     """(dq, dk, dv) of ``out = attention(q, k, v, causal, softmax_scale)`` for the gradient ``dout``
     of ``out``, given the forward's ``out`` and ``lse`` (float32 (batch, heads, seqlen), the
     natural-log LSE of the scaled scores, as ``attention(..., return_lse=True)`` returns it). By
-    K9 (``kernels/k9.py``): bf16 or fp16, head dim 64 or 128, K/V with q's heads and length."""
+    K9 (``kernels/k9.py``): bf16 or fp16, head dim 64 or 128; GQA and K/V longer than q (causal
+    bottom-right) as the forward takes them."""
     from kernels.k9 import check, compile_backward, run_backward
 
     q, k, v, out, lse, dout = (t.detach() if isinstance(t, torch.Tensor) else t for t in (q, k, v, out, lse, dout))

@@ -162,7 +162,8 @@ def check_backward(p: Problem, forward: str = "k6", seed=None, magnitude: float 
         if not max_abs <= PEER_FACTOR * peer_max_abs + GRAD_FLOOR:  # NaN fails too
             reasons.append(f"{name} max_abs {max_abs:.3g} > {PEER_FACTOR:g} x SDPA's {peer_max_abs:.3g} + {GRAD_FLOOR:g}")
     return dict(kernel="k9", forward=forward, batch=p.batch, nheads=p.nheads, seqlen=p.seqlen, head_dim=p.head_dim,
-                dtype=p.dtype, causal=int(p.causal), magnitude=magnitude, **row, ok=not reasons,
+                dtype=p.dtype, causal=int(p.causal), nheads_kv=p.kv_heads, seqlen_k=p.kv_len, magnitude=magnitude,
+                **row, ok=not reasons,
                 reason="; ".join(reasons), status="ok" if not reasons else "failed")
 
 

@@ -106,7 +106,7 @@ class K9Backward:
             sdO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sdS_layout)], 1024]
 
-        grid = (cute.ceil_div(mK.shape[2], tile_n), mK.shape[1], mK.shape[0])
+        grid = (cute.ceil_div(mK.shape[2], tile_n), mK.shape[1], mK.shape[0])  # (key tiles, K/V heads, batch)
         self.kernel(mQ_tma, mK_tma, mV_tma, mdO_tma, mLSE2, mD, mdQaccum, mdK, mdV, tma_atom_Q, tma_atom_K,
                     tma_atom_V, tma_atom_dO, softmax_scale * LOG2_E, softmax_scale, sK_layout, sQ_layout, sdS_layout,
                     tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, SharedStorage).launch(
@@ -123,8 +123,9 @@ class K9Backward:
                SharedStorage: cutlass.Constexpr):
         d, tile_m, tile_n, stages = self.head_dim, self.tile_m, self.tile_n, self.q_stages
         tidx, _, _ = cute.arch.thread_idx()
-        n_block, head, batch = cute.arch.block_idx()
-        seqlen = mLSE2.shape[2]
+        n_block, kv_head, batch = cute.arch.block_idx()
+        seqlen, seqlen_k = mLSE2.shape[2], mdK.shape[2]
+        group = mLSE2.shape[1] // mdK.shape[1]  # query heads per K/V head (GQA): all of them walk here
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg_idx = cute.arch.make_warp_uniform(tidx // sm90.THREADS_PER_WARPGROUP)
         if warp_idx == 0:
@@ -144,24 +145,24 @@ class K9Backward:
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
-        # The query tiles this key tile sees: all, or (causal, aligned at the top left when the
-        # lengths are equal) those with a row at or after its first key.
+        # The walk: for each query head of the group, the query tiles this key tile sees: all, or
+        # (causal, bottom-right: query i sees keys j <= i + seqlen_k - seqlen) from the one whose
+        # last row sees its first key. Step t is query tile m_first + t % per_head of head t // per_head.
+        offset = seqlen_k - seqlen
         m_tiles = cute.ceil_div(seqlen, tile_m)
-        m_first = (n_block * tile_n) // tile_m if const_expr(self.causal) else 0
-        count = m_tiles - m_first
+        m_first = cutlass.max(n_block * tile_n - offset, 0) // tile_m if const_expr(self.causal) else 0
+        per_head = m_tiles - m_first
+        walk = (kv_head * group, m_first, per_head)
+        count = per_head * group
 
-        tKsK, tKgK = tma_pipeline.partition_for_tma(tma_atom_K, mK_tma, sK, (tile_n, d), head, batch, (None, 0))
-        tVsV, tVgV = tma_pipeline.partition_for_tma(tma_atom_V, mV_tma, sV, (tile_n, d), head, batch, (None, 0))
-        tQsQ, tQgQ = tma_pipeline.partition_for_tma(tma_atom_Q, mQ_tma, sQ, (tile_m, d), head, batch, (None, 0))
-        tdOsdO, tdOgdO = tma_pipeline.partition_for_tma(tma_atom_dO, mdO_tma, sdO, (tile_m, d), head, batch,
-                                                        (None, 0))
-        qdo_loads = (tma_atom_Q, tQgQ, tQsQ, tma_atom_dO, tdOgdO, tdOsdO)
+        tKsK, tKgK = tma_pipeline.partition_for_tma(tma_atom_K, mK_tma, sK, (tile_n, d), kv_head, batch, (None, 0))
+        tVsV, tVgV = tma_pipeline.partition_for_tma(tma_atom_V, mV_tma, sV, (tile_n, d), kv_head, batch, (None, 0))
+        qdo_sources = (tma_atom_Q, mQ_tma, sQ, tma_atom_dO, mdO_tma, sdO)
         if warp_idx == 0:
             tma_pipeline.load_kv_stage(pipeline_kv, tma_pipeline.pipe_state(1, 0, producer=True), n_block,
                                        tma_atom_K, tKgK, tKsK, tma_atom_V, tVgV, tVsV)
             for t in cutlass.range(cutlass.min(stages, count), unroll=1):
-                tma_pipeline.load_kv_stage(pipeline_qdo, tma_pipeline.pipe_state(stages, t, producer=True),
-                                           m_first + t, *qdo_loads)
+                self.load_qdo(pipeline_qdo, t, walk, batch, qdo_sources)
 
         # ---- MMA partitions ------------------------------------------------------------------
         wg_sdp = tiled_mma_sdp.get_slice(wg_idx * sm90.THREADS_PER_WARPGROUP)
@@ -188,15 +189,15 @@ class K9Backward:
 
         pipeline_kv.consumer_wait(tma_pipeline.pipe_state(1, 0, producer=False))
         for t in cutlass.range(count, unroll=1):
-            m_block = m_first + t
+            head, m_block = self.step_at(t, walk)
             qdo = tma_pipeline.pipe_state(stages, t, producer=False)
             pipeline_qdo.consumer_wait(qdo)
             acc_S = cute.make_rmem_tensor(tiled_mma_sdp.partition_shape_C((tile_n, tile_m)), Float32)
             acc_dP = cute.make_rmem_tensor(tiled_mma_sdp.partition_shape_C((tile_n, tile_m)), Float32)
             sm90.gemm(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, qdo.index], zero_init=True, wg_wait=-1)
             sm90.gemm(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, qdo.index], zero_init=True, wg_wait=0)
-            self.p_and_ds(acc_S, acc_dP, tScS, mLSE2, mD, n_block, m_block, head, batch, seqlen, scale_log2,
-                          softmax_scale)
+            self.p_and_ds(acc_S, acc_dP, tScS, mLSE2, mD, n_block, m_block, head, batch, (seqlen, offset),
+                          scale_log2, softmax_scale)
             sm90.convert_to(sm90.acc_as_operand_a(acc_S), tdVrP)
             sm90.convert_to(sm90.acc_as_operand_a(acc_dP), tdKrdS)
             sm90.gemm(tiled_mma_dkv, acc_dV, tdVrP, tdVrdO[None, None, None, qdo.index], zero_init=False, wg_wait=-1)
@@ -211,22 +212,39 @@ class K9Backward:
             pipeline_qdo.consumer_release(qdo)  # dV's and dK's GEMMs (the only readers of Q/dO) are done
             if warp_idx == 0:
                 if t + stages < count:
-                    tma_pipeline.load_kv_stage(pipeline_qdo, tma_pipeline.pipe_state(stages, t + stages, producer=True),
-                                               m_first + t + stages, *qdo_loads)
+                    self.load_qdo(pipeline_qdo, t + stages, walk, batch, qdo_sources)
             self.add_dq(acc_dQ, tdQcdQ, mdQaccum, m_block, head, batch, seqlen)
 
         for acc, mX in ((acc_dK, mdK), (acc_dV, mdV)):
             rX = cute.make_rmem_tensor_like(acc, self.dtype)
             sm90.convert_to(acc, rX)
-            sm90.store_rows(rX, None, tiled_mma_dkv, tidx, mX, None, n_block, head, batch, tile_n)
+            sm90.store_rows(rX, None, tiled_mma_dkv, tidx, mX, None, n_block, kv_head, batch, tile_n)
+
+    @cute.jit
+    def step_at(self, t: Int32, walk: tuple) -> tuple:
+        """(query head, query tile) of step t of the walk (first head, m_first, tiles per head)."""
+        first_head, m_first, per_head = walk
+        return first_head + t // per_head, m_first + t % per_head
+
+    @cute.jit
+    def load_qdo(self, pipeline_qdo, t: Int32, walk: tuple, batch: Int32, sources: tuple):
+        """Producer: step t's Q and dO tiles (its query head's) into stage t % q_stages."""
+        tma_atom_Q, mQ_tma, sQ, tma_atom_dO, mdO_tma, sdO = sources
+        head, m_block = self.step_at(t, walk)
+        tile = (self.tile_m, self.head_dim)
+        tQsQ, tQgQ = tma_pipeline.partition_for_tma(tma_atom_Q, mQ_tma, sQ, tile, head, batch, (None, 0))
+        tdOsdO, tdOgdO = tma_pipeline.partition_for_tma(tma_atom_dO, mdO_tma, sdO, tile, head, batch, (None, 0))
+        tma_pipeline.load_kv_stage(pipeline_qdo, tma_pipeline.pipe_state(self.q_stages, t, producer=True), m_block,
+                                   tma_atom_Q, tQgQ, tQsQ, tma_atom_dO, tdOgdO, tdOsdO)
 
     @cute.jit
     def p_and_ds(self, acc_S: cute.Tensor, acc_dP: cute.Tensor, tScS: cute.Tensor, mLSE2: cute.Tensor,
-                 mD: cute.Tensor, n_block: Int32, m_block: Int32, head: Int32, batch: Int32, seqlen: Int32,
+                 mD: cute.Tensor, n_block: Int32, m_block: Int32, head: Int32, batch: Int32, lens: tuple,
                  scale_log2: Float32, softmax_scale: Float32):
         """In place: acc_S becomes P^T = exp2(S^T * scale_log2 - LSE2), acc_dP becomes
         dS^T * scale = P^T * (dP^T - D) * scale. A query past the sequence gets LSE2 = +inf
-        (P = 0); causal, a key after the query gets P = 0."""
+        (P = 0); causal, a key past the query's diagonal (``lens`` = (seqlen, its offset)) gets P = 0."""
+        seqlen, offset = lens
         for i in cutlass.range_constexpr(cute.size(acc_S)):
             key, row = tScS[i]
             q = m_block * self.tile_m + row
@@ -235,7 +253,7 @@ class K9Backward:
                 lse2, dq_dot = mLSE2[batch, head, q], mD[batch, head, q]
             p = cute.math.exp2(acc_S[i] * scale_log2 - lse2, fastmath=True)
             if const_expr(self.causal):
-                if n_block * self.tile_n + key > q:
+                if n_block * self.tile_n + key > q + offset:
                     p = Float32(0.0)
             acc_S[i] = p
             acc_dP[i] = p * (acc_dP[i] - dq_dot) * softmax_scale
@@ -330,8 +348,6 @@ def check(p: Problem) -> None:
         raise UnsupportedProblem(f"K9 (backward): head_dim {p.head_dim} not supported (supported: {list(HEAD_DIMS)})")
     if p.dtype not in ("bfloat16", "float16"):
         raise UnsupportedProblem(f"K9 (backward): dtype {p.dtype} not supported (bfloat16, float16)")
-    if p.kv_heads != p.nheads or p.kv_len != p.seqlen:
-        raise UnsupportedProblem("K9 (backward): K and V must have q's heads and length (no GQA, seqlen_k == seqlen_q)")
 
 
 def compile_backward(p: Problem, keep_ptx: bool = False, **overrides) -> tuple:
@@ -342,14 +358,15 @@ def compile_backward(p: Problem, keep_ptx: bool = False, **overrides) -> tuple:
 
     def tensors():
         f = FakeShapes()
-        x = lambda dtype: f.tensor(dtype, (p.head_dim,))  # noqa: E731
+        x = lambda dtype, kv=False: f.tensor(dtype, (p.head_dim,), kv=kv)  # noqa: E731
         rows = lambda: f.tensor(Float32, ())  # noqa: E731
         return f, x, rows
 
     def main():
         f, x, rows = tensors()
         return (K9Backward(p.head_dim, dt, p.causal, **cfg),
-                (x(dt), x(dt), x(dt), x(dt), rows(), rows(), x(Float32), x(dt), x(dt), Float32(1.0), fake_stream()))
+                (x(dt), x(dt, True), x(dt, True), x(dt), rows(), rows(), x(Float32), x(dt, True), x(dt, True),
+                 Float32(1.0), fake_stream()))
 
     def pre():
         f, x, rows = tensors()
