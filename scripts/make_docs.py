@@ -213,17 +213,21 @@ def refcheck_runs_summary(runs, kernels, stem):
         body.append([gpu_short_name(f["meta"].get("device", "")), f["meta"].get("date", "")[:10],
                      f"`{f['meta'].get('command', '')}`", counts])
     return (markdown_table(["GPU", "date", "command", "cases that pass"], body)
-            + f"\n\nEvery case of the newest run on each GPU, with its errors: [{stem}-runs.md]({stem}-runs.md#correctness)"
+            + f"\n\nEvery case of the newest H100 run (else the newest), with its errors: [{stem}-runs.md]({stem}-runs.md#correctness)"
             " (an older run's cases are in its result file).")
 
 
 def printed_in_full(runs):
-    """The refcheck runs (newest first) whose every case a page prints: the newest on each GPU of
-    each grid (the KV-cache grid's rows name a case); the summary lists them all."""
-    first = {}
+    """The refcheck runs (newest first) whose every case a page prints: of each grid (the KV-cache
+    grid's rows name a case), the newest on the issues' GPU (TARGET_GPU), else the newest; the
+    summary lists them all (the tree stays small enough to travel with every GPU call)."""
+    chosen = {}
     for f in runs:
-        first.setdefault((gpu_short_name(f["meta"].get("device", "")), any("case" in r for r in f["rows"])), f)
-    return [f for f in runs if any(f is g for g in first.values())]
+        grid = any("case" in r for r in f["rows"])
+        on_target = gpu_short_name(f["meta"].get("device", "")) == TARGET_GPU
+        if grid not in chosen or (on_target and not chosen[grid][1]):
+            chosen[grid] = (f, on_target)
+    return [f for f in runs if any(f is g for g, _ in chosen.values())]
 
 
 def tune_table(tune):
