@@ -173,7 +173,7 @@ def backward_cases(seqlens):
 
 
 def run_backward_grid(seqlens, out) -> tuple:
-    from harness.check import check_backward
+    from harness.check import backward_case, check_backward
 
     rows, failures = [], 0
     print("backward grid (K9, O and LSE from k6): dq, dk, dv each within twice the max error of SDPA's own 16-bit "
@@ -184,10 +184,7 @@ def run_backward_grid(seqlens, out) -> tuple:
         try:
             row = check_backward(p, magnitude=magnitude)
         except Exception as e:  # a crash is a failure of this case
-            row = dict(kernel="k9", batch=p.batch, nheads=p.nheads, seqlen=p.seqlen, head_dim=p.head_dim,
-                       dtype=p.dtype, causal=int(p.causal), nheads_kv=p.kv_heads, seqlen_k=p.kv_len,
-                       magnitude=magnitude, ok=False, status="crashed",
-                       reason=f"{type(e).__name__}: {e}"[:300])
+            row = dict(backward_case(p, magnitude), ok=False, status="crashed", reason=f"{type(e).__name__}: {e}"[:300])
         rows.append(row)
         failures += not row["ok"]
         if out:

@@ -97,8 +97,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = torch.ops.fa3_cute.attention_backward(q, k, v, out, lse, grad_out.contiguous(), ctx.causal,
-                                                       ctx.softmax_scale)
+    dq, dk, dv = torch.ops.fa3_cute.attention_backward(q, k, v, out, lse, grad_out, ctx.causal, ctx.softmax_scale)
     return None, dq, dk, dv, None, None, None, None, None, None, None
 
 

@@ -3,31 +3,14 @@ cuDNN's and flash-attn-4's autograd backward, in the same process.
 
 Workload as the forward sweep's: bf16, batch = 16384/N, heads = 2048/d; FLOPs 2.5 x the
 forward's (10 B H N^2 d, halved for causal). Each candidate: a warm-up, then the median of 20
-timings of one backward between CUDA events (the peers through autograd after one forward,
-``retain_graph`` so that one graph is timed; K9 from the forward's O and LSE).
+timings of one backward between CUDA events (``harness.timing.benchmark``; the peers through
+autograd after one forward, ``retain_graph`` so that one graph is timed; K9 from the forward's O
+and LSE).
 """
 
 from __future__ import annotations
 
-import statistics
-
 SWEEP = dict(head_dims=(64, 128), causals=(0, 1), seqlens=(1024, 4096, 16384))
-
-
-def median_ms(fn, reps: int = 20) -> float:
-    import torch
-
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def candidates(q, k, v, do, causal: bool, scale: float) -> dict:
@@ -63,16 +46,19 @@ def run(emit, head_dims, causals, seqlens) -> None:
     """One row per candidate and cell, emitted as it is timed."""
     import torch
 
+    from .config import default_batch_heads
+    from .timing import benchmark, tflops
+
     for d in head_dims:
         for causal in causals:
             for n in seqlens:
-                b, h = max(1, 16384 // n), 2048 // d
+                b, h = default_batch_heads(n, d)
                 q, k, v, do = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
                 flops = 10 * b * h * n * n * d / (2 if causal else 1)
                 for name, fn in candidates(q, k, v, do, bool(causal), d ** -0.5).items():
-                    ms = median_ms(fn)
+                    ms = benchmark(fn, min_reps=20, max_reps=20)
                     emit(dict(kernel=name, batch=b, nheads=h, seqlen=n, head_dim=d, causal=int(causal), ms=ms,
-                              tflops=flops / ms / 1e9, status="ok"))
+                              tflops=tflops(flops, ms), status="ok"))
 
 
 def format_row(row: dict) -> str:

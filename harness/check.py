@@ -154,17 +154,20 @@ def check_backward(p: Problem, forward: str = "k6", seed=None, magnitude: float 
     torch.cuda.synchronize()
     want = reference_grads(q, k, v, dout, p.causal, p.scale)
     peer = sdpa_grads(q, k, v, dout, p.causal, p.scale)
-    row, reasons = {}, []
+    row, reasons = backward_case(p, magnitude, forward), []
     for name, got, ref, sdpa_grad in zip(("dq", "dk", "dv"), grads, want, peer):
         err = (got.double() - ref).abs().nan_to_num(float("inf"))
         max_abs, peer_max_abs = float(err.max()), float((sdpa_grad.double() - ref).abs().max())
         row.update({f"{name}_max_abs": max_abs, f"{name}_sdpa_max_abs": peer_max_abs})
         if not max_abs <= PEER_FACTOR * peer_max_abs + GRAD_FLOOR:  # NaN fails too
             reasons.append(f"{name} max_abs {max_abs:.3g} > {PEER_FACTOR:g} x SDPA's {peer_max_abs:.3g} + {GRAD_FLOOR:g}")
+    return dict(row, ok=not reasons, reason="; ".join(reasons), status="ok" if not reasons else "failed")
+
+
+def backward_case(p: Problem, magnitude: float, forward: str = "k6") -> dict:
+    """The fields that name a backward case in its result row (``check_backward``'s, or a crash's)."""
     return dict(kernel="k9", forward=forward, batch=p.batch, nheads=p.nheads, seqlen=p.seqlen, head_dim=p.head_dim,
-                dtype=p.dtype, causal=int(p.causal), nheads_kv=p.kv_heads, seqlen_k=p.kv_len, magnitude=magnitude,
-                **row, ok=not reasons,
-                reason="; ".join(reasons), status="ok" if not reasons else "failed")
+                dtype=p.dtype, causal=int(p.causal), nheads_kv=p.kv_heads, seqlen_k=p.kv_len, magnitude=magnitude)
 
 
 @dataclass

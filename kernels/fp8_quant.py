@@ -323,15 +323,20 @@ def compile_quantize_inputs(head_dim: int, tile_m: int, tile_n: int, rotate: boo
     return jit_compile(("quantize_inputs", head_dim, tile_m, tile_n, rotate, dtype), build, keep_ptx)
 
 
+def block_specs(shape, block_rows: int) -> tuple:
+    """(shape, torch dtype) of an e4m3 copy of a (batch, heads, rows, d) tensor and of its descales,
+    one per ``block_rows`` rows (``QuantizeBlocks``' outputs)."""
+    import torch
+
+    b, h, n, _ = shape
+    return (tuple(shape), torch.float8_e4m3fn), ((b, h, -(-n // block_rows)), torch.float32)
+
+
 def quantize_inputs_cute(q, k, v, tile_m: int, tile_n: int, signs=None, keep: bool = False) -> tuple:
     """(q8, k8, v8, dq, dk, dv) from 16-bit CUDA q, k, v in one launch (``QuantizeInputs``), bit for bit
     three ``quantize_fp8_blocks``; ``signs`` None: no rotation. ``keep``: per-stream scratch."""
-    import torch
-
     d = q.shape[-1]
-    specs = []
-    for x, rows in ((q, tile_m), (k, tile_n), (v, tile_n)):
-        specs += [(tuple(x.shape), torch.float8_e4m3fn), ((*x.shape[:2], -(-x.shape[2] // rows)), torch.float32)]
+    specs = [spec for x, rows in ((q, tile_m), (k, tile_n), (v, tile_n)) for spec in block_specs(x.shape, rows)]
     q8, dq, k8, dk, v8, dv = buffers(q, "quantize_inputs", tuple(specs), keep)
     rotate = signs is not None
     fn = compile_quantize_inputs(d, tile_m, tile_n, rotate, str(q.dtype)[6:])
@@ -526,6 +531,11 @@ def compile_quantize_tensors(head_dim: int, count: int, dtype: str, keep_ptx: bo
 PARTIALS = H100_SMS  # amax CTAs per tensor: one wave on an H100, and fewer than a cast CTA's threads
 
 
+def partial_count(rows: int, head_dim: int) -> int:
+    """Partial amaxes per tensor (``QuantizeTensors.amax``'s CTAs) for tensors of at most ``rows`` rows."""
+    return max(1, min(PARTIALS, -(-rows // QuantizeTensors.rows_per_block(head_dim))))
+
+
 def quantize_fp8_tensors(*xs, keep: bool = False):
     """([x8], descales) for one to three 16-bit CUDA tensors (batch, heads, seqlen, d), the second and
     third of one shape: descales float32 (len(xs),), one per tensor, each bit for bit what
@@ -536,8 +546,7 @@ def quantize_fp8_tensors(*xs, keep: bool = False):
     x0, d = xs[0], xs[0].shape[-1]
     e4m3 = torch.float8_e4m3fn
     rows = max(x.shape[0] * x.shape[1] * x.shape[2] for x in xs)
-    block_rows = QuantizeTensors.rows_per_block(d)
-    shape = (len(xs), max(1, min(PARTIALS, -(-rows // block_rows))))
+    shape = (len(xs), partial_count(rows, d))
     specs = tuple((tuple(x.shape), e4m3) for x in xs) + (((len(xs),), torch.float32),)
     if keep:  # the partials (read by the cast launch alone) in the same lookup
         *outs, descale, partial = scratch_set(x0, "quantize_tensors", specs + ((shape, torch.float32),))

@@ -694,15 +694,16 @@ def build(name: str, kernel_cls, p: Problem, cfg: dict, keep_ptx: bool, fake_arg
     counters = schedule.TileCounters(kernel.counter_ints())
     compiled.buffers["counters"] = counters  # tests read them back: the first zeroed_ints must be zero
     compiled.buffers["zeroed_ints"] = kernel.zeroed_counter_ints()
-    compiled.launch = lambda q, *args: fn(q, *args, counters.get(q.get_device()))
+
+    def with_counter(jit_fn):  # the launch: this stream's counter pair goes last
+        return lambda q, *args: jit_fn(q, *args, counters.get(q.get_device()))
+
+    compiled.launch = with_counter(fn)
 
     def compile_entry(entry_key, make_entry, head_args):
         entry = jit_compile((key, entry_key), lambda: (make_entry(kernel), (*head_args(dt, p.head_dim), counter(),
                                                                            fake_stream())), keep_ptx)
-
-        def launch(q, *args):
-            entry(q, *args, counters.get(q.get_device()))
-
+        launch = with_counter(entry)
         launch.ptx = compiled_ptx(entry) if keep_ptx else None
         return launch
 

@@ -359,9 +359,9 @@ class QuantizeThenKernel:
 
 def prepare_run(compiled: CompiledAttention, descales, device, per_tensor: bool = True):
     """``run_kernel`` for one call signature (``harness.api``'s prepared calls), as one host call
-    (``contract.FusedLaunch``) on ``device``: e4m3 inputs with the caller's descale tensors (``descales``; K8's
-    per block without ``per_tensor``) take ``VPassThenKernel``, 16-bit ones ``QuantizeThenKernel``.
-    None where ``run_kernel`` itself is the path (k7_k4)."""
+    (``contract.FusedLaunch``) on ``device``: e4m3 inputs with the caller's descale tensors
+    (``descales``; K8's per block without ``per_tensor``) take ``VPassThenKernel``, 16-bit ones
+    ``QuantizeThenKernel``. None where ``run_kernel`` itself is the path (k7_k4)."""
     import torch
 
     if compiled.compile_entry is None:
@@ -374,7 +374,7 @@ def prepare_run(compiled: CompiledAttention, descales, device, per_tensor: bool 
                            v_pass_specs(v_shape, rows_shape(*descales[:2], per_tensor)))
     e4m3, f32 = torch.float8_e4m3fn, torch.float32
     rows = max(p.batch * p.nheads * p.seqlen, p.batch * p.kv_heads * p.kv_len)
-    partials = max(1, min(fp8_quant.PARTIALS, -(-rows // fp8_quant.QuantizeTensors.rows_per_block(p.head_dim))))
+    partials = fp8_quant.partial_count(rows, p.head_dim)
     specs = (((p.batch, p.nheads, p.seqlen, p.head_dim), e4m3), (v_shape, e4m3), (v_shape, e4m3), ((3,), f32),
              ((3, partials), f32), v_pass_specs(v_shape, (3,))[0])
     return FusedLaunch(compiled, ("quantize", p.dtype), QuantizeThenKernel,
@@ -395,10 +395,8 @@ def quantize_args(out_dtype, head_dim: int, in_dtype) -> tuple:
 
     q8, k8, vt, o, lse, descale, scale, _ = fake_args(out_dtype, head_dim)
     f = FakeShapes()
-    q, k, v = f.tensor(in_dtype, (head_dim,)), f.tensor(in_dtype, (head_dim,), kv=True), f.tensor(
-        in_dtype, (head_dim,), kv=True)
-    g = FakeShapes()
-    v8 = g.tensor(FP8, (head_dim,), align_elems=16, kv=True)
+    q, k, v = (f.tensor(in_dtype, (head_dim,), kv=kv) for kv in (False, True, True))
+    v8 = FakeShapes().tensor(FP8, (head_dim,), align_elems=16, kv=True)
     partial = make_fake_tensor(Float32, (3, cute.sym_int()), stride=(cute.sym_int64(), 1), assumed_align=4)
     return (q, k, v, o, lse, q8, k8, v8, descale, partial, vt, scale)
 

@@ -139,18 +139,13 @@ class QuantizeBlocksThenKernel:
 def prepare_run(compiled: CompiledAttention, descales, device):
     """``k7.prepare_run`` with K8's descales, one per block; 16-bit inputs take
     ``QuantizeBlocksThenKernel`` (its sign vector made on ``device``)."""
-    import torch
-
     p, info = compiled.problem, compiled.info
     if p.dtype == "float8_e4m3fn":
         return k7.prepare_run(compiled, descales, device, per_tensor=False)
     tile_m, tile_n, rotate = info["tile_m"], info["tile_n"], info["rotate"]
-    e4m3, f32 = torch.float8_e4m3fn, torch.float32
     q_shape, kv_shape = (p.batch, p.nheads, p.seqlen, p.head_dim), (p.batch, p.kv_heads, p.kv_len, p.head_dim)
-    mq, mk = -(-p.seqlen // tile_m), -(-p.kv_len // tile_n)
-    specs = ((q_shape, e4m3), (kv_shape, e4m3), (kv_shape, e4m3), ((p.batch, p.nheads, mq), f32),
-             ((p.batch, p.kv_heads, mk), f32), ((p.batch, p.kv_heads, mk), f32),
-             *k7.v_pass_specs(kv_shape, (p.batch, p.nheads, mq + 2 * mk)))
+    (q8, dq), (k8, dk) = fp8_quant.block_specs(q_shape, tile_m), fp8_quant.block_specs(kv_shape, tile_n)
+    specs = (q8, k8, k8, dq, dk, dk, *k7.v_pass_specs(kv_shape, (p.batch, p.nheads, dq[0][2] + 2 * dk[0][2])))
     signs = fp8_quant.hadamard_signs(p.head_dim, HADAMARD_SEED, device)  # unread without rotate
     quantize = fp8_quant.QuantizeInputs(p.head_dim, tile_m, tile_n, rotate)
     return FusedLaunch(compiled, ("quantize", p.dtype, rotate), lambda kernel: QuantizeBlocksThenKernel(kernel, quantize),

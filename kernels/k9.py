@@ -39,7 +39,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from . import simt, sm90, tma_pipeline
+from . import k4, simt, sm90, tma_pipeline
 from .contract import LOG2_E, FakeShapes, Problem, UnsupportedProblem, cute_dtype, fake_stream, jit_compile
 
 HEAD_DIMS = (64, 128)
@@ -338,9 +338,7 @@ class Postpass:
 # --------------------------------------------------------------------------------------
 
 def config(p: Problem, overrides: dict) -> dict:
-    cfg = dict(DEFAULT_CONFIG[p.head_dim])
-    cfg.update({k: v for k, v in overrides.items() if v is not None})
-    return cfg
+    return k4.config(p.head_dim, overrides, DEFAULT_CONFIG)
 
 
 def check(p: Problem) -> None:
@@ -356,24 +354,22 @@ def compile_backward(p: Problem, keep_ptx: bool = False, **overrides) -> tuple:
     cfg = config(p, overrides)
     dt = cute_dtype(p.dtype)
 
-    def tensors():
+    def tensors():  # (a (batch, heads, seqlen, d) tensor, a (batch, heads, seqlen) one), shapes shared
         f = FakeShapes()
-        x = lambda dtype, kv=False: f.tensor(dtype, (p.head_dim,), kv=kv)  # noqa: E731
-        rows = lambda: f.tensor(Float32, ())  # noqa: E731
-        return f, x, rows
+        return (lambda dtype, kv=False: f.tensor(dtype, (p.head_dim,), kv=kv)), (lambda: f.tensor(Float32, ()))
 
     def main():
-        f, x, rows = tensors()
+        x, rows = tensors()
         return (K9Backward(p.head_dim, dt, p.causal, **cfg),
                 (x(dt), x(dt, True), x(dt, True), x(dt), rows(), rows(), x(Float32), x(dt, True), x(dt, True),
                  Float32(1.0), fake_stream()))
 
     def pre():
-        f, x, rows = tensors()
+        x, rows = tensors()
         return Prepass(), (x(dt), x(dt), rows(), rows(), rows(), x(Float32), fake_stream())
 
     def post():
-        f, x, rows = tensors()
+        x, rows = tensors()
         return Postpass(), (x(Float32), x(dt), fake_stream())
 
     key = ("k9", p.head_dim, p.dtype, p.causal, tuple(sorted(cfg.items())))

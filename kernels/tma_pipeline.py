@@ -212,7 +212,7 @@ def make_pipelines(storage, dtype, sQ_layout, sK_layout, sV_layout, kv_stages: i
     consumer_warps = num_threads // cute.arch.WARP_SIZE
     pipeline_q = make_tma_pipeline(storage.mbar_q.data_ptr(), 1, consumer_warps, stage_bytes(dtype, sQ_layout))
     pipeline_kv = make_tma_pipeline(storage.mbar_kv.data_ptr(), kv_stages, consumer_warps,
-                                stage_bytes(dtype, sK_layout, sV_layout))
+                                    stage_bytes(dtype, sK_layout, sV_layout))
     # Barrier init must be visible to the async (TMA) proxy and to every thread before use:
     # one fence and one CTA barrier for both pipelines.
     cute.arch.mbarrier_init_fence()
@@ -224,7 +224,7 @@ def make_kv_pipeline(storage, dtype, sK_layout, sV_layout, kv_stages: int, num_t
     """``make_pipelines`` without Q's (decode loads Q with the threads): K+V only, then the same
     fence and CTA barrier."""
     pipeline_kv = make_tma_pipeline(storage.mbar_kv.data_ptr(), kv_stages, num_threads // cute.arch.WARP_SIZE,
-                                stage_bytes(dtype, sK_layout, sV_layout))
+                                    stage_bytes(dtype, sK_layout, sV_layout))
     cute.arch.mbarrier_init_fence()
     cute.arch.sync_threads()
     return pipeline_kv
