@@ -62,9 +62,12 @@ _ENTRIES = [
     KernelEntry("k4", "kernels.k4", "k4_seed tuned per head dim: 2-3 warpgroups, fewer KV stages, 128-key tiles "
                 "at d=64/128"),
     KernelEntry("k5", "kernels.k5", "warp specialization: a TMA producer warp, setmaxnreg, separate K/V pipelines"),
-    KernelEntry("k6_pp", "kernels.k6", "ping-pong: consumer warpgroups take turns on the tensor cores",
-                {"pingpong": True, "overlap": False}),
-    KernelEntry("k6", "kernels.k6", "plus intra-warpgroup overlap: softmax of tile j+1 under PV of tile j"),
+    KernelEntry("k6_pp", "kernels.k6", "ping-pong on K5's configuration: consumer warpgroups take turns on the tensor "
+                "cores", {"pingpong": True, "overlap": False, "tuned": False}),
+    KernelEntry("k6_overlap", "kernels.k6", "plus intra-warpgroup overlap: softmax of tile j+1 under PV of tile j",
+                {"pingpong": True, "overlap": True, "tuned": False}),
+    KernelEntry("k6", "kernels.k6", "K6 as measured per shape: the overlap (and ping-pong) where they pay, tile widths, "
+                "TMA-store epilogue, 2-CTA clusters"),
     KernelEntry("k7_k4", "kernels.k7", "FP8 on K4's loop: both GEMMs as e4m3 WGMMAs, V^T in a timed pre-pass",
                 {"structure": "k4"}),
     KernelEntry("k7", "kernels.k7", "FP8 on K6's warp-specialized ping-pong kernel; takes e4m3 inputs with descales"),

@@ -192,7 +192,7 @@ class K6FMHA(k5.K5FMHA):
         return kv_consume
 
 
-def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_wg=None, tile_n=None, kv_stages=None,
+def compile_kernel(p: Problem, *, keep_ptx: bool = False, tuned: bool = True, num_wg=None, tile_n=None, kv_stages=None,
                    q_stages=None, scheduler=None, tma_store=None, pingpong=None, overlap=None,
                    section_bytes=None, emulated_exp2=None, skip_unit_rescale=None,
                    rescale_o_before_gemm=None, pin_pv_wait=None, o_store_per_wg=None, split_tail=None,
@@ -203,16 +203,20 @@ def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_wg=None, tile_n=No
         pingpong=pingpong, overlap=overlap, section_bytes=section_bytes, emulated_exp2=emulated_exp2,
         skip_unit_rescale=skip_unit_rescale, rescale_o_before_gemm=rescale_o_before_gemm, pin_pv_wait=pin_pv_wait,
         o_store_per_wg=o_store_per_wg, split_tail=split_tail, ctas=ctas, pin_descriptors=pin_descriptors,
-        cluster=cluster, q_in_regs=q_in_regs))
+        cluster=cluster, q_in_regs=q_in_regs), tuned)
     from .experiments import kernel_class  # K6FMHA, or with the knobs measured and left off that cfg asks for
 
     kernel_cls, cfg = kernel_class(cfg, p.causal)
     return k5.build("k6", kernel_cls, p, cfg, keep_ptx)
 
 
-def config(p: Problem, overrides: dict) -> dict:
+def config(p: Problem, overrides: dict, tuned: bool = True) -> dict:
     """K6's configuration of ``p``: the measured defaults above wherever ``overrides`` leaves a knob
-    None, then K5's (``k5.default_config``)."""
+    None, then K5's (``k5.default_config``). Without ``tuned``, K5's configuration with ping-pong
+    (on unless asked off) and the overlap (off unless asked on): the registry's one-idea steps."""
+    if not tuned:
+        return k5.default_config(p, dict(overrides, pingpong=overrides["pingpong"] is not False,
+                                         overlap=bool(overrides["overlap"])))
     num_wg, tile_n, overlap, pingpong = (overrides[k] for k in ("num_wg", "tile_n", "overlap", "pingpong"))
     tma_store, o_store_per_wg, cluster = overrides["tma_store"], overrides["o_store_per_wg"], overrides["cluster"]
     scheduler, split_tail, ctas = overrides["scheduler"], overrides["split_tail"], overrides["ctas"]

@@ -248,7 +248,7 @@ def tune_table(tune):
             f"{tune['meta'].get('date', '')[:10]}.\n\n" + markdown_table(["d", "configuration", "TFLOP/s", "causal"], body))
 
 
-WS_STEPS = ("k4", "k5", "k6_pp", "k6")  # the stages the warp-specialized sweep times side by side
+WS_STEPS = ("k4", "k5", "k6_pp", "k6_overlap", "k6")  # the stages the warp-specialized sweep times side by side
 
 
 def _geomean(xs):

@@ -49,7 +49,7 @@ PREFILL = dict(batch=2, nheads=16, seqlen=8192, head_dim=128)
 DECODE = dict(batch=8, kv_len=32768, nheads_kv=8)
 # name -> (workload, what the docs call it)
 JOBS = {
-    "k5": ("bf16", "k5"), "k6_pp": ("bf16", "k6_pp"), "k6": ("bf16", "k6"),
+    "k5": ("bf16", "k5"), "k6_pp": ("bf16", "k6_pp"), "k6_overlap": ("bf16", "k6_overlap"), "k6": ("bf16", "k6"),
     "sdpa-cudnn": ("bf16", "cuDNN (SDPA)"), "fa4": ("bf16", "flash-attn-4"),
     "k7": ("fp8", "k7"), "k8": ("fp8", "k8"), "cudnn-fp8": ("fp8", "cuDNN FP8"),
     "decode": ("decode", "decode"), "decode_combine": ("decode", "decode_combine"),

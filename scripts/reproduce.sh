@@ -47,7 +47,7 @@ case "$part" in
     ;;
   ws)  # the warp-specialized stages; a hang ends at its timeout with a message, never blocks the rest
     rc=0
-    timeout 420 $py ref_check.py k4_seed k5 k6_pp k6 --all-head-dims --out "$dir/refcheck-ws-$gpu.json" \
+    timeout 420 $py ref_check.py k4_seed k5 k6_pp k6_overlap k6 --all-head-dims --out "$dir/refcheck-ws-$gpu.json" \
       > "$dir/refcheck-ws-$gpu.log" || { echo "ref_check failed or timed out (exit $?)"; rc=1; }
     for k in k5 k6; do  # racecheck: hazards on SMEM; synccheck: barrier misuse. Small shapes, our kernels only.
       for args in "--causal 0" "--causal 1" "--headdim 256 --causal 0"; do
@@ -57,7 +57,7 @@ case "$part" in
       timeout 120 compute-sanitizer --tool synccheck --kernel-name kns=FMHA $py scripts/sanitize_case.py $k --causal 1 \
         2>&1 | grep "SUMMARY\|: ok\|FAIL" || { echo "synccheck $k: timed out or failed"; rc=1; }
     done | tee "$dir/sanitizer-$gpu.txt"
-    timeout 300 $py bench.py k4 k5 k6_pp k6 --sweep --out "$dir/ws-sweep-$gpu.json" > "$dir/ws-sweep-$gpu.log" || rc=1
+    timeout 300 $py bench.py k4 k5 k6_pp k6_overlap k6 --sweep --out "$dir/ws-sweep-$gpu.json" > "$dir/ws-sweep-$gpu.log" || rc=1
     timeout 600 $py scripts/ncu_profile.py --out "$dir/ncu-profile-$gpu.json" || rc=1
     timeout 330 $py scripts/tune.py --kernels k6 --seqlen 512 2048 8192 16384 --causal 1 \
       --configs '[{}, {"scheduler": "single"}, {"scheduler": "static"}]' --out "$dir/ws-tune-$gpu-scheduler.json" || rc=1

@@ -23,6 +23,7 @@ CLAIMS = {
     "k4": dict(has=["cp.async.bulk.tensor", "mbarrier", "wgmma.mma_async"], lacks=["setmaxnreg"]),
     "k5": dict(has=["cp.async.bulk.tensor", "mbarrier", "wgmma.mma_async", "setmaxnreg"], lacks=["e4m3 wgmma"]),
     "k6_pp": dict(has=["cp.async.bulk.tensor", "mbarrier", "wgmma.mma_async", "setmaxnreg"], lacks=["e4m3 wgmma"]),
+    "k6_overlap": dict(has=["cp.async.bulk.tensor", "mbarrier", "wgmma.mma_async", "setmaxnreg"], lacks=["e4m3 wgmma"]),
     "k6": dict(has=["cp.async.bulk.tensor", "mbarrier", "wgmma.mma_async", "setmaxnreg"], lacks=["e4m3 wgmma"]),
 }
 CLAIMS["k4_seed"] = CLAIMS["k4"]  # the same kernel at K4.1's tile shape

@@ -157,7 +157,7 @@ def test_k1_refuses_s_that_does_not_fit():
 
 def test_registry_lists_kernels_in_order_and_names_unknown():
     names = kernel_names()
-    assert names == ["k1", "k2", "k3_1", "k3_2", "k3_3", "k4_qk", "k4_seed", "k4", "k5", "k6_pp", "k6", "k7_k4", "k7", "k8",
+    assert names == ["k1", "k2", "k3_1", "k3_2", "k3_3", "k4_qk", "k4_seed", "k4", "k5", "k6_pp", "k6_overlap", "k6", "k7_k4", "k7", "k8",
                      "decode_nosplit", "decode_combine", "decode"]
     with pytest.raises(UnsupportedProblem, match="unknown kernel 'k9'"):
         get_kernel("k9")

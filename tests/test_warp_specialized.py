@@ -16,7 +16,7 @@ from kernels.k5 import REGISTERS
 from kernels.sm90 import NamedBarrier
 from script_loader import load_script
 
-WS_KERNELS = ("k5", "k6_pp", "k6", "k7", "k8")  # K7/K8: K6 in FP8
+WS_KERNELS = ("k5", "k6_pp", "k6_overlap", "k6", "k7", "k8")  # K7/K8: K6 in FP8
 CASES = [(n, d, dt, c) for n in WS_KERNELS for d in (64, 128, 256) for dt in ("bfloat16", "float16")
          for c in (False, True) if dt == "bfloat16" or c]
 
@@ -116,7 +116,7 @@ def test_pin_pv_wait_is_checked_and_builds():
         _compile("k6", 128, pin_pv_wait="after_softmax", skip_unit_rescale=True)
 
 
-@pytest.mark.parametrize("name", ["k6_pp", "k6", "k7", "k8"])
+@pytest.mark.parametrize("name", ["k6_pp", "k6_overlap", "k6", "k7", "k8"])
 def test_k6_passes_a_token_between_warpgroups(name):
     ptx = _compile(name, 128).ptx
     kinds = {(kind, count) for kind, _, count in _named_barriers(ptx)}
@@ -125,8 +125,8 @@ def test_k6_passes_a_token_between_warpgroups(name):
 
 def test_k6_overlaps_qk_with_pv():
     # wait_group 1: QK of the next tile retired while the PV of this one may still run.
-    overlap = _compile("k6", 128).ptx
-    assert re.search(r"wgmma\.wait_group\.sync\.aligned\s+1;", overlap)
+    for name in ("k6_overlap", "k6"):
+        assert re.search(r"wgmma\.wait_group\.sync\.aligned\s+1;", _compile(name, 128).ptx), name
     assert not re.search(r"wgmma\.wait_group\.sync\.aligned\s+1;", _compile("k6_pp", 128).ptx)
 
 
