@@ -23,8 +23,12 @@ def candidates(q, k, v, do, causal: bool, scale: float) -> dict:
 
     b, h, n, d = q.shape
     out, lse = attention("k6", q, k, v, causal=causal, return_lse=True)
-    compiled = compile_backward(Problem(b, h, n, d, causal=causal))
-    calls = {"k9": lambda: run_backward(compiled, q, k, v, out, lse, do, scale)}
+    from kernels import k10
+
+    p = Problem(b, h, n, d, causal=causal)
+    compiled, compiled10 = compile_backward(p), k10.compile_backward(p)
+    calls = {"k9": lambda: run_backward(compiled, q, k, v, out, lse, do, scale),
+             "k10": lambda: run_backward(compiled10, q, k, v, out, lse, do, scale)}
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         o_cudnn = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=causal, scale=scale)

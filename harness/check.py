@@ -135,12 +135,16 @@ def check_kernel(name: str, p: Problem, seed=None, config=None) -> CheckResult:
 GRAD_FLOOR = 1e-3
 
 
-def check_backward(p: Problem, forward: str = "k6", seed=None, magnitude: float = 1.0) -> dict:
+def check_backward(p: Problem, forward: str = "k6", seed=None, magnitude: float = 1.0, backward: str = "k9") -> dict:
     """One backward case: fresh inputs (times ``magnitude``) and dO, O and LSE from ``forward``,
-    K9's dq, dk, dv into NaN-poisoned tensors, each compared with float64 autograd."""
+    the ``backward`` stage's (k9, k10) dq, dk, dv into NaN-poisoned tensors, each compared with
+    float64 autograd."""
+    import importlib
+
     import torch
 
-    from kernels.k9 import compile_backward, run_backward
+    stage = importlib.import_module(f"kernels.{backward}")
+    compile_backward, run_backward = stage.compile_backward, stage.run_backward
 
     from .api import attention
     from .inputs import random_inputs
@@ -154,7 +158,7 @@ def check_backward(p: Problem, forward: str = "k6", seed=None, magnitude: float 
     torch.cuda.synchronize()
     want = reference_grads(q, k, v, dout, p.causal, p.scale)
     peer = sdpa_grads(q, k, v, dout, p.causal, p.scale)
-    row, reasons = backward_case(p, magnitude, forward), []
+    row, reasons = backward_case(p, magnitude, forward, backward), []
     for name, got, ref, sdpa_grad in zip(("dq", "dk", "dv"), grads, want, peer):
         err = (got.double() - ref).abs().nan_to_num(float("inf"))
         max_abs, peer_max_abs = float(err.max()), float((sdpa_grad.double() - ref).abs().max())
@@ -164,9 +168,9 @@ def check_backward(p: Problem, forward: str = "k6", seed=None, magnitude: float 
     return dict(row, ok=not reasons, reason="; ".join(reasons), status="ok" if not reasons else "failed")
 
 
-def backward_case(p: Problem, magnitude: float, forward: str = "k6") -> dict:
+def backward_case(p: Problem, magnitude: float, forward: str = "k6", backward: str = "k9") -> dict:
     """The fields that name a backward case in its result row (``check_backward``'s, or a crash's)."""
-    return dict(kernel="k9", forward=forward, batch=p.batch, nheads=p.nheads, seqlen=p.seqlen, head_dim=p.head_dim,
+    return dict(kernel=backward, forward=forward, batch=p.batch, nheads=p.nheads, seqlen=p.seqlen, head_dim=p.head_dim,
                 dtype=p.dtype, causal=int(p.causal), nheads_kv=p.kv_heads, seqlen_k=p.kv_len, magnitude=magnitude)
 
 

@@ -1,0 +1,292 @@
+"""K10 (draft): K9 warp-specialized, FA3's backward organisation.
+
+New relative to K9 (same walk, same five GEMMs, same operand placement):
+
+* A producer warpgroup at a small register budget (``setmaxnreg``, K5's budgets): its warp 0
+  issues the TMA loads (K and V once, then the Q/dO ring across the walk), its warp 1 is the dQ
+  writer; the MMA warpgroups get the registers the producer gives up.
+* dQ leaves by TMA reduce-add. Each step's dQ share is written (fp32) into ``sdQ``; the writer
+  warp adds the whole tile into the fp32 accumulator in GMEM with one ``cp.reduce.async.bulk``
+  (``CopyReduceBulkTensorTileS2GOp``), so the MMA warps never wait on atomics. Two named barriers
+  hand the buffer back and forth: ``DQ_FULL`` (the MMA warps have written it) and ``DQ_EMPTY``
+  (the TMA has read it).
+* The MMA warpgroups synchronize among themselves with a named barrier (``MMA``), not the CTA
+  barrier, which would wait for the producer warps.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.tensor_utils import LayoutEnum
+
+from . import k5, k9, sm90, tma_pipeline
+from .contract import LOG2_E, FakeShapes, Problem, cute_dtype, fake_stream, jit_compile
+
+HEAD_DIMS = k9.HEAD_DIMS
+DEFAULT_CONFIG = k9.DEFAULT_CONFIG
+
+
+class Barrier(enum.IntEnum):
+    """K10's named-barrier ids (0 is sync_threads)."""
+
+    MMA = 1  # the MMA warpgroups among themselves (sdS written / read)
+    DQ_FULL = 2  # MMA warps -> dQ writer: sdQ holds this step's dQ share
+    DQ_EMPTY = 3  # dQ writer -> MMA warps: the TMA has read sdQ
+
+
+class K10Backward(k9.K9Backward):
+    def __init__(self, head_dim: int, dtype, causal: bool, num_wg: int, tile_m: int, q_stages: int):
+        super().__init__(head_dim, dtype, causal, num_wg, tile_m, q_stages)
+        self.mma_threads = sm90.THREADS_PER_WARPGROUP * num_wg
+        self.num_threads = self.mma_threads + sm90.THREADS_PER_WARPGROUP  # + the producer warpgroup
+        self.producer_regs, self.consumer_regs = k5.REGISTERS[num_wg]
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE2: cute.Tensor,
+                 mD: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, softmax_scale: Float32,
+                 stream):
+        d, dt, tile_m, tile_n = self.head_dim, self.dtype, self.tile_m, self.tile_n
+        K_MAJOR, MN_MAJOR = OperandMajorMode.K, OperandMajorMode.MN
+        tiled_mma_sdp = sm90_utils.make_trivial_tiled_mma(dt, dt, K_MAJOR, K_MAJOR, Float32,
+                                                          atom_layout_mnk=(self.num_wg, 1, 1), tiler_mn=(64, tile_m))
+        tiled_mma_dkv = sm90_utils.make_trivial_tiled_mma(dt, dt, K_MAJOR, MN_MAJOR, Float32,
+                                                          atom_layout_mnk=(self.num_wg, 1, 1), tiler_mn=(64, d),
+                                                          a_source=warpgroup.OperandSource.RMEM)
+        tiled_mma_dq = sm90_utils.make_trivial_tiled_mma(dt, dt, MN_MAJOR, MN_MAJOR, Float32,
+                                                         atom_layout_mnk=(1, self.num_wg, 1),
+                                                         tiler_mn=(64, d // self.num_wg))
+        sK_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (tile_n, tile_m, d), dt, 1)
+        sQ_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (tile_n, tile_m, d), dt, self.q_stages)
+        sdS_layout = cute.select(sm90_utils.make_smem_layout_a(LayoutEnum.COL_MAJOR, (tile_m, d, tile_n), dt, 1),
+                                 mode=[0, 1])
+        sdQ_layout = tma_pipeline.row_major(tile_m, d)  # fp32, as the TMA reduce reads it
+
+        tma_atom_K, mK_tma = tma_pipeline.make_tma_load(tma_pipeline.seq_major_view(mK), sK_layout, (tile_n, d))
+        tma_atom_V, mV_tma = tma_pipeline.make_tma_load(tma_pipeline.seq_major_view(mV), sK_layout, (tile_n, d))
+        tma_atom_Q, mQ_tma = tma_pipeline.make_tma_load(tma_pipeline.seq_major_view(mQ), sQ_layout, (tile_m, d))
+        tma_atom_dO, mdO_tma = tma_pipeline.make_tma_load(tma_pipeline.seq_major_view(mdO), sQ_layout, (tile_m, d))
+        tma_atom_dQ, mdQ_tma = cpasync.make_tiled_tma_atom(cpasync.CopyReduceBulkTensorTileS2GOp(),
+                                                           tma_pipeline.seq_major_view(mdQaccum), sdQ_layout,
+                                                           (tile_m, d))
+
+        @cute.struct
+        class SharedStorage:
+            mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_qdo: cute.struct.MemRange[cutlass.Int64, 2 * self.q_stages]
+            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sdS_layout)], 1024]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 128]
+
+        grid = (cute.ceil_div(mK.shape[2], tile_n), mK.shape[1], mK.shape[0])
+        self.kernel(mQ_tma, mK_tma, mV_tma, mdO_tma, mdQ_tma, mLSE2, mD, mdK, mdV, tma_atom_Q, tma_atom_K,
+                    tma_atom_V, tma_atom_dO, tma_atom_dQ, softmax_scale * LOG2_E, softmax_scale,
+                    (sK_layout, sQ_layout, sdS_layout, sdQ_layout), (tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq),
+                    SharedStorage).launch(grid=grid, block=[self.num_threads, 1, 1],
+                                          smem=SharedStorage.size_in_bytes(), stream=stream, min_blocks_per_mp=1)
+
+    @cute.kernel
+    def kernel(self, mQ_tma: cute.Tensor, mK_tma: cute.Tensor, mV_tma: cute.Tensor, mdO_tma: cute.Tensor,
+               mdQ_tma: cute.Tensor, mLSE2: cute.Tensor, mD: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
+               tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
+               tma_atom_dO: cute.CopyAtom, tma_atom_dQ: cute.CopyAtom, scale_log2: Float32, softmax_scale: Float32,
+               layouts: tuple, mmas: tuple, SharedStorage: cutlass.Constexpr):
+        sK_layout, sQ_layout, sdS_layout, sdQ_layout = layouts
+        tile_m, tile_n, stages = self.tile_m, self.tile_n, self.q_stages
+        n_block, kv_head, batch = cute.arch.block_idx()
+        seqlen, seqlen_k = mLSE2.shape[2], mdK.shape[2]
+        group = mLSE2.shape[1] // mdK.shape[1]
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            tma_pipeline.prefetch_descriptors(tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_dQ)
+
+        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
+        sdQ = storage.sdQ.get_tensor(sdQ_layout)
+        mma_warps = self.mma_threads // cute.arch.WARP_SIZE
+        pipeline_kv = tma_pipeline.make_tma_pipeline(storage.mbar_kv.data_ptr(), 1, mma_warps,
+                                                     tma_pipeline.stage_bytes(self.dtype, sK_layout, sK_layout))
+        pipeline_qdo = tma_pipeline.make_tma_pipeline(storage.mbar_qdo.data_ptr(), stages, mma_warps,
+                                                      tma_pipeline.stage_bytes(self.dtype, sQ_layout, sQ_layout))
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        offset = seqlen_k - seqlen
+        m_tiles = cute.ceil_div(seqlen, tile_m)
+        m_first = cutlass.max(n_block * tile_n - offset, 0) // tile_m if cutlass.const_expr(self.causal) else 0
+        per_head = m_tiles - m_first
+        walk = (kv_head * group, m_first, per_head)
+        count = per_head * group
+
+        if warp_idx < 4:  # the producer warpgroup
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp_idx == 0:
+                self.load(pipeline_kv, pipeline_qdo, walk, count, n_block, kv_head, batch,
+                          (tma_atom_K, mK_tma, sK, tma_atom_V, mV_tma, sV),
+                          (tma_atom_Q, mQ_tma, sQ, tma_atom_dO, mdO_tma, sdO))
+            elif warp_idx == 1:
+                self.write_dq(tma_atom_dQ, mdQ_tma, sdQ, walk, count, batch)
+        else:
+            cute.arch.setmaxregister_increase(self.consumer_regs)
+            self.mma(pipeline_kv, pipeline_qdo, walk, count, n_block, kv_head, batch, (seqlen, offset),
+                     (sK, sV, sQ, sdO, sdS, sdQ), mmas, mLSE2, mD, mdK, mdV, scale_log2, softmax_scale)
+
+    # ---- Producer warpgroup: warp 0 loads, warp 1 writes dQ ------------------------------------
+
+    @cute.jit
+    def load(self, pipeline_kv, pipeline_qdo, walk: tuple, count: Int32, n_block: Int32, kv_head: Int32,
+             batch: Int32, kv_sources: tuple, qdo_sources: tuple):
+        tma_atom_K, mK_tma, sK, tma_atom_V, mV_tma, sV = kv_sources
+        tile = (self.tile_n, self.head_dim)
+        tKsK, tKgK = tma_pipeline.partition_for_tma(tma_atom_K, mK_tma, sK, tile, kv_head, batch, (None, 0))
+        tVsV, tVgV = tma_pipeline.partition_for_tma(tma_atom_V, mV_tma, sV, tile, kv_head, batch, (None, 0))
+        tma_pipeline.load_kv_stage(pipeline_kv, tma_pipeline.pipe_state(1, 0, producer=True), n_block,
+                                   tma_atom_K, tKgK, tKsK, tma_atom_V, tVgV, tVsV)
+        for t in cutlass.range(count, unroll=1):  # each waits until the consumers have released its stage
+            self.load_qdo(pipeline_qdo, t, walk, batch, qdo_sources)
+        # No mbarrier arrive may land after the CTA has exited: wait for the last releases.
+        pipeline_qdo.producer_tail(tma_pipeline.pipe_state(self.q_stages, count, producer=True))
+
+    @cute.jit
+    def write_dq(self, tma_atom_dQ: cute.CopyAtom, mdQ_tma: cute.Tensor, sdQ: cute.Tensor, walk: tuple,
+                 count: Int32, batch: Int32):
+        """Each step's dQ share, once the MMA warps have written it to sdQ, added into the fp32
+        accumulator by one TMA reduce-add; sdQ is handed back as soon as the TMA has read it."""
+        handoff = self.mma_threads + cute.arch.WARP_SIZE
+        for t in cutlass.range(count, unroll=1):
+            head, m_block = self.step_at(t, walk)
+            tdQsdQ, tdQgdQ = tma_pipeline.partition_for_tma(tma_atom_dQ, mdQ_tma, sdQ, (self.tile_m, self.head_dim),
+                                                            head, batch, (None, 0))
+            cute.arch.barrier(barrier_id=Barrier.DQ_FULL, number_of_threads=handoff)
+            cute.copy(tma_atom_dQ, tdQsdQ, tdQgdQ[None, m_block])
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+            if t + 1 < count:  # the MMA warps wait for it before the next step's share only
+                cute.arch.barrier_arrive(barrier_id=Barrier.DQ_EMPTY, number_of_threads=handoff)
+        cute.arch.cp_async_bulk_wait_group(0, read=False)  # the last reduce has landed in GMEM
+
+    @cute.jit
+    def p_and_ds(self, acc_S: cute.Tensor, acc_dP: cute.Tensor, tScS: cute.Tensor, mLSE2: cute.Tensor,
+                 mD: cute.Tensor, n_block: Int32, m_block: Int32, head: Int32, batch: Int32, lens: tuple,
+                 scale_log2: Float32, softmax_scale: Float32):
+        """K9's ``p_and_ds`` column by column: a thread's registers hold each of its query columns in
+        several key rows, so each column's LSE and D are loaded once (half of K9's loads and of the
+        registers that hold them)."""
+        seqlen, offset = lens
+        s_mn, dp_mn, c_mn = sm90.acc_mn_view(acc_S), sm90.acc_mn_view(acc_dP), sm90.acc_mn_view(tScS)
+        for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+            q = m_block * self.tile_m + c_mn[0, c][1]
+            lse2, dot = Float32(float("inf")), Float32(0.0)
+            if q < seqlen:
+                lse2, dot = mLSE2[batch, head, q], mD[batch, head, q]
+            for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
+                p = cute.math.exp2(s_mn[r, c] * scale_log2 - lse2, fastmath=True)
+                if cutlass.const_expr(self.causal):
+                    if n_block * self.tile_n + c_mn[r, c][0] > q + offset:
+                        p = Float32(0.0)
+                s_mn[r, c] = p
+                dp_mn[r, c] = p * (dp_mn[r, c] - dot) * softmax_scale
+
+    # ---- MMA warpgroups: K9's step, with named barriers and dQ through sdQ --------------------
+
+    @cute.jit
+    def mma(self, pipeline_kv, pipeline_qdo, walk: tuple, count: Int32, n_block: Int32, kv_head: Int32,
+            batch: Int32, lens: tuple, smem: tuple, mmas: tuple, mLSE2: cute.Tensor, mD: cute.Tensor,
+            mdK: cute.Tensor, mdV: cute.Tensor, scale_log2: Float32, softmax_scale: Float32):
+        sK, sV, sQ, sdO, sdS, sdQ = smem
+        tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = mmas
+        d, tile_m, tile_n, stages = self.head_dim, self.tile_m, self.tile_n, self.q_stages
+        tidx = cute.arch.thread_idx()[0] - sm90.THREADS_PER_WARPGROUP  # among the MMA threads
+        wg_idx = cute.arch.make_warp_uniform(tidx // sm90.THREADS_PER_WARPGROUP)
+        handoff = self.mma_threads + cute.arch.WARP_SIZE
+
+        wg_sdp = tiled_mma_sdp.get_slice(wg_idx * sm90.THREADS_PER_WARPGROUP)
+        wg_dkv = tiled_mma_dkv.get_slice(wg_idx * sm90.THREADS_PER_WARPGROUP)
+        wg_dq = tiled_mma_dq.get_slice(wg_idx * sm90.THREADS_PER_WARPGROUP)
+        tSrK = wg_sdp.make_fragment_A(wg_sdp.partition_A(sK))[None, None, None, 0]
+        tdPrV = wg_sdp.make_fragment_A(wg_sdp.partition_A(sV))[None, None, None, 0]
+        tSrQ = wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ))
+        tdPrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
+        tdVrdO = wg_dkv.make_fragment_B(wg_dkv.partition_B(k9.transpose_view(sdO)))
+        tdKrQ = wg_dkv.make_fragment_B(wg_dkv.partition_B(k9.transpose_view(sQ)))
+        tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
+        tdQrK = wg_dq.make_fragment_B(wg_dq.partition_B(k9.transpose_view(sK)))[None, None, None, 0]
+        tdVrP = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((tile_n, tile_m)))
+        tdKrdS = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((tile_n, tile_m)))
+        acc_dV = cute.make_rmem_tensor(tiled_mma_dkv.partition_shape_C((tile_n, d)), Float32)
+        acc_dK = cute.make_rmem_tensor(tiled_mma_dkv.partition_shape_C((tile_n, d)), Float32)
+        acc_dV.fill(0.0)
+        acc_dK.fill(0.0)
+        tScS = tiled_mma_sdp.get_slice(tidx).partition_C(cute.make_identity_tensor((tile_n, tile_m)))
+        tdQcdQ = tiled_mma_dq.get_slice(tidx).partition_C(cute.make_identity_tensor((tile_m, d)))
+
+        pipeline_kv.consumer_wait(tma_pipeline.pipe_state(1, 0, producer=False))
+        for t in cutlass.range(count, unroll=1):
+            head, m_block = self.step_at(t, walk)
+            qdo = tma_pipeline.pipe_state(stages, t, producer=False)
+            pipeline_qdo.consumer_wait(qdo)
+            acc_S = cute.make_rmem_tensor(tiled_mma_sdp.partition_shape_C((tile_n, tile_m)), Float32)
+            acc_dP = cute.make_rmem_tensor(tiled_mma_sdp.partition_shape_C((tile_n, tile_m)), Float32)
+            sm90.gemm(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, qdo.index], zero_init=True, wg_wait=-1)
+            sm90.gemm(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, qdo.index], zero_init=True, wg_wait=0)
+            self.p_and_ds(acc_S, acc_dP, tScS, mLSE2, mD, n_block, m_block, head, batch, lens, scale_log2,
+                          softmax_scale)
+            sm90.convert_to(sm90.acc_as_operand_a(acc_S), tdVrP)
+            sm90.convert_to(sm90.acc_as_operand_a(acc_dP), tdKrdS)
+            sm90.gemm(tiled_mma_dkv, acc_dV, tdVrP, tdVrdO[None, None, None, qdo.index], zero_init=False, wg_wait=-1)
+            sm90.gemm(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQ[None, None, None, qdo.index], zero_init=False, wg_wait=-1)
+            cute.arch.barrier(barrier_id=Barrier.MMA, number_of_threads=self.mma_threads)  # sdS free again
+            self.store_ds(acc_dP, tScS, sdS)
+            cute.arch.fence_view_async_shared()
+            # dV's and dK's GEMMs read P^T and dS^T from registers until they retire: waiting here,
+            # before dQ's accumulator exists, keeps the step within the MMA warps' 240 registers.
+            warpgroup.wait_group(0)
+            cute.arch.barrier(barrier_id=Barrier.MMA, number_of_threads=self.mma_threads)
+            acc_dQ = cute.make_rmem_tensor(tiled_mma_dq.partition_shape_C((tile_m, d)), Float32)
+            sm90.gemm(tiled_mma_dq, acc_dQ, tdQrdS, tdQrK, zero_init=True, wg_wait=0)
+            pipeline_qdo.consumer_release(qdo)
+            if t > 0:  # the writer's TMA has read the previous share
+                cute.arch.barrier(barrier_id=Barrier.DQ_EMPTY, number_of_threads=handoff)
+            for i in cutlass.range_constexpr(cute.size(acc_dQ)):
+                row, col = tdQcdQ[i]
+                sdQ[row, col] = acc_dQ[i]
+            cute.arch.fence_view_async_shared()  # generic-proxy stores -> the TMA's reads
+            cute.arch.barrier_arrive(barrier_id=Barrier.DQ_FULL, number_of_threads=handoff)
+
+        for acc, mX in ((acc_dK, mdK), (acc_dV, mdV)):
+            rX = cute.make_rmem_tensor_like(acc, self.dtype)
+            sm90.convert_to(acc, rX)
+            sm90.store_rows(rX, None, tiled_mma_dkv, tidx, mX, None, n_block, kv_head, batch, tile_n)
+
+
+def compile_backward(p: Problem, keep_ptx: bool = False, **overrides) -> tuple:
+    """(K9's pre-pass, K10's main kernel, K9's post-pass) compiled for ``p``."""
+    k9.check(p)
+    cfg = k9.config(p, overrides)
+    dt = cute_dtype(p.dtype)
+
+    def main():
+        f = FakeShapes()
+        x = lambda dtype, kv=False: f.tensor(dtype, (p.head_dim,), kv=kv)  # noqa: E731
+        return (K10Backward(p.head_dim, dt, p.causal, **cfg),
+                (x(dt), x(dt, True), x(dt, True), x(dt), f.tensor(Float32, ()), f.tensor(Float32, ()), x(Float32),
+                 x(dt, True), x(dt, True), Float32(1.0), fake_stream()))
+
+    pre, _, post = k9.compile_backward(p, keep_ptx, **overrides)
+    key = ("k10", p.head_dim, p.dtype, p.causal, tuple(sorted(cfg.items())))
+    return pre, jit_compile(key, main, keep_ptx), post
+
+
+run_backward = k9.run_backward

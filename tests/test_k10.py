@@ -1,0 +1,39 @@
+"""K10 (draft), K9 warp-specialized: its PTX holds what the stage claims (CPU); its gradients
+match float64 autograd as K9's must (GPU)."""
+
+import re
+
+import pytest
+import torch
+
+from harness.inspect_ptx import count_instructions
+from kernels.contract import Problem, compiled_ptx
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_k10_adds_dq_by_tma_reduce_from_a_warp_specialized_kernel(d):
+    from kernels.k10 import compile_backward
+
+    _, main, _ = compile_backward(Problem(2, 4, 1000, d, causal=True), keep_ptx=True)
+    ptx = compiled_ptx(main)
+    counts = count_instructions(ptx)
+    assert counts["wgmma.mma_async"] == 2 * (d // 16) + 2 * 4 + 8 and counts["setmaxnreg"] == 2
+    assert re.search(r"cp\.reduce\.async\.bulk\.tensor[.a-z0-9:]*\.add", ptx)
+    assert not re.search(r"\b(?:red|atom)\.global", ptx)  # no dQ atomics left
+    barriers = set(re.findall(r"bar\.(sync|arrive)\s+(\d+), (\d+)", ptx))
+    assert {("arrive", "2", "288"), ("sync", "2", "288"), ("arrive", "3", "288"), ("sync", "3", "288")} <= barriers
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", ["n1", "n17", "n1000", "gqa", "unequal"])
+def test_k10_gradients_match_float64_autograd(shape, causal, d):
+    from harness.check import check_backward
+
+    p = dict(n1=Problem(2, 4, 1, d), n17=Problem(2, 4, 17, d), n1000=Problem(2, 4, 1000, d),
+             gqa=Problem(2, 8, 1000, d, nheads_kv=2),
+             unequal=Problem(2, 4, 300, d, seqlen_k=1000, nheads_kv=2))[shape].with_(causal=causal)
+    row = check_backward(p, backward="k10")
+    assert row["ok"], row
