@@ -243,15 +243,17 @@ class K10Backward(k9.K9Backward):
             sm90.gemm(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, qdo.index], zero_init=True, wg_wait=0)
             self.p_and_ds(acc_S, acc_dP, tScS, mLSE2, mD, n_block, m_block, head, batch, lens, scale_log2,
                           softmax_scale)
+            # One fp32 tile at a time beside dK and dV (the MMA warps have 240 registers): P^T goes
+            # to dV's GEMM, then dS^T to sdS and to dK's GEMM.
             sm90.convert_to(sm90.acc_as_operand_a(acc_S), tdVrP)
-            sm90.convert_to(sm90.acc_as_operand_a(acc_dP), tdKrdS)
             sm90.gemm(tiled_mma_dkv, acc_dV, tdVrP, tdVrdO[None, None, None, qdo.index], zero_init=False, wg_wait=-1)
-            sm90.gemm(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQ[None, None, None, qdo.index], zero_init=False, wg_wait=-1)
             cute.arch.barrier(barrier_id=Barrier.MMA, number_of_threads=self.mma_threads)  # sdS free again
             self.store_ds(acc_dP, tScS, sdS)
             cute.arch.fence_view_async_shared()
-            # dV's and dK's GEMMs read P^T and dS^T from registers until they retire: waiting here,
-            # before dQ's accumulator exists, keeps the step within the MMA warps' 240 registers.
+            sm90.convert_to(sm90.acc_as_operand_a(acc_dP), tdKrdS)
+            sm90.gemm(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQ[None, None, None, qdo.index], zero_init=False, wg_wait=-1)
+            # dV's and dK's GEMMs read P^T and dS^T from registers until they retire: wait before
+            # dQ's accumulator exists.
             warpgroup.wait_group(0)
             cute.arch.barrier(barrier_id=Barrier.MMA, number_of_threads=self.mma_threads)
             acc_dQ = cute.make_rmem_tensor(tiled_mma_dq.partition_shape_C((tile_m, d)), Float32)
