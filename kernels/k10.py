@@ -66,6 +66,7 @@ class K10Backward(k9.K9Backward):
         sdS_layout = cute.select(sm90_utils.make_smem_layout_a(LayoutEnum.COL_MAJOR, (tile_m, d, tile_n), dt, 1),
                                  mode=[0, 1])
         sdQ_layout = tma_pipeline.row_major(tile_m, d)  # fp32, as the TMA reduce reads it
+        sRow_layout = cute.make_layout((tile_m, self.q_stages))  # LSE2 or D of each stage's query rows
 
         tma_atom_K, mK_tma = tma_pipeline.make_tma_load(tma_pipeline.seq_major_view(mK), sK_layout, (tile_n, d))
         tma_atom_V, mV_tma = tma_pipeline.make_tma_load(tma_pipeline.seq_major_view(mV), sK_layout, (tile_n, d))
@@ -74,6 +75,12 @@ class K10Backward(k9.K9Backward):
         tma_atom_dQ, mdQ_tma = cpasync.make_tiled_tma_atom(cpasync.CopyReduceBulkTensorTileS2GOp(),
                                                            tma_pipeline.seq_major_view(mdQaccum), sdQ_layout,
                                                            (tile_m, d))
+        # LSE2 and D ride the Q/dO ring: one TMA box of tile_m floats each per stage.
+        rows_view = lambda m: cute.make_tensor(m.iterator, cute.select(m.layout, mode=[2, 1, 0]))  # noqa: E731
+        tma_atom_LSE, mLSE_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), rows_view(mLSE2),
+                                                             cute.make_layout(tile_m), (tile_m,))
+        tma_atom_D, mD_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), rows_view(mD),
+                                                         cute.make_layout(tile_m), (tile_m,))
 
         @cute.struct
         class SharedStorage:
@@ -85,28 +92,30 @@ class K10Backward(k9.K9Backward):
             sdO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sdS_layout)], 1024]
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 128]
+            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sRow_layout)], 128]
+            sD: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sRow_layout)], 128]
 
         grid = (cute.ceil_div(mK.shape[2], tile_n), mK.shape[1], mK.shape[0])
-        self.kernel(mQ_tma, mK_tma, mV_tma, mdO_tma, mdQ_tma, mLSE2, mD, mdK, mdV, tma_atom_Q, tma_atom_K,
-                    tma_atom_V, tma_atom_dO, tma_atom_dQ, softmax_scale * LOG2_E, softmax_scale,
-                    (sK_layout, sQ_layout, sdS_layout, sdQ_layout), (tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq),
-                    SharedStorage).launch(grid=grid, block=[self.num_threads, 1, 1],
+        self.kernel(mQ_tma, mK_tma, mV_tma, mdO_tma, mdQ_tma, mLSE_tma, mD_tma, mLSE2.shape, mdK, mdV,
+                    (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_dQ, tma_atom_LSE, tma_atom_D),
+                    softmax_scale * LOG2_E, softmax_scale, (sK_layout, sQ_layout, sdS_layout, sdQ_layout, sRow_layout),
+                    (tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq), SharedStorage).launch(grid=grid, block=[self.num_threads, 1, 1],
                                           smem=SharedStorage.size_in_bytes(), stream=stream, min_blocks_per_mp=1)
 
     @cute.kernel
     def kernel(self, mQ_tma: cute.Tensor, mK_tma: cute.Tensor, mV_tma: cute.Tensor, mdO_tma: cute.Tensor,
-               mdQ_tma: cute.Tensor, mLSE2: cute.Tensor, mD: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
-               tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
-               tma_atom_dO: cute.CopyAtom, tma_atom_dQ: cute.CopyAtom, scale_log2: Float32, softmax_scale: Float32,
-               layouts: tuple, mmas: tuple, SharedStorage: cutlass.Constexpr):
-        sK_layout, sQ_layout, sdS_layout, sdQ_layout = layouts
+               mdQ_tma: cute.Tensor, mLSE_tma: cute.Tensor, mD_tma: cute.Tensor, q_rows: tuple, mdK: cute.Tensor,
+               mdV: cute.Tensor, atoms: tuple, scale_log2: Float32, softmax_scale: Float32, layouts: tuple,
+               mmas: tuple, SharedStorage: cutlass.Constexpr):
+        tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_dQ, tma_atom_LSE, tma_atom_D = atoms
+        sK_layout, sQ_layout, sdS_layout, sdQ_layout, sRow_layout = layouts
         tile_m, tile_n, stages = self.tile_m, self.tile_n, self.q_stages
         n_block, kv_head, batch = cute.arch.block_idx()
-        seqlen, seqlen_k = mLSE2.shape[2], mdK.shape[2]
-        group = mLSE2.shape[1] // mdK.shape[1]
+        seqlen, seqlen_k = q_rows[2], mdK.shape[2]
+        group = q_rows[1] // mdK.shape[1]
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
-            tma_pipeline.prefetch_descriptors(tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_dQ)
+            tma_pipeline.prefetch_descriptors(*atoms)
 
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
@@ -115,11 +124,14 @@ class K10Backward(k9.K9Backward):
         sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
         sdQ = storage.sdQ.get_tensor(sdQ_layout)
+        sLSE, sD = storage.sLSE.get_tensor(sRow_layout), storage.sD.get_tensor(sRow_layout)
         mma_warps = self.mma_threads // cute.arch.WARP_SIZE
         pipeline_kv = tma_pipeline.make_tma_pipeline(storage.mbar_kv.data_ptr(), 1, mma_warps,
                                                      tma_pipeline.stage_bytes(self.dtype, sK_layout, sK_layout))
+        row_bytes = 2 * tile_m * 4  # LSE2 and D
         pipeline_qdo = tma_pipeline.make_tma_pipeline(storage.mbar_qdo.data_ptr(), stages, mma_warps,
-                                                      tma_pipeline.stage_bytes(self.dtype, sQ_layout, sQ_layout))
+                                                      tma_pipeline.stage_bytes(self.dtype, sQ_layout, sQ_layout)
+                                                      + row_bytes)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -135,13 +147,14 @@ class K10Backward(k9.K9Backward):
             if warp_idx == 0:
                 self.load(pipeline_kv, pipeline_qdo, walk, count, n_block, kv_head, batch,
                           (tma_atom_K, mK_tma, sK, tma_atom_V, mV_tma, sV),
-                          (tma_atom_Q, mQ_tma, sQ, tma_atom_dO, mdO_tma, sdO))
+                          (tma_atom_Q, mQ_tma, sQ, tma_atom_dO, mdO_tma, sdO, tma_atom_LSE, mLSE_tma, sLSE,
+                           tma_atom_D, mD_tma, sD))
             elif warp_idx == 1:
                 self.write_dq(tma_atom_dQ, mdQ_tma, sdQ, walk, count, batch)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.mma(pipeline_kv, pipeline_qdo, walk, count, n_block, kv_head, batch, (seqlen, offset),
-                     (sK, sV, sQ, sdO, sdS, sdQ), mmas, mLSE2, mD, mdK, mdV, scale_log2, softmax_scale)
+                     (sK, sV, sQ, sdO, sdS, sdQ), mmas, sLSE, sD, mdK, mdV, scale_log2, softmax_scale)
 
     # ---- Producer warpgroup: warp 0 loads, warp 1 writes dQ ------------------------------------
 
@@ -158,6 +171,27 @@ class K10Backward(k9.K9Backward):
             self.load_qdo(pipeline_qdo, t, walk, batch, qdo_sources)
         # No mbarrier arrive may land after the CTA has exited: wait for the last releases.
         pipeline_qdo.producer_tail(tma_pipeline.pipe_state(self.q_stages, count, producer=True))
+
+    @cute.jit
+    def load_qdo(self, pipeline_qdo, t: Int32, walk: tuple, batch: Int32, sources: tuple):
+        """Producer: step t's Q and dO tiles and its rows' LSE2 and D, into stage t % q_stages, all
+        four completing one barrier."""
+        (tma_atom_Q, mQ_tma, sQ, tma_atom_dO, mdO_tma, sdO, tma_atom_LSE, mLSE_tma, sLSE, tma_atom_D, mD_tma,
+         sD) = sources
+        head, m_block = self.step_at(t, walk)
+        tile = (self.tile_m, self.head_dim)
+        tQsQ, tQgQ = tma_pipeline.partition_for_tma(tma_atom_Q, mQ_tma, sQ, tile, head, batch, (None, 0))
+        tdOsdO, tdOgdO = tma_pipeline.partition_for_tma(tma_atom_dO, mdO_tma, sdO, tile, head, batch, (None, 0))
+        state = tma_pipeline.pipe_state(self.q_stages, t, producer=True)
+        pipeline_qdo.producer_acquire(state)
+        barrier = pipeline_qdo.producer_get_barrier(state)
+        cute.copy(tma_atom_Q, tQgQ[None, m_block], tQsQ[None, state.index], tma_bar_ptr=barrier)
+        cute.copy(tma_atom_dO, tdOgdO[None, m_block], tdOsdO[None, state.index], tma_bar_ptr=barrier)
+        for atom, m_tma, s_rows in ((tma_atom_LSE, mLSE_tma, sLSE), (tma_atom_D, mD_tma, sD)):
+            g_rows = cute.local_tile(m_tma[None, head, batch], (self.tile_m,), (None,))
+            t_s, t_g = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s_rows, 0, 1),
+                                             cute.group_modes(g_rows, 0, 1))
+            cute.copy(atom, t_g[None, m_block], t_s[None, state.index], tma_bar_ptr=barrier)
 
     @cute.jit
     def write_dq(self, tma_atom_dQ: cute.CopyAtom, mdQ_tma: cute.Tensor, sdQ: cute.Tensor, walk: tuple,
@@ -178,19 +212,19 @@ class K10Backward(k9.K9Backward):
         cute.arch.cp_async_bulk_wait_group(0, read=False)  # the last reduce has landed in GMEM
 
     @cute.jit
-    def p_and_ds(self, acc_S: cute.Tensor, acc_dP: cute.Tensor, tScS: cute.Tensor, mLSE2: cute.Tensor,
-                 mD: cute.Tensor, n_block: Int32, m_block: Int32, head: Int32, batch: Int32, lens: tuple,
-                 scale_log2: Float32, softmax_scale: Float32):
-        """K9's ``p_and_ds`` column by column: a thread's registers hold each of its query columns in
-        several key rows, so each column's LSE and D are loaded once (half of K9's loads and of the
-        registers that hold them)."""
+    def p_and_ds(self, acc_S: cute.Tensor, acc_dP: cute.Tensor, tScS: cute.Tensor, sLSE: cute.Tensor,
+                 sD: cute.Tensor, n_block: Int32, m_block: Int32, lens: tuple, scale_log2: Float32,
+                 softmax_scale: Float32):
+        """K9's ``p_and_ds`` column by column, LSE2 and D from the stage's SMEM rows (the producer's
+        TMA brought them with Q and dO): each column's pair is read once, as it is needed."""
         seqlen, offset = lens
         s_mn, dp_mn, c_mn = sm90.acc_mn_view(acc_S), sm90.acc_mn_view(acc_dP), sm90.acc_mn_view(tScS)
         for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
-            q = m_block * self.tile_m + c_mn[0, c][1]
+            row = c_mn[0, c][1]
+            q = m_block * self.tile_m + row
             lse2, dot = Float32(float("inf")), Float32(0.0)
-            if q < seqlen:
-                lse2, dot = mLSE2[batch, head, q], mD[batch, head, q]
+            if q < seqlen:  # past the sequence the TMA filled zeros; P must be 0 there
+                lse2, dot = sLSE[row], sD[row]
             for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
                 p = cute.math.exp2(s_mn[r, c] * scale_log2 - lse2, fastmath=True)
                 if cutlass.const_expr(self.causal):
@@ -203,7 +237,7 @@ class K10Backward(k9.K9Backward):
 
     @cute.jit
     def mma(self, pipeline_kv, pipeline_qdo, walk: tuple, count: Int32, n_block: Int32, kv_head: Int32,
-            batch: Int32, lens: tuple, smem: tuple, mmas: tuple, mLSE2: cute.Tensor, mD: cute.Tensor,
+            batch: Int32, lens: tuple, smem: tuple, mmas: tuple, sLSE: cute.Tensor, sD: cute.Tensor,
             mdK: cute.Tensor, mdV: cute.Tensor, scale_log2: Float32, softmax_scale: Float32):
         sK, sV, sQ, sdO, sdS, sdQ = smem
         tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = mmas
@@ -241,8 +275,8 @@ class K10Backward(k9.K9Backward):
             acc_dP = cute.make_rmem_tensor(tiled_mma_sdp.partition_shape_C((tile_n, tile_m)), Float32)
             sm90.gemm(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, qdo.index], zero_init=True, wg_wait=-1)
             sm90.gemm(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, qdo.index], zero_init=True, wg_wait=0)
-            self.p_and_ds(acc_S, acc_dP, tScS, mLSE2, mD, n_block, m_block, head, batch, lens, scale_log2,
-                          softmax_scale)
+            self.p_and_ds(acc_S, acc_dP, tScS, sLSE[None, qdo.index], sD[None, qdo.index], n_block, m_block,
+                          lens, scale_log2, softmax_scale)
             # One fp32 tile at a time beside dK and dV (the MMA warps have 240 registers): P^T goes
             # to dV's GEMM, then dS^T to sdS and to dK's GEMM.
             sm90.convert_to(sm90.acc_as_operand_a(acc_S), tdVrP)
@@ -275,6 +309,8 @@ class K10Backward(k9.K9Backward):
 
 def compile_backward(p: Problem, keep_ptx: bool = False, **overrides) -> tuple:
     """(K9's pre-pass, K10's main kernel, K9's post-pass) compiled for ``p``."""
+    from cutlass.cute.runtime import make_fake_tensor
+
     k9.check(p)
     cfg = k9.config(p, overrides)
     dt = cute_dtype(p.dtype)
@@ -282,9 +318,13 @@ def compile_backward(p: Problem, keep_ptx: bool = False, **overrides) -> tuple:
     def main():
         f = FakeShapes()
         x = lambda dtype, kv=False: f.tensor(dtype, (p.head_dim,), kv=kv)  # noqa: E731
+        # LSE2 and D rows start 16-byte aligned (k9.run_backward pads them): the TMA needs that
+        rows = lambda: make_fake_tensor(Float32, (f.batch, f.nheads, f.seqlen),  # noqa: E731
+                                        stride=(cute.sym_int64(divisibility=4), cute.sym_int64(divisibility=4), 1),
+                                        assumed_align=16)
         return (K10Backward(p.head_dim, dt, p.causal, **cfg),
-                (x(dt), x(dt, True), x(dt, True), x(dt), f.tensor(Float32, ()), f.tensor(Float32, ()), x(Float32),
-                 x(dt, True), x(dt, True), Float32(1.0), fake_stream()))
+                (x(dt), x(dt, True), x(dt, True), x(dt), rows(), rows(), x(Float32), x(dt, True), x(dt, True),
+                 Float32(1.0), fake_stream()))
 
     pre, _, post = k9.compile_backward(p, keep_ptx, **overrides)
     key = ("k10", p.head_dim, p.dtype, p.causal, tuple(sorted(cfg.items())))
