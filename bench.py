@@ -84,7 +84,7 @@ def parse_args(argv=None):
                          "call beside SDPA's and flash-attn-4's (harness/host_times.py); with --decode the KV-cache "
                          "calls (the one call, the plan, the peers')")
     ap.add_argument("--backward", action="store_true",
-                    help="the backward (K9) beside cuDNN's and flash-attn-4's autograd backward "
+                    help="the backward (k9, k10 or those named) beside cuDNN's and flash-attn-4's autograd backward "
                          "(harness/backward_bench.py): one workload (--seqlen, --headdim, --causal), or with --sweep "
                          "d 64/128 x causal 0/1 x N 1k/4k/16k")
     ap.add_argument("--pages-curve", action="store_true",
@@ -455,16 +455,18 @@ def host_times_main(args, argv) -> int:
 
 
 def backward_main(args, argv) -> int:
-    """``--backward``: K9 beside the peers' backward, one workload or the sweep."""
+    """``--backward``: K9 and K10 (or those named) beside the peers' backward, one workload or the sweep."""
     from harness import backward_bench, results
 
     other = flags_given(args, ("nheads", "batch", "dtype", "compile_only", "check", "no_peers"))
     if args.rounds != 1:
         other.append("--rounds")
-    if other or args.kernels:
-        print(f"error: --backward times K9 and the peers at bench.py's bf16 workload (batch 16384/N, heads 2048/d); "
-              f"it takes --seqlen, --headdim, --causal or --sweep, and --out, not {', '.join(other) or ' '.join(args.kernels)}",
-              file=sys.stderr)
+    stages = tuple(args.kernels) or backward_bench.STAGES
+    unknown = [k for k in stages if k not in backward_bench.STAGES]
+    if other or unknown:
+        print(f"error: --backward times {' and '.join(backward_bench.STAGES)} and the peers at bench.py's bf16 workload "
+              f"(batch 16384/N, heads 2048/d); it takes backward stages, --seqlen, --headdim, --causal or --sweep, and "
+              f"--out, not {', '.join(other) or ' '.join(unknown)}", file=sys.stderr)
         return 2
     import torch
 
@@ -489,7 +491,7 @@ def backward_main(args, argv) -> int:
             out.append(row)
         print(backward_bench.format_row(row), flush=True)
 
-    backward_bench.run(emit, dims, causals, seqlens)
+    backward_bench.run(emit, dims, causals, seqlens, stages)
     if out:
         print(f"\nwrote {out.close()}")
     return 0

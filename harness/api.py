@@ -22,7 +22,7 @@ from kernels import REGISTRY, get_kernel
 from kernels.contract import (FP8_DTYPES, UnsupportedProblem, as_causal, as_flag, as_scale, fresh_buffers,
                               scratch)
 
-from . import backward
+from . import backward as backward_module
 from .inputs import (problem_from_tensors, require_cuda, require_name, require_quantizable, require_tensors,
                      torch_dtype)
 
@@ -56,10 +56,11 @@ def compiled_for(name: str, problem):
 def attention_op(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                  softmax_scale: Optional[float], return_lse: bool, descale_q: Optional[torch.Tensor] = None,
                  descale_k: Optional[torch.Tensor] = None, descale_v: Optional[torch.Tensor] = None,
-                 descale_values: Optional[list[float]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 descale_values: Optional[list[float]] = None, backward_stage: str = "") -> tuple[torch.Tensor, torch.Tensor]:
     """(O, LSE), as torch.compile and its CUDA graphs see the call: the eager path (``_call``) with
     nothing kept from its body (``kernels.contract.fresh_buffers``). e4m3 inputs take their descales
-    as CUDA tensors (``descale_*``) or numbers (``descale_values``)."""
+    as CUDA tensors (``descale_*``) or numbers (``descale_values``). ``backward_stage`` names the
+    stage autograd's backward runs ("" for the default); the forward ignores it."""
     values = descale_values or [None] * 3
     descales = tuple(t if t is not None else x for t, x in zip((descale_q, descale_k, descale_v), values))
     with fresh_buffers():
@@ -68,14 +69,14 @@ def attention_op(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
 
 @attention_op.register_fake
 def _attention_fake(name, q, k, v, causal, softmax_scale, return_lse, descale_q=None, descale_k=None,
-                    descale_v=None, descale_values=None):
+                    descale_v=None, descale_values=None, backward_stage=""):
     # Shapes only: the real call does every check (at run time, under torch.compile).
     b, h, n, _ = q.shape
     out_dtype = torch.bfloat16 if q.dtype == torch.float8_e4m3fn else q.dtype
     return q.new_empty(q.shape, dtype=out_dtype), q.new_empty((b, h, n), dtype=torch.float32)
 
 
-backward.register(attention_op)  # K9's backward, through torch.library.register_autograd
+backward_module.register(attention_op)  # the backward (K9 or K10), through torch.library.register_autograd
 
 
 _DESCALES: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
@@ -161,7 +162,7 @@ def as_descale(name: str, x) -> float:
 
 
 def attention(name: str, q, k, v, causal: bool = False, softmax_scale=None, return_lse: bool = False, *,
-              descale_q=None, descale_k=None, descale_v=None):
+              descale_q=None, descale_k=None, descale_v=None, backward=None):
     """softmax(q k^T * scale) v with kernel stage ``name``.
 
     q: CUDA tensor (batch, heads, seqlen, head_dim), bf16 or fp16, last dim contiguous; k, v: one
@@ -181,28 +182,32 @@ def attention(name: str, q, k, v, causal: bool = False, softmax_scale=None, retu
     ``fa3_cute::attention``, opaque to the compiler.
 
     Differentiable: where q, k or v require grad (and grad mode is on), the call goes through the
-    custom op, whose backward is K9's (``harness.backward``; the LSE output is not differentiable).
-    What K9 cannot do (the FP8 stages, head dim 256) is refused here, before the forward runs.
+    custom op, whose backward is the stage ``backward`` names, "k9" or "k10" (None: the default,
+    ``harness.backward.DEFAULT``); the LSE output is not differentiable. What the backward cannot do
+    (the FP8 stages, head dim 256) is refused here, before the forward runs.
     """
     descales = (descale_q, descale_k, descale_v)
     if torch.compiler.is_compiling():
-        return _traced(name, q, k, v, causal, softmax_scale, return_lse, descales)
-    if backward.needs_grad(q, k, v):
+        return _traced(name, q, k, v, causal, softmax_scale, return_lse, descales, backward)
+    if backward is not None:
+        backward_module.require_stage(backward)
+    if backward_module.needs_grad(q, k, v):
         causal_, scale, _ = plain_arguments(name, q, k, v, causal, softmax_scale, return_lse)
-        backward.check_differentiable(name, q, k, v, causal_, scale)
-        return _traced(name, q, k, v, causal, softmax_scale, return_lse, descales)
+        backward_module.check_differentiable(name, q, k, v, causal_, scale, backward)
+        return _traced(name, q, k, v, causal, softmax_scale, return_lse, descales, backward)
     out, lse = _call(name, q, k, v, causal, softmax_scale, return_lse, descales)
     return (out, lse) if return_lse else out
 
 
-def _traced(name, q, k, v, causal, softmax_scale, return_lse, descales):
+def _traced(name, q, k, v, causal, softmax_scale, return_lse, descales, backward_stage=None):
     """What torch.compile traces: the arguments as the op's schema takes them, then the op (every
     check that needs the tensors' data runs in its body, at run time)."""
     causal, scale, return_lse = plain_arguments(name, q, k, v, causal, softmax_scale, return_lse)
     entry = REGISTRY.get(name)  # a plain lookup (torch.compile traces this function); the op names unknowns
     block = name if entry is not None and entry.block_descales else ""
     (dq, dk, dv), values = split_descales(q, dict(zip(DESCALE_NAMES, descales)), block)
-    out, lse = torch.ops.fa3_cute.attention(name, q, k, v, causal, scale, return_lse, dq, dk, dv, values)
+    out, lse = torch.ops.fa3_cute.attention(name, q, k, v, causal, scale, return_lse, dq, dk, dv, values,
+                                            backward_stage or "")
     return (out, lse) if return_lse else out
 
 

@@ -2,7 +2,8 @@
 ring/context-parallel attention needs), and autograd for ``attention``.
 
 Autograd is registered on the custom op ``fa3_cute::attention`` (``torch.library.register_autograd``):
-the forward saves q, k, v, O and LSE; the backward is K9's (``kernels/k9.py``) on them. An eager
+the forward saves q, k, v, O and LSE; the backward is K9's or K10's (``kernels/k9.py``, ``k10.py``) on
+them, as the call's ``backward=`` names (``DEFAULT`` when it names none). An eager
 ``attention(...)`` whose inputs need gradients goes through the op (the prepared fast path is for
 calls that do not); torch.compile sees the same op. The LSE output is not differentiable.
 """
@@ -23,30 +24,48 @@ from .inputs import problem_from_tensors, require_cuda
 # another question) and decode (a KV-cache read).
 FORWARD_ONLY = ("k7_k4", "k7", "k8", "decode_nosplit", "decode_combine", "decode")
 _COMPILED: "OrderedDict[tuple, tuple]" = OrderedDict()
+STAGES = ("k9", "k10")
+DEFAULT = "k9"
+
+
+def require_stage(stage) -> str:
+    """The backward stage a call names ("" or None: ``DEFAULT``), or a clear error."""
+    if stage in (None, ""):
+        return DEFAULT
+    if stage not in STAGES:
+        raise UnsupportedProblem(f"backward must be one of {list(STAGES)} (or None for {DEFAULT}), got {stage!r}")
+    return stage
+
+
+def stage_module(stage):
+    import importlib
+
+    return importlib.import_module(f"kernels.{require_stage(stage)}")
 
 
 def needs_grad(q, k, v) -> bool:
     return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
 
 
-def check_differentiable(name: str, q, k, v, causal: bool, softmax_scale) -> None:
-    """Before a forward whose inputs need gradients: refuse what no backward here can do, naming
+def check_differentiable(name: str, q, k, v, causal: bool, softmax_scale, stage=None) -> None:
+    """Before a forward whose inputs need gradients: refuse what the backward cannot do, naming
     the constraint, before anything is launched."""
-    from kernels.k9 import check
-
+    check = stage_module(stage).check
     if name in FORWARD_ONLY:
         raise UnsupportedProblem(f"{name} is forward-only (no backward): call it on tensors that do not require "
                                  "grad, under torch.no_grad(), or use a 16-bit stage such as k6 to train")
     check(problem_from_tensors(q, k, v, causal, softmax_scale))
 
 
-def attention_backward(q, k, v, out, lse, dout, causal: bool = False, softmax_scale=None) -> tuple:
+def attention_backward(q, k, v, out, lse, dout, causal: bool = False, softmax_scale=None, backward=None) -> tuple:
     """(dq, dk, dv) of ``out = attention(q, k, v, causal, softmax_scale)`` for the gradient ``dout``
     of ``out``, given the forward's ``out`` and ``lse`` (float32 (batch, heads, seqlen), the
     natural-log LSE of the scaled scores, as ``attention(..., return_lse=True)`` returns it). By
-    K9 (``kernels/k9.py``): bf16 or fp16, head dim 64 or 128; GQA and K/V longer than q (causal
-    bottom-right) as the forward takes them."""
-    from kernels.k9 import check, compile_backward, run_backward
+    the stage ``backward`` names, "k9" or "k10" (None: ``DEFAULT``): bf16 or fp16, head dim 64 or
+    128; GQA and K/V longer than q (causal bottom-right) as the forward takes them."""
+    stage = require_stage(backward)
+    module = stage_module(stage)
+    check, compile_backward, run_backward = module.check, module.compile_backward, module.run_backward
 
     q, k, v, out, lse, dout = (t.detach() if isinstance(t, torch.Tensor) else t for t in (q, k, v, out, lse, dout))
     p = problem_from_tensors(q, k, v, causal, softmax_scale)
@@ -59,12 +78,12 @@ def attention_backward(q, k, v, out, lse, dout, causal: bool = False, softmax_sc
                                      f"({q.device}), got {got}")
     require_cuda(q, k, v)
     if torch.are_deterministic_algorithms_enabled():  # as torch's own non-deterministic kernels do
-        why = ("K9's backward adds dQ from every key tile with fp32 atomics, in an order that varies from run to "
-               "run: it has no deterministic mode yet")
+        why = (f"{stage.upper()}'s backward adds dQ from every key tile in fp32 (atomics or TMA reduce-adds), in an "
+               "order that varies from run to run: it has no deterministic mode yet")
         if not torch.is_deterministic_algorithms_warn_only_enabled():
             raise UnsupportedProblem(f"torch.use_deterministic_algorithms(True): {why}")
         warnings.warn(why)
-    key = (p.with_(softmax_scale=None), q.get_device())
+    key = (stage, p.with_(softmax_scale=None), q.get_device())
     if key not in _COMPILED:
         _COMPILED[key] = compile_backward(p)
         while len(_COMPILED) > 16:
@@ -75,15 +94,15 @@ def attention_backward(q, k, v, out, lse, dout, causal: bool = False, softmax_sc
 
 @torch.library.custom_op("fa3_cute::attention_backward", mutates_args=())
 def attention_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                          dout: torch.Tensor, causal: bool, softmax_scale: Optional[float]
+                          dout: torch.Tensor, causal: bool, softmax_scale: Optional[float], backward_stage: str = ""
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``attention_backward`` as torch.compile sees it: opaque, its output shapes from the fake
     implementation below (the kernels cannot run on the fake tensors the backward is traced with)."""
-    return attention_backward(q, k, v, out, lse, dout, causal, softmax_scale)
+    return attention_backward(q, k, v, out, lse, dout, causal, softmax_scale, backward_stage)
 
 
 @attention_backward_op.register_fake
-def _attention_backward_fake(q, k, v, out, lse, dout, causal, softmax_scale):
+def _attention_backward_fake(q, k, v, out, lse, dout, causal, softmax_scale, backward_stage=""):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -93,12 +112,14 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(lse)
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.causal, ctx.softmax_scale = causal, softmax_scale
+    ctx.backward_stage = inputs[11] if len(inputs) > 11 else ""
 
 
 def _backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = torch.ops.fa3_cute.attention_backward(q, k, v, out, lse, grad_out, ctx.causal, ctx.softmax_scale)
-    return None, dq, dk, dv, None, None, None, None, None, None, None
+    dq, dk, dv = torch.ops.fa3_cute.attention_backward(q, k, v, out, lse, grad_out, ctx.causal, ctx.softmax_scale,
+                                                       ctx.backward_stage)
+    return None, dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 def register(op) -> None:

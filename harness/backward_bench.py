@@ -1,38 +1,45 @@
-"""Time the backward as a user runs it (``bench.py --backward``): K9's three launches beside
-cuDNN's and flash-attn-4's autograd backward, in the same process.
+"""Time the backward as a user runs it (``bench.py --backward``): K9's and K10's through autograd
+of ``attention(..., backward=...)``, beside cuDNN's and flash-attn-4's autograd backward, in the
+same process.
 
 Workload as the forward sweep's: bf16, batch = 16384/N, heads = 2048/d; FLOPs 2.5 x the
-forward's (10 B H N^2 d, halved for causal). Each candidate: a warm-up, then the median of 20
-timings of one backward between CUDA events (``harness.timing.benchmark``; the peers through
-autograd after one forward, ``retain_graph`` so that one graph is timed; K9 from the forward's O
-and LSE).
+forward's (10 B H N^2 d, halved for causal). Every candidate's backward is timed after one forward
+through ``torch.autograd.grad(..., retain_graph=True)`` (so one graph is timed), back to back,
+eager (``call_ms``, ``harness.timing.burst_ms``): the time a training step spends. Our stages also
+get ``ms``: their three launches alone (pre-pass, main kernel, post-pass) between CUDA events
+(``harness.timing.benchmark``), so ``call_ms - ms`` is the host's share.
 """
 
 from __future__ import annotations
 
 SWEEP = dict(head_dims=(64, 128), causals=(0, 1), seqlens=(1024, 4096, 16384))
+STAGES = ("k9", "k10")
 
 
-def candidates(q, k, v, do, causal: bool, scale: float) -> dict:
+def candidates(q, k, v, do, causal: bool, scale: float, stages=STAGES) -> dict:
+    """name -> (the autograd backward, our launches alone or None)."""
+    import importlib
+
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from harness import attention
     from kernels.contract import Problem
-    from kernels.k9 import compile_backward, run_backward
 
     b, h, n, d = q.shape
-    out, lse = attention("k6", q, k, v, causal=causal, return_lse=True)
-    from kernels import k10
-
     p = Problem(b, h, n, d, causal=causal)
-    compiled, compiled10 = compile_backward(p), k10.compile_backward(p)
-    calls = {"k9": lambda: run_backward(compiled, q, k, v, out, lse, do, scale),
-             "k10": lambda: run_backward(compiled10, q, k, v, out, lse, do, scale)}
+    calls = {}
+    for stage in stages:
+        module = importlib.import_module(f"kernels.{stage}")
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+        out, lse = attention("k6", *leaves, causal=causal, softmax_scale=scale, return_lse=True, backward=stage)
+        compiled = module.compile_backward(p)
+        calls[stage] = (lambda o=out, ls=leaves: torch.autograd.grad(o, ls, do, retain_graph=True),
+                        lambda m=module, c=compiled, o=out.detach(), lse=lse: m.run_backward(c, q, k, v, o, lse, do, scale))
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         o_cudnn = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=causal, scale=scale)
-    calls["sdpa-cudnn"] = lambda: torch.autograd.grad(o_cudnn, leaves, do, retain_graph=True)
+    calls["sdpa-cudnn"] = (lambda: torch.autograd.grad(o_cudnn, leaves, do, retain_graph=True), None)
     try:
         from flash_attn.cute import flash_attn_func
 
@@ -40,18 +47,19 @@ def candidates(q, k, v, do, causal: bool, scale: float) -> dict:
         o_fa = flash_attn_func(*fa_leaves, softmax_scale=scale, causal=causal)
         o_fa = o_fa[0] if isinstance(o_fa, tuple) else o_fa
         do_fa = do.transpose(1, 2).contiguous()
-        calls["fa4"] = lambda: torch.autograd.grad(o_fa, fa_leaves, do_fa, retain_graph=True)
+        calls["fa4"] = (lambda: torch.autograd.grad(o_fa, fa_leaves, do_fa, retain_graph=True), None)
     except Exception as e:  # noqa: BLE001  (not installed: no row)
         print(f"fa4: {type(e).__name__}: {e}"[:200])
     return calls
 
 
-def run(emit, head_dims, causals, seqlens) -> None:
-    """One row per candidate and cell, emitted as it is timed."""
+def run(emit, head_dims, causals, seqlens, stages=STAGES) -> None:
+    """One row per candidate and cell, emitted as it is timed; ``vs_best_peer`` compares autograd
+    calls (ours against the faster of cuDNN's and flash-attn-4's)."""
     import torch
 
     from .config import default_batch_heads
-    from .timing import benchmark, tflops
+    from .timing import benchmark, burst_ms, tflops
 
     for d in head_dims:
         for causal in causals:
@@ -59,12 +67,27 @@ def run(emit, head_dims, causals, seqlens) -> None:
                 b, h = default_batch_heads(n, d)
                 q, k, v, do = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
                 flops = 10 * b * h * n * n * d / (2 if causal else 1)
-                for name, fn in candidates(q, k, v, do, bool(causal), d ** -0.5).items():
-                    ms = benchmark(fn, min_reps=20, max_reps=20)
-                    emit(dict(kernel=name, batch=b, nheads=h, seqlen=n, head_dim=d, causal=int(causal), ms=ms,
-                              tflops=tflops(flops, ms), status="ok"))
+                rows = []
+                for name, (call, launches) in candidates(q, k, v, do, bool(causal), d ** -0.5, stages).items():
+                    try:
+                        call_ms = burst_ms(call)
+                        ms = benchmark(launches) if launches else None
+                        row = dict(status="ok", call_ms=call_ms, call_tflops=tflops(flops, call_ms),
+                                   ms=ms, tflops=tflops(flops, ms) if ms else None)
+                    except Exception as e:  # noqa: BLE001  (a candidate that fails: a row that says so)
+                        row = dict(status=f"failed: {type(e).__name__}: {e}"[:300])
+                    rows.append(dict(kernel=name, batch=b, nheads=h, seqlen=n, head_dim=d, causal=int(causal), **row))
+                peers = [r["call_ms"] for r in rows if r["kernel"] not in stages and r.get("call_ms")]
+                for row in rows:
+                    if row["kernel"] in stages and row.get("call_ms") and peers:
+                        row["vs_best_peer"] = min(peers) / row["call_ms"]
+                    emit(row)
 
 
 def format_row(row: dict) -> str:
+    if row["status"] != "ok":
+        return f"d={row['head_dim']} causal={row['causal']} N={row['seqlen']:>5} {row['kernel']:<11} {row['status']}"
+    launches = f"  launches {row['tflops']:6.1f}" if row.get("tflops") else ""
+    ratio = f"  {row['vs_best_peer']:.3f}x best peer" if "vs_best_peer" in row else ""
     return (f"d={row['head_dim']} causal={row['causal']} N={row['seqlen']:>5} {row['kernel']:<11} "
-            f"{row['ms']:8.3f} ms {row['tflops']:7.1f} TFLOP/s")
+            f"{row['call_ms']:8.3f} ms {row['call_tflops']:7.1f} TFLOP/s{launches}{ratio}")

@@ -307,11 +307,15 @@ class K10Backward(k9.K9Backward):
             sm90.store_rows(rX, None, tiled_mma_dkv, tidx, mX, None, n_block, kv_head, batch, tile_n)
 
 
+def check(p: Problem) -> None:
+    k9.check(p, "K10")
+
+
 def compile_backward(p: Problem, keep_ptx: bool = False, **overrides) -> tuple:
     """(K9's pre-pass, K10's main kernel, K9's post-pass) compiled for ``p``."""
     from cutlass.cute.runtime import make_fake_tensor
 
-    k9.check(p)
+    check(p)
     cfg = k9.config(p, overrides)
     dt = cute_dtype(p.dtype)
 

@@ -341,11 +341,12 @@ def config(p: Problem, overrides: dict) -> dict:
     return k4.config(p.head_dim, overrides, DEFAULT_CONFIG)
 
 
-def check(p: Problem) -> None:
+def check(p: Problem, stage: str = "K9") -> None:
     if p.head_dim not in HEAD_DIMS:
-        raise UnsupportedProblem(f"K9 (backward): head_dim {p.head_dim} not supported (supported: {list(HEAD_DIMS)})")
+        raise UnsupportedProblem(f"{stage} (backward): head_dim {p.head_dim} not supported "
+                                 f"(supported: {list(HEAD_DIMS)})")
     if p.dtype not in ("bfloat16", "float16"):
-        raise UnsupportedProblem(f"K9 (backward): dtype {p.dtype} not supported (bfloat16, float16)")
+        raise UnsupportedProblem(f"{stage} (backward): dtype {p.dtype} not supported (bfloat16, float16)")
 
 
 def compile_backward(p: Problem, keep_ptx: bool = False, **overrides) -> tuple:

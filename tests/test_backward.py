@@ -25,6 +25,16 @@ def test_a_forward_no_backward_can_follow_is_refused_before_it_runs(name, shape,
         attention(name, *_qkv(shape, kv_heads=kv_heads))
 
 
+def test_an_unknown_backward_stage_is_refused_by_name():
+    with pytest.raises(UnsupportedProblem, match="backward must be one of \\['k9', 'k10'\\]"):
+        attention("k6", *_qkv(), backward="k11")
+    with pytest.raises(UnsupportedProblem, match="K10 \\(backward\\): head_dim 256 not supported"):
+        attention("k6", *_qkv((1, 2, 16, 256)), backward="k10")
+    q, k, v = _qkv(grad=False)
+    with pytest.raises(UnsupportedProblem, match="backward must be one of"):
+        attention_backward(q, k, v, torch.randn_like(q), torch.randn(1, 2, 16), torch.randn_like(q), backward="k8")
+
+
 def test_a_differentiable_call_goes_on_to_the_device_check():
     with pytest.raises(UnsupportedProblem, match="q must be a CUDA tensor"):
         attention("k6", *_qkv())
@@ -87,12 +97,12 @@ def _reference(q, k, v, dout, causal, scale):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("name", ["k4", "k6"])
+@pytest.mark.parametrize("name,backward", [("k4", None), ("k6", None), ("k6", "k9"), ("k6", "k10")])
 @pytest.mark.parametrize("causal", [False, True])
-def test_attention_backward_through_autograd_matches_float64(name, causal):
+def test_attention_backward_through_autograd_matches_float64(name, backward, causal):
     q, k, v = _qkv((2, 4, 300, 128), "cuda")
     dout = torch.randn_like(q)
-    attention(name, q, k, v, causal=causal).backward(dout)
+    attention(name, q, k, v, causal=causal, backward=backward).backward(dout)
     want = _reference(q, k, v, dout, causal, 128 ** -0.5)
     for t, ref in zip((q, k, v), want):
         assert torch.isfinite(t.grad).all()
