@@ -5,7 +5,7 @@
     python ref_check.py k4 --quick    # a smaller grid
     python ref_check.py --decode      # attention over a KV cache: decode_nosplit, decode_combine, decode
     python ref_check.py --decode --quick   # one KV-cache case per behaviour (about a minute)
-    python ref_check.py --backward    # the backward (K9): dq, dk, dv against float64 autograd
+    python ref_check.py --backward    # the backward (K9 and K10): dq, dk, dv against float64 autograd
 
 For each kernel: causal and non-causal, every head dim it supports among 64 and 128 (all of
 them with --all-head-dims), seqlens that are and are not multiples of the tiles, batch*heads > 1
@@ -23,6 +23,7 @@ import json
 import os
 import sys
 
+from harness.backward import STAGES as BACKWARD_STAGES
 from harness.config import KNOBS
 from kernels import get_kernel, kernel_names
 from kernels.contract import Problem, UnsupportedProblem
@@ -172,28 +173,34 @@ def backward_cases(seqlens):
     yield Problem(8, 1024, 80, 64, causal=True), 1.0
 
 
-def run_backward_grid(seqlens, out) -> tuple:
+def run_backward_grid(seqlens, out, stages) -> tuple:
+    rows, failures = [], 0
+    print(f"backward grid ({', '.join(stages)}; O and LSE from k6): dq, dk, dv each within twice the max error of "
+          "SDPA's own 16-bit backward + 1e-3 of float64 autograd (harness/check.py check_backward), outputs NaN-poisoned")
+    print(f"{'stage':<6}{'dtype':<10}{'b':>3}{'h':>6}{'seqlen':>7}{'d':>5}{'causal':>7}{'kv h/len':>11}{'x':>4}"
+          f"{'dq_err':>11}{'sdpa':>11}{'dk_err':>11}{'sdpa':>11}{'dv_err':>11}{'sdpa':>11}  result")
+    for stage in stages:
+        for p, magnitude in backward_cases(seqlens):
+            row = backward_row(stage, p, magnitude)
+            rows.append(row)
+            failures += not row["ok"]
+            if out:
+                out.append(row)
+            errs = "".join(_e(row.get(f"{g}{sfx}")) for g in ("dq", "dk", "dv") for sfx in ("_max_abs", "_sdpa_max_abs"))
+            print(f"{stage:<6}{p.dtype:<10}{p.batch:>3}{p.nheads:>6}{p.seqlen:>7}{p.head_dim:>5}{int(p.causal):>7}"
+                  f"{f'{p.kv_heads}/{p.kv_len}':>11}{magnitude:>4g}"
+                  f"{errs}  {'ok' if row['ok'] else 'FAIL ' + row['reason']}", flush=True)
+    return rows, failures
+
+
+def backward_row(stage, p, magnitude) -> dict:
     from harness.check import backward_case, check_backward
 
-    rows, failures = [], 0
-    print("backward grid (K9, O and LSE from k6): dq, dk, dv each within twice the max error of SDPA's own 16-bit "
-          "backward + 1e-3 of float64 autograd (harness/check.py check_backward), outputs NaN-poisoned")
-    print(f"{'dtype':<10}{'b':>3}{'h':>6}{'seqlen':>7}{'d':>5}{'causal':>7}{'kv h/len':>11}{'x':>4}"
-          f"{'dq_err':>11}{'sdpa':>11}{'dk_err':>11}{'sdpa':>11}{'dv_err':>11}{'sdpa':>11}  result")
-    for p, magnitude in backward_cases(seqlens):
-        try:
-            row = check_backward(p, magnitude=magnitude)
-        except Exception as e:  # a crash is a failure of this case
-            row = dict(backward_case(p, magnitude), ok=False, status="crashed", reason=f"{type(e).__name__}: {e}"[:300])
-        rows.append(row)
-        failures += not row["ok"]
-        if out:
-            out.append(row)
-        errs = "".join(_e(row.get(f"{g}{suffix}")) for g in ("dq", "dk", "dv") for suffix in ("_max_abs", "_sdpa_max_abs"))
-        print(f"{p.dtype:<10}{p.batch:>3}{p.nheads:>6}{p.seqlen:>7}{p.head_dim:>5}{int(p.causal):>7}"
-              f"{f'{p.kv_heads}/{p.kv_len}':>11}{magnitude:>4g}"
-              f"{errs}  {'ok' if row['ok'] else 'FAIL ' + row['reason']}", flush=True)
-    return rows, failures
+    try:
+        return check_backward(p, magnitude=magnitude, backward=stage)
+    except Exception as e:  # a crash is a failure of this case
+        return dict(backward_case(p, magnitude, backward=stage), ok=False, status="crashed",
+                    reason=f"{type(e).__name__}: {e}"[:300])
 
 
 def describe_grid(seqlens, all_head_dims: bool) -> str:
@@ -216,7 +223,9 @@ def main(argv=None) -> int:
     ap.add_argument("--all-head-dims", action="store_true")
     ap.add_argument("--out", help="write the per-case rows as JSON here, each as it is done")
     ap.add_argument("--decode", action="store_true", help="the KV-cache grid of the decode kernels instead")
-    ap.add_argument("--backward", action="store_true", help="the backward's grid (K9) against float64 autograd instead")
+    ap.add_argument("--backward", action="store_true",
+                    help="the backward's grid against float64 autograd instead, for the backward stages named "
+                         f"(default all: {', '.join(BACKWARD_STAGES)})")
     ap.add_argument("--config", type=json.loads, default=None,
                     help="compile_kernel keywords for every case, as JSON (e.g. '{\"tile_n\": 128}'): check a "
                          "configuration before timing it; cases it cannot run are failures")
@@ -226,6 +235,11 @@ def main(argv=None) -> int:
     if ignored:
         print(f"error: ref_check runs its own grid and would ignore {', '.join(ignored)}: unset them, or check "
               "one workload with `CHECK=1 python bench.py`", file=sys.stderr)
+        return 2
+    stages = list(BACKWARD_STAGES) if args.kernels in ([], ["all"]) else args.kernels
+    unknown = [n for n in stages if n not in BACKWARD_STAGES]
+    if args.backward and unknown:
+        print(f"error: --backward checks the backward stages {list(BACKWARD_STAGES)}, not {unknown}", file=sys.stderr)
         return 2
     import torch
 
@@ -241,7 +255,7 @@ def main(argv=None) -> int:
     out = results.open_result_file(args.out, results.command_line("ref_check.py", argv))
     print(f"device: {torch.cuda.get_device_name()}")
     if args.decode or args.backward:
-        rows, failures = run_decode(args.quick, out) if args.decode else run_backward_grid(seqlens, out)
+        rows, failures = run_decode(args.quick, out) if args.decode else run_backward_grid(seqlens, out, stages)
         if out:
             out.close()
         print(f"\n{len(rows) - failures}/{len(rows)} cases passed" + (f", {failures} FAILED" if failures else ""))

@@ -1,4 +1,4 @@
-"""K10 (draft): K9 warp-specialized, FA3's backward organisation.
+"""K10: K9 warp-specialized, FA3's backward organisation.
 
 New relative to K9 (same walk, same five GEMMs, same operand placement):
 

@@ -292,6 +292,9 @@ def ws_steps_table(sweep):
     how = (f"every kernel and peer timed {rounds} times in one run (the order reversed each round; the median)"
            if rounds > 1 else "every kernel and peer timed in one run")
     how += f"; {ALONE}"
+    if not sweep["meta"].get("complete", True):
+        how += (f"; **the run stopped at its time limit after {len(ws_cells(sweep))} cells** (a dash: not timed, "
+                "and left out of the summary)")
     return (f"TFLOP/s on an {gpu}, bf16, batch = 16384/N, heads = 2048/d, {how}: "
             f"`{sweep['meta'].get('command', '')}`, {sweep['meta'].get('date', '')[:10]}, torch "
             f"{sweep['meta'].get('torch', '?')}, nvidia-cutlass-dsl {sweep['meta'].get('nvidia-cutlass-dsl', '?')}.\n\n"
@@ -415,25 +418,97 @@ def ws_compile_table(files):
                               "setmaxnreg", "wgmma"], body))
 
 
-def k9_time_table(run):
-    """docs/k9.md: scripts/time_backward.py, K9 beside cuDNN's and flash-attn-4's autograd backward."""
+def backward_sweep_table(run):
+    """docs/k9.md, docs/k10.md: bench.py --backward, K9 and K10 through autograd (and their launches
+    alone) beside cuDNN's and flash-attn-4's autograd backward, per cell and in summary."""
     cells = {}
     for r in run["rows"]:
-        cells.setdefault((r["head_dim"], r["causal"], r["seqlen"]), {})[r["kernel"]] = r
-    body = []
+        if r["status"] == "ok":
+            cells.setdefault((r["head_dim"], r["causal"], r["seqlen"]), {})[r["kernel"]] = r
+    stages = [k for k in ("k9", "k10") if any(k in c for c in cells.values())]
+    body, ratios = [], {k: [] for k in stages}
     for (d, c, n), row in sorted(cells.items()):
-        k9 = row.get("k9")
-        peers = [row[p]["tflops"] for p in ("sdpa-cudnn", "fa4") if p in row]
-        body.append([str(d), str(c), str(n), f"{k9['ms']:.3f}" if k9 else "—", fmt(k9["tflops"]) if k9 else "—",
-                     *(fmt(row[p]["tflops"]) if p in row else "—" for p in ("sdpa-cudnn", "fa4")),
-                     f"{k9['tflops'] / max(peers):.2f}×" if k9 and peers else "—"])
+        best = max((row[p]["call_tflops"] for p in ("sdpa-cudnn", "fa4") if p in row), default=None)
+        line = [str(d), str(c), str(n)]
+        for k in stages:
+            r = row.get(k)
+            line += [fmt(r["call_tflops"]) if r else "—", fmt(r["tflops"]) if r and r.get("tflops") else "—"]
+            if r and best:
+                ratios[k].append(r["call_tflops"] / best)
+        line += [fmt(row[p]["call_tflops"]) if p in row else "—" for p in ("sdpa-cudnn", "fa4")]
+        line += [f"{row[stages[-1]]['call_tflops'] / best:.2f}×" if stages and stages[-1] in row and best else "—"]
+        body.append(line)
     meta = run["meta"]
     head = (f"TFLOP/s of one backward (10·B·H·N²·d FLOPs, halved for causal) on an "
-            f"{gpu_short_name(meta.get('device', ''))}, bf16, batch = 16384/N, heads = 2048/d; the median of 20 "
-            f"timings between CUDA events: `{meta.get('command', '')}`, {meta.get('date', '')[:10]}.")
-    return head + "\n\n" + markdown_table(
-        ["d", "causal", "N", "`k9` ms", "`k9`", "*cuDNN* (SDPA autograd)", "*flash-attn-4* (autograd)",
-         "k9 / best peer"], body)
+            f"{gpu_short_name(meta.get('device', ''))}, bf16, batch = 16384/N, heads = 2048/d: every candidate "
+            "through autograd after one forward, back to back (burst-timed, as a training step runs it); "
+            "\"launches\": our three kernels alone between CUDA events. "
+            f"`{meta.get('command', '')}`, {meta.get('date', '')[:10]}.")
+    header = ["d", "causal", "N"] + [x for k in stages for x in (f"`{k}`", f"`{k}` launches")] + [
+        "*cuDNN*", "*flash-attn-4*", f"{stages[-1] if stages else ''} / best peer"]
+    summary = [[f"`{k}`", f"{_geomean(ratios[k]):.3f}×" if ratios[k] else "—",
+                f"{min(ratios[k]):.2f}×" if ratios[k] else "—", len(ratios[k])] for k in stages]
+    return (head + "\n\n" + markdown_table(header, body) + "\n\nAgainst the faster peer of each cell:\n\n"
+            + markdown_table(["backward", "geomean", "worst cell", "cells"], summary))
+
+
+def refcheck_backward_table(runs):
+    """docs/k9.md, docs/k10.md: every ref_check --backward run (newest first), cases that pass per
+    stage, and the largest error of each gradient beside SDPA's over the run."""
+    body = []
+    for f in runs:
+        for stage in dict.fromkeys(r["kernel"] for r in f["rows"]):
+            mine = [r for r in f["rows"] if r["kernel"] == stage]
+            worst = lambda g: max((r[f"{g}_max_abs"] / r[f"{g}_sdpa_max_abs"] for r in mine  # noqa: E731
+                                   if r.get(f"{g}_max_abs") is not None and r.get(f"{g}_sdpa_max_abs")), default=None)
+            body.append([gpu_short_name(f["meta"].get("device", "")), f["meta"].get("date", "")[:10],
+                         f"`{f['meta'].get('command', '')}`", f"`{stage}`",
+                         f"{sum(r['ok'] for r in mine)}/{len(mine)}",
+                         *(f"{worst(g):.2f}×" if worst(g) is not None else "—" for g in ("dq", "dk", "dv"))])
+    return ("Each case passes when every gradient's max error against float64 autograd is at most twice SDPA's "
+            "16-bit backward's on the same inputs, plus 10⁻³; the last columns give the worst ratio of our error to "
+            "SDPA's over the run (every case is in the result file).\n\n"
+            + markdown_table(["GPU", "date", "command", "backward", "cases that pass", "dq / SDPA's", "dk / SDPA's",
+                              "dv / SDPA's"], body))
+
+
+def training_table(run):
+    """docs/k10.md: harness/training.py, the small GPT's loss with SDPA and with each backward."""
+    rows = {r["run"]: r for r in run["rows"]}
+    sdpa = rows.get("sdpa")
+    body = []
+    for name, r in rows.items():
+        losses = r["losses"]
+        diff = f"{(r['tail'] - sdpa['tail']) / sdpa['tail'] * 100:+.1f}%" if sdpa and name != "sdpa" else "—"
+        body.append([f"`{name}`" if name != "sdpa" else "SDPA", str(r["steps"]), f"{losses[0]:.3f}",
+                     f"{losses[len(losses) // 2]:.3f}", f"{r['tail']:.3f}", diff])
+    meta = run["meta"]
+    return (f"`{meta.get('command', '')}` on an {gpu_short_name(meta.get('device', ''))}, {meta.get('date', '')[:10]} "
+            "(forward K6 in our runs; the test passes when every run ends below ln 64 − 0.3 and within 5% + 0.02 of "
+            "SDPA's):\n\n" + markdown_table(["attention", "steps", "first loss", "mid-run loss",
+                                             "mean of the last 20", "vs SDPA"], body))
+
+
+def plot_training(run, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r in run["rows"]:
+        ax.plot(range(1, len(r["losses"]) + 1), r["losses"], label="SDPA" if r["run"] == "sdpa" else
+                f"attention(k6), backward {r['run']}", linewidth=1)
+    ax.axhline(math.log(64), color="gray", linestyle=":", linewidth=1, label="ln 64 (no look-back)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats)")
+    ax.set_title(f"Training check, {gpu_short_name(run['meta'].get('device', ''))}: {run['meta'].get('command', '')}",
+                 fontsize=8)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def ncu_compare_table(path):
@@ -981,21 +1056,23 @@ def plot(sweep, path, head_dim=128, dtype="bf16", peers=BEST_OF):
     fig.savefig(path, dpi=110)
 
 
-def finished(pattern) -> list:
+def finished(pattern, partial=False) -> list:
     """The result files matching ``pattern`` whose run ended: one still running, or stopped part
-    way, is left out (``meta.complete`` false; files before version 2 were written at the end)."""
+    way, is left out (``meta.complete`` false; files before version 2 were written at the end)
+    unless ``partial``."""
     paths = sorted(ROOT.glob(f"results/{pattern}"))
     found = [load(f) for f in paths]
     for f, path in zip(found, paths):  # runs on the GPU machine wrote under its $OUT; the files live in results/
         f["file"] = path.name
         f["meta"]["command"] = re.sub(r"/root/out/(results/)?", "results/", f["meta"].get("command", ""))
-    return [f for f in found if f["meta"].get("complete", True)]
+    return [f for f in found if partial or f["meta"].get("complete", True)]
 
 
-def latest_with(pattern, kernels):
+def latest_with(pattern, kernels, partial=False):
     """The newest finished result file matching ``pattern`` that has rows of any of ``kernels``:
-    a run of some stages only (the warp-specialized ones, say) leaves the others' tables be."""
-    found = [f for f in finished(pattern) if any(r["kernel"] in kernels for r in f["rows"])]
+    a run of some stages only (the warp-specialized ones, say) leaves the others' tables be.
+    ``partial``: a run stopped part way counts too (its table says so)."""
+    found = [f for f in finished(pattern, partial) if any(r["kernel"] in kernels for r in f["rows"])]
     return max(found, key=lambda r: r["meta"].get("date", "")) if found else None
 
 
@@ -1092,7 +1169,7 @@ def main(argv=None):
             fill(family, "refcheck-summary", lambda: refcheck_runs_summary(runs, kernels, family))
             fill(family, "refcheck", lambda: "\n\n".join(refcheck_table(f, kernels) for f in printed_in_full(runs)))
     # The step-by-step tables want a run of every stage; a run of k6 alone in rounds gets its own.
-    ws_sweep = latest_with("ws-sweep*.json", ["k4", "k5"])
+    ws_sweep = latest_with("ws-sweep*.json", ["k4", "k5"], partial=True)
     rounds_runs = [f for f in finished("ws-sweep-rounds*.json") if any(r["kernel"] == "k6" for r in f["rows"])]
     ws_rounds = newest(rounds_runs, TARGET_GPU) or newest(rounds_runs)
     h200_rounds = newest(rounds_runs, "H200")
@@ -1133,13 +1210,25 @@ def main(argv=None):
     gqa_pairs = [pair for pair in gqa_pairs if all(pair)]
     if gqa_pairs:
         fill("k6", "gqa", lambda: "\n\n".join(gqa_table(mha, gqa) for mha, gqa in gqa_pairs))
-    k9_run = newest(finished("k9-time-*.json"), TARGET_GPU)
-    if k9_run:
-        fill("k9", "k9-time", lambda: k9_time_table(k9_run))
-    profiles = newest(finished("ncu-profile-*.json"), TARGET_GPU)
-    if profiles:
-        for stem, workload in (("k5", "bf16"), ("k6", "bf16"), ("k7", "fp8"), ("k8", "fp8"), ("decode", "decode")):
-            fill(stem, f"ncu-profile-{workload}", lambda: ncu_profile_table(profiles, workload))
+    backward_run = newest(finished("backward-sweep-*.json"), TARGET_GPU)
+    if backward_run:
+        for stem in ("k9", "k10"):
+            fill(stem, "backward-sweep", lambda: backward_sweep_table(backward_run))
+    backward_checks = sorted(finished("refcheck-backward-*.json"), key=lambda f: f["meta"].get("date", ""), reverse=True)
+    if backward_checks:
+        for stem in ("k9", "k10"):
+            fill(stem, "refcheck-backward", lambda: refcheck_backward_table(backward_checks))
+    training = newest(finished("training-*.json"), TARGET_GPU)
+    if training:
+        fill("k10", "training", lambda: training_table(training))
+        if args.plot:
+            plot_training(training, ROOT / "docs" / "plots" / "training.png")
+    profiles = finished("ncu-profile-*.json")
+    for stem, workload in (("k5", "bf16"), ("k6", "bf16"), ("k7", "fp8"), ("k8", "fp8"), ("decode", "decode")):
+        # the newest run that profiled this workload (a run of some jobs leaves the others' tables be)
+        run = newest([f for f in profiles if any(r["workload"] == workload for r in f["rows"])], TARGET_GPU)
+        if run:
+            fill(stem, f"ncu-profile-{workload}", lambda run=run, workload=workload: ncu_profile_table(run, workload))
     compares = sorted(ROOT.glob("results/ncu-compare-*.txt"))
     if compares:
         fill("k6", "ncu-compare", lambda: "\n\n".join(ncu_compare_table(f) for f in compares))

@@ -12,7 +12,7 @@
 #                                               sanitizers, host times, GQA pair, GPU tests (about 45 minutes)
 #   bash scripts/reproduce.sh call results     # the public call: host times before/after the fast path, the k6 and
 #                                               FP8 sweeps and the k6 headline runs with both timings (~25 minutes)
-#   bash scripts/reproduce.sh backward results # K9: ref_check --backward, its GPU tests, sanitizers, the sweep
+#   bash scripts/reproduce.sh backward results # K9/K10: ref_check --backward, GPU tests, training, sanitizers, sweep
 # Each file records the command that wrote it; then, anywhere: python scripts/make_docs.py --plot
 # Without a GPU: the SASS census of the KV-tile loops (results/sass-loops*.json, docs/k6.md), e.g.
 #   python scripts/sass_loops.py --headdim 64 128 256 --causal 0 1 --fa4 --out results/sass-loops.json
@@ -466,20 +466,25 @@ out.close()") || rc=1
     done
     exit $rc
     ;;
-  backward)  # K9 (docs/k9.md): the backward's grid, its GPU tests, racecheck/synccheck, the sweep beside
-    # cuDNN and flash-attn-4 (about 15 minutes: on the device tool, run its lines in parts)
+  backward)  # K9 and K10 (docs/k9.md, docs/k10.md): the backward's grid, its GPU tests, the training
+    # check, racecheck/synccheck, the sweep beside cuDNN and flash-attn-4 (about 20 minutes: on the
+    # device tool, run its lines in parts)
     rc=0
-    timeout 540 $py ref_check.py --backward --out "$dir/refcheck-backward-$gpu.json" > "$dir/refcheck-backward-$gpu.log" \
+    timeout 900 $py ref_check.py --backward --out "$dir/refcheck-backward-$gpu.json" > "$dir/refcheck-backward-$gpu.log" \
       || { echo "ref_check --backward failed or timed out (exit $?)"; rc=1; }
-    timeout 400 $py -m pytest -m gpu -q tests/test_k9.py tests/test_backward.py tests/test_training.py 2>&1 | tail -3 || rc=1
-    for tool in racecheck synccheck; do  # small shapes, the main kernel only
-      timeout 200 compute-sanitizer --tool $tool --kernel-name kns=K9Backward $py -c "import torch
+    timeout 400 $py -m pytest -m gpu -q tests/test_k9.py tests/test_k10.py tests/test_backward.py tests/test_training.py \
+      2>&1 | tail -3 || rc=1
+    timeout 200 $py -m harness.training --out "$dir/training-$gpu.json" || rc=1
+    for stage in k9 k10; do
+      for tool in racecheck synccheck; do  # small shapes, the main kernel only
+        timeout 200 compute-sanitizer --tool $tool --kernel-name kns=${stage^^}Backward $py -c "import torch
 from harness import attention
 q, k, v = (torch.randn(1, 2, 300, 128, device='cuda', dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-attention('k6', q, k, v, causal=True).sum().backward()
-torch.cuda.synchronize(); print('$tool: ok')" 2>&1 | grep "SUMMARY\|: ok\|rror" || rc=1
-    done | tee "$dir/sanitizer-k9-$gpu.txt"
-    timeout 540 $py bench.py --backward --sweep --out "$dir/k9-sweep-$gpu.json" || rc=1
+attention('k6', q, k, v, causal=True, backward='$stage').sum().backward()
+torch.cuda.synchronize(); print('$stage $tool: ok')" 2>&1 | grep "SUMMARY\|: ok\|rror" || rc=1
+      done
+    done | tee "$dir/sanitizer-backward-$gpu.txt"
+    timeout 540 $py bench.py --backward --sweep --out "$dir/backward-sweep-$gpu.json" || rc=1
     exit $rc
     ;;
   *) echo "usage: $0 check|perf|headline|ws|decode|fp8check|fp8|final|call|backward [dir]" >&2; exit 2 ;;

@@ -247,10 +247,16 @@ def test_reproduce_script_stops_before_making_its_folder_without_a_gpu(tmp_path)
     assert done.returncode == 2 and "no CUDA GPU is visible" in done.stderr and not folder.exists()
 
 
+def test_ref_check_backward_takes_backward_stages_only(capsys):
+    assert ref_check.main(["--backward", "k8"]) == 2
+    assert "the backward stages ['k9', 'k10'], not ['k8']" in capsys.readouterr().err
+
+
 def test_backward_refuses_what_it_would_ignore_and_needs_a_gpu(capsys):
     assert bench.main(["--backward", "--batch", "4"]) == 2
-    assert "--backward times K9 and the peers" in capsys.readouterr().err
+    assert "--backward times k9 and k10 and the peers" in capsys.readouterr().err
     assert bench.main(["k6", "--backward"]) == 2
+    assert "not k6" in capsys.readouterr().err
     if not torch.cuda.is_available():
         assert bench.main(["--backward", "--seqlen", "1024"]) == 2
         assert "No CUDA GPU" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""K10 (draft), K9 warp-specialized: its PTX holds what the stage claims (CPU); its gradients
+"""K10, K9 warp-specialized: its PTX holds what the stage claims (CPU); its gradients
 match float64 autograd as K9's must (GPU)."""
 
 import re
