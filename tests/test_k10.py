@@ -18,6 +18,9 @@ def test_k10_adds_dq_by_tma_reduce_from_a_warp_specialized_kernel(d):
     ptx = compiled_ptx(main)
     counts = count_instructions(ptx)
     assert counts["wgmma.mma_async"] == 2 * (d // 16) + 2 * 4 + 8 and counts["setmaxnreg"] == 2
+    assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+24;", ptx)  # the producer warpgroup
+    assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+240;", ptx)  # the MMA warpgroups
+    # the reduce's element type is the tensor map's (fp32: the dQ accumulator), not a PTX suffix
     assert re.search(r"cp\.reduce\.async\.bulk\.tensor[.a-z0-9:]*\.add", ptx)
     assert not re.search(r"\b(?:red|atom)\.global", ptx)  # no dQ atomics left
     barriers = set(re.findall(r"bar\.(sync|arrive)\s+(\d+), (\d+)", ptx))
