@@ -28,6 +28,7 @@ import math
 import numbers
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
@@ -45,6 +46,45 @@ AMPERE_AND_LATER = ((8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0))
 
 class UnsupportedProblem(ValueError):
     """A kernel cannot run this problem; the message names the violated constraint."""
+
+
+class Config(Mapping):
+    """A stage's configuration, frozen once made (FA4's ``tile_size_fwd_sm90`` returns one too):
+    knob -> value, read as ``cfg["tile_n"]``; ``**cfg`` hands it to a kernel's constructor;
+    ``cfg.with_(knob=value)`` is a changed copy. Every stage's ``config(p, overrides)`` returns one
+    (``configure``)."""
+
+    __slots__ = ("_knobs",)
+
+    def __init__(self, knobs: Mapping = (), **more):
+        object.__setattr__(self, "_knobs", dict(knobs, **more))
+
+    def __getitem__(self, key):
+        return self._knobs[key]
+
+    def __iter__(self):
+        return iter(self._knobs)
+
+    def __len__(self) -> int:
+        return len(self._knobs)
+
+    def __setattr__(self, key, value):
+        raise AttributeError(f"a Config is frozen (cfg.with_({key}=...) makes a changed copy)")
+
+    def __hash__(self) -> int:
+        return hash(tuple(sorted(self._knobs.items())))
+
+    def __repr__(self) -> str:  # as a dict: error messages quote the configuration they refuse
+        return repr(self._knobs)
+
+    def with_(self, **changes) -> "Config":
+        return Config(self._knobs, **changes)
+
+
+def configure(defaults: Mapping, overrides: Optional[Mapping] = None) -> Config:
+    """``defaults``, then every override that is not None (None keeps the default): the one rule
+    behind every stage's ``config``."""
+    return Config(defaults, **{k: v for k, v in (overrides or {}).items() if v is not None})
 
 
 def as_causal(value) -> bool:

@@ -49,10 +49,12 @@ from cutlass import Float32, Int32
 from . import tma_pipeline
 from .contract import (
     CompiledAttention,
+    Config,
     Problem,
     StreamBuffers,
     UnsupportedProblem,
     compiled_ptx,
+    configure,
     cute_dtype,
     fake_stream,
     jit_compile,
@@ -280,14 +282,14 @@ class DecodeLauncher:
                           v_cache, out, lse, cache_seqlens, scale)
 
 
-def config(head_dim: int, **overrides) -> dict:
-    """DEFAULT_CONFIG of the head dim with the caller's overrides (None keeps the default)."""
-    cfg = dict(DEFAULT_CONFIG[head_dim])
-    unknown = sorted(set(overrides) - set(cfg))
+def config(head_dim: int, overrides: dict = None) -> Config:
+    """DEFAULT_CONFIG of the head dim, then the overrides. Keyed by head dim alone: a decode
+    launcher is compiled before any call's shapes are known."""
+    defaults = DEFAULT_CONFIG[head_dim]
+    unknown = sorted(set(overrides or {}) - set(defaults))
     if unknown:
-        raise TypeError(f"unknown decode configuration keys {unknown}: the keys are {sorted(cfg)}")
-    cfg.update({k: v for k, v in overrides.items() if v is not None})
-    return cfg
+        raise TypeError(f"unknown decode configuration keys {unknown}: the keys are {sorted(defaults)}")
+    return configure(defaults, overrides)
 
 
 def deterministic_requested() -> bool:
@@ -350,7 +352,7 @@ def make_launcher(head_dim: int, dtype: str, causal: bool, group: int, num_split
         cfg["claim_after"] = 0
     if cfg.get("tile_n") is None and listed_gpu(SHARED_SM_GPUS):
         cfg["tile_n"] = shared_sm_tile_n(head_dim, num_splits, ctas, num_sms())
-    cfg = config(head_dim, **cfg)
+    cfg = config(head_dim, cfg)
     boxes = page_boxes(cfg["tile_n"], page_size) if page_size else 1
     if isinstance(cfg["claim_after"], bool) or not isinstance(cfg["claim_after"], int) or cfg["claim_after"] < 0:
         raise UnsupportedProblem(f"claim_after must be an int >= 0 (0: fixed shares), got {cfg['claim_after']!r}")
@@ -380,7 +382,7 @@ def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_splits: int = 0, m
     cache lengths. ``num_splits`` 0 picks S for this problem on the current GPU; ``knobs``
     override DEFAULT_CONFIG's keys."""
     CAPS.check(p)
-    tile_n = config(p.head_dim, **knobs)["tile_n"]
+    tile_n = config(p.head_dim, knobs)["tile_n"]
     if not isinstance(num_splits, int) or not 0 <= num_splits <= MAX_SPLITS:
         raise UnsupportedProblem(f"num_splits must be an int in [0, {MAX_SPLITS}] (0: automatic), got {num_splits!r}")
     splits = num_splits or choose_num_splits(p.batch, p.kv_heads, p.group, p.seqlen, p.kv_len, num_sms(), tile_n)

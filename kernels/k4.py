@@ -35,8 +35,10 @@ from .contract import (
     LOG2_E,
     Capabilities,
     CompiledAttention,
+    Config,
     Problem,
     UnsupportedProblem,
+    configure,
     cute_dtype,
     fake_attention_args,
     fused_attention,
@@ -254,33 +256,33 @@ class K4FMHA:
         """O's accumulator after the last KV tile, before normalization and the store."""
 
 
-def config(head_dim: int, overrides: dict, defaults: dict = None) -> dict:
-    """DEFAULT_CONFIG (or ``defaults``, a table of the same shape) for ``head_dim``, with every
-    override that is not None."""
-    cfg = dict((defaults or DEFAULT_CONFIG)[head_dim])
-    cfg.update({k: v for k, v in overrides.items() if v is not None})
-    return cfg
+def config(p: Problem, overrides: dict = None, defaults: dict = None) -> Config:
+    """DEFAULT_CONFIG (or ``defaults``, a table of the same shape) for ``p``'s head dim, then the
+    overrides."""
+    return configure((defaults or DEFAULT_CONFIG)[p.head_dim], overrides)
 
 
-def check_config(cfg: dict) -> None:
-    """Refuse a configuration the kernel cannot run (rather than hang, mis-tile or spill)."""
-    for name in ("num_wg", "tile_n", "kv_stages", "refill_lag"):
-        if not isinstance(cfg[name], int) or isinstance(cfg[name], bool):
-            raise UnsupportedProblem(f"K4 config {cfg}: {name} must be an int")
-    num_wg, tile_n, stages, lag = cfg["num_wg"], cfg["tile_n"], cfg["kv_stages"], cfg["refill_lag"]
-    if not 1 <= lag < stages:
+def check_config(cfg: dict, name: str = "K4", num_wgs=(1, 2, 3)) -> None:
+    """Refuse a configuration the kernel cannot run (rather than hang, mis-tile or spill): the
+    knobs every stage from K4 on has (K5's ``check_config`` adds its own)."""
+    for key in ("num_wg", "tile_n", "kv_stages", "q_stages", "refill_lag"):
+        if key in cfg and (not isinstance(cfg[key], int) or isinstance(cfg[key], bool)):
+            raise UnsupportedProblem(f"{name} config {cfg}: {key} must be an int")
+    if "refill_lag" in cfg and not 1 <= cfg["refill_lag"] < cfg["kv_stages"]:
         raise UnsupportedProblem(
-            f"K4 config {cfg}: needs 1 <= refill_lag < kv_stages (at iteration n warp 0 waits for tile n, "
+            f"{name} config {cfg}: needs 1 <= refill_lag < kv_stages (at iteration n warp 0 waits for tile n, "
             f"then loads tile n - refill_lag + kv_stages; with refill_lag >= kv_stages that tile is not "
             f"loaded yet and the kernel would hang)")
-    if not 1 <= num_wg <= 3 or sm90.WGMMA_M * num_wg > 256:
+    if cfg["num_wg"] not in num_wgs:
         raise UnsupportedProblem(
-            f"K4 config {cfg}: num_wg must be 1, 2 or 3 (tile_m = 64*num_wg rows is one TMA box of at "
-            f"most 256 rows, and 4 warpgroups would leave at most 128 registers per thread)")
-    if tile_n % 16 != 0 or not 16 <= tile_n <= 256:
+            f"{name} config {cfg}: num_wg must be one of {sorted(num_wgs)}, the warpgroup counts this stage has "
+            f"tiles (64*num_wg rows, one TMA box of at most 256) and register budgets for")
+    if cfg["tile_n"] % 16 != 0 or not 16 <= cfg["tile_n"] <= 256:
         raise UnsupportedProblem(
-            f"K4 config {cfg}: tile_n must be a multiple of 16 in [16, 256] (the PV WGMMA's K step is 16 "
+            f"{name} config {cfg}: tile_n must be a multiple of 16 in [16, 256] (the PV WGMMA's K step is 16 "
             f"keys, and a K/V tile is one TMA box of at most 256 rows)")
+    if cfg["kv_stages"] < 1 or cfg.get("q_stages", 1) < 1:
+        raise UnsupportedProblem(f"{name} config {cfg}: kv_stages and q_stages must be >= 1")
 
 
 def capabilities(num_wg=None, tile_n=None, kv_stages=None, refill_lag=None) -> Capabilities:
@@ -288,7 +290,8 @@ def capabilities(num_wg=None, tile_n=None, kv_stages=None, refill_lag=None) -> C
     (k4_seed's registry entry overrides all four; its 5 stages do not fit at d=256)."""
     overrides = dict(num_wg=num_wg, tile_n=tile_n, kv_stages=kv_stages, refill_lag=refill_lag)
     given = ", ".join(f"{k}={v}" for k, v in overrides.items() if v is not None)
-    return tma_pipeline.smem_capabilities(HEAD_DIMS, lambda d: smem_bytes(d, **config(d, overrides)),
+    return tma_pipeline.smem_capabilities(HEAD_DIMS,
+                                          lambda d: smem_bytes(d, **config(Problem(1, 1, 1, d), overrides)),
                                           f"with {given or 'DEFAULT_CONFIG'}")
 
 
@@ -298,7 +301,7 @@ CAPS = capabilities()
 def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_wg=None, tile_n=None, kv_stages=None,
                    refill_lag=None) -> CompiledAttention:
     CAPS.check(p)
-    cfg = config(p.head_dim, dict(num_wg=num_wg, tile_n=tile_n, kv_stages=kv_stages, refill_lag=refill_lag))
+    cfg = config(p, dict(num_wg=num_wg, tile_n=tile_n, kv_stages=kv_stages, refill_lag=refill_lag))
     check_config(cfg)
     capabilities(num_wg, tile_n, kv_stages, refill_lag).check(p)  # SMEM, with this configuration
     dt = cute_dtype(p.dtype)

@@ -50,9 +50,11 @@ from .contract import (
     SMEM_CAPACITY,
     Capabilities,
     CompiledAttention,
+    Config,
     Problem,
     UnsupportedProblem,
     compiled_ptx,
+    configure,
     cute_dtype,
     fake_attention_args,
     fake_stream,
@@ -114,7 +116,7 @@ DEFAULT_CONFIG = {
 # Persistent CTAs (one per SM, looping over tiles) by default: a static round-robin where every
 # tile costs the same (non-causal); for causal, whose tiles differ, a static assignment leaves some
 # SMs idle at the end (measured on an H100: docs/k5.md), so each CTA claims its next tile from an
-# atomic counter, heaviest first ("dynamic"; default_config below).
+# atomic counter, heaviest first ("dynamic"; config below).
 # setmaxnreg budgets (producer, consumer) per consumer-warpgroup count: they must add up to the
 # launch budget, 65536 / threads per CTA (24*128 + 240*256 = 168*384; 32*128 + 160*384 = 128*512).
 REGISTERS = {2: (24, 240), 3: (32, 160)}
@@ -620,29 +622,15 @@ def schedule_config(p: Problem) -> dict:
                 section_bytes=schedule.section_bytes(p.kv_len) if p.causal else schedule.SECTION_BYTES)
 
 
-def default_config(p: Problem, overrides: dict) -> dict:
-    """DEFAULT_CONFIG for the head dim and K5's schedule, then the caller's overrides (None keeps
-    the default)."""
-    cfg = dict(DEFAULT_CONFIG[p.head_dim], **schedule_config(p))
-    cfg.update({k: v for k, v in overrides.items() if v is not None})
-    return cfg
+def config(p: Problem, overrides: dict = None) -> Config:
+    """DEFAULT_CONFIG for the head dim and K5's schedule, then the overrides."""
+    return configure(dict(DEFAULT_CONFIG[p.head_dim], **schedule_config(p)), overrides)
 
 
 def check_config(cfg: dict, name: str = "K5") -> None:
-    """Refuse a configuration the kernel cannot run (rather than hang, mis-tile or spill)."""
-    for key in ("num_wg", "tile_n", "kv_stages", "q_stages"):
-        if not isinstance(cfg[key], int) or isinstance(cfg[key], bool):
-            raise UnsupportedProblem(f"{name} config {cfg}: {key} must be an int")
-    if cfg["num_wg"] not in REGISTERS:
-        raise UnsupportedProblem(
-            f"{name} config {cfg}: num_wg must be one of {sorted(REGISTERS)} consumer warpgroups (the setmaxnreg "
-            f"budgets are defined for those; tile_m = 64*num_wg is one TMA box of at most 256 rows)")
-    if cfg["tile_n"] % 16 != 0 or not 16 <= cfg["tile_n"] <= 256:
-        raise UnsupportedProblem(
-            f"{name} config {cfg}: tile_n must be a multiple of 16 in [16, 256] (the PV WGMMA's K step is 16 "
-            f"keys, and a K/V tile is one TMA box of at most 256 rows)")
-    if cfg["kv_stages"] < 1 or cfg["q_stages"] < 1:
-        raise UnsupportedProblem(f"{name} config {cfg}: kv_stages and q_stages must be >= 1")
+    """K4's checks, num_wg among the counts with setmaxnreg budgets (REGISTERS), then the
+    scheduler's and the cluster's."""
+    k4.check_config(cfg, name, num_wgs=REGISTERS)
     if cfg["scheduler"] not in SCHEDULERS:
         raise UnsupportedProblem(f"{name} config {cfg}: scheduler must be one of {SCHEDULERS}")
     cluster = cfg.get("cluster", 1)
@@ -714,6 +702,6 @@ def build(name: str, kernel_cls, p: Problem, cfg: dict, keep_ptx: bool, fake_arg
 def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_wg=None, tile_n=None, kv_stages=None,
                    q_stages=None, scheduler=None, tma_store=None) -> CompiledAttention:
     CAPS.check(p)
-    cfg = default_config(p, dict(num_wg=num_wg, tile_n=tile_n, kv_stages=kv_stages, q_stages=q_stages,
+    cfg = config(p, dict(num_wg=num_wg, tile_n=tile_n, kv_stages=kv_stages, q_stages=q_stages,
                                  scheduler=scheduler, tma_store=tma_store))
     return build("k5", K5FMHA, p, cfg, keep_ptx)

@@ -29,7 +29,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 
 from . import k5, sm90, tma_pipeline
-from .contract import CompiledAttention, Problem, run_kernel  # noqa: F401  (run_kernel: the contract's launch-only entry)
+from .contract import CompiledAttention, Config, Problem, run_kernel  # noqa: F401  (run_kernel: the contract's launch-only entry)
 
 CAPS = k5.CAPS
 # K6's measured defaults, each with the runs behind it (docs/k6-runs.md, "Why the defaults are what
@@ -210,13 +210,13 @@ def compile_kernel(p: Problem, *, keep_ptx: bool = False, tuned: bool = True, nu
     return k5.build("k6", kernel_cls, p, cfg, keep_ptx)
 
 
-def config(p: Problem, overrides: dict, tuned: bool = True) -> dict:
+def config(p: Problem, overrides: dict, tuned: bool = True) -> Config:
     """K6's configuration of ``p``: the measured defaults above wherever ``overrides`` leaves a knob
-    None, then K5's (``k5.default_config``). Without ``tuned``, K5's configuration with ping-pong
+    None, then K5's (``k5.config``). Without ``tuned``, K5's configuration with ping-pong
     (on unless asked off) and the overlap (off unless asked on): the registry's one-idea steps."""
     if not tuned:
-        return k5.default_config(p, dict(overrides, pingpong=overrides["pingpong"] is not False,
-                                         overlap=bool(overrides["overlap"])))
+        return k5.config(p, dict(overrides, pingpong=overrides["pingpong"] is not False,
+                                 overlap=bool(overrides["overlap"])))
     num_wg, tile_n, overlap, pingpong = (overrides[k] for k in ("num_wg", "tile_n", "overlap", "pingpong"))
     tma_store, o_store_per_wg, cluster = overrides["tma_store"], overrides["o_store_per_wg"], overrides["cluster"]
     scheduler, split_tail, ctas = overrides["scheduler"], overrides["split_tail"], overrides["ctas"]
@@ -242,7 +242,6 @@ def config(p: Problem, overrides: dict, tuned: bool = True) -> dict:
         tile_m = sm90.WGMMA_M * (num_wg or k5.DEFAULT_CONFIG[p.head_dim]["num_wg"])
         pairs_whole = -(-p.seqlen // tile_m) % 2 == 0
         cluster = 2 if pairs_whole and p.kv_len >= CLUSTER_FROM_SEQLEN.get(p.head_dim, float("inf")) else None
-    cfg = k5.default_config(p, dict(overrides, num_wg=num_wg, tile_n=tile_n, tma_store=tma_store, pingpong=pingpong,
-                                    overlap=overlap, o_store_per_wg=o_store_per_wg, cluster=cluster))
-    cfg["o_store_per_wg"] = bool(cfg["o_store_per_wg"] and cfg["tma_store"])  # only a TMA store has one
-    return cfg
+    cfg = k5.config(p, dict(overrides, num_wg=num_wg, tile_n=tile_n, tma_store=tma_store, pingpong=pingpong,
+                            overlap=overlap, o_store_per_wg=o_store_per_wg, cluster=cluster))
+    return cfg.with_(o_store_per_wg=bool(cfg["o_store_per_wg"] and cfg["tma_store"]))  # only a TMA store has one

@@ -35,11 +35,13 @@ from . import fp8_quant, k4, k5, k6, sm90, tma_pipeline
 from .contract import (
     Capabilities,
     CompiledAttention,
+    Config,
     FakeShapes,
     FusedLaunch,
     Problem,
     UnsupportedProblem,
     compiled_ptx,
+    configure,
     cute_dtype,
     fake_stream,
     jit_compile,
@@ -51,9 +53,8 @@ HEAD_DIMS = (64, 128, 256)
 FP8 = cutlass.Float8E4M3FN
 E4M3_MAX = 448.0
 P_OFFSET = 8.0  # P in [0, 2^8]: e4m3 keeps 3 mantissa bits down to 2^-6, and P's small values matter
-# Measured on an H100 (scripts/tune_fp8.py, results/fp8-tune-h100-*.json): at d=128 wider key tiles
-# (160-224, FA3's FP8 choice) and a third KV stage lost 0.3-8%, and the intra-warpgroup overlap K6
-# uses in bf16 lost 1-4%; at d=256, 64 keys lost 13-17%. d=256 runs without ping-pong, as K6.
+# K6's shape where it measured best in e4m3: at d=128 wider key tiles (FA3's FP8 choice), a third
+# KV stage and K6's overlap each lost (fp8-tune-h100-*; the numbers: docs/k7.md); d=256 as K6.
 DEFAULT_CONFIG = {
     64: dict(num_wg=3, tile_n=128, kv_stages=2, q_stages=2, pingpong=True, overlap=False),
     128: dict(num_wg=2, tile_n=128, kv_stages=2, q_stages=2, pingpong=True, overlap=False),
@@ -249,10 +250,9 @@ def fake_descales(ranks: tuple | None) -> tuple:
     return (*ones, make_fake_tensor(Float32, (3,), stride=(1,), assumed_align=4))
 
 
-def config(p: Problem, overrides: dict, name: str = "K7") -> dict:
+def config(p: Problem, overrides: dict = None, name: str = "K7") -> Config:
     """DEFAULT_CONFIG with K6's schedule (k5.schedule_config), then the overrides."""
-    cfg = dict(DEFAULT_CONFIG[p.head_dim], **k5.schedule_config(p), tma_store=False)
-    cfg.update({k: v for k, v in overrides.items() if v is not None})
+    cfg = configure(dict(DEFAULT_CONFIG[p.head_dim], **k5.schedule_config(p), tma_store=False), overrides)
     check_tile_n(cfg, name)
     if cfg["tma_store"]:
         raise UnsupportedProblem(f"{name} config {cfg}: tma_store stages O in Q's buffer, which is 8-bit here")
@@ -283,7 +283,7 @@ def compile_kernel(p: Problem, *, keep_ptx: bool = False, structure: str = "k6",
 
 def compile_on_k4(p: Problem, keep_ptx: bool, overrides: dict) -> CompiledAttention:
     K4_CAPS.check(p)
-    cfg = k4.config(p.head_dim, overrides, K4_CONFIG)  # from K7_K4's tiles (one more stage), not K4's
+    cfg = k4.config(p, overrides, K4_CONFIG)  # from K7_K4's tiles (one more stage), not K4's
     k4.check_config(cfg)
     check_tile_n(cfg, "K7_K4")
     out_dt = cute_dtype(p.out_dtype)

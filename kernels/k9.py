@@ -40,7 +40,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from . import k4, simt, sm90, tma_pipeline
-from .contract import LOG2_E, FakeShapes, Problem, UnsupportedProblem, cute_dtype, fake_stream, jit_compile
+from .contract import LOG2_E, Config, FakeShapes, Problem, UnsupportedProblem, cute_dtype, fake_stream, jit_compile
 
 HEAD_DIMS = (64, 128)
 # Per head dim: warpgroups (64 keys each), query rows per step, Q/dO stages. At d=128, dK and dV
@@ -337,8 +337,8 @@ class Postpass:
 # Host: compile and launch
 # --------------------------------------------------------------------------------------
 
-def config(p: Problem, overrides: dict) -> dict:
-    return k4.config(p.head_dim, overrides, DEFAULT_CONFIG)
+def config(p: Problem, overrides: dict = None) -> Config:
+    return k4.config(p, overrides, DEFAULT_CONFIG)
 
 
 def check(p: Problem, stage: str = "K9") -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import csv
 import io
-import os
 import subprocess
 import sys
 from pathlib import Path

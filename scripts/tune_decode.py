@@ -108,8 +108,8 @@ def main(argv=None) -> int:
                 given = dict(zip(FIELDS, rest))
                 if args.fixed_shares:
                     given.setdefault("claim_after", 0)
-                cfg = decode.config(d, tile_n=tile_n, kv_stages=stages, **given)
-                cfg["refill_at_release"] = bool(cfg["refill_at_release"])
+                cfg = decode.config(d, dict(given, tile_n=tile_n, kv_stages=stages))
+                cfg = cfg.with_(refill_at_release=bool(cfg["refill_at_release"]))
                 for asked, merge in ((a, m) for a in splits_list for m in merges):
                     splits = asked or decode.choose_num_splits(b, h_kv, NHEADS // h_kv, 1, kv_len,
                                                                decode.num_sms(), tile_n)

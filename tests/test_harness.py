@@ -276,3 +276,22 @@ def test_host_rows_ratio_is_round_by_round_and_the_order_alternates(monkeypatch)
     assert seen == ["a", "sdpa", "sdpa", "a", "a", "sdpa"]  # the timed bursts (the warm-up calls each directly)
     a = next(r for r in rows if r["kernel"] == "a")
     assert a["host_rounds"] == [10.0, 30.0, 10.0] and a["vs_baseline"] == 2.0 and a["baseline"] == "sdpa"
+
+
+def test_every_stage_config_is_frozen_and_keeps_defaults_for_none():
+    from kernels import decode, k4, k5, k6, k7, k9
+    from kernels.contract import Config, Problem
+
+    p = Problem(2, 4, 1000, 128, causal=True)
+    for cfg in (k4.config(p, dict(tile_n=None)), k5.config(p, dict(tile_n=None)), k6.config(p, dict.fromkeys(
+            ("num_wg", "tile_n", "overlap", "pingpong", "tma_store", "o_store_per_wg", "cluster", "scheduler",
+             "split_tail", "ctas"))), k7.config(p, dict(tile_n=None)), k9.config(p), decode.config(128)):
+        key = "num_wg" if "num_wg" in cfg else "tile_n"  # decode's tiles are one warpgroup
+        assert isinstance(cfg, Config) and cfg[key] > 1  # None kept the default
+        with pytest.raises(AttributeError, match="frozen"):
+            cfg.knob = 1
+        with pytest.raises(TypeError):
+            cfg[key] = 1
+        changed = cfg.with_(**{key: 1})
+        assert changed[key] == 1 and cfg[key] != 1 and dict(changed, **{key: cfg[key]}) == cfg
+    assert k4.config(p, dict(tile_n=96))["tile_n"] == 96 and k4.config(p) == k4.DEFAULT_CONFIG[128]
