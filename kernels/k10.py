@@ -20,10 +20,8 @@ import enum
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
-from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
-from cutlass.tensor_utils import LayoutEnum
+from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from . import k5, k9, sm90, tma_pipeline
 from .contract import LOG2_E, FakeShapes, Problem, cute_dtype, fake_stream, jit_compile
@@ -52,26 +50,13 @@ class K10Backward(k9.K9Backward):
                  mD: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, softmax_scale: Float32,
                  stream):
         d, dt, tile_m, tile_n = self.head_dim, self.dtype, self.tile_m, self.tile_n
-        K_MAJOR, MN_MAJOR = OperandMajorMode.K, OperandMajorMode.MN
-        tiled_mma_sdp = sm90_utils.make_trivial_tiled_mma(dt, dt, K_MAJOR, K_MAJOR, Float32,
-                                                          atom_layout_mnk=(self.num_wg, 1, 1), tiler_mn=(64, tile_m))
-        tiled_mma_dkv = sm90_utils.make_trivial_tiled_mma(dt, dt, K_MAJOR, MN_MAJOR, Float32,
-                                                          atom_layout_mnk=(self.num_wg, 1, 1), tiler_mn=(64, d),
-                                                          a_source=warpgroup.OperandSource.RMEM)
-        tiled_mma_dq = sm90_utils.make_trivial_tiled_mma(dt, dt, MN_MAJOR, MN_MAJOR, Float32,
-                                                         atom_layout_mnk=(1, self.num_wg, 1),
-                                                         tiler_mn=(64, d // self.num_wg))
-        sK_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (tile_n, tile_m, d), dt, 1)
-        sQ_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (tile_n, tile_m, d), dt, self.q_stages)
-        sdS_layout = cute.select(sm90_utils.make_smem_layout_a(LayoutEnum.COL_MAJOR, (tile_m, d, tile_n), dt, 1),
-                                 mode=[0, 1])
+        tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = self.tiled_mmas()
+        sK_layout, sQ_layout, sdS_layout = self.smem_layouts()
         sdQ_layout = tma_pipeline.row_major(tile_m, d)  # fp32, as the TMA reduce reads it
         sRow_layout = cute.make_layout((tile_m, self.q_stages))  # LSE2 or D of each stage's query rows
 
-        tma_atom_K, mK_tma = tma_pipeline.make_tma_load(tma_pipeline.seq_major_view(mK), sK_layout, (tile_n, d))
-        tma_atom_V, mV_tma = tma_pipeline.make_tma_load(tma_pipeline.seq_major_view(mV), sK_layout, (tile_n, d))
-        tma_atom_Q, mQ_tma = tma_pipeline.make_tma_load(tma_pipeline.seq_major_view(mQ), sQ_layout, (tile_m, d))
-        tma_atom_dO, mdO_tma = tma_pipeline.make_tma_load(tma_pipeline.seq_major_view(mdO), sQ_layout, (tile_m, d))
+        (tma_atom_K, mK_tma), (tma_atom_V, mV_tma), (tma_atom_Q, mQ_tma), (tma_atom_dO, mdO_tma) = self.tma_loads(
+            mK, mV, mQ, mdO, sK_layout, sQ_layout)
         tma_atom_dQ, mdQ_tma = cpasync.make_tiled_tma_atom(cpasync.CopyReduceBulkTensorTileS2GOp(),
                                                            tma_pipeline.seq_major_view(mdQaccum), sdQ_layout,
                                                            (tile_m, d))

@@ -58,6 +58,13 @@ def transpose_view(s: cute.Tensor) -> cute.Tensor:
     return cute.make_tensor(s.iterator, cute.select(s.layout, mode=[1, 0, *range(2, cute.rank(s.layout))]))
 
 
+def dq_mma(dtype, head_dim: int, num_wg: int) -> cute.TiledMma:
+    """dQ (tile_m, d) = dS (tile_m, tile_n) . K (tile_n, d): queries contiguous in sdS, d in sK; the
+    warpgroups split d."""
+    return sm90_utils.make_trivial_tiled_mma(dtype, dtype, OperandMajorMode.MN, OperandMajorMode.MN, Float32,
+                                             atom_layout_mnk=(1, num_wg, 1), tiler_mn=(64, head_dim // num_wg))
+
+
 class K9Backward:
     def __init__(self, head_dim: int, dtype, causal: bool, num_wg: int, tile_m: int, q_stages: int):
         self.head_dim, self.dtype, self.causal = head_dim, dtype, causal
@@ -71,30 +78,11 @@ class K9Backward:
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE2: cute.Tensor,
                  mD: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, softmax_scale: Float32,
                  stream):
-        d, dt, tile_m, tile_n = self.head_dim, self.dtype, self.tile_m, self.tile_n
-        K_MAJOR, MN_MAJOR = OperandMajorMode.K, OperandMajorMode.MN
-        # S^T, dP^T (tile_n, tile_m) = K, V (tile_n, d) . Q, dO (tile_m, d)^T: both operands K-major.
-        tiled_mma_sdp = sm90_utils.make_trivial_tiled_mma(dt, dt, K_MAJOR, K_MAJOR, Float32,
-                                                          atom_layout_mnk=(self.num_wg, 1, 1), tiler_mn=(64, tile_m))
-        # dV, dK (tile_n, d) += P^T, dS^T (registers) . dO, Q: B contracted over queries, d contiguous.
-        tiled_mma_dkv = sm90_utils.make_trivial_tiled_mma(dt, dt, K_MAJOR, MN_MAJOR, Float32,
-                                                          atom_layout_mnk=(self.num_wg, 1, 1), tiler_mn=(64, d),
-                                                          a_source=warpgroup.OperandSource.RMEM)
-        # dQ (tile_m, d) = dS (tile_m, tile_n) . K (tile_n, d): queries contiguous in sdS, d in sK;
-        # the warpgroups split d.
-        tiled_mma_dq = sm90_utils.make_trivial_tiled_mma(dt, dt, MN_MAJOR, MN_MAJOR, Float32,
-                                                         atom_layout_mnk=(1, self.num_wg, 1),
-                                                         tiler_mn=(64, d // self.num_wg))
-
-        sK_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (tile_n, tile_m, d), dt, 1)  # K and V
-        sQ_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (tile_n, tile_m, d), dt, self.q_stages)
-        sdS_layout = cute.select(sm90_utils.make_smem_layout_a(LayoutEnum.COL_MAJOR, (tile_m, d, tile_n), dt, 1),
-                                 mode=[0, 1])
-
-        tma_atom_K, mK_tma = tma_pipeline.make_tma_load(tma_pipeline.seq_major_view(mK), sK_layout, (tile_n, d))
-        tma_atom_V, mV_tma = tma_pipeline.make_tma_load(tma_pipeline.seq_major_view(mV), sK_layout, (tile_n, d))
-        tma_atom_Q, mQ_tma = tma_pipeline.make_tma_load(tma_pipeline.seq_major_view(mQ), sQ_layout, (tile_m, d))
-        tma_atom_dO, mdO_tma = tma_pipeline.make_tma_load(tma_pipeline.seq_major_view(mdO), sQ_layout, (tile_m, d))
+        dt, tile_n = self.dtype, self.tile_n
+        tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = self.tiled_mmas()
+        sK_layout, sQ_layout, sdS_layout = self.smem_layouts()
+        (tma_atom_K, mK_tma), (tma_atom_V, mV_tma), (tma_atom_Q, mQ_tma), (tma_atom_dO, mdO_tma) = self.tma_loads(
+            mK, mV, mQ, mdO, sK_layout, sQ_layout)
 
         @cute.struct
         class SharedStorage:
@@ -112,6 +100,37 @@ class K9Backward:
                     tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, SharedStorage).launch(
             grid=grid, block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream,
             min_blocks_per_mp=1)
+
+    def tiled_mmas(self) -> tuple:
+        """The five GEMMs' three tiled MMAs (the table in docs/k9.md)."""
+        d, dt = self.head_dim, self.dtype
+        K_MAJOR, MN_MAJOR = OperandMajorMode.K, OperandMajorMode.MN
+        # S^T, dP^T (tile_n, tile_m) = K, V (tile_n, d) . Q, dO (tile_m, d)^T: both operands K-major.
+        tiled_mma_sdp = sm90_utils.make_trivial_tiled_mma(dt, dt, K_MAJOR, K_MAJOR, Float32,
+                                                          atom_layout_mnk=(self.num_wg, 1, 1),
+                                                          tiler_mn=(64, self.tile_m))
+        # dV, dK (tile_n, d) += P^T, dS^T (registers) . dO, Q: B contracted over queries, d contiguous.
+        tiled_mma_dkv = sm90_utils.make_trivial_tiled_mma(dt, dt, K_MAJOR, MN_MAJOR, Float32,
+                                                          atom_layout_mnk=(self.num_wg, 1, 1), tiler_mn=(64, d),
+                                                          a_source=warpgroup.OperandSource.RMEM)
+        return tiled_mma_sdp, tiled_mma_dkv, dq_mma(dt, d, self.num_wg)
+
+    def smem_layouts(self) -> tuple:
+        """K and V as A-operand tiles (one stage), Q and dO as B-operand tiles (``q_stages``), sdS."""
+        d, dt, tile_m, tile_n = self.head_dim, self.dtype, self.tile_m, self.tile_n
+        sK_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (tile_n, tile_m, d), dt, 1)  # K and V
+        sQ_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (tile_n, tile_m, d), dt, self.q_stages)
+        sdS_layout = cute.select(sm90_utils.make_smem_layout_a(LayoutEnum.COL_MAJOR, (tile_m, d, tile_n), dt, 1),
+                                 mode=[0, 1])
+        return sK_layout, sQ_layout, sdS_layout
+
+    def tma_loads(self, mK: cute.Tensor, mV: cute.Tensor, mQ: cute.Tensor, mdO: cute.Tensor, sK_layout,
+                  sQ_layout) -> tuple:
+        """(atom, TMA view) of K, V, Q and dO."""
+        d = self.head_dim
+        return tuple(tma_pipeline.make_tma_load(tma_pipeline.seq_major_view(m), layout, (rows, d))
+                     for m, layout, rows in ((mK, sK_layout, self.tile_n), (mV, sK_layout, self.tile_n),
+                                             (mQ, sQ_layout, self.tile_m), (mdO, sQ_layout, self.tile_m)))
 
     @cute.kernel
     def kernel(self, mQ_tma: cute.Tensor, mK_tma: cute.Tensor, mV_tma: cute.Tensor, mdO_tma: cute.Tensor,
