@@ -270,19 +270,21 @@ def ws_cells(sweep):
     return sorted({(r["head_dim"], r["causal"], r["seqlen"]) for r in sweep["rows"]})
 
 
-def ws_steps_table(sweep):
-    """docs/k5.md, docs/k6.md: K4 -> K5 -> K6 step by step, every cell, beside the peers."""
+def ws_steps_table(sweep, calls: bool = True):
+    """docs/k5.md, docs/k6.md: K4 -> K5 -> K6 step by step, every cell, beside the peers: the public
+    calls where the run timed them and ``calls``, else the kernels alone."""
     rows = sweep_rows(sweep)
+    key = "call_tflops" if calls and has_calls(sweep) else "tflops"
     steps = [k for k in WS_STEPS if any(r["kernel"] == k for r in rows)]
     header = ["d", "causal", "N"] + [f"`{k}`" for k in steps] + [f"*{p}*" for p in BEST_OF] + ["k6 / best peer"]
     body = []
     for d, c, n in ws_cells(sweep):
-        _, ratio = _vs_best(rows, "k6", n, d, c)
-        body.append([d, c, n] + [fmt(tflops_at(rows, k, n, d, c)) for k in steps + list(BEST_OF)]
+        _, ratio = _vs_best(rows, "k6", n, d, c, key)
+        body.append([d, c, n] + [fmt(tflops_at(rows, k, n, d, c, key)) for k in steps + list(BEST_OF)]
                     + [f"{ratio:.2f}×" if ratio else "—"])
     summary = []
     for k in steps:
-        ratios = [_vs_best(rows, k, n, d, c)[1] for d, c, n in ws_cells(sweep)]
+        ratios = [_vs_best(rows, k, n, d, c, key)[1] for d, c, n in ws_cells(sweep)]
         g = _geomean(ratios)
         known = [x for x in ratios if x]
         summary.append([f"`{k}`", f"{g:.3f}×" if g else "—", f"{min(known):.2f}×" if known else "—",
@@ -291,7 +293,7 @@ def ws_steps_table(sweep):
     rounds = max((len(r.get("ms_rounds", ())) for r in sweep["rows"]), default=0)
     how = (f"every kernel and peer timed {rounds} times in one run (the order reversed each round; the median)"
            if rounds > 1 else "every kernel and peer timed in one run")
-    how += f"; {ALONE}"
+    how += f"; {CALL if key == 'call_tflops' else ALONE}"
     if not sweep["meta"].get("complete", True):
         how += (f"; **the run stopped at its time limit after {len(ws_cells(sweep))} cells** (a dash: not timed, "
                 "and left out of the summary)")
@@ -900,12 +902,13 @@ def ws_readme_table(sweep):
     """README: the warp-specialized stages against the best peer over the whole sweep."""
     rows = sweep_rows(sweep)
     gpu = gpu_short_name(sweep["meta"].get("device", ""))
+    key = "call_tflops" if has_calls(sweep) else "tflops"
     body = []
     for k in [k for k in WS_STEPS if any(r["kernel"] == k for r in rows)]:
-        ratios = [_vs_best(rows, k, n, d, c)[1] for d, c, n in ws_cells(sweep)]
+        ratios = [_vs_best(rows, k, n, d, c, key)[1] for d, c, n in ws_cells(sweep)]
         known = [x for x in ratios if x]
         body.append([f"`{k}`", get_kernel(k).title, f"{_geomean(ratios):.3f}×" if known else "—",
-                     f"{min(known):.2f}×" if known else "—", fmt(tflops_at(rows, k, 8192, 128, 0))])
+                     f"{min(known):.2f}×" if known else "—", fmt(tflops_at(rows, k, 8192, 128, 0, key))])
     return (f"{len(ws_cells(sweep))} cells (d 64/128/256 × causal × N 512…16k), {gpu}, one run "
             f"(`{sweep['meta'].get('command', '')}`), {'the public calls' if has_calls(sweep) else 'the kernels alone'}:\n\n"
             + markdown_table(["kernel", "what it adds", "geomean × best peer", "worst cell", "d128 N=8k TFLOP/s"], body))
@@ -1209,9 +1212,9 @@ def main(argv=None):
         if ws_sweep:
             fill(stem, "ws-steps", lambda: ws_steps_table(ws_sweep))
         if ws_rounds:
-            fill(stem, "ws-rounds", lambda: ws_steps_table(ws_rounds))
+            fill(stem, "ws-rounds", lambda: ws_steps_table(ws_rounds, calls=False))
         if h200_rounds:
-            fill(stem, "ws-rounds-h200", lambda: ws_steps_table(h200_rounds))
+            fill(stem, "ws-rounds-h200", lambda: ws_steps_table(h200_rounds, calls=False))
         if rounds_runs:
             fill(stem, "ws-rounds-runs", lambda: ws_rounds_runs_table(rounds_runs))
         if clocked:
