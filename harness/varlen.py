@@ -1,0 +1,166 @@
+"""Packed batches (varlen), sliding windows and softcap: what a call may ask, checked before any
+launch, and what it means, as one mask over (query, key) positions.
+
+A packed batch is flash-attn's layout: q (total_q, heads, d), k and v (total_k, heads_kv, d), and
+``cu_seqlens_q``/``cu_seqlens_k``, int32 prefix sums (batch + 1,) starting at 0, so that sequence
+b holds rows cu[b]:cu[b + 1]. Within a sequence, causal and the window are aligned bottom-right:
+query i of a sequence with n_q queries and n_k keys sees key j where, with j' = j - (n_k - n_q),
+i - left <= j' <= i + right (left, right = -1: unbounded; causal: right = 0). A softcap c > 0
+turns a scaled score s into c * tanh(s / c) before the softmax.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+from kernels.contract import UnsupportedProblem
+
+
+def as_window(window_size) -> tuple:
+    """(left, right) as ints >= -1 (-1: unbounded); None is (-1, -1)."""
+    if window_size is None:
+        return -1, -1
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or any(isinstance(x, bool) or not isinstance(x, numbers.Integral) for x in window_size)):
+        raise UnsupportedProblem(f"window_size must be a pair of ints (left, right), -1 for unbounded, got "
+                                 f"{window_size!r}")
+    left, right = (int(x) for x in window_size)
+    if left < -1 or right < -1:
+        raise UnsupportedProblem(f"window_size entries must be >= -1 (-1: unbounded), got {window_size!r}")
+    return left, right
+
+
+def with_causal(window: tuple, causal: bool) -> tuple:
+    """The window a causal call keeps: its right edge at most 0."""
+    left, right = window
+    return (left, 0 if causal and (right == -1 or right > 0) else right)
+
+
+def as_softcap(softcap) -> float:
+    """softcap as a float >= 0 (0 or None: off)."""
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not math.isfinite(softcap) or softcap < 0:
+        raise UnsupportedProblem(f"softcap must be a finite number >= 0 (0: off), got {softcap!r}")
+    return float(softcap)
+
+
+def sequence_lengths(name: str, cu_seqlens, total: int, batch: int | None = None) -> list:
+    """The lengths that ``cu_seqlens`` describes, after checking it names a packing of ``total``
+    rows: a 1-D int32 tensor of batch + 1 prefix sums from 0 to ``total``, never decreasing.
+    Reading the values is one small copy to the host."""
+    import torch
+
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise UnsupportedProblem(f"{name} must be a torch.Tensor of int32 prefix sums, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype != torch.int32:
+        raise UnsupportedProblem(f"{name} must be int32, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise UnsupportedProblem(f"{name} must be 1-D with batch + 1 >= 2 entries, got shape {tuple(cu_seqlens.shape)}")
+    if batch is not None and cu_seqlens.numel() != batch + 1:
+        raise UnsupportedProblem(f"{name} has {cu_seqlens.numel()} entries; the other cu_seqlens describe "
+                                 f"{batch} sequences, so it needs {batch + 1}")
+    cu = cu_seqlens.tolist()
+    if cu[0] != 0:
+        raise UnsupportedProblem(f"{name} must start at 0, got {cu[0]}")
+    if any(b < a for a, b in zip(cu, cu[1:])):
+        at = next(i for i, (a, b) in enumerate(zip(cu, cu[1:])) if b < a)
+        raise UnsupportedProblem(f"{name} must not decrease: entry {at + 1} ({cu[at + 1]}) < entry {at} ({cu[at]})")
+    if cu[-1] != total:
+        raise UnsupportedProblem(f"{name} ends at {cu[-1]}, but the packed tensor has {total} rows")
+    return [b - a for a, b in zip(cu, cu[1:])]
+
+
+def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> tuple:
+    """(lengths_q, lengths_k) of a packed call, after every check that names a constraint: shapes
+    (total, heads, d) with K and V alike and heads_kv dividing heads, one dtype, one device, the
+    cu_seqlens packings, and max_seqlen at least every length (it sizes the grid)."""
+    import torch
+
+    for role, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise UnsupportedProblem(f"{role} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 3:
+            raise UnsupportedProblem(f"{role} must be packed as (total_tokens, heads, head_dim), got shape "
+                                     f"{tuple(t.shape)}")
+    if k.shape != v.shape:
+        raise UnsupportedProblem(f"k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[2] != k.shape[2]:
+        raise UnsupportedProblem(f"q and k must share head_dim, got {q.shape[2]} and {k.shape[2]}")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise UnsupportedProblem(f"heads_kv ({k.shape[1]}) must divide heads ({q.shape[1]})")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise UnsupportedProblem(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    devices = {t.device for t in (q, k, v, cu_seqlens_q, cu_seqlens_k) if isinstance(t, torch.Tensor)}
+    if len(devices) > 1:
+        raise UnsupportedProblem(f"q, k, v and the cu_seqlens must be on one device, got {sorted(map(str, devices))}")
+    lengths_q = sequence_lengths("cu_seqlens_q", cu_seqlens_q, q.shape[0])
+    lengths_k = sequence_lengths("cu_seqlens_k", cu_seqlens_k, k.shape[0], batch=len(lengths_q))
+    for name, most, lengths in (("max_seqlen_q", max_seqlen_q, lengths_q), ("max_seqlen_k", max_seqlen_k, lengths_k)):
+        if isinstance(most, bool) or not isinstance(most, numbers.Integral):
+            raise UnsupportedProblem(f"{name} must be an int, got {most!r}")
+        if most < max(lengths):
+            seq = lengths.index(max(lengths))
+            raise UnsupportedProblem(f"{name} = {most} is less than sequence {seq}'s length {max(lengths)}")
+    return lengths_q, lengths_k
+
+
+def keep_mask(seqlen_q: int, seqlen_k: int, window: tuple, device=None):
+    """(seqlen_q, seqlen_k) bool: True where query i sees key j (the window aligned bottom-right)."""
+    import torch
+
+    left, right = window
+    i = torch.arange(seqlen_q, device=device)[:, None]
+    j = torch.arange(seqlen_k, device=device)[None, :] - (seqlen_k - seqlen_q)
+    keep = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    if left >= 0:
+        keep &= j >= i - left
+    if right >= 0:
+        keep &= j <= i + right
+    return keep
+
+
+def reference(q, k, v, cu_seqlens_q, cu_seqlens_k, scale: float, causal: bool = False, window=None,
+              softcap: float = 0.0) -> tuple:
+    """O (q's shape) and LSE (heads, total_q) in float64 of a packed call, sequence by sequence,
+    with explicit masks. A query that sees no key (a window can leave one none) gets O = 0 and
+    LSE = -inf, as flash-attn returns."""
+    import torch
+
+    window = with_causal(as_window(window), causal)
+    softcap = as_softcap(softcap)
+    qd, kd, vd = (t.double() for t in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    out = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
+    lse = torch.full((q.shape[1], q.shape[0]), -math.inf, dtype=torch.float64, device=q.device)
+    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for b in range(len(cu_q) - 1):
+        (q0, q1), (k0, k1) = (cu_q[b], cu_q[b + 1]), (cu_k[b], cu_k[b + 1])
+        if q1 == q0 or k1 == k0:
+            continue
+        qs = qd[q0:q1].transpose(0, 1)  # (heads, n_q, d)
+        ks, vs = (t[k0:k1].transpose(0, 1).repeat_interleave(group, dim=0) for t in (kd, vd))
+        s = qs @ ks.transpose(-1, -2) * scale
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
+        s = s.masked_fill(~keep_mask(q1 - q0, k1 - k0, window, q.device), -math.inf)
+        rows_lse = torch.logsumexp(s, dim=-1)  # -inf for a row that sees nothing
+        p = torch.exp(s - rows_lse[..., None].clamp_min(-1e300)).nan_to_num(0.0)
+        out[q0:q1] = (p @ vs).transpose(0, 1)
+        lse[:, q0:q1] = rows_lse
+    return out, lse
+
+
+def key_tile_range(m_block: int, seqlen_q: int, seqlen_k: int, tile_m: int, tile_n: int, window: tuple) -> tuple:
+    """[first, last) key tiles query tile ``m_block`` must visit under ``window`` (bottom-right):
+    the union of its rows' windows is one run of keys, so the tiles outside it are skipped, not
+    masked, and a kernel's time follows the window. Empty (first == last) when no row sees a key."""
+    left, right = window
+    offset = seqlen_k - seqlen_q
+    first_row, last_row = m_block * tile_m, min((m_block + 1) * tile_m, seqlen_q) - 1
+    lo = max(0, first_row - left + offset) if left >= 0 else 0
+    hi = min(seqlen_k - 1, last_row + right + offset) if right >= 0 else seqlen_k - 1
+    if hi < lo or last_row < first_row:
+        return 0, 0
+    return lo // tile_n, hi // tile_n + 1

@@ -1,0 +1,121 @@
+"""Packed batches, windows and softcap (issue 35's groundwork, CPU): bad calls refused by name,
+and the float64 reference agreeing with SDPA and with a brute-force definition."""
+
+import math
+
+import pytest
+import torch
+
+from harness import varlen
+from kernels.contract import UnsupportedProblem
+
+
+def _packed(lengths_q, lengths_k=None, heads=4, heads_kv=2, d=16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    lengths_k = lengths_k or lengths_q
+    q = torch.randn(sum(lengths_q), heads, d, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(sum(lengths_k), heads_kv, d, generator=gen, dtype=torch.float64) for _ in range(2))
+    cu = [torch.tensor([0, *torch.tensor(x).cumsum(0).tolist()], dtype=torch.int32) for x in (lengths_q, lengths_k)]
+    return q, k, v, cu[0], cu[1]
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda a: dict(a, cu_q=a["cu_q"].long()), "cu_seqlens_q must be int32"),
+    (lambda a: dict(a, cu_q=torch.tensor([0, 5, 3, 12], dtype=torch.int32)), "must not decrease: entry 2 \\(3\\) < entry 1"),
+    (lambda a: dict(a, cu_q=torch.tensor([1, 5, 7, 12], dtype=torch.int32)), "cu_seqlens_q must start at 0"),
+    (lambda a: dict(a, cu_q=torch.tensor([0, 5, 7, 11], dtype=torch.int32)), "ends at 11, but the packed tensor has 12"),
+    (lambda a: dict(a, cu_k=torch.tensor([0, 5, 12], dtype=torch.int32)), "cu_seqlens_k has 3 entries.*needs 4"),
+    (lambda a: dict(a, cu_q=torch.tensor([[0, 5, 7, 12]], dtype=torch.int32)), "must be 1-D"),
+    (lambda a: dict(a, max_q=4), "max_seqlen_q = 4 is less than sequence 0's length 5"),
+    (lambda a: dict(a, max_k=5.0), "max_seqlen_k must be an int"),
+    (lambda a: dict(a, q=a["q"][None]), "q must be packed as \\(total_tokens, heads, head_dim\\)"),
+    (lambda a: dict(a, k=a["k"][:, :1]), "k and v must have one shape"),
+    (lambda a: dict(a, q=a["q"][:, :3]), "heads_kv \\(2\\) must divide heads \\(3\\)"),
+    (lambda a: dict(a, v=a["v"].float()), "q and k must share|must share a dtype"),
+])
+def test_a_bad_packed_call_is_refused_by_name(change, match):
+    q, k, v, cu_q, cu_k = _packed([5, 2, 5])
+    args = change(dict(q=q, k=k, v=v, cu_q=cu_q, cu_k=cu_k, max_q=5, max_k=5))
+    with pytest.raises(UnsupportedProblem, match=match):
+        varlen.check_varlen(args["q"], args["k"], args["v"], args["cu_q"], args["cu_k"], args["max_q"], args["max_k"])
+
+
+def test_a_good_packing_gives_its_lengths_empty_sequences_included():
+    q, k, v, cu_q, cu_k = _packed([5, 0, 1, 7], [3, 4, 0, 9])
+    assert varlen.check_varlen(q, k, v, cu_q, cu_k, 7, 9) == ([5, 0, 1, 7], [3, 4, 0, 9])
+
+
+@pytest.mark.parametrize("window,match", [((-2, 0), ">= -1"), ((4,), "pair of ints"), ((True, 3), "pair of ints"),
+                                          ((1.5, 3), "pair of ints"), ("left", "pair of ints")])
+def test_a_bad_window_is_refused(window, match):
+    with pytest.raises(UnsupportedProblem, match=match):
+        varlen.as_window(window)
+
+
+@pytest.mark.parametrize("softcap", [-1.0, math.nan, math.inf, True, "30"])
+def test_a_bad_softcap_is_refused(softcap):
+    with pytest.raises(UnsupportedProblem, match="softcap must be a finite number >= 0"):
+        varlen.as_softcap(softcap)
+
+
+def test_causal_is_the_window_whose_right_edge_is_zero():
+    assert varlen.with_causal((-1, -1), True) == (-1, 0) and varlen.with_causal((8, 4), True) == (8, 0)
+    assert varlen.with_causal((8, 4), False) == (8, 4) and varlen.as_window(None) == (-1, -1)
+    # bottom-right: with 3 queries and 5 keys, query 0 sees keys 0..2 under causal
+    keep = varlen.keep_mask(3, 5, (-1, 0))
+    assert keep.tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+    assert varlen.keep_mask(4, 4, (1, 0)).sum(1).tolist() == [1, 2, 2, 2]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_packed_reference_is_sdpa_per_sequence(causal):
+    lengths_q, lengths_k = [5, 1, 0, 9, 3], [5, 4, 2, 9, 7]
+    q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k)
+    out, lse = varlen.reference(q, k, v, cu_q, cu_k, 0.25, causal=causal)
+    for b, (nq, nk) in enumerate(zip(lengths_q, lengths_k)):
+        q0, k0 = int(cu_q[b]), int(cu_k[b])
+        if nq == 0:
+            continue
+        qs, ks, vs = (t[s:s + n].transpose(0, 1)[None] for t, s, n in ((q, q0, nq), (k, k0, nk), (v, k0, nk)))
+        mask = varlen.keep_mask(nq, nk, (-1, 0)) if causal else None
+        want = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=0.25, enable_gqa=True)
+        assert torch.allclose(out[q0:q0 + nq], want[0].transpose(0, 1), atol=1e-12)
+        s = (qs[0] @ ks[0].repeat_interleave(2, 0).transpose(-1, -2)) * 0.25
+        if mask is not None:
+            s = s.masked_fill(~mask, -math.inf)
+        assert torch.allclose(lse[:, q0:q0 + nq], torch.logsumexp(s, -1), atol=1e-12)
+
+
+def test_the_reference_window_and_softcap_are_their_definitions():
+    q, k, v, cu_q, cu_k = _packed([6], [9], heads=2, heads_kv=1, d=4, seed=3)
+    out, lse = varlen.reference(q, k, v, cu_q, cu_k, 0.5, window=(2, 1), softcap=1.5)
+    for h in range(2):
+        for i in range(6):
+            seen = [j for j in range(9) if i - 2 <= j - 3 <= i + 1]  # bottom-right: j' = j - (9 - 6)
+            s = torch.stack([1.5 * torch.tanh(0.5 * (q[i, h] @ k[j, 0]) / 1.5) for j in seen])
+            p = torch.softmax(s, 0)
+            assert torch.allclose(out[i, h], sum(pj * v[j, 0] for pj, j in zip(p, seen)), atol=1e-12)
+            assert math.isclose(lse[h, i], torch.logsumexp(s, 0), abs_tol=1e-12)
+
+
+def test_a_query_that_sees_no_key_gets_zero_and_minus_inf():
+    q, k, v, cu_q, cu_k = _packed([4], [4], heads=2, heads_kv=2, d=4)
+    out, lse = varlen.reference(q, k, v, cu_q, cu_k, 1.0, window=(-1, -1))
+    assert torch.isfinite(out).all()
+    # a window that ends before a query's first key: (left 0, right 0) on 2 queries over 4 keys sees one key each
+    out, lse = varlen.reference(q[:2], k, v, torch.tensor([0, 2], dtype=torch.int32), cu_k, 1.0, window=(0, 0))
+    assert torch.allclose(out[0], v[2].double()) and torch.allclose(out[1], v[3].double())
+    out, lse = varlen.reference(q, k[:0], v[:0], cu_q, torch.tensor([0, 0], dtype=torch.int32), 1.0)
+    assert (out == 0).all() and torch.isinf(lse).all() and (lse < 0).all()
+
+
+@pytest.mark.parametrize("nq,nk", [(1, 1), (17, 17), (100, 300), (300, 100), (257, 1000)])
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (32, 0), (0, 0), (64, 16), (-1, 40), (200, -1)])
+def test_the_key_tile_range_is_exactly_the_tiles_some_row_sees(nq, nk, window):
+    keep = varlen.keep_mask(nq, nk, window)
+    tile_m, tile_n = 64, 48
+    for m in range(-(-nq // tile_m)):
+        rows = keep[m * tile_m:(m + 1) * tile_m]
+        seen = {j // tile_n for j in range(nk) if rows[:, j].any()}
+        first, last = varlen.key_tile_range(m, nq, nk, tile_m, tile_n, window)
+        assert seen == set(range(first, last)), (m, first, last, sorted(seen))
