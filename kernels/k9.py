@@ -405,7 +405,7 @@ def run_backward(compiled: tuple, q, k, v, o, lse, do, softmax_scale: float, gra
 
     pre, main, post = compiled
     b, h, n, d = q.shape
-    # LSE2 and D rows padded to 4 floats (16 bytes), so that a kernel may load them by TMA (K10).
+    # LSE2 and D rows padded to 4 floats (16 bytes): a kernel may then load them by TMA.
     rows = torch.empty(2, b, h, n + (-n % 4), device=q.device, dtype=torch.float32)[..., :n]
     lse2, dot = rows[0], rows[1]
     dq_accum = torch.empty(b, h, n, d, device=q.device, dtype=torch.float32)
