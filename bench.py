@@ -86,7 +86,7 @@ def parse_args(argv=None):
     ap.add_argument("--backward", action="store_true",
                     help="the backward (k9, k10 or those named) beside cuDNN's and flash-attn-4's autograd backward "
                          "(harness/backward_bench.py): one workload (--seqlen, --headdim, --causal), or with --sweep "
-                         "d 64/128 x causal 0/1 x N 1k/4k/16k")
+                         "d 64/128/256 x causal 0/1 x N 1k/4k/16k")
     ap.add_argument("--pages-curve", action="store_true",
                     help="decode: only TB/s on a paged cache against the page size (pages shuffled), at batch 1 "
                          "and 8, 32k keys, 8 K/V heads unless --batch/--seqlen-k/--nheads-kv say otherwise")

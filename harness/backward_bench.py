@@ -12,12 +12,14 @@ get ``ms``: their three launches alone (pre-pass, main kernel, post-pass) betwee
 
 from __future__ import annotations
 
-SWEEP = dict(head_dims=(64, 128), causals=(0, 1), seqlens=(1024, 4096, 16384))
+# d = 256 too: no stage of ours takes it yet, and its rows say so beside the peers' times
+SWEEP = dict(head_dims=(64, 128, 256), causals=(0, 1), seqlens=(1024, 4096, 16384))
 STAGES = ("k9", "k10")
 
 
 def candidates(q, k, v, do, causal: bool, scale: float, stages=STAGES) -> dict:
-    """name -> (the autograd backward, our launches alone or None)."""
+    """name -> (the autograd backward, our launches alone or None), or for a stage that cannot
+    run the problem, the reason (a string)."""
     import importlib
 
     import torch
@@ -28,8 +30,8 @@ def candidates(q, k, v, do, causal: bool, scale: float, stages=STAGES) -> dict:
 
     b, h, n, d = q.shape
     p = Problem(b, h, n, d, causal=causal)
-    calls = {}
-    for stage in stages:
+    calls = dict(refusals(p, stages))
+    for stage in (s for s in stages if s not in calls):
         module = importlib.import_module(f"kernels.{stage}")
         leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
         out, lse = attention("k6", *leaves, causal=causal, softmax_scale=scale, return_lse=True, backward=stage)
@@ -53,6 +55,21 @@ def candidates(q, k, v, do, causal: bool, scale: float, stages=STAGES) -> dict:
     return calls
 
 
+def refusals(p, stages) -> dict:
+    """stage -> why it cannot run ``p`` (the stages that can are left out)."""
+    import importlib
+
+    from kernels.contract import UnsupportedProblem
+
+    found = {}
+    for stage in stages:
+        try:
+            importlib.import_module(f"kernels.{stage}").check(p)
+        except UnsupportedProblem as e:
+            found[stage] = str(e)
+    return found
+
+
 def run(emit, head_dims, causals, seqlens, stages=STAGES) -> None:
     """One row per candidate and cell, emitted as it is timed; ``vs_best_peer`` compares autograd
     calls (ours against the faster of cuDNN's and flash-attn-4's)."""
@@ -68,7 +85,12 @@ def run(emit, head_dims, causals, seqlens, stages=STAGES) -> None:
                 q, k, v, do = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
                 flops = 10 * b * h * n * n * d / (2 if causal else 1)
                 rows = []
-                for name, (call, launches) in candidates(q, k, v, do, bool(causal), d ** -0.5, stages).items():
+                for name, entry in candidates(q, k, v, do, bool(causal), d ** -0.5, stages).items():
+                    if isinstance(entry, str):
+                        rows.append(dict(kernel=name, batch=b, nheads=h, seqlen=n, head_dim=d, causal=int(causal),
+                                         status=f"unsupported: {entry}"[:300]))
+                        continue
+                    call, launches = entry
                     try:
                         call_ms = burst_ms(call)
                         ms = benchmark(launches) if launches else None

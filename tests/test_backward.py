@@ -136,3 +136,13 @@ def test_a_compiled_forward_backpropagates_as_the_eager_one():
     torch.compile(loss, fullgraph=True)(q, k, v, w).backward()
     for got, want in zip((q.grad, k.grad, v.grad), eager):
         assert torch.equal(got, want)
+
+
+def test_the_backward_sweep_names_what_no_stage_of_ours_runs():
+    from harness.backward_bench import SWEEP, refusals
+    from kernels.contract import Problem
+
+    assert 256 in SWEEP["head_dims"]  # the peers' d = 256 cells stand in the table beside our gap
+    assert refusals(Problem(2, 8, 1024, 128), ("k9", "k10")) == {}
+    why = refusals(Problem(2, 8, 1024, 256), ("k9", "k10"))
+    assert set(why) == {"k9", "k10"} and "K10 (backward): head_dim 256 not supported" in why["k10"]
