@@ -306,7 +306,7 @@ def compile_backward(p: Problem, keep_ptx: bool = False, **overrides) -> tuple:
 
     def main():
         f = FakeShapes()
-        x = lambda dtype, kv=False: f.tensor(dtype, (p.head_dim,), kv=kv)  # noqa: E731
+        x, _ = k9.fake_tensors(p, f)
         # LSE2 and D rows start 16-byte aligned (k9.run_backward pads them): the TMA needs that
         rows = lambda: make_fake_tensor(Float32, (f.batch, f.nheads, f.seqlen),  # noqa: E731
                                         stride=(cute.sym_int64(divisibility=4), cute.sym_int64(divisibility=4), 1),
@@ -315,7 +315,7 @@ def compile_backward(p: Problem, keep_ptx: bool = False, **overrides) -> tuple:
                 (x(dt), x(dt, True), x(dt, True), x(dt), rows(), rows(), x(Float32), x(dt, True), x(dt, True),
                  Float32(1.0), fake_stream()))
 
-    pre, _, post = k9.compile_backward(p, keep_ptx, **overrides)
+    pre, post = k9.compile_passes(p, keep_ptx)
     key = ("k10", p.head_dim, p.dtype, p.causal, tuple(sorted(cfg.items())))
     return pre, jit_compile(key, main, keep_ptx), post
 

@@ -368,32 +368,43 @@ def check(p: Problem, stage: str = "K9") -> None:
         raise UnsupportedProblem(f"{stage} (backward): dtype {p.dtype} not supported (bfloat16, float16)")
 
 
+def fake_tensors(p: Problem, f: FakeShapes | None = None) -> tuple:
+    """Makers of fake (batch, heads, seqlen, d) tensors (``kv``: K/V's heads and length) and
+    (batch, heads, seqlen) ones, shapes shared (``f``'s, or new ones), for one compile."""
+    f = f or FakeShapes()
+    return (lambda dtype, kv=False: f.tensor(dtype, (p.head_dim,), kv=kv)), (lambda: f.tensor(Float32, ()))
+
+
 def compile_backward(p: Problem, keep_ptx: bool = False, **overrides) -> tuple:
     """(pre-pass, main kernel, post-pass) compiled for ``p``'s head dim, dtype and masking."""
     check(p)
     cfg = config(p, overrides)
     dt = cute_dtype(p.dtype)
 
-    def tensors():  # (a (batch, heads, seqlen, d) tensor, a (batch, heads, seqlen) one), shapes shared
-        f = FakeShapes()
-        return (lambda dtype, kv=False: f.tensor(dtype, (p.head_dim,), kv=kv)), (lambda: f.tensor(Float32, ()))
-
     def main():
-        x, rows = tensors()
+        x, rows = fake_tensors(p)
         return (K9Backward(p.head_dim, dt, p.causal, **cfg),
                 (x(dt), x(dt, True), x(dt, True), x(dt), rows(), rows(), x(Float32), x(dt, True), x(dt, True),
                  Float32(1.0), fake_stream()))
 
+    key = ("k9", p.head_dim, p.dtype, p.causal, tuple(sorted(cfg.items())))
+    pre, post = compile_passes(p, keep_ptx)
+    return pre, jit_compile(key, main, keep_ptx), post
+
+
+def compile_passes(p: Problem, keep_ptx: bool = False) -> tuple:
+    """The pre-pass and the post-pass for ``p``'s head dim and dtype (a later stage may share them)."""
+    dt = cute_dtype(p.dtype)
+
     def pre():
-        x, rows = tensors()
+        x, rows = fake_tensors(p)
         return Prepass(), (x(dt), x(dt), rows(), rows(), rows(), x(Float32), fake_stream())
 
     def post():
-        x, rows = tensors()
+        x, _ = fake_tensors(p)
         return Postpass(), (x(Float32), x(dt), fake_stream())
 
-    key = ("k9", p.head_dim, p.dtype, p.causal, tuple(sorted(cfg.items())))
-    return (jit_compile(("k9_pre", p.head_dim, p.dtype), pre, keep_ptx), jit_compile(key, main, keep_ptx),
+    return (jit_compile(("k9_pre", p.head_dim, p.dtype), pre, keep_ptx),
             jit_compile(("k9_post", p.head_dim, p.dtype), post, keep_ptx))
 
 
