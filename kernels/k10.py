@@ -231,25 +231,8 @@ class K10Backward(k9.K9Backward):
         wg_idx = cute.arch.make_warp_uniform(tidx // sm90.THREADS_PER_WARPGROUP)
         handoff = self.mma_threads + cute.arch.WARP_SIZE
 
-        wg_sdp = tiled_mma_sdp.get_slice(wg_idx * sm90.THREADS_PER_WARPGROUP)
-        wg_dkv = tiled_mma_dkv.get_slice(wg_idx * sm90.THREADS_PER_WARPGROUP)
-        wg_dq = tiled_mma_dq.get_slice(wg_idx * sm90.THREADS_PER_WARPGROUP)
-        tSrK = wg_sdp.make_fragment_A(wg_sdp.partition_A(sK))[None, None, None, 0]
-        tdPrV = wg_sdp.make_fragment_A(wg_sdp.partition_A(sV))[None, None, None, 0]
-        tSrQ = wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ))
-        tdPrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
-        tdVrdO = wg_dkv.make_fragment_B(wg_dkv.partition_B(k9.transpose_view(sdO)))
-        tdKrQ = wg_dkv.make_fragment_B(wg_dkv.partition_B(k9.transpose_view(sQ)))
-        tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
-        tdQrK = wg_dq.make_fragment_B(wg_dq.partition_B(k9.transpose_view(sK)))[None, None, None, 0]
-        tdVrP = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((tile_n, tile_m)))
-        tdKrdS = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((tile_n, tile_m)))
-        acc_dV = cute.make_rmem_tensor(tiled_mma_dkv.partition_shape_C((tile_n, d)), Float32)
-        acc_dK = cute.make_rmem_tensor(tiled_mma_dkv.partition_shape_C((tile_n, d)), Float32)
-        acc_dV.fill(0.0)
-        acc_dK.fill(0.0)
-        tScS = tiled_mma_sdp.get_slice(tidx).partition_C(cute.make_identity_tensor((tile_n, tile_m)))
-        tdQcdQ = tiled_mma_dq.get_slice(tidx).partition_C(cute.make_identity_tensor((tile_m, d)))
+        (tSrK, tdPrV, tSrQ, tdPrdO, tdVrdO, tdKrQ, tdQrdS, tdQrK, tdVrP, tdKrdS, acc_dV, acc_dK, tScS,
+         tdQcdQ) = self.mma_partitions(mmas, (sK, sV, sQ, sdO, sdS), wg_idx, tidx)
 
         pipeline_kv.consumer_wait(tma_pipeline.pipe_state(1, 0, producer=False))
         for t in cutlass.range(count, unroll=1):

@@ -132,6 +132,36 @@ class K9Backward:
                      for m, layout, rows in ((mK, sK_layout, self.tile_n), (mV, sK_layout, self.tile_n),
                                              (mQ, sQ_layout, self.tile_m), (mdO, sQ_layout, self.tile_m)))
 
+    def mma_partitions(self, mmas: tuple, smem: tuple, wg_idx: Int32, tidx: Int32) -> tuple:
+        """Warpgroup ``wg_idx``'s operand fragments of the five GEMMs (a trailing stage mode on Q's
+        and dO's), the A fragments P^T and dS^T are converted into, dK's and dV's accumulators
+        (zeroed), and the coordinate probes that say which (key, query) of the S^T tile and which
+        (query, d) of the dQ tile each of thread ``tidx``'s registers holds."""
+        tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = mmas
+        sK, sV, sQ, sdO, sdS = smem
+        d, tile_m, tile_n = self.head_dim, self.tile_m, self.tile_n
+        wg_sdp = tiled_mma_sdp.get_slice(wg_idx * sm90.THREADS_PER_WARPGROUP)
+        wg_dkv = tiled_mma_dkv.get_slice(wg_idx * sm90.THREADS_PER_WARPGROUP)
+        wg_dq = tiled_mma_dq.get_slice(wg_idx * sm90.THREADS_PER_WARPGROUP)
+        tSrK = wg_sdp.make_fragment_A(wg_sdp.partition_A(sK))[None, None, None, 0]
+        tdPrV = wg_sdp.make_fragment_A(wg_sdp.partition_A(sV))[None, None, None, 0]
+        tSrQ = wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ))  # (.., stage)
+        tdPrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))  # (.., stage)
+        tdVrdO = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_view(sdO)))  # (.., stage)
+        tdKrQ = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_view(sQ)))  # (.., stage)
+        tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
+        tdQrK = wg_dq.make_fragment_B(wg_dq.partition_B(transpose_view(sK)))[None, None, None, 0]
+        tdVrP = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((tile_n, tile_m)))
+        tdKrdS = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((tile_n, tile_m)))
+        acc_dV = cute.make_rmem_tensor(tiled_mma_dkv.partition_shape_C((tile_n, d)), Float32)
+        acc_dK = cute.make_rmem_tensor(tiled_mma_dkv.partition_shape_C((tile_n, d)), Float32)
+        acc_dV.fill(0.0)
+        acc_dK.fill(0.0)
+        tScS = tiled_mma_sdp.get_slice(tidx).partition_C(cute.make_identity_tensor((tile_n, tile_m)))
+        tdQcdQ = tiled_mma_dq.get_slice(tidx).partition_C(cute.make_identity_tensor((tile_m, d)))
+        return (tSrK, tdPrV, tSrQ, tdPrdO, tdVrdO, tdKrQ, tdQrdS, tdQrK, tdVrP, tdKrdS, acc_dV, acc_dK, tScS,
+                tdQcdQ)
+
     @cute.kernel
     def kernel(self, mQ_tma: cute.Tensor, mK_tma: cute.Tensor, mV_tma: cute.Tensor, mdO_tma: cute.Tensor,
                mLSE2: cute.Tensor, mD: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
@@ -184,27 +214,9 @@ class K9Backward:
                 self.load_qdo(pipeline_qdo, t, walk, batch, qdo_sources)
 
         # ---- MMA partitions ------------------------------------------------------------------
-        wg_sdp = tiled_mma_sdp.get_slice(wg_idx * sm90.THREADS_PER_WARPGROUP)
-        wg_dkv = tiled_mma_dkv.get_slice(wg_idx * sm90.THREADS_PER_WARPGROUP)
-        wg_dq = tiled_mma_dq.get_slice(wg_idx * sm90.THREADS_PER_WARPGROUP)
-        tSrK = wg_sdp.make_fragment_A(wg_sdp.partition_A(sK))[None, None, None, 0]
-        tdPrV = wg_sdp.make_fragment_A(wg_sdp.partition_A(sV))[None, None, None, 0]
-        tSrQ = wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ))  # (.., stage)
-        tdPrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))  # (.., stage)
-        tdVrdO = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_view(sdO)))  # (.., stage)
-        tdKrQ = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_view(sQ)))  # (.., stage)
-        tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
-        tdQrK = wg_dq.make_fragment_B(wg_dq.partition_B(transpose_view(sK)))[None, None, None, 0]
-        tdVrP = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((tile_n, tile_m)))
-        tdKrdS = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((tile_n, tile_m)))
-        acc_dV = cute.make_rmem_tensor(tiled_mma_dkv.partition_shape_C((tile_n, d)), Float32)
-        acc_dK = cute.make_rmem_tensor(tiled_mma_dkv.partition_shape_C((tile_n, d)), Float32)
-        acc_dV.fill(0.0)
-        acc_dK.fill(0.0)
-        # Which (key, query) of the S^T tile, and which (query, d) of the dQ tile, each register holds.
-        tScS = tiled_mma_sdp.get_slice(tidx).partition_C(cute.make_identity_tensor((tile_n, tile_m)))
-        thr_dq = tiled_mma_dq.get_slice(tidx)
-        tdQcdQ = thr_dq.partition_C(cute.make_identity_tensor((tile_m, d)))
+        (tSrK, tdPrV, tSrQ, tdPrdO, tdVrdO, tdKrQ, tdQrdS, tdQrK, tdVrP, tdKrdS, acc_dV, acc_dK, tScS,
+         tdQcdQ) = self.mma_partitions((tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq), (sK, sV, sQ, sdO, sdS), wg_idx,
+                                       tidx)
 
         pipeline_kv.consumer_wait(tma_pipeline.pipe_state(1, 0, producer=False))
         for t in cutlass.range(count, unroll=1):
