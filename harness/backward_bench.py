@@ -20,19 +20,18 @@ STAGES = ("k9", "k10")
 def candidates(q, k, v, do, causal: bool, scale: float, stages=STAGES) -> dict:
     """name -> (the autograd backward, our launches alone or None), or for a stage that cannot
     run the problem, the reason (a string)."""
-    import importlib
-
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from harness import attention
+    from harness.backward import stage_module
     from kernels.contract import Problem
 
     b, h, n, d = q.shape
     p = Problem(b, h, n, d, causal=causal)
     calls = dict(refusals(p, stages))
     for stage in (s for s in stages if s not in calls):
-        module = importlib.import_module(f"kernels.{stage}")
+        module = stage_module(stage)
         leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
         out, lse = attention("k6", *leaves, causal=causal, softmax_scale=scale, return_lse=True, backward=stage)
         compiled = module.compile_backward(p)
@@ -57,14 +56,13 @@ def candidates(q, k, v, do, causal: bool, scale: float, stages=STAGES) -> dict:
 
 def refusals(p, stages) -> dict:
     """stage -> why it cannot run ``p`` (the stages that can are left out)."""
-    import importlib
-
+    from harness.backward import stage_module
     from kernels.contract import UnsupportedProblem
 
     found = {}
     for stage in stages:
         try:
-            importlib.import_module(f"kernels.{stage}").check(p)
+            stage_module(stage).check(p)
         except UnsupportedProblem as e:
             found[stage] = str(e)
     return found

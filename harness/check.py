@@ -139,11 +139,11 @@ def check_backward(p: Problem, forward: str = "k6", seed=None, magnitude: float 
     """One backward case: fresh inputs (times ``magnitude``) and dO, O and LSE from ``forward``,
     the ``backward`` stage's (k9, k10) dq, dk, dv into NaN-poisoned tensors, each compared with
     float64 autograd."""
-    import importlib
-
     import torch
 
-    stage = importlib.import_module(f"kernels.{backward}")
+    from .backward import stage_module
+
+    stage = stage_module(backward)
     compile_backward, run_backward = stage.compile_backward, stage.run_backward
 
     from .api import attention
