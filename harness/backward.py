@@ -25,6 +25,7 @@ from .inputs import problem_from_tensors, require_cuda
 FORWARD_ONLY = ("k7_k4", "k7", "k8", "decode_nosplit", "decode_combine", "decode")
 _COMPILED: "OrderedDict[tuple, tuple]" = OrderedDict()
 STAGES = ("k9", "k10")
+DETERMINISTIC = ("k10",)  # the stages with a deterministic mode
 DEFAULT = "k10"  # the faster in every cell of results/backward-sweep-h100.json
 
 
@@ -47,9 +48,25 @@ def needs_grad(q, k, v) -> bool:
     return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
 
 
+def check_deterministic(stage: str) -> bool:
+    """Under ``torch.use_deterministic_algorithms(True)``: whether ``stage`` runs its deterministic
+    mode (K10), or, for K9, which has none, an error (a warning and False in warn-only mode), as
+    torch's own non-deterministic kernels do."""
+    if stage in DETERMINISTIC:
+        return True
+    why = (f"{stage.upper()}'s backward adds dQ from every key tile with fp32 atomics, in an order that varies from "
+           f"run to run; the deterministic backward is {', '.join(DETERMINISTIC)}'s (backward={DETERMINISTIC[0]!r})")
+    if not torch.is_deterministic_algorithms_warn_only_enabled():
+        raise UnsupportedProblem(f"torch.use_deterministic_algorithms(True): {why}")
+    warnings.warn(why)
+    return False
+
+
 def check_differentiable(name: str, q, k, v, causal: bool, softmax_scale, stage=None) -> None:
     """Before a forward whose inputs need gradients: refuse what the backward cannot do, naming
     the constraint, before anything is launched."""
+    if torch.are_deterministic_algorithms_enabled():
+        check_deterministic(require_stage(stage))
     check = stage_module(stage).check
     if name in FORWARD_ONLY:
         raise UnsupportedProblem(f"{name} is forward-only (no backward): call it on tensors that do not require "
@@ -62,7 +79,9 @@ def attention_backward(q, k, v, out, lse, dout, causal: bool = False, softmax_sc
     of ``out``, given the forward's ``out`` and ``lse`` (float32 (batch, heads, seqlen), the
     natural-log LSE of the scaled scores, as ``attention(..., return_lse=True)`` returns it). By
     the stage ``backward`` names, "k9" or "k10" (None: ``DEFAULT``): bf16 or fp16, head dim 64 or
-    128; GQA and K/V longer than q (causal bottom-right) as the forward takes them."""
+    128; GQA and K/V longer than q (causal bottom-right) as the forward takes them. Under
+    ``torch.use_deterministic_algorithms(True)`` K10 adds dQ's shares in a fixed order, so that a
+    repeat gives the same bits; K9 has no such mode and is refused (a warning in warn-only mode)."""
     stage = require_stage(backward)
     module = stage_module(stage)
     check, compile_backward, run_backward = module.check, module.compile_backward, module.run_backward
@@ -77,15 +96,12 @@ def attention_backward(q, k, v, out, lse, dout, causal: bool = False, softmax_sc
             raise UnsupportedProblem(f"{name} must be a {dtype} tensor of shape {tuple(shape)} on q's device "
                                      f"({q.device}), got {got}")
     require_cuda(q, k, v)
-    if torch.are_deterministic_algorithms_enabled():  # as torch's own non-deterministic kernels do
-        why = (f"{stage.upper()}'s backward adds dQ from every key tile in fp32 (atomics or TMA reduce-adds), in an "
-               "order that varies from run to run: it has no deterministic mode yet")
-        if not torch.is_deterministic_algorithms_warn_only_enabled():
-            raise UnsupportedProblem(f"torch.use_deterministic_algorithms(True): {why}")
-        warnings.warn(why)
-    key = (stage, p.with_(softmax_scale=None), q.get_device())
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    if deterministic:
+        deterministic = check_deterministic(stage)
+    key = (stage, p.with_(softmax_scale=None), q.get_device(), deterministic)
     if key not in _COMPILED:
-        _COMPILED[key] = compile_backward(p)
+        _COMPILED[key] = compile_backward(p, deterministic=True) if deterministic else compile_backward(p)
         while len(_COMPILED) > 16:
             _COMPILED.popitem(last=False)
     with torch.cuda.device(q.device):

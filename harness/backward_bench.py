@@ -7,7 +7,9 @@ forward's (10 B H N^2 d, halved for causal). Every candidate's backward is timed
 through ``torch.autograd.grad(..., retain_graph=True)`` (so one graph is timed), back to back,
 eager (``call_ms``, ``harness.timing.burst_ms``): the time a training step spends. Our stages also
 get ``ms``: their three launches alone (pre-pass, main kernel, post-pass) between CUDA events
-(``harness.timing.benchmark``), so ``call_ms - ms`` is the host's share.
+(``harness.timing.benchmark``), so ``call_ms - ms`` is the host's share. ``k10_det``: K10 under
+``torch.use_deterministic_algorithms(True)`` (dQ's shares added in a fixed order), timed beside
+K10 whenever K10 is, to measure what the fixed order costs.
 """
 
 from __future__ import annotations
@@ -30,12 +32,15 @@ def candidates(q, k, v, do, causal: bool, scale: float, stages=STAGES) -> dict:
     b, h, n, d = q.shape
     p = Problem(b, h, n, d, causal=causal)
     calls = dict(refusals(p, stages))
-    for stage in (s for s in stages if s not in calls):
-        module = stage_module(stage)
+    extra = ("k10_det",) * ("k10" in stages and "k10" not in calls)
+    for stage in tuple(s for s in stages if s not in calls) + extra:
+        module = stage_module(stage.removesuffix('_det'))
         leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-        out, lse = attention("k6", *leaves, causal=causal, softmax_scale=scale, return_lse=True, backward=stage)
-        compiled = module.compile_backward(p)
-        calls[stage] = (lambda o=out, ls=leaves: torch.autograd.grad(o, ls, do, retain_graph=True),
+        out, lse = attention("k6", *leaves, causal=causal, softmax_scale=scale, return_lse=True,
+                             backward=stage.removesuffix("_det"))
+        compiled = module.compile_backward(p, deterministic=True) if stage == "k10_det" else module.compile_backward(p)
+        call = lambda o=out, ls=leaves: torch.autograd.grad(o, ls, do, retain_graph=True)  # noqa: E731
+        calls[stage] = (deterministically(call) if stage == "k10_det" else call,
                         lambda m=module, c=compiled, o=out.detach(), lse=lse: m.run_backward(c, q, k, v, o, lse, do, scale))
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
@@ -68,6 +73,19 @@ def refusals(p, stages) -> dict:
     return found
 
 
+def deterministically(fn):
+    """``fn`` called under ``torch.use_deterministic_algorithms(True)``."""
+    import torch
+
+    def call():
+        torch.use_deterministic_algorithms(True)
+        try:
+            return fn()
+        finally:
+            torch.use_deterministic_algorithms(False)
+    return call
+
+
 def run(emit, head_dims, causals, seqlens, stages=STAGES) -> None:
     """One row per candidate and cell, emitted as it is timed; ``vs_best_peer`` compares autograd
     calls (ours against the faster of cuDNN's and flash-attn-4's)."""
@@ -97,9 +115,10 @@ def run(emit, head_dims, causals, seqlens, stages=STAGES) -> None:
                     except Exception as e:  # noqa: BLE001  (a candidate that fails: a row that says so)
                         row = dict(status=f"failed: {type(e).__name__}: {e}"[:300])
                     rows.append(dict(kernel=name, batch=b, nheads=h, seqlen=n, head_dim=d, causal=int(causal), **row))
-                peers = [r["call_ms"] for r in rows if r["kernel"] not in stages and r.get("call_ms")]
+                ours = stages + ("k10_det",)
+                peers = [r["call_ms"] for r in rows if r["kernel"] not in ours and r.get("call_ms")]
                 for row in rows:
-                    if row["kernel"] in stages and row.get("call_ms") and peers:
+                    if row["kernel"] in ours and row.get("call_ms") and peers:
                         row["vs_best_peer"] = min(peers) / row["call_ms"]
                     emit(row)
 

@@ -12,11 +12,14 @@ New relative to K9 (same walk, same five GEMMs, same operand placement):
   (the TMA has read it).
 * The MMA warpgroups synchronize among themselves with a named barrier (``MMA``), not the CTA
   barrier, which would wait for the producer warps.
+* A deterministic mode: the key tiles' dQ shares of a query tile are added in key-tile order
+  (a semaphore per query tile), so the fp32 sums, and the gradients, repeat bit for bit.
 """
 
 from __future__ import annotations
 
 import enum
+from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
@@ -39,8 +42,10 @@ class Barrier(enum.IntEnum):
 
 
 class K10Backward(k9.K9Backward):
-    def __init__(self, head_dim: int, dtype, causal: bool, num_wg: int, tile_m: int, q_stages: int):
+    def __init__(self, head_dim: int, dtype, causal: bool, num_wg: int, tile_m: int, q_stages: int,
+                 deterministic: bool = False):
         super().__init__(head_dim, dtype, causal, num_wg, tile_m, q_stages)
+        self.deterministic = deterministic
         self.mma_threads = sm90.THREADS_PER_WARPGROUP * num_wg
         self.num_threads = self.mma_threads + sm90.THREADS_PER_WARPGROUP  # + the producer warpgroup
         self.producer_regs, self.consumer_regs = k5.REGISTERS[num_wg]
@@ -48,7 +53,7 @@ class K10Backward(k9.K9Backward):
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE2: cute.Tensor,
                  mD: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, softmax_scale: Float32,
-                 stream):
+                 stream, mdQsem: Optional[cute.Tensor] = None):
         d, dt, tile_m, tile_n = self.head_dim, self.dtype, self.tile_m, self.tile_n
         tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = self.tiled_mmas()
         sK_layout, sQ_layout, sdS_layout = self.smem_layouts()
@@ -81,7 +86,7 @@ class K10Backward(k9.K9Backward):
             sD: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sRow_layout)], 128]
 
         grid = (cute.ceil_div(mK.shape[2], tile_n), mK.shape[1], mK.shape[0])
-        self.kernel(mQ_tma, mK_tma, mV_tma, mdO_tma, mdQ_tma, mLSE_tma, mD_tma, mLSE2.shape, mdK, mdV,
+        self.kernel(mQ_tma, mK_tma, mV_tma, mdO_tma, mdQ_tma, mLSE_tma, mD_tma, mLSE2.shape, mdK, mdV, mdQsem,
                     (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_dQ, tma_atom_LSE, tma_atom_D),
                     softmax_scale * LOG2_E, softmax_scale, (sK_layout, sQ_layout, sdS_layout, sdQ_layout, sRow_layout),
                     (tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq), SharedStorage).launch(grid=grid, block=[self.num_threads, 1, 1],
@@ -90,8 +95,8 @@ class K10Backward(k9.K9Backward):
     @cute.kernel
     def kernel(self, mQ_tma: cute.Tensor, mK_tma: cute.Tensor, mV_tma: cute.Tensor, mdO_tma: cute.Tensor,
                mdQ_tma: cute.Tensor, mLSE_tma: cute.Tensor, mD_tma: cute.Tensor, q_rows: tuple, mdK: cute.Tensor,
-               mdV: cute.Tensor, atoms: tuple, scale_log2: Float32, softmax_scale: Float32, layouts: tuple,
-               mmas: tuple, SharedStorage: cutlass.Constexpr):
+               mdV: cute.Tensor, mdQsem: Optional[cute.Tensor], atoms: tuple, scale_log2: Float32,
+               softmax_scale: Float32, layouts: tuple, mmas: tuple, SharedStorage: cutlass.Constexpr):
         tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_dQ, tma_atom_LSE, tma_atom_D = atoms
         sK_layout, sQ_layout, sdS_layout, sdQ_layout, sRow_layout = layouts
         tile_m, tile_n, stages = self.tile_m, self.tile_n, self.q_stages
@@ -135,7 +140,7 @@ class K10Backward(k9.K9Backward):
                           (tma_atom_Q, mQ_tma, sQ, tma_atom_dO, mdO_tma, sdO, tma_atom_LSE, mLSE_tma, sLSE,
                            tma_atom_D, mD_tma, sD))
             elif warp_idx == 1:
-                self.write_dq(tma_atom_dQ, mdQ_tma, sdQ, walk, count, batch)
+                self.write_dq(tma_atom_dQ, mdQ_tma, sdQ, walk, count, batch, (mdQsem, n_block, q_rows[1], m_tiles))
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.mma(pipeline_kv, pipeline_qdo, walk, count, n_block, kv_head, batch, (seqlen, offset),
@@ -180,21 +185,52 @@ class K10Backward(k9.K9Backward):
 
     @cute.jit
     def write_dq(self, tma_atom_dQ: cute.CopyAtom, mdQ_tma: cute.Tensor, sdQ: cute.Tensor, walk: tuple,
-                 count: Int32, batch: Int32):
+                 count: Int32, batch: Int32, order: tuple):
         """Each step's dQ share, once the MMA warps have written it to sdQ, added into the fp32
-        accumulator by one TMA reduce-add; sdQ is handed back as soon as the TMA has read it."""
+        accumulator by one TMA reduce-add; sdQ is handed back as soon as the TMA has read it.
+        Deterministic (``order``: the semaphores, this CTA's key tile, heads, query tiles): a share
+        waits for its turn, then counts itself added once it has landed."""
         handoff = self.mma_threads + cute.arch.WARP_SIZE
         for t in cutlass.range(count, unroll=1):
             head, m_block = self.step_at(t, walk)
             tdQsdQ, tdQgdQ = tma_pipeline.partition_for_tma(tma_atom_dQ, mdQ_tma, sdQ, (self.tile_m, self.head_dim),
                                                             head, batch, (None, 0))
             cute.arch.barrier(barrier_id=Barrier.DQ_FULL, number_of_threads=handoff)
+            if cutlass.const_expr(self.deterministic):
+                self.wait_turn(order, head, m_block, batch)
             cute.copy(tma_atom_dQ, tdQsdQ, tdQgdQ[None, m_block])
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)
             if t + 1 < count:  # the MMA warps wait for it before the next step's share only
                 cute.arch.barrier_arrive(barrier_id=Barrier.DQ_EMPTY, number_of_threads=handoff)
+            if cutlass.const_expr(self.deterministic):
+                cute.arch.cp_async_bulk_wait_group(0, read=False)  # landed in GMEM, not just read
+                self.pass_turn(order, head, m_block, batch)
         cute.arch.cp_async_bulk_wait_group(0, read=False)  # the last reduce has landed in GMEM
+
+    @cute.jit
+    def wait_turn(self, order: tuple, head: Int32, m_block: Int32, batch: Int32):
+        """Deterministic: wait until the key tiles before this one have added their shares of this
+        query tile. Every key tile from 0 up to the last one that sees the tile contributes (causal
+        too: a query tile is seen by a prefix of the key tiles), so this one's turn is its index.
+        Those CTAs have lower block indices, launched no later than this one: none can be waiting
+        for this CTA's SM."""
+        mdQsem, n_block, nheads, m_tiles = order
+        lock = mdQsem.iterator + (batch * nheads + head) * m_tiles + m_block
+        if cute.arch.lane_idx() == 0:
+            turn = cute.arch.load(lock, Int32, sem="acquire", scope="gpu")
+            while turn != n_block:
+                turn = cute.arch.load(lock, Int32, sem="acquire", scope="gpu")
+        cute.arch.sync_warp()
+        cute.arch.fence_proxy("async.global")  # the earlier shares, seen through the acquire, for the TMA
+
+    @cute.jit
+    def pass_turn(self, order: tuple, head: Int32, m_block: Int32, batch: Int32):
+        mdQsem, n_block, nheads, m_tiles = order
+        if cute.arch.lane_idx() == 0:
+            cute.arch.fence_proxy("async.global")  # this share's adds before the release that announces them
+            cute.arch.red(mdQsem.iterator + (batch * nheads + head) * m_tiles + m_block, Int32(1), op="add",
+                          dtype=Int32, sem="release", scope="gpu")
 
     @cute.jit
     def p_and_ds(self, acc_S: cute.Tensor, acc_dP: cute.Tensor, tScS: cute.Tensor, sLSE: cute.Tensor,
@@ -279,8 +315,8 @@ def check(p: Problem) -> None:
     k9.check(p, "K10")
 
 
-def compile_backward(p: Problem, keep_ptx: bool = False, **overrides) -> tuple:
-    """(K9's pre-pass, K10's main kernel, K9's post-pass) compiled for ``p``."""
+def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = False, **overrides) -> tuple:
+    """(K9's pre-pass, K10's main kernel, K9's post-pass, deterministic) compiled for ``p``."""
     from cutlass.cute.runtime import make_fake_tensor
 
     check(p)
@@ -294,13 +330,25 @@ def compile_backward(p: Problem, keep_ptx: bool = False, **overrides) -> tuple:
         rows = lambda: make_fake_tensor(Float32, (f.batch, f.nheads, f.seqlen),  # noqa: E731
                                         stride=(cute.sym_int64(divisibility=4), cute.sym_int64(divisibility=4), 1),
                                         assumed_align=16)
-        return (K10Backward(p.head_dim, dt, p.causal, **cfg),
-                (x(dt), x(dt, True), x(dt, True), x(dt), rows(), rows(), x(Float32), x(dt, True), x(dt, True),
-                 Float32(1.0), fake_stream()))
+        args = (x(dt), x(dt, True), x(dt, True), x(dt), rows(), rows(), x(Float32), x(dt, True), x(dt, True),
+                Float32(1.0), fake_stream())
+        semaphores = (make_fake_tensor(Int32, (cute.sym_int(),), stride=(1,), assumed_align=4),) * deterministic
+        return K10Backward(p.head_dim, dt, p.causal, **cfg, deterministic=deterministic), args + semaphores
 
     pre, post = k9.compile_passes(p, keep_ptx)
-    key = ("k10", p.head_dim, p.dtype, p.causal, tuple(sorted(cfg.items())))
-    return pre, jit_compile(key, main, keep_ptx), post
+    key = ("k10", p.head_dim, p.dtype, p.causal, deterministic, tuple(sorted(cfg.items())))
+    return pre, jit_compile(key, main, keep_ptx), post, deterministic
 
 
-run_backward = k9.run_backward
+def run_backward(compiled: tuple, q, k, v, o, lse, do, softmax_scale: float, grads: tuple | None = None) -> tuple:
+    """K9's ``run_backward`` with K10's kernel; deterministic, a zeroed semaphore per query tile
+    of each (batch, head) besides."""
+    import torch
+
+    pre, main, post, deterministic = compiled
+    b, h, n, _ = q.shape
+    extra = ()
+    if deterministic:
+        tile_m = k9.config(Problem(b, h, n, q.shape[3]))["tile_m"]
+        extra = (torch.zeros(b * h * -(-n // tile_m), device=q.device, dtype=torch.int32),)
+    return k9.run_backward((pre, main, post), q, k, v, o, lse, do, softmax_scale, grads, extra)

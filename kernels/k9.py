@@ -420,10 +420,11 @@ def compile_passes(p: Problem, keep_ptx: bool = False) -> tuple:
             jit_compile(("k9_post", p.head_dim, p.dtype), post, keep_ptx))
 
 
-def run_backward(compiled: tuple, q, k, v, o, lse, do, softmax_scale: float, grads: tuple | None = None) -> tuple:
+def run_backward(compiled: tuple, q, k, v, o, lse, do, softmax_scale: float, grads: tuple | None = None,
+                 extra: tuple = ()) -> tuple:
     """(dq, dk, dv) of attention(q, k, v) = o with log-sum-exp ``lse`` (natural log, float32,
     (batch, heads, seqlen)), for the gradient ``do`` of o, into ``grads`` if given (the checks
-    pass NaN-filled ones). Three launches."""
+    pass NaN-filled ones). Three launches; ``extra``: arguments after the main kernel's own."""
     import torch
 
     pre, main, post = compiled
@@ -435,6 +436,6 @@ def run_backward(compiled: tuple, q, k, v, o, lse, do, softmax_scale: float, gra
     dq, dk, dv = grads if grads is not None else (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
     do = do.contiguous()
     pre(o, do, lse, lse2, dot, dq_accum)
-    main(q, k, v, do, lse2, dot, dq_accum, dk, dv, softmax_scale)
+    main(q, k, v, do, lse2, dot, dq_accum, dk, dv, softmax_scale, *extra)
     post(dq_accum, dq)
     return dq, dk, dv

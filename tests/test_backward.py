@@ -57,17 +57,34 @@ def test_attention_backward_refuses_bad_saved_tensors_by_name():
         attention_backward(q, k, v, out, lse, dout)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_deterministic_mode_is_refused_until_there_is_one():
-    q, k, v = _qkv((1, 2, 64, 64), "cuda", grad=False)
-    out, lse = attention("k6", q, k, v, return_lse=True)
+def test_deterministic_mode_refuses_k9_before_the_forward():
     torch.use_deterministic_algorithms(True)
     try:
-        with pytest.raises(UnsupportedProblem, match="no deterministic mode yet"):
-            attention_backward(q, k, v, out, lse, torch.randn_like(q))
+        with pytest.raises(UnsupportedProblem, match="the deterministic backward is k10's"):
+            attention("k6", *_qkv(), backward="k9")
+        with pytest.raises(UnsupportedProblem, match="q must be a CUDA tensor"):  # K10 goes on to the checks
+            attention("k6", *_qkv())
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_deterministic_backward_repeats_bit_for_bit_and_is_right(causal):
+    q, k, v = _qkv((2, 8, 1000, 128), "cuda", grad=False, kv_heads=2)
+    dout = torch.randn_like(q)
+    out, lse = attention("k6", q, k, v, causal=causal, return_lse=True)
+    torch.use_deterministic_algorithms(True)
+    try:
+        runs = [attention_backward(q, k, v, out, lse, dout, causal=causal) for _ in range(3)]
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for run in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(run, runs[0]))
+    want = _reference(q, k, v, dout, causal, 128 ** -0.5)
+    for got, ref in zip(runs[0], want):
+        assert torch.isfinite(got).all() and float((got.double() - ref).norm() / ref.norm()) < 2e-2
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -14,7 +14,7 @@ from kernels.contract import Problem, compiled_ptx
 def test_k10_adds_dq_by_tma_reduce_from_a_warp_specialized_kernel(d):
     from kernels.k10 import compile_backward
 
-    _, main, _ = compile_backward(Problem(2, 4, 1000, d, causal=True), keep_ptx=True)
+    main = compile_backward(Problem(2, 4, 1000, d, causal=True), keep_ptx=True)[1]
     ptx = compiled_ptx(main)
     counts = count_instructions(ptx)
     assert counts["wgmma.mma_async"] == 2 * (d // 16) + 2 * 4 + 8 and counts["setmaxnreg"] == 2
@@ -25,6 +25,17 @@ def test_k10_adds_dq_by_tma_reduce_from_a_warp_specialized_kernel(d):
     assert not re.search(r"\b(?:red|atom)\.global", ptx)  # no dQ atomics left
     barriers = set(re.findall(r"bar\.(sync|arrive)\s+(\d+), (\d+)", ptx))
     assert {("arrive", "2", "288"), ("sync", "2", "288"), ("arrive", "3", "288"), ("sync", "3", "288")} <= barriers
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_k10s_deterministic_mode_takes_turns_on_a_semaphore_per_query_tile(causal):
+    from kernels.k10 import compile_backward
+
+    plain = compiled_ptx(compile_backward(Problem(2, 4, 1000, 128, causal=causal), keep_ptx=True)[1])
+    ptx = compiled_ptx(compile_backward(Problem(2, 4, 1000, 128, causal=causal), keep_ptx=True, deterministic=True)[1])
+    # the dQ writer's lane 0 spins on an acquire load for its turn, and passes it on with a release add
+    assert "ld.acquire.gpu" in ptx and re.search(r"red\.release\.gpu(\.global)?\.add\.[su]32", ptx)
+    assert "ld.acquire.gpu" not in plain and "red.release.gpu" not in plain
 
 
 @pytest.mark.gpu
