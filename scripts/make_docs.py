@@ -427,7 +427,8 @@ def backward_sweep_table(run):
     for r in run["rows"]:
         if r["status"] == "ok":
             cells.setdefault((r["head_dim"], r["causal"], r["seqlen"]), {})[r["kernel"]] = r
-    stages = [k for k in ("k9", "k10") if any(k in c for c in cells.values())]
+    stages = [k for k in ("k9", "k10", "k10_det") if any(k in c for c in cells.values())]
+    last = "k10" if "k10" in stages else stages[-1] if stages else ""  # the ratio column's stage
     body, ratios = [], {k: [] for k in stages}
     for (d, c, n), row in sorted(cells.items()):
         best = max((row[p]["call_tflops"] for p in ("sdpa-cudnn", "fa4") if p in row), default=None)
@@ -438,7 +439,7 @@ def backward_sweep_table(run):
             if r and best:
                 ratios[k].append(r["call_tflops"] / best)
         line += [fmt(row[p]["call_tflops"]) if p in row else "—" for p in ("sdpa-cudnn", "fa4")]
-        line += [f"{row[stages[-1]]['call_tflops'] / best:.2f}×" if stages and stages[-1] in row and best else "—"]
+        line += [f"{row[last]['call_tflops'] / best:.2f}×" if last in row and best else "—"]
         body.append(line)
     meta = run["meta"]
     head = (f"TFLOP/s of one backward (10·B·H·N²·d FLOPs, halved for causal) on an "
@@ -447,7 +448,7 @@ def backward_sweep_table(run):
             "\"launches\": our three kernels alone between CUDA events. "
             f"`{meta.get('command', '')}`, {meta.get('date', '')[:10]}.")
     header = ["d", "causal", "N"] + [x for k in stages for x in (f"`{k}`", f"`{k}` launches")] + [
-        "*cuDNN*", "*flash-attn-4*", f"{stages[-1] if stages else ''} / best peer"]
+        "*cuDNN*", "*flash-attn-4*", f"{last} / best peer"]
     summary = [[f"`{k}`", f"{_geomean(ratios[k]):.3f}×" if ratios[k] else "—",
                 f"{min(ratios[k]):.2f}×" if ratios[k] else "—", len(ratios[k])] for k in stages]
     return (head + "\n\n" + markdown_table(header, body) + "\n\nAgainst the faster peer of each cell:\n\n"
