@@ -456,13 +456,14 @@ def host_times_main(args, argv) -> int:
 
 def backward_main(args, argv) -> int:
     """``--backward``: K9 and K10 (or those named) beside the peers' backward, one workload or the sweep."""
+    from harness import backward as backward_module
     from harness import backward_bench, results
 
     other = flags_given(args, ("nheads", "batch", "dtype", "compile_only", "check", "no_peers"))
     if args.rounds != 1:
         other.append("--rounds")
     stages = tuple(args.kernels) or backward_bench.STAGES
-    unknown = [k for k in stages if k not in backward_bench.STAGES]
+    unknown = [k for k in stages if k not in backward_module.STAGES]
     if other or unknown:
         print(f"error: --backward times {' and '.join(backward_bench.STAGES)} and the peers at bench.py's bf16 workload "
               f"(batch 16384/N, heads 2048/d); it takes backward stages, --seqlen, --headdim, --causal or --sweep, and "

@@ -23,6 +23,7 @@ import json
 import os
 import sys
 
+from harness.backward import MAIN_STAGES
 from harness.backward import STAGES as BACKWARD_STAGES
 from harness.config import KNOBS
 from kernels import get_kernel, kernel_names
@@ -225,7 +226,7 @@ def main(argv=None) -> int:
     ap.add_argument("--decode", action="store_true", help="the KV-cache grid of the decode kernels instead")
     ap.add_argument("--backward", action="store_true",
                     help="the backward's grid against float64 autograd instead, for the backward stages named "
-                         f"(default all: {', '.join(BACKWARD_STAGES)})")
+                         f"(default {', '.join(MAIN_STAGES)}; any of {', '.join(BACKWARD_STAGES)})")
     ap.add_argument("--config", type=json.loads, default=None,
                     help="compile_kernel keywords for every case, as JSON (e.g. '{\"tile_n\": 128}'): check a "
                          "configuration before timing it; cases it cannot run are failures")
@@ -236,7 +237,7 @@ def main(argv=None) -> int:
         print(f"error: ref_check runs its own grid and would ignore {', '.join(ignored)}: unset them, or check "
               "one workload with `CHECK=1 python bench.py`", file=sys.stderr)
         return 2
-    stages = list(BACKWARD_STAGES) if args.kernels in ([], ["all"]) else args.kernels
+    stages = list(MAIN_STAGES) if args.kernels in ([], ["all"]) else args.kernels
     unknown = [n for n in stages if n not in BACKWARD_STAGES]
     if args.backward and unknown:
         print(f"error: --backward checks the backward stages {list(BACKWARD_STAGES)}, not {unknown}", file=sys.stderr)

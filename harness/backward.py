@@ -24,8 +24,11 @@ from .inputs import problem_from_tensors, require_cuda
 # another question) and decode (a KV-cache read).
 FORWARD_ONLY = ("k7_k4", "k7", "k8", "decode_nosplit", "decode_combine", "decode")
 _COMPILED: "OrderedDict[tuple, tuple]" = OrderedDict()
-STAGES = ("k9", "k10")
-DETERMINISTIC = ("k10",)  # the stages with a deterministic mode
+# name -> (kernel module, compile overrides): the stages, and variants of them still being measured
+VARIANTS = {"k9": ("k9", {}), "k10": ("k10", {}), "k10_overlap": ("k10", dict(overlap=True))}
+STAGES = tuple(VARIANTS)
+MAIN_STAGES = ("k9", "k10")  # what ref_check --backward and bench.py --backward run unless told
+DETERMINISTIC = ("k10", "k10_overlap")  # the stages with a deterministic mode
 DEFAULT = "k10"  # the faster in every cell of results/backward-sweep-h100.json
 
 
@@ -41,7 +44,11 @@ def require_stage(stage) -> str:
 def stage_module(stage):
     import importlib
 
-    return importlib.import_module(f"kernels.{require_stage(stage)}")
+    return importlib.import_module(f"kernels.{VARIANTS[require_stage(stage)][0]}")
+
+
+def stage_overrides(stage) -> dict:
+    return VARIANTS[require_stage(stage)][1]
 
 
 def needs_grad(q, k, v) -> bool:
@@ -55,7 +62,7 @@ def check_deterministic(stage: str) -> bool:
     if stage in DETERMINISTIC:
         return True
     why = (f"{stage.upper()}'s backward adds dQ from every key tile with fp32 atomics, in an order that varies from "
-           f"run to run; the deterministic backward is {', '.join(DETERMINISTIC)}'s (backward={DETERMINISTIC[0]!r})")
+           f"run to run; the deterministic backward is K10's (backward={DETERMINISTIC[0]!r}, or None)")
     if not torch.is_deterministic_algorithms_warn_only_enabled():
         raise UnsupportedProblem(f"torch.use_deterministic_algorithms(True): {why}")
     warnings.warn(why)
@@ -101,7 +108,8 @@ def attention_backward(q, k, v, out, lse, dout, causal: bool = False, softmax_sc
         deterministic = check_deterministic(stage)
     key = (stage, p.with_(softmax_scale=None), q.get_device(), deterministic)
     if key not in _COMPILED:
-        _COMPILED[key] = compile_backward(p, deterministic=True) if deterministic else compile_backward(p)
+        more = dict(deterministic=True) if deterministic else {}
+        _COMPILED[key] = compile_backward(p, **stage_overrides(stage), **more)
         while len(_COMPILED) > 16:
             _COMPILED.popitem(last=False)
     with torch.cuda.device(q.device):

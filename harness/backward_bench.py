@@ -16,7 +16,7 @@ from __future__ import annotations
 
 # d = 256 too: no stage of ours takes it yet, and its rows say so beside the peers' times
 SWEEP = dict(head_dims=(64, 128, 256), causals=(0, 1), seqlens=(1024, 4096, 16384))
-STAGES = ("k9", "k10")
+STAGES = ("k9", "k10")  # unless told; harness.backward.STAGES lists every stage and variant
 
 
 def candidates(q, k, v, do, causal: bool, scale: float, stages=STAGES) -> dict:
@@ -26,7 +26,7 @@ def candidates(q, k, v, do, causal: bool, scale: float, stages=STAGES) -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from harness import attention
-    from harness.backward import stage_module
+    from harness.backward import stage_module, stage_overrides
     from kernels.contract import Problem
 
     b, h, n, d = q.shape
@@ -34,11 +34,12 @@ def candidates(q, k, v, do, causal: bool, scale: float, stages=STAGES) -> dict:
     calls = dict(refusals(p, stages))
     extra = ("k10_det",) * ("k10" in stages and "k10" not in calls)
     for stage in tuple(s for s in stages if s not in calls) + extra:
-        module = stage_module(stage.removesuffix('_det'))
+        name = stage.removesuffix("_det")
+        module, overrides = stage_module(name), dict(stage_overrides(name), **({"deterministic": True} if name != stage
+                                                                                else {}))
         leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-        out, lse = attention("k6", *leaves, causal=causal, softmax_scale=scale, return_lse=True,
-                             backward=stage.removesuffix("_det"))
-        compiled = module.compile_backward(p, deterministic=True) if stage == "k10_det" else module.compile_backward(p)
+        out, lse = attention("k6", *leaves, causal=causal, softmax_scale=scale, return_lse=True, backward=name)
+        compiled = module.compile_backward(p, **overrides)
         call = lambda o=out, ls=leaves: torch.autograd.grad(o, ls, do, retain_graph=True)  # noqa: E731
         calls[stage] = (deterministically(call) if stage == "k10_det" else call,
                         lambda m=module, c=compiled, o=out.detach(), lse=lse: m.run_backward(c, q, k, v, o, lse, do, scale))

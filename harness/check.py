@@ -135,16 +135,18 @@ def check_kernel(name: str, p: Problem, seed=None, config=None) -> CheckResult:
 GRAD_FLOOR = 1e-3
 
 
-def check_backward(p: Problem, forward: str = "k6", seed=None, magnitude: float = 1.0, backward: str = "k9") -> dict:
+def check_backward(p: Problem, forward: str = "k6", seed=None, magnitude: float = 1.0, backward: str = "k9",
+                   overrides: dict | None = None) -> dict:
     """One backward case: fresh inputs (times ``magnitude``) and dO, O and LSE from ``forward``,
-    the ``backward`` stage's (k9, k10) dq, dk, dv into NaN-poisoned tensors, each compared with
-    float64 autograd."""
+    the ``backward`` stage's (k9, k10; compiled with ``overrides``) dq, dk, dv into NaN-poisoned
+    tensors, each compared with float64 autograd."""
     import torch
 
-    from .backward import stage_module
+    from .backward import stage_module, stage_overrides
 
     stage = stage_module(backward)
     compile_backward, run_backward = stage.compile_backward, stage.run_backward
+    overrides = dict(stage_overrides(backward), **(overrides or {}))
 
     from .api import attention
     from .inputs import random_inputs
@@ -154,7 +156,7 @@ def check_backward(p: Problem, forward: str = "k6", seed=None, magnitude: float 
     dout = torch.randn_like(q)
     out, lse = attention(forward, q, k, v, causal=p.causal, return_lse=True)
     grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
-    run_backward(compile_backward(p), q, k, v, out, lse, dout, p.scale, grads)
+    run_backward(compile_backward(p, **overrides), q, k, v, out, lse, dout, p.scale, grads)
     torch.cuda.synchronize()
     want = reference_grads(q, k, v, dout, p.causal, p.scale)
     peer = sdpa_grads(q, k, v, dout, p.causal, p.scale)

@@ -43,9 +43,10 @@ class Barrier(enum.IntEnum):
 
 class K10Backward(k9.K9Backward):
     def __init__(self, head_dim: int, dtype, causal: bool, num_wg: int, tile_m: int, q_stages: int,
-                 deterministic: bool = False):
+                 deterministic: bool = False, overlap: bool = False):
         super().__init__(head_dim, dtype, causal, num_wg, tile_m, q_stages)
         self.deterministic = deterministic
+        self.overlap = overlap  # a variant, not yet measured: see mma_step_overlapped
         self.mma_threads = sm90.THREADS_PER_WARPGROUP * num_wg
         self.num_threads = self.mma_threads + sm90.THREADS_PER_WARPGROUP  # + the producer warpgroup
         self.producer_regs, self.consumer_regs = k5.REGISTERS[num_wg]
@@ -257,6 +258,96 @@ class K10Backward(k9.K9Backward):
     # ---- MMA warpgroups: K9's step, with named barriers and dQ through sdQ --------------------
 
     @cute.jit
+    def mma_step(self, mmas: tuple, accs: tuple, operands: tuple, tScS: cute.Tensor, sdS: cute.Tensor, rows: tuple,
+                 n_block: Int32, m_block: Int32, lens: tuple, scale_log2: Float32, softmax_scale: Float32
+                 ) -> cute.Tensor:
+        """One query tile's five GEMMs and their element-wise work; returns dQ's share."""
+        tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = mmas
+        acc_S, acc_dP, acc_dK, acc_dV = accs
+        tSrK, tSrQ, tdPrV, tdPrdO, tdVrP, tdVrdO, tdKrdS, tdKrQ, tdQrdS, tdQrK = operands
+        stage = rows[2]
+        sm90.gemm(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage], zero_init=True, wg_wait=-1)
+        sm90.gemm(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True, wg_wait=0)
+        self.p_and_ds(acc_S, acc_dP, tScS, rows[0][None, stage], rows[1][None, stage], n_block, m_block, lens,
+                      scale_log2, softmax_scale)
+        # One fp32 tile at a time beside dK and dV (the MMA warps have 240 registers): P^T goes
+        # to dV's GEMM, then dS^T to sdS and to dK's GEMM.
+        sm90.convert_to(sm90.acc_as_operand_a(acc_S), tdVrP)
+        sm90.gemm(tiled_mma_dkv, acc_dV, tdVrP, tdVrdO[None, None, None, stage], zero_init=False, wg_wait=-1)
+        cute.arch.barrier(barrier_id=Barrier.MMA, number_of_threads=self.mma_threads)  # sdS free again
+        self.store_ds(acc_dP, tScS, sdS)
+        cute.arch.fence_view_async_shared()
+        sm90.convert_to(sm90.acc_as_operand_a(acc_dP), tdKrdS)
+        sm90.gemm(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQ[None, None, None, stage], zero_init=False, wg_wait=-1)
+        # dV's and dK's GEMMs read P^T and dS^T from registers until they retire
+        warpgroup.wait_group(0)
+        cute.arch.barrier(barrier_id=Barrier.MMA, number_of_threads=self.mma_threads)
+        acc_dQ = cute.make_rmem_tensor(tiled_mma_dq.partition_shape_C((self.tile_m, self.head_dim)), Float32)
+        sm90.gemm(tiled_mma_dq, acc_dQ, tdQrdS, tdQrK, zero_init=True, wg_wait=0)
+        return acc_dQ
+
+    @cute.jit
+    def mma_step_overlapped(self, mmas: tuple, accs: tuple, operands: tuple, tScS: cute.Tensor, sdS: cute.Tensor,
+                            rows: tuple, n_block: Int32, m_block: Int32, lens: tuple, scale_log2: Float32,
+                            softmax_scale: Float32) -> cute.Tensor:
+        """``mma_step`` with less waiting (FA3's order): P is computed while dP's GEMM still runs
+        (wait for S alone), and dQ's GEMM is issued behind dV's and dK's with one wait for all
+        three. A variant until measured against ``mma_step``."""
+        tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = mmas
+        acc_S, acc_dP, acc_dK, acc_dV = accs
+        tSrK, tSrQ, tdPrV, tdPrdO, tdVrP, tdVrdO, tdKrdS, tdKrQ, tdQrdS, tdQrK = operands
+        stage = rows[2]
+        sm90.gemm(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage], zero_init=True, wg_wait=-1)
+        sm90.gemm(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True,
+                  wg_wait=1)  # S done, dP runs on
+        self.probabilities(acc_S, tScS, rows[0][None, stage], n_block, m_block, lens, scale_log2)
+        sm90.convert_to(sm90.acc_as_operand_a(acc_S), tdVrP)
+        warpgroup.wait_group(0)
+        self.score_grads(acc_S, acc_dP, tScS, rows[1][None, stage], m_block, lens[0], softmax_scale)
+        sm90.gemm(tiled_mma_dkv, acc_dV, tdVrP, tdVrdO[None, None, None, stage], zero_init=False, wg_wait=-1)
+        cute.arch.barrier(barrier_id=Barrier.MMA, number_of_threads=self.mma_threads)  # sdS free again
+        self.store_ds(acc_dP, tScS, sdS)
+        cute.arch.fence_view_async_shared()
+        sm90.convert_to(sm90.acc_as_operand_a(acc_dP), tdKrdS)
+        sm90.gemm(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQ[None, None, None, stage], zero_init=False, wg_wait=-1)
+        cute.arch.barrier(barrier_id=Barrier.MMA, number_of_threads=self.mma_threads)  # every dS^T stored
+        acc_dQ = cute.make_rmem_tensor(tiled_mma_dq.partition_shape_C((self.tile_m, self.head_dim)), Float32)
+        sm90.gemm(tiled_mma_dq, acc_dQ, tdQrdS, tdQrK, zero_init=True, wg_wait=0)  # dV's, dK's and dQ's
+        return acc_dQ
+
+    @cute.jit
+    def probabilities(self, acc_S: cute.Tensor, tScS: cute.Tensor, sLSE: cute.Tensor, n_block: Int32,
+                      m_block: Int32, lens: tuple, scale_log2: Float32):
+        """``p_and_ds``'s first half: acc_S becomes P^T, column by column."""
+        seqlen, offset = lens
+        s_mn, c_mn = sm90.acc_mn_view(acc_S), sm90.acc_mn_view(tScS)
+        for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+            row = c_mn[0, c][1]
+            q = m_block * self.tile_m + row
+            lse2 = Float32(float("inf"))
+            if q < seqlen:
+                lse2 = sLSE[row]
+            for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
+                p = cute.math.exp2(s_mn[r, c] * scale_log2 - lse2, fastmath=True)
+                if cutlass.const_expr(self.causal):
+                    if n_block * self.tile_n + c_mn[r, c][0] > q + offset:
+                        p = Float32(0.0)
+                s_mn[r, c] = p
+
+    @cute.jit
+    def score_grads(self, acc_P: cute.Tensor, acc_dP: cute.Tensor, tScS: cute.Tensor, sD: cute.Tensor,
+                    m_block: Int32, seqlen: Int32, softmax_scale: Float32):
+        """``p_and_ds``'s second half: acc_dP becomes dS^T * scale."""
+        p_mn, dp_mn, c_mn = sm90.acc_mn_view(acc_P), sm90.acc_mn_view(acc_dP), sm90.acc_mn_view(tScS)
+        for c in cutlass.range_constexpr(cute.size(p_mn, mode=[1])):
+            row = c_mn[0, c][1]
+            dot = Float32(0.0)
+            if m_block * self.tile_m + row < seqlen:
+                dot = sD[row]
+            for r in cutlass.range_constexpr(cute.size(p_mn, mode=[0])):
+                dp_mn[r, c] = p_mn[r, c] * (dp_mn[r, c] - dot) * softmax_scale
+
+    @cute.jit
     def mma(self, pipeline_kv, pipeline_qdo, walk: tuple, count: Int32, n_block: Int32, kv_head: Int32,
             batch: Int32, lens: tuple, smem: tuple, mmas: tuple, sLSE: cute.Tensor, sD: cute.Tensor,
             mdK: cute.Tensor, mdV: cute.Tensor, scale_log2: Float32, softmax_scale: Float32):
@@ -277,25 +368,14 @@ class K10Backward(k9.K9Backward):
             pipeline_qdo.consumer_wait(qdo)
             acc_S = cute.make_rmem_tensor(tiled_mma_sdp.partition_shape_C((tile_n, tile_m)), Float32)
             acc_dP = cute.make_rmem_tensor(tiled_mma_sdp.partition_shape_C((tile_n, tile_m)), Float32)
-            sm90.gemm(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, qdo.index], zero_init=True, wg_wait=-1)
-            sm90.gemm(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, qdo.index], zero_init=True, wg_wait=0)
-            self.p_and_ds(acc_S, acc_dP, tScS, sLSE[None, qdo.index], sD[None, qdo.index], n_block, m_block,
-                          lens, scale_log2, softmax_scale)
-            # One fp32 tile at a time beside dK and dV (the MMA warps have 240 registers): P^T goes
-            # to dV's GEMM, then dS^T to sdS and to dK's GEMM.
-            sm90.convert_to(sm90.acc_as_operand_a(acc_S), tdVrP)
-            sm90.gemm(tiled_mma_dkv, acc_dV, tdVrP, tdVrdO[None, None, None, qdo.index], zero_init=False, wg_wait=-1)
-            cute.arch.barrier(barrier_id=Barrier.MMA, number_of_threads=self.mma_threads)  # sdS free again
-            self.store_ds(acc_dP, tScS, sdS)
-            cute.arch.fence_view_async_shared()
-            sm90.convert_to(sm90.acc_as_operand_a(acc_dP), tdKrdS)
-            sm90.gemm(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQ[None, None, None, qdo.index], zero_init=False, wg_wait=-1)
-            # dV's and dK's GEMMs read P^T and dS^T from registers until they retire: wait before
-            # dQ's accumulator exists.
-            warpgroup.wait_group(0)
-            cute.arch.barrier(barrier_id=Barrier.MMA, number_of_threads=self.mma_threads)
-            acc_dQ = cute.make_rmem_tensor(tiled_mma_dq.partition_shape_C((tile_m, d)), Float32)
-            sm90.gemm(tiled_mma_dq, acc_dQ, tdQrdS, tdQrK, zero_init=True, wg_wait=0)
+            operands = (tSrK, tSrQ, tdPrV, tdPrdO, tdVrP, tdVrdO, tdKrdS, tdKrQ, tdQrdS, tdQrK)
+            rows = (sLSE, sD, qdo.index)
+            if cutlass.const_expr(self.overlap):
+                acc_dQ = self.mma_step_overlapped(mmas, (acc_S, acc_dP, acc_dK, acc_dV), operands, tScS, sdS, rows,
+                                                  n_block, m_block, lens, scale_log2, softmax_scale)
+            else:
+                acc_dQ = self.mma_step(mmas, (acc_S, acc_dP, acc_dK, acc_dV), operands, tScS, sdS, rows, n_block,
+                                       m_block, lens, scale_log2, softmax_scale)
             pipeline_qdo.consumer_release(qdo)
             if t > 0:  # the writer's TMA has read the previous share
                 cute.arch.barrier(barrier_id=Barrier.DQ_EMPTY, number_of_threads=handoff)

@@ -26,7 +26,7 @@ def test_a_forward_no_backward_can_follow_is_refused_before_it_runs(name, shape,
 
 
 def test_an_unknown_backward_stage_is_refused_by_name():
-    with pytest.raises(UnsupportedProblem, match="backward must be one of \\['k9', 'k10'\\]"):
+    with pytest.raises(UnsupportedProblem, match="backward must be one of \\['k9', 'k10', 'k10_overlap'\\]"):
         attention("k6", *_qkv(), backward="k11")
     with pytest.raises(UnsupportedProblem, match="K10 \\(backward\\): head_dim 256 not supported"):
         attention("k6", *_qkv((1, 2, 16, 256)), backward="k10")
@@ -60,7 +60,7 @@ def test_attention_backward_refuses_bad_saved_tensors_by_name():
 def test_deterministic_mode_refuses_k9_before_the_forward():
     torch.use_deterministic_algorithms(True)
     try:
-        with pytest.raises(UnsupportedProblem, match="the deterministic backward is k10's"):
+        with pytest.raises(UnsupportedProblem, match="the deterministic backward is K10's"):
             attention("k6", *_qkv(), backward="k9")
         with pytest.raises(UnsupportedProblem, match="q must be a CUDA tensor"):  # K10 goes on to the checks
             attention("k6", *_qkv())

@@ -38,6 +38,16 @@ def test_k10s_deterministic_mode_takes_turns_on_a_semaphore_per_query_tile(causa
     assert "ld.acquire.gpu" not in plain and "red.release.gpu" not in plain
 
 
+def test_the_overlapped_step_waits_for_s_alone_before_p():
+    from kernels.k10 import compile_backward
+
+    p = Problem(2, 4, 1000, 64, causal=True)
+    waits = [re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d)", compiled_ptx(compile_backward(p, keep_ptx=True, **kw)[1]))
+             for kw in ({}, dict(overlap=True))]
+    # K9's order waits for everything three times a step; the overlapped one lets dP run on once
+    assert waits[0] == ["0"] * 3 and sorted(waits[1]) == ["0", "0", "1"]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("d", [64, 128])
@@ -50,4 +60,17 @@ def test_k10_gradients_match_float64_autograd(shape, causal, d):
              gqa=Problem(2, 8, 1000, d, nheads_kv=2),
              unequal=Problem(2, 4, 300, d, seqlen_k=1000, nheads_kv=2))[shape].with_(causal=causal)
     row = check_backward(p, backward="k10")
+    assert row["ok"], row
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("shape", ["n17", "n1000", "gqa"])
+def test_k10s_overlapped_step_matches_float64_autograd(shape, d):
+    from harness.check import check_backward
+
+    p = dict(n17=Problem(2, 4, 17, d, causal=True), n1000=Problem(2, 4, 1000, d),
+             gqa=Problem(2, 8, 1000, d, nheads_kv=2, causal=True))[shape]
+    row = check_backward(p, backward="k10_overlap")
     assert row["ok"], row
