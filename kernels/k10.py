@@ -41,12 +41,19 @@ class Barrier(enum.IntEnum):
     DQ_EMPTY = 3  # dQ writer -> MMA warps: the TMA has read sdQ
 
 
+# dq_flat: a dQ share leaves in the accumulator's own register order, as 256-float rows (one TMA
+# box of at most 256 elements per dimension) of a flat fp32 buffer per query tile.
+FLAT_WIDTH = 256
+
+
 class K10Backward(k9.K9Backward):
     def __init__(self, head_dim: int, dtype, causal: bool, num_wg: int, tile_m: int, q_stages: int,
-                 deterministic: bool = False, overlap: bool = False):
+                 deterministic: bool = False, overlap: bool = False, dq_flat: bool = False):
         super().__init__(head_dim, dtype, causal, num_wg, tile_m, q_stages)
         self.deterministic = deterministic
-        self.overlap = overlap  # a variant, not yet measured: see mma_step_overlapped
+        self.overlap = overlap  # variants, not yet measured: see mma_step_overlapped and store_dq
+        self.dq_flat = dq_flat
+        self.dq_box = (tile_m * head_dim // FLAT_WIDTH, FLAT_WIDTH) if dq_flat else (tile_m, head_dim)
         self.mma_threads = sm90.THREADS_PER_WARPGROUP * num_wg
         self.num_threads = self.mma_threads + sm90.THREADS_PER_WARPGROUP  # + the producer warpgroup
         self.producer_regs, self.consumer_regs = k5.REGISTERS[num_wg]
@@ -55,17 +62,17 @@ class K10Backward(k9.K9Backward):
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE2: cute.Tensor,
                  mD: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, softmax_scale: Float32,
                  stream, mdQsem: Optional[cute.Tensor] = None):
-        d, dt, tile_m, tile_n = self.head_dim, self.dtype, self.tile_m, self.tile_n
+        dt, tile_m, tile_n = self.dtype, self.tile_m, self.tile_n
         tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = self.tiled_mmas()
         sK_layout, sQ_layout, sdS_layout = self.smem_layouts()
-        sdQ_layout = tma_pipeline.row_major(tile_m, d)  # fp32, as the TMA reduce reads it
+        sdQ_layout = tma_pipeline.row_major(*self.dq_box)  # fp32, as the TMA reduce reads it
         sRow_layout = cute.make_layout((tile_m, self.q_stages))  # LSE2 or D of each stage's query rows
 
         (tma_atom_K, mK_tma), (tma_atom_V, mV_tma), (tma_atom_Q, mQ_tma), (tma_atom_dO, mdO_tma) = self.tma_loads(
             mK, mV, mQ, mdO, sK_layout, sQ_layout)
         tma_atom_dQ, mdQ_tma = cpasync.make_tiled_tma_atom(cpasync.CopyReduceBulkTensorTileS2GOp(),
                                                            tma_pipeline.seq_major_view(mdQaccum), sdQ_layout,
-                                                           (tile_m, d))
+                                                           self.dq_box)
         # LSE2 and D ride the Q/dO ring: one TMA box of tile_m floats each per stage.
         rows_view = lambda m: cute.make_tensor(m.iterator, cute.select(m.layout, mode=[2, 1, 0]))  # noqa: E731
         tma_atom_LSE, mLSE_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), rows_view(mLSE2),
@@ -194,8 +201,8 @@ class K10Backward(k9.K9Backward):
         handoff = self.mma_threads + cute.arch.WARP_SIZE
         for t in cutlass.range(count, unroll=1):
             head, m_block = self.step_at(t, walk)
-            tdQsdQ, tdQgdQ = tma_pipeline.partition_for_tma(tma_atom_dQ, mdQ_tma, sdQ, (self.tile_m, self.head_dim),
-                                                            head, batch, (None, 0))
+            tdQsdQ, tdQgdQ = tma_pipeline.partition_for_tma(tma_atom_dQ, mdQ_tma, sdQ, self.dq_box, head, batch,
+                                                            (None, 0))
             cute.arch.barrier(barrier_id=Barrier.DQ_FULL, number_of_threads=handoff)
             if cutlass.const_expr(self.deterministic):
                 self.wait_turn(order, head, m_block, batch)
@@ -316,6 +323,22 @@ class K10Backward(k9.K9Backward):
         return acc_dQ
 
     @cute.jit
+    def store_dq(self, acc_dQ: cute.Tensor, tdQcdQ: cute.Tensor, sdQ: cute.Tensor, tidx: Int32):
+        """This thread's dQ share into sdQ: at [row, col] (one 4-byte store each), or, ``dq_flat``,
+        in register order, 4 floats at a time with the warpgroup's threads side by side (16-byte
+        stores, no bank conflicts); ``FlatPostpass`` reads that order back."""
+        if cutlass.const_expr(not self.dq_flat):
+            for i in cutlass.range_constexpr(cute.size(acc_dQ)):
+                row, col = tdQcdQ[i]
+                sdQ[row, col] = acc_dQ[i]
+        else:
+            per_thread = cute.size(acc_dQ)
+            threads = sm90.THREADS_PER_WARPGROUP
+            base = (tidx // threads) * threads * per_thread + (tidx % threads) * 4
+            flat = cute.make_tensor(sdQ.iterator + base, cute.make_layout((4, per_thread // 4), stride=(1, 4 * threads)))
+            cute.autovec_copy(cute.make_tensor(acc_dQ.iterator, cute.make_layout((4, per_thread // 4))), flat)
+
+    @cute.jit
     def probabilities(self, acc_S: cute.Tensor, tScS: cute.Tensor, sLSE: cute.Tensor, n_block: Int32,
                       m_block: Int32, lens: tuple, scale_log2: Float32):
         """``p_and_ds``'s first half: acc_S becomes P^T, column by column."""
@@ -379,9 +402,7 @@ class K10Backward(k9.K9Backward):
             pipeline_qdo.consumer_release(qdo)
             if t > 0:  # the writer's TMA has read the previous share
                 cute.arch.barrier(barrier_id=Barrier.DQ_EMPTY, number_of_threads=handoff)
-            for i in cutlass.range_constexpr(cute.size(acc_dQ)):
-                row, col = tdQcdQ[i]
-                sdQ[row, col] = acc_dQ[i]
+            self.store_dq(acc_dQ, tdQcdQ, sdQ, tidx)
             cute.arch.fence_view_async_shared()  # generic-proxy stores -> the TMA's reads
             cute.arch.barrier_arrive(barrier_id=Barrier.DQ_FULL, number_of_threads=handoff)
 
@@ -391,17 +412,55 @@ class K10Backward(k9.K9Backward):
             sm90.store_rows(rX, None, tiled_mma_dkv, tidx, mX, None, n_block, kv_head, batch, tile_n)
 
 
+class FlatPostpass:
+    """``dq_flat``'s post-pass: each query tile's fp32 shares, in the MMA threads' register order,
+    narrowed to dQ[row, col], one thread per MMA thread (a CTA per query tile)."""
+
+    def __init__(self, head_dim: int, dtype, num_wg: int, tile_m: int):
+        self.head_dim, self.dtype, self.num_wg, self.tile_m = head_dim, dtype, num_wg, tile_m
+
+    @cute.jit
+    def __call__(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, stream):
+        grid = (cute.ceil_div(mdQ.shape[2], self.tile_m), mdQ.shape[1], mdQ.shape[0])
+        self.kernel(mdQaccum, mdQ, k9.dq_mma(self.dtype, self.head_dim, self.num_wg)).launch(
+            grid=grid, block=[sm90.THREADS_PER_WARPGROUP * self.num_wg, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, tiled_mma_dq: cute.TiledMma):
+        tidx, _, _ = cute.arch.thread_idx()
+        m_block, head, batch = cute.arch.block_idx()
+        tdQcdQ = tiled_mma_dq.get_slice(tidx).partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim)))
+        per_thread, threads = cute.size(tdQcdQ), sm90.THREADS_PER_WARPGROUP
+        rows = self.tile_m * self.head_dim // FLAT_WIDTH  # of the flat buffer, per query tile
+        tile = mdQaccum[batch, head, None, None]
+        base = m_block * rows * FLAT_WIDTH + (tidx // threads) * threads * per_thread + (tidx % threads) * 4
+        for i in cutlass.range_constexpr(per_thread):
+            flat = base + (i // 4) * 4 * threads + i % 4
+            row, col = tdQcdQ[i]
+            q = m_block * self.tile_m + row
+            if q < mdQ.shape[2]:
+                mdQ[batch, head, q, col] = tile[flat // FLAT_WIDTH, flat % FLAT_WIDTH].to(mdQ.element_type)
+
+
 def check(p: Problem) -> None:
     k9.check(p, "K10")
 
 
-def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = False, **overrides) -> tuple:
-    """(K9's pre-pass, K10's main kernel, K9's post-pass, deterministic) compiled for ``p``."""
+def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = False, dq_flat: bool = False,
+                     **overrides) -> tuple:
+    """(K9's pre-pass, K10's main kernel, the post-pass, the configuration) compiled for ``p``."""
     from cutlass.cute.runtime import make_fake_tensor
 
     check(p)
     cfg = k9.config(p, overrides)
     dt = cute_dtype(p.dtype)
+
+    def accumulator(f, x):  # dQ's fp32 accumulator: (batch, heads, seqlen, d), or dq_flat's rows
+        if not dq_flat:
+            return x(Float32)
+        outer = cute.sym_int64(divisibility=FLAT_WIDTH)
+        return make_fake_tensor(Float32, (f.batch, f.nheads, cute.sym_int(), FLAT_WIDTH),
+                                stride=(outer, outer, FLAT_WIDTH, 1), assumed_align=16)
 
     def main():
         f = FakeShapes()
@@ -410,25 +469,38 @@ def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = F
         rows = lambda: make_fake_tensor(Float32, (f.batch, f.nheads, f.seqlen),  # noqa: E731
                                         stride=(cute.sym_int64(divisibility=4), cute.sym_int64(divisibility=4), 1),
                                         assumed_align=16)
-        args = (x(dt), x(dt, True), x(dt, True), x(dt), rows(), rows(), x(Float32), x(dt, True), x(dt, True),
-                Float32(1.0), fake_stream())
+        args = (x(dt), x(dt, True), x(dt, True), x(dt), rows(), rows(), accumulator(f, x), x(dt, True),
+                x(dt, True), Float32(1.0), fake_stream())
         semaphores = (make_fake_tensor(Int32, (cute.sym_int(),), stride=(1,), assumed_align=4),) * deterministic
-        return K10Backward(p.head_dim, dt, p.causal, **cfg, deterministic=deterministic), args + semaphores
+        kernel = K10Backward(p.head_dim, dt, p.causal, **cfg, deterministic=deterministic, dq_flat=dq_flat)
+        return kernel, args + semaphores
+
+    def flat_post():
+        f = FakeShapes()
+        x, _ = k9.fake_tensors(p, f)
+        return FlatPostpass(p.head_dim, dt, cfg["num_wg"], cfg["tile_m"]), (accumulator(f, x), x(dt), fake_stream())
 
     pre, post = k9.compile_passes(p, keep_ptx)
-    key = ("k10", p.head_dim, p.dtype, p.causal, deterministic, tuple(sorted(cfg.items())))
-    return pre, jit_compile(key, main, keep_ptx), post, deterministic
+    if dq_flat:
+        post = jit_compile(("k10_flat_post", p.head_dim, p.dtype, tuple(sorted(cfg.items()))), flat_post, keep_ptx)
+    key = ("k10", p.head_dim, p.dtype, p.causal, deterministic, dq_flat, tuple(sorted(cfg.items())))
+    return pre, jit_compile(key, main, keep_ptx), post, cfg.with_(deterministic=deterministic, dq_flat=dq_flat)
 
 
 def run_backward(compiled: tuple, q, k, v, o, lse, do, softmax_scale: float, grads: tuple | None = None) -> tuple:
     """K9's ``run_backward`` with K10's kernel; deterministic, a zeroed semaphore per query tile
-    of each (batch, head) besides."""
+    of each (batch, head) besides; ``dq_flat``, the accumulator as rows of FLAT_WIDTH floats,
+    zeroed here (padding included: the last tile's share covers all its rows)."""
     import torch
 
-    pre, main, post, deterministic = compiled
-    b, h, n, _ = q.shape
-    extra = ()
-    if deterministic:
-        tile_m = k9.config(Problem(b, h, n, q.shape[3]))["tile_m"]
-        extra = (torch.zeros(b * h * -(-n // tile_m), device=q.device, dtype=torch.int32),)
-    return k9.run_backward((pre, main, post), q, k, v, o, lse, do, softmax_scale, grads, extra)
+    pre, main, post, cfg = compiled
+    b, h, n, d = q.shape
+    tiles = -(-n // cfg["tile_m"])
+    extra, dq_accum = (), None
+    if cfg["deterministic"]:
+        extra = (torch.zeros(b * h * tiles, device=q.device, dtype=torch.int32),)
+    if cfg["dq_flat"]:
+        flat = torch.zeros(b, h, tiles * cfg["tile_m"] * d // FLAT_WIDTH, FLAT_WIDTH, device=q.device,
+                           dtype=torch.float32)
+        dq_accum = (flat.view(b, h, -1)[:, :, :n * d].view(b, h, n, d), flat)  # the pre-pass zeroes a part again
+    return k9.run_backward((pre, main, post), q, k, v, o, lse, do, softmax_scale, grads, extra, dq_accum)

@@ -421,10 +421,12 @@ def compile_passes(p: Problem, keep_ptx: bool = False) -> tuple:
 
 
 def run_backward(compiled: tuple, q, k, v, o, lse, do, softmax_scale: float, grads: tuple | None = None,
-                 extra: tuple = ()) -> tuple:
+                 extra: tuple = (), dq_accum=None) -> tuple:
     """(dq, dk, dv) of attention(q, k, v) = o with log-sum-exp ``lse`` (natural log, float32,
     (batch, heads, seqlen)), for the gradient ``do`` of o, into ``grads`` if given (the checks
-    pass NaN-filled ones). Three launches; ``extra``: arguments after the main kernel's own."""
+    pass NaN-filled ones). Three launches; ``extra``: arguments after the main kernel's own;
+    ``dq_accum``: (the accumulator as the pre-pass zeroes it, as the kernel and the post-pass
+    read it) where a stage lays it out otherwise (zeroed already)."""
     import torch
 
     pre, main, post = compiled
@@ -432,10 +434,11 @@ def run_backward(compiled: tuple, q, k, v, o, lse, do, softmax_scale: float, gra
     # LSE2 and D rows padded to 4 floats (16 bytes): a kernel may then load them by TMA.
     rows = torch.empty(2, b, h, n + (-n % 4), device=q.device, dtype=torch.float32)[..., :n]
     lse2, dot = rows[0], rows[1]
-    dq_accum = torch.empty(b, h, n, d, device=q.device, dtype=torch.float32)
+    if dq_accum is None:
+        dq_accum = (torch.empty(b, h, n, d, device=q.device, dtype=torch.float32),) * 2
     dq, dk, dv = grads if grads is not None else (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
     do = do.contiguous()
-    pre(o, do, lse, lse2, dot, dq_accum)
-    main(q, k, v, do, lse2, dot, dq_accum, dk, dv, softmax_scale, *extra)
-    post(dq_accum, dq)
+    pre(o, do, lse, lse2, dot, dq_accum[0])
+    main(q, k, v, do, lse2, dot, dq_accum[1], dk, dv, softmax_scale, *extra)
+    post(dq_accum[1], dq)
     return dq, dk, dv

@@ -48,6 +48,19 @@ def test_the_overlapped_step_waits_for_s_alone_before_p():
     assert waits[0] == ["0"] * 3 and sorted(waits[1]) == ["0", "0", "1"]
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_the_flat_dq_share_leaves_in_16_byte_stores(d):
+    from kernels.k10 import compile_backward
+
+    p = Problem(2, 4, 1000, d, causal=True)
+    plain, flat = (compiled_ptx(compile_backward(p, keep_ptx=True, dq_flat=f)[1]) for f in (False, True))
+    stores = [(len(re.findall(r"st\.shared\.v4\.[fb]32", x)), len(re.findall(r"st\.shared\.v2\.[fb]32", x)))
+              for x in (plain, flat)]
+    share = 64 * d // 256  # floats of the dQ tile per MMA thread
+    # at [row, col]: column pairs, 8 bytes a store (bank conflicts across a warp's 8 rows); flat: 16
+    assert stores == [(0, share // 2), (share // 4, 0)], stores
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("d", [64, 128])
@@ -65,12 +78,13 @@ def test_k10_gradients_match_float64_autograd(shape, causal, d):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("variant", ["k10_overlap", "k10_flat", "k10_overlap_flat"])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("shape", ["n17", "n1000", "gqa"])
-def test_k10s_overlapped_step_matches_float64_autograd(shape, d):
+def test_k10s_variants_match_float64_autograd(shape, d, variant):
     from harness.check import check_backward
 
     p = dict(n17=Problem(2, 4, 17, d, causal=True), n1000=Problem(2, 4, 1000, d),
              gqa=Problem(2, 8, 1000, d, nheads_kv=2, causal=True))[shape]
-    row = check_backward(p, backward="k10_overlap")
+    row = check_backward(p, backward=variant)
     assert row["ok"], row
