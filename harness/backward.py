@@ -26,10 +26,11 @@ FORWARD_ONLY = ("k7_k4", "k7", "k8", "decode_nosplit", "decode_combine", "decode
 _COMPILED: "OrderedDict[tuple, tuple]" = OrderedDict()
 # name -> (kernel module, compile overrides): the stages, and variants of them still being measured
 VARIANTS = {"k9": ("k9", {}), "k10": ("k10", {}), "k10_overlap": ("k10", dict(overlap=True)),
-            "k10_flat": ("k10", dict(dq_flat=True)), "k10_overlap_flat": ("k10", dict(overlap=True, dq_flat=True))}
+            "k10_flat": ("k10", dict(dq_flat=True)), "k10_stmatrix": ("k10", dict(ds_stmatrix=True)),
+            "k10_fa3": ("k10", dict(overlap=True, dq_flat=True, ds_stmatrix=True))}
 STAGES = tuple(VARIANTS)
 MAIN_STAGES = ("k9", "k10")  # what ref_check --backward and bench.py --backward run unless told
-DETERMINISTIC = ("k10", "k10_overlap", "k10_flat", "k10_overlap_flat")  # the stages with a deterministic mode
+DETERMINISTIC = tuple(name for name, (module, _) in VARIANTS.items() if module == "k10")  # with a deterministic mode
 DEFAULT = "k10"  # the faster in every cell of results/backward-sweep-h100.json
 
 

@@ -48,11 +48,13 @@ FLAT_WIDTH = 256
 
 class K10Backward(k9.K9Backward):
     def __init__(self, head_dim: int, dtype, causal: bool, num_wg: int, tile_m: int, q_stages: int,
-                 deterministic: bool = False, overlap: bool = False, dq_flat: bool = False):
+                 deterministic: bool = False, overlap: bool = False, dq_flat: bool = False,
+                 ds_stmatrix: bool = False):
         super().__init__(head_dim, dtype, causal, num_wg, tile_m, q_stages)
         self.deterministic = deterministic
         self.overlap = overlap  # variants, not yet measured: see mma_step_overlapped and store_dq
         self.dq_flat = dq_flat
+        self.ds_stmatrix = ds_stmatrix
         self.dq_box = (tile_m * head_dim // FLAT_WIDTH, FLAT_WIDTH) if dq_flat else (tile_m, head_dim)
         self.mma_threads = sm90.THREADS_PER_WARPGROUP * num_wg
         self.num_threads = self.mma_threads + sm90.THREADS_PER_WARPGROUP  # + the producer warpgroup
@@ -282,7 +284,7 @@ class K10Backward(k9.K9Backward):
         sm90.convert_to(sm90.acc_as_operand_a(acc_S), tdVrP)
         sm90.gemm(tiled_mma_dkv, acc_dV, tdVrP, tdVrdO[None, None, None, stage], zero_init=False, wg_wait=-1)
         cute.arch.barrier(barrier_id=Barrier.MMA, number_of_threads=self.mma_threads)  # sdS free again
-        self.store_ds(acc_dP, tScS, sdS)
+        self.store_dS(acc_dP, tScS, sdS, tiled_mma_sdp)
         cute.arch.fence_view_async_shared()
         sm90.convert_to(sm90.acc_as_operand_a(acc_dP), tdKrdS)
         sm90.gemm(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQ[None, None, None, stage], zero_init=False, wg_wait=-1)
@@ -313,7 +315,7 @@ class K10Backward(k9.K9Backward):
         self.score_grads(acc_S, acc_dP, tScS, rows[1][None, stage], m_block, lens[0], softmax_scale)
         sm90.gemm(tiled_mma_dkv, acc_dV, tdVrP, tdVrdO[None, None, None, stage], zero_init=False, wg_wait=-1)
         cute.arch.barrier(barrier_id=Barrier.MMA, number_of_threads=self.mma_threads)  # sdS free again
-        self.store_ds(acc_dP, tScS, sdS)
+        self.store_dS(acc_dP, tScS, sdS, tiled_mma_sdp)
         cute.arch.fence_view_async_shared()
         sm90.convert_to(sm90.acc_as_operand_a(acc_dP), tdKrdS)
         sm90.gemm(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQ[None, None, None, stage], zero_init=False, wg_wait=-1)
@@ -321,6 +323,21 @@ class K10Backward(k9.K9Backward):
         acc_dQ = cute.make_rmem_tensor(tiled_mma_dq.partition_shape_C((self.tile_m, self.head_dim)), Float32)
         sm90.gemm(tiled_mma_dq, acc_dQ, tdQrdS, tdQrK, zero_init=True, wg_wait=0)  # dV's, dK's and dQ's
         return acc_dQ
+
+    @cute.jit
+    def store_dS(self, acc_dS: cute.Tensor, tScS: cute.Tensor, sdS: cute.Tensor, tiled_mma_sdp: cute.TiledMma):
+        """dS^T into sdS[query, key]: K9's 2-byte stores, or, ``ds_stmatrix``, narrowed in the C
+        layout and written by ``stmatrix`` (8x8 tiles, 16-byte rows: sdS's query axis is
+        contiguous, the accumulator's N axis), as the TMA-store epilogue writes O."""
+        if cutlass.const_expr(not self.ds_stmatrix):
+            self.store_ds(acc_dS, tScS, sdS)
+        else:
+            rdS = cute.make_rmem_tensor_like(acc_dS, self.dtype)
+            sm90.convert_to(acc_dS, rdS)
+            atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+            thr = cute.make_tiled_copy_C(atom, tiled_mma_sdp).get_slice(cute.arch.thread_idx()[0]
+                                                                       - sm90.THREADS_PER_WARPGROUP)
+            cute.copy(atom, thr.retile(rdS), thr.partition_D(k9.transpose_view(sdS)))
 
     @cute.jit
     def store_dq(self, acc_dQ: cute.Tensor, tdQcdQ: cute.Tensor, sdQ: cute.Tensor, tidx: Int32):

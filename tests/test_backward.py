@@ -26,7 +26,7 @@ def test_a_forward_no_backward_can_follow_is_refused_before_it_runs(name, shape,
 
 
 def test_an_unknown_backward_stage_is_refused_by_name():
-    with pytest.raises(UnsupportedProblem, match="backward must be one of \\['k9', 'k10', 'k10_overlap', 'k10_flat', 'k10_overlap_flat'\\]"):
+    with pytest.raises(UnsupportedProblem, match="backward must be one of \\['k9', 'k10', 'k10_overlap', 'k10_flat', 'k10_stmatrix', 'k10_fa3'\\]"):
         attention("k6", *_qkv(), backward="k11")
     with pytest.raises(UnsupportedProblem, match="K10 \\(backward\\): head_dim 256 not supported"):
         attention("k6", *_qkv((1, 2, 16, 256)), backward="k10")

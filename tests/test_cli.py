@@ -249,7 +249,7 @@ def test_reproduce_script_stops_before_making_its_folder_without_a_gpu(tmp_path)
 
 def test_ref_check_backward_takes_backward_stages_only(capsys):
     assert ref_check.main(["--backward", "k8"]) == 2
-    assert "the backward stages ['k9', 'k10', 'k10_overlap', 'k10_flat', 'k10_overlap_flat'], not ['k8']" in capsys.readouterr().err
+    assert "the backward stages ['k9', 'k10', 'k10_overlap', 'k10_flat', 'k10_stmatrix', 'k10_fa3'], not ['k8']" in capsys.readouterr().err
 
 
 def test_backward_refuses_what_it_would_ignore_and_needs_a_gpu(capsys):

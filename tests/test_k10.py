@@ -61,6 +61,16 @@ def test_the_flat_dq_share_leaves_in_16_byte_stores(d):
     assert stores == [(0, share // 2), (share // 4, 0)], stores
 
 
+def test_ds_leaves_by_stmatrix_in_the_variant():
+    from kernels.k10 import compile_backward
+
+    p = Problem(2, 4, 1000, 128, causal=True)
+    plain, st = (compiled_ptx(compile_backward(p, keep_ptx=True, ds_stmatrix=f)[1]) for f in (False, True))
+    # 32 dS^T values a thread: 32 two-byte stores, or 4 stmatrix.x4 (8 values each)
+    assert (len(re.findall(r"st\.shared\.b16", plain)), len(re.findall(r"stmatrix", plain))) == (32, 0)
+    assert (len(re.findall(r"st\.shared\.b16", st)), len(re.findall(r"stmatrix\.sync\.aligned\.(?:m8n8\.)?x4", st))) == (0, 4)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("d", [64, 128])
@@ -78,7 +88,7 @@ def test_k10_gradients_match_float64_autograd(shape, causal, d):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("variant", ["k10_overlap", "k10_flat", "k10_overlap_flat"])
+@pytest.mark.parametrize("variant", ["k10_overlap", "k10_flat", "k10_stmatrix", "k10_fa3"])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("shape", ["n17", "n1000", "gqa"])
 def test_k10s_variants_match_float64_autograd(shape, d, variant):
