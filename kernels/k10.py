@@ -393,7 +393,7 @@ class K10Backward(k9.K9Backward):
             mdK: cute.Tensor, mdV: cute.Tensor, scale_log2: Float32, softmax_scale: Float32):
         sK, sV, sQ, sdO, sdS, sdQ = smem
         tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = mmas
-        d, tile_m, tile_n, stages = self.head_dim, self.tile_m, self.tile_n, self.q_stages
+        tile_m, tile_n, stages = self.tile_m, self.tile_n, self.q_stages
         tidx = cute.arch.thread_idx()[0] - sm90.THREADS_PER_WARPGROUP  # among the MMA threads
         wg_idx = cute.arch.make_warp_uniform(tidx // sm90.THREADS_PER_WARPGROUP)
         handoff = self.mma_threads + cute.arch.WARP_SIZE
