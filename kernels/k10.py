@@ -12,8 +12,9 @@ New relative to K9 (same walk, same five GEMMs, same operand placement):
   (the TMA has read it).
 * The MMA warpgroups synchronize among themselves with a named barrier (``MMA``), not the CTA
   barrier, which would wait for the producer warps.
-* A deterministic mode: the key tiles' dQ shares of a query tile are added in key-tile order
-  (a semaphore per query tile), so the fp32 sums, and the gradients, repeat bit for bit.
+* A deterministic mode: the key tiles' dQ shares of a query tile are added in a fixed order
+  (a semaphore per query tile), so the fp32 sums, and the gradients, repeat bit for bit. Causal,
+  the order is the one the shares arrive in (the last key tile first: it starts on the diagonal).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from . import k5, k9, sm90, tma_pipeline
-from .contract import LOG2_E, FakeShapes, Problem, cute_dtype, fake_stream, jit_compile
+from .contract import LOG2_E, FakeShapes, Problem, cute_dtype, fake_stream, jit_compile, num_sms
 
 HEAD_DIMS = k9.HEAD_DIMS
 DEFAULT_CONFIG = k9.DEFAULT_CONFIG
@@ -49,9 +50,10 @@ FLAT_WIDTH = 256
 class K10Backward(k9.K9Backward):
     def __init__(self, head_dim: int, dtype, causal: bool, num_wg: int, tile_m: int, q_stages: int,
                  deterministic: bool = False, overlap: bool = False, dq_flat: bool = False,
-                 ds_stmatrix: bool = False):
+                 ds_stmatrix: bool = False, last_first: bool = False):
         super().__init__(head_dim, dtype, causal, num_wg, tile_m, q_stages)
         self.deterministic = deterministic
+        self.last_first = last_first  # deterministic order: the key tiles seeing a query tile, last to first
         self.overlap = overlap  # variants, not yet measured: see mma_step_overlapped and store_dq
         self.dq_flat = dq_flat
         self.ds_stmatrix = ds_stmatrix
@@ -150,7 +152,8 @@ class K10Backward(k9.K9Backward):
                           (tma_atom_Q, mQ_tma, sQ, tma_atom_dO, mdO_tma, sdO, tma_atom_LSE, mLSE_tma, sLSE,
                            tma_atom_D, mD_tma, sD))
             elif warp_idx == 1:
-                self.write_dq(tma_atom_dQ, mdQ_tma, sdQ, walk, count, batch, (mdQsem, n_block, q_rows[1], m_tiles))
+                self.write_dq(tma_atom_dQ, mdQ_tma, sdQ, walk, count, batch,
+                              (mdQsem, n_block, q_rows[1], m_tiles, offset, cute.ceil_div(seqlen_k, tile_n)))
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.mma(pipeline_kv, pipeline_qdo, walk, count, n_block, kv_head, batch, (seqlen, offset),
@@ -220,23 +223,29 @@ class K10Backward(k9.K9Backward):
 
     @cute.jit
     def wait_turn(self, order: tuple, head: Int32, m_block: Int32, batch: Int32):
-        """Deterministic: wait until the key tiles before this one have added their shares of this
-        query tile. Every key tile from 0 up to the last one that sees the tile contributes (causal
-        too: a query tile is seen by a prefix of the key tiles), so this one's turn is its index.
-        Those CTAs have lower block indices, launched no later than this one: none can be waiting
-        for this CTA's SM."""
-        mdQsem, n_block, nheads, m_tiles = order
+        """Deterministic: wait until the shares due before this one have been added. The key tiles
+        that see query tile i are 0..J(i) (causal too: a prefix). In key-tile order this tile's turn
+        is its index, and it waits only for CTAs launched before it. Causal, key tile j reaches i
+        i - m_first(j) steps into its walk, so the shares arrive last tile first: turn J(i) - j
+        costs no waiting, but waits for CTAs launched after this one, which is safe only when all
+        of one (batch, K/V head)'s key tiles fit on the GPU at once (``last_first``, set by the
+        host)."""
+        mdQsem, n_block, nheads, m_tiles, offset, n_tiles = order
         lock = mdQsem.iterator + (batch * nheads + head) * m_tiles + m_block
+        turn_due = n_block
+        if cutlass.const_expr(self.last_first):
+            last = cutlass.min(((m_block + 1) * self.tile_m + offset - 1) // self.tile_n, n_tiles - 1)
+            turn_due = last - n_block
         if cute.arch.lane_idx() == 0:
             turn = cute.arch.load(lock, Int32, sem="acquire", scope="gpu")
-            while turn != n_block:
+            while turn != turn_due:
                 turn = cute.arch.load(lock, Int32, sem="acquire", scope="gpu")
         cute.arch.sync_warp()
         cute.arch.fence_proxy("async.global")  # the earlier shares, seen through the acquire, for the TMA
 
     @cute.jit
     def pass_turn(self, order: tuple, head: Int32, m_block: Int32, batch: Int32):
-        mdQsem, n_block, nheads, m_tiles = order
+        mdQsem, n_block, nheads, m_tiles = order[:4]
         if cute.arch.lane_idx() == 0:
             cute.arch.fence_proxy("async.global")  # this share's adds before the release that announces them
             cute.arch.red(mdQsem.iterator + (batch * nheads + head) * m_tiles + m_block, Int32(1), op="add",
@@ -471,13 +480,15 @@ def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = F
     check(p)
     cfg = k9.config(p, overrides)
     dt = cute_dtype(p.dtype)
+    key_tiles = -(-p.kv_len // (sm90.WGMMA_M * cfg["num_wg"]))
+    last_first = deterministic and p.causal and key_tiles <= num_sms()  # K10Backward.wait_turn says why
 
     def accumulator(f, x):  # dQ's fp32 accumulator: (batch, heads, seqlen, d), or dq_flat's rows
         if not dq_flat:
             return x(Float32)
-        outer = cute.sym_int64(divisibility=FLAT_WIDTH)
+        outer = lambda: cute.sym_int64(divisibility=FLAT_WIDTH)  # noqa: E731
         return make_fake_tensor(Float32, (f.batch, f.nheads, cute.sym_int(), FLAT_WIDTH),
-                                stride=(outer, outer, FLAT_WIDTH, 1), assumed_align=16)
+                                stride=(outer(), outer(), FLAT_WIDTH, 1), assumed_align=16)
 
     def main():
         f = FakeShapes()
@@ -488,9 +499,10 @@ def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = F
                                         assumed_align=16)
         args = (x(dt), x(dt, True), x(dt, True), x(dt), rows(), rows(), accumulator(f, x), x(dt, True),
                 x(dt, True), Float32(1.0), fake_stream())
-        semaphores = (make_fake_tensor(Int32, (cute.sym_int(),), stride=(1,), assumed_align=4),) * deterministic
-        kernel = K10Backward(p.head_dim, dt, p.causal, **cfg, deterministic=deterministic, dq_flat=dq_flat)
-        return kernel, args + semaphores
+        semaphores = make_fake_tensor(Int32, (cute.sym_int(),), stride=(1,), assumed_align=4) if deterministic else None
+        kernel = K10Backward(p.head_dim, dt, p.causal, **cfg, deterministic=deterministic, dq_flat=dq_flat,
+                             last_first=last_first)
+        return kernel, args + (semaphores,)
 
     def flat_post():
         f = FakeShapes()
@@ -500,8 +512,9 @@ def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = F
     pre, post = k9.compile_passes(p, keep_ptx)
     if dq_flat:
         post = jit_compile(("k10_flat_post", p.head_dim, p.dtype, tuple(sorted(cfg.items()))), flat_post, keep_ptx)
-    key = ("k10", p.head_dim, p.dtype, p.causal, deterministic, dq_flat, tuple(sorted(cfg.items())))
-    return pre, jit_compile(key, main, keep_ptx), post, cfg.with_(deterministic=deterministic, dq_flat=dq_flat)
+    key = ("k10", p.head_dim, p.dtype, p.causal, deterministic, last_first, dq_flat, tuple(sorted(cfg.items())))
+    return pre, jit_compile(key, main, keep_ptx), post, cfg.with_(deterministic=deterministic, dq_flat=dq_flat,
+                                                                  last_first=last_first)
 
 
 def run_backward(compiled: tuple, q, k, v, o, lse, do, softmax_scale: float, grads: tuple | None = None) -> tuple:
@@ -513,7 +526,7 @@ def run_backward(compiled: tuple, q, k, v, o, lse, do, softmax_scale: float, gra
     pre, main, post, cfg = compiled
     b, h, n, d = q.shape
     tiles = -(-n // cfg["tile_m"])
-    extra, dq_accum = (), None
+    extra, dq_accum = (None,), None
     if cfg["deterministic"]:
         extra = (torch.zeros(b * h * tiles, device=q.device, dtype=torch.int32),)
     if cfg["dq_flat"]:

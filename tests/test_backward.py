@@ -8,10 +8,10 @@ from harness import attention, attention_backward
 from kernels.contract import UnsupportedProblem
 
 
-def _qkv(shape=(1, 2, 16, 64), device="cpu", grad=True, kv_heads=None):
+def _qkv(shape=(1, 2, 16, 64), device="cpu", grad=True, kv_heads=None, kv_len=None):
     b, h, n, d = shape
     q = torch.randn(shape, device=device, dtype=torch.bfloat16)
-    k, v = (torch.randn(b, kv_heads or h, n, d, device=device, dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(b, kv_heads or h, kv_len or n, d, device=device, dtype=torch.bfloat16) for _ in range(2))
     return [t.requires_grad_(grad) for t in (q, k, v)]
 
 
@@ -71,8 +71,9 @@ def test_deterministic_mode_refuses_k9_before_the_forward():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("causal", [False, True])
-def test_the_deterministic_backward_repeats_bit_for_bit_and_is_right(causal):
-    q, k, v = _qkv((2, 8, 1000, 128), "cuda", grad=False, kv_heads=2)
+@pytest.mark.parametrize("kv_len", [1000, 300, 1700])  # causal: the last key tile seeing a query tile moves
+def test_the_deterministic_backward_repeats_bit_for_bit_and_is_right(causal, kv_len):
+    q, k, v = _qkv((2, 8, 1000, 128), "cuda", grad=False, kv_heads=2, kv_len=kv_len)
     dout = torch.randn_like(q)
     out, lse = attention("k6", q, k, v, causal=causal, return_lse=True)
     torch.use_deterministic_algorithms(True)

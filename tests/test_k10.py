@@ -38,6 +38,20 @@ def test_k10s_deterministic_mode_takes_turns_on_a_semaphore_per_query_tile(causa
     assert "ld.acquire.gpu" not in plain and "red.release.gpu" not in plain
 
 
+def test_the_deterministic_order_is_last_key_tile_first_only_where_it_cannot_deadlock():
+    from kernels.contract import num_sms
+    from kernels.k10 import compile_backward
+
+    def order(causal, kv_len, deterministic=True):
+        p = Problem(1, 4, 1000, 128, causal=causal, seqlen_k=kv_len)
+        return compile_backward(p, deterministic=deterministic)[3]["last_first"]
+
+    # causal shares arrive last key tile first; that order waits on CTAs launched later, so only
+    # while one (batch, head)'s key tiles all fit on the GPU (128 keys a tile at d = 128)
+    assert order(True, 1000) and order(True, 128 * num_sms())
+    assert not order(True, 128 * num_sms() + 1) and not order(False, 1000) and not order(True, 1000, False)
+
+
 def test_the_overlapped_step_waits_for_s_alone_before_p():
     from kernels.k10 import compile_backward
 
