@@ -29,9 +29,11 @@ VARIANTS = {"k9": ("k9", {}), "k10": ("k10", {}), "k10_overlap": ("k10", dict(ov
             "k10_flat": ("k10", dict(dq_flat=True)), "k10_stmatrix": ("k10", dict(ds_stmatrix=True)),
             "k10_fa3": ("k10", dict(overlap=True, dq_flat=True, ds_stmatrix=True))}
 STAGES = tuple(VARIANTS)
-MAIN_STAGES = ("k9", "k10")  # what ref_check --backward and bench.py --backward run unless told
+MAIN_STAGES = ("k9", "k10", "k10_fa3")  # what ref_check --backward and bench.py --backward run unless told
 DETERMINISTIC = tuple(name for name, (module, _) in VARIANTS.items() if module == "k10")  # with a deterministic mode
-DEFAULT = "k10"  # the faster in every cell of results/backward-sweep-h100.json
+# K10 with FA3's three changes: the fastest at d 64/128, causal or not, bar d128 causal where
+# k10_stmatrix leads by 4% (results/backward-variants-h100.json)
+DEFAULT = "k10_fa3"
 
 
 def require_stage(stage) -> str:

@@ -421,13 +421,15 @@ def ws_compile_table(files):
 
 
 def backward_sweep_table(run):
-    """docs/k9.md, docs/k10.md: bench.py --backward, K9 and K10 through autograd (and their launches
-    alone) beside cuDNN's and flash-attn-4's autograd backward, per cell and in summary."""
-    cells = {}
+    """docs/k9.md, docs/k10.md: bench.py --backward, our backwards (K9, K10, its variants) through
+    autograd (and their launches alone) beside cuDNN's and flash-attn-4's autograd backward, per
+    cell and in summary."""
+    cells, stages = {}, []
     for r in run["rows"]:
         if r["status"] == "ok":
             cells.setdefault((r["head_dim"], r["causal"], r["seqlen"]), {})[r["kernel"]] = r
-    stages = [k for k in ("k9", "k10", "k10_det") if any(k in c for c in cells.values())]
+            if r["kernel"] not in ("sdpa-cudnn", "fa4") + tuple(stages):
+                stages.append(r["kernel"])
     last = "k10" if "k10" in stages else stages[-1] if stages else ""  # the ratio column's stage
     body, ratios = [], {k: [] for k in stages}
     for (d, c, n), row in sorted(cells.items()):
@@ -1231,6 +1233,9 @@ def main(argv=None):
     if backward_run:
         for stem in ("k9", "k10"):
             fill(stem, "backward-sweep", lambda: backward_sweep_table(backward_run))
+    variants_run = newest(finished("backward-variants-*.json"), TARGET_GPU)
+    if variants_run:
+        fill("k10", "backward-variants", lambda: backward_sweep_table(variants_run))
     backward_checks = sorted(finished("refcheck-backward-*.json"), key=lambda f: f["meta"].get("date", ""), reverse=True)
     if backward_checks:
         for stem in ("k9", "k10"):

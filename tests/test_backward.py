@@ -71,7 +71,7 @@ def test_deterministic_mode_refuses_k9_before_the_forward():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("kv_len", [1000, 300, 1700])  # causal: the last key tile seeing a query tile moves
+@pytest.mark.parametrize("kv_len", [1000, 1700])  # causal: the last key tile seeing a query tile moves
 def test_the_deterministic_backward_repeats_bit_for_bit_and_is_right(causal, kv_len):
     q, k, v = _qkv((2, 8, 1000, 128), "cuda", grad=False, kv_heads=2, kv_len=kv_len)
     dout = torch.randn_like(q)
