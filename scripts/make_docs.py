@@ -1233,9 +1233,14 @@ def main(argv=None):
     if backward_run:
         for stem in ("k9", "k10"):
             fill(stem, "backward-sweep", lambda: backward_sweep_table(backward_run))
-    variants_run = newest(finished("backward-variants-*.json"), TARGET_GPU)
-    if variants_run:
-        fill("k10", "backward-variants", lambda: backward_sweep_table(variants_run))
+    default_run = newest(finished("backward-default-sweep-*.json"), TARGET_GPU)
+    if default_run:
+        fill("k10", "backward-default-sweep", lambda: backward_sweep_table(default_run))
+    variants = [f for f in finished("backward-variants-*.json") if gpu_short_name(f["meta"].get("device", "")) == TARGET_GPU]
+    if variants:  # one file per (d, causal) as scripts/reproduce.sh writes them, or one joined file
+        joined = dict(meta=dict(newest(variants)["meta"], command=" ; ".join(f["meta"].get("command", "") for f in variants)),
+                      rows=[r for f in variants for r in f["rows"]])
+        fill("k10", "backward-variants", lambda: backward_sweep_table(joined))
     backward_checks = sorted(finished("refcheck-backward-*.json"), key=lambda f: f["meta"].get("date", ""), reverse=True)
     if backward_checks:
         for stem in ("k9", "k10"):

@@ -475,16 +475,23 @@ out.close()") || rc=1
     timeout 400 $py -m pytest -m gpu -q tests/test_k9.py tests/test_k10.py tests/test_backward.py tests/test_training.py \
       2>&1 | tail -3 || rc=1
     timeout 200 $py -m harness.training --out "$dir/training-$gpu.json" || rc=1
-    for stage in k9 k10; do
+    for case in "k9 K9 False" "k10 K10 False" "k10_fa3 K10 False" "k10_fa3 K10 True"; do
+      read -r stage kernel det <<< "$case"  # det: under torch.use_deterministic_algorithms
       for tool in racecheck synccheck; do  # small shapes, the main kernel only
-        timeout 200 compute-sanitizer --tool $tool --kernel-name kns=${stage^^}Backward $py -c "import torch
+        timeout 200 compute-sanitizer --tool $tool --kernel-name kns=${kernel}Backward $py -c "import torch
 from harness import attention
+torch.use_deterministic_algorithms($det)
 q, k, v = (torch.randn(1, 2, 300, 128, device='cuda', dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
 attention('k6', q, k, v, causal=True, backward='$stage').sum().backward()
-torch.cuda.synchronize(); print('$stage $tool: ok')" 2>&1 | grep "SUMMARY\|: ok\|rror" || rc=1
+torch.cuda.synchronize(); print('$stage deterministic=$det $tool: ok')" 2>&1 | grep "SUMMARY\|: ok\|rror" || rc=1
       done
     done | tee "$dir/sanitizer-backward-$gpu.txt"
-    timeout 540 $py bench.py --backward --sweep --out "$dir/backward-sweep-$gpu.json" || rc=1
+    timeout 540 $py bench.py --backward k9 k10 --sweep --out "$dir/backward-sweep-$gpu.json" || rc=1
+    timeout 300 $py bench.py --backward k10_fa3 --sweep --out "$dir/backward-default-sweep-$gpu.json" || rc=1
+    for d in 64 128; do for c in 0 1; do  # the variants (docs/k10.md's table joins the four files' rows)
+      timeout 120 $py bench.py --backward k10 k10_overlap k10_flat k10_stmatrix k10_fa3 --seqlen 4096 --headdim $d \
+        --causal $c --out "$dir/backward-variants-d$d-c$c-$gpu.json" || rc=1
+    done; done
     exit $rc
     ;;
   *) echo "usage: $0 check|perf|headline|ws|decode|fp8check|fp8|final|call|backward [dir]" >&2; exit 2 ;;
