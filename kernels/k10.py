@@ -260,18 +260,37 @@ class K10Backward(k9.K9Backward):
         seqlen, offset = lens
         s_mn, dp_mn, c_mn = sm90.acc_mn_view(acc_S), sm90.acc_mn_view(acc_dP), sm90.acc_mn_view(tScS)
         for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
-            row = c_mn[0, c][1]
-            q = m_block * self.tile_m + row
-            lse2, dot = Float32(float("inf")), Float32(0.0)
-            if q < seqlen:  # past the sequence the TMA filled zeros; P must be 0 there
-                lse2, dot = sLSE[row], sD[row]
+            q, lse2, dot = self.column_rows(c_mn, c, m_block, seqlen, sLSE, sD)
             for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
-                p = cute.math.exp2(s_mn[r, c] * scale_log2 - lse2, fastmath=True)
-                if cutlass.const_expr(self.causal):
-                    if n_block * self.tile_n + c_mn[r, c][0] > q + offset:
-                        p = Float32(0.0)
+                p = self.probability(s_mn[r, c], lse2, (n_block, c_mn[r, c][0]), (q, offset), scale_log2)
                 s_mn[r, c] = p
                 dp_mn[r, c] = p * (dp_mn[r, c] - dot) * softmax_scale
+
+    @cute.jit
+    def column_rows(self, c_mn: cute.Tensor, c: int, m_block: Int32, seqlen: Int32, sLSE: cute.Tensor, sD=None):
+        """(query, LSE2, D) of column ``c`` of the S^T tile: its query row's pair from the stage's
+        SMEM rows (D only with ``sD``); past the sequence the TMA filled zeros, so LSE2 = +inf
+        there makes P 0."""
+        row = c_mn[0, c][1]
+        q = m_block * self.tile_m + row
+        lse2, dot = Float32(float("inf")), Float32(0.0)
+        if q < seqlen:
+            if cutlass.const_expr(sD is not None):
+                lse2, dot = sLSE[row], sD[row]
+            else:
+                lse2 = sLSE[row]
+        return q, lse2, dot
+
+    @cute.jit
+    def probability(self, score: Float32, lse2: Float32, key: tuple, query: tuple, scale_log2: Float32) -> Float32:
+        """P = exp2(S * scale_log2 - LSE2) of one score; causal, 0 past the query's diagonal key
+        (``key``: its key tile and its column there; ``query``: the query and the diagonal's offset)."""
+        p = cute.math.exp2(score * scale_log2 - lse2, fastmath=True)
+        if cutlass.const_expr(self.causal):
+            (n_block, column), (q, offset) = key, query
+            if n_block * self.tile_n + column > q + offset:
+                p = Float32(0.0)
+        return p
 
     # ---- MMA warpgroups: K9's step, with named barriers and dQ through sdQ --------------------
 
@@ -371,17 +390,9 @@ class K10Backward(k9.K9Backward):
         seqlen, offset = lens
         s_mn, c_mn = sm90.acc_mn_view(acc_S), sm90.acc_mn_view(tScS)
         for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
-            row = c_mn[0, c][1]
-            q = m_block * self.tile_m + row
-            lse2 = Float32(float("inf"))
-            if q < seqlen:
-                lse2 = sLSE[row]
+            q, lse2, _ = self.column_rows(c_mn, c, m_block, seqlen, sLSE)
             for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
-                p = cute.math.exp2(s_mn[r, c] * scale_log2 - lse2, fastmath=True)
-                if cutlass.const_expr(self.causal):
-                    if n_block * self.tile_n + c_mn[r, c][0] > q + offset:
-                        p = Float32(0.0)
-                s_mn[r, c] = p
+                s_mn[r, c] = self.probability(s_mn[r, c], lse2, (n_block, c_mn[r, c][0]), (q, offset), scale_log2)
 
     @cute.jit
     def score_grads(self, acc_P: cute.Tensor, acc_dP: cute.Tensor, tScS: cute.Tensor, sD: cute.Tensor,
