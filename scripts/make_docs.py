@@ -1229,13 +1229,11 @@ def main(argv=None):
     gqa_pairs = [pair for pair in gqa_pairs if all(pair)]
     if gqa_pairs:
         fill("k6", "gqa", lambda: "\n\n".join(gqa_table(mha, gqa) for mha, gqa in gqa_pairs))
-    backward_run = newest(finished("backward-sweep-*.json"), TARGET_GPU)
-    if backward_run:
-        for stem in ("k9", "k10"):
-            fill(stem, "backward-sweep", lambda: backward_sweep_table(backward_run))
-    default_run = newest(finished("backward-default-sweep-*.json"), TARGET_GPU)
-    if default_run:
-        fill("k10", "backward-default-sweep", lambda: backward_sweep_table(default_run))
+    # the K9 -> K10 step (both pages), and the default backward's own sweep
+    for name, stems in (("backward-sweep", ("k9", "k10")), ("backward-default-sweep", ("k10",))):
+        run = newest(finished(f"{name}-*.json"), TARGET_GPU)
+        for stem in stems if run else ():
+            fill(stem, name, lambda run=run: backward_sweep_table(run))
     variants = [f for f in finished("backward-variants-*.json") if gpu_short_name(f["meta"].get("device", "")) == TARGET_GPU]
     if variants:  # one file per (d, causal) as scripts/reproduce.sh writes them, or one joined file
         joined = dict(meta=dict(newest(variants)["meta"], command=" ; ".join(f["meta"].get("command", "") for f in variants)),
