@@ -5,6 +5,7 @@
     python bench.py all --out results/bench.json
     python bench.py --sweep --out results/sweep.json k2 k4
     python bench.py k4 --compile-only      # no GPU needed: compile for sm_90a and inspect
+    python bench.py k6 --softcap 30 --causal 1   # a logit softcap, beside flash-attn-4 with the same cap
     python bench.py --decode --out results/decode.json   # decode over a KV cache, TB/s, graph-timed
     python bench.py --decode --batch 1 --nheads-kv 8      # part of the decode grid
     python bench.py --decode --splits-curve               # decode: TB/s against the split count
@@ -52,6 +53,8 @@ def parse_args(argv=None):
     ap.add_argument("--seqlen", type=int, help="(SEQLEN)")
     ap.add_argument("--headdim", type=int, help="(HEADDIM)")
     ap.add_argument("--causal", type=int, choices=(0, 1), help="(CAUSAL)")
+    ap.add_argument("--softcap", type=float, help="a logit softcap c > 0 (scores -> c*tanh(s/c)); the peers: "
+                    "flash-attn-4 with the same cap (SDPA has none)")
     ap.add_argument("--batch", type=int, help="(BATCH; not with --sweep)")
     ap.add_argument("--nheads", type=int, help="(NHEADS; not with --sweep)")
     ap.add_argument("--dtype", help="bf16, fp16 or fp8 (DTYPE); fp8: e4m3 inputs (per-tensor descales; k8 "
@@ -184,7 +187,8 @@ def public_call(name, problem, q, k, v, **descales):
     """What a user calls: ``attention(name, ...)`` on the same tensors (e4m3 ones with their descales)."""
     from harness import attention
 
-    return lambda: attention(name, q, k, v, causal=problem.causal, softmax_scale=problem.scale, **descales)
+    softcap = {"softcap": problem.softcap} if problem.softcap else {}
+    return lambda: attention(name, q, k, v, causal=problem.causal, softmax_scale=problem.scale, **softcap, **descales)
 
 
 def kernel_row(name, problem, check: bool, sweep: bool, q, k, v, descales=None, **run_kw) -> dict:
@@ -237,13 +241,13 @@ def run_problem(names, problem, check: bool, peers: bool, sweep: bool, emit, rou
     from harness.timing import benchmark, burst_ms, gpu_fields, more_rounds, tflops
 
     base = dict(batch=problem.batch, nheads=problem.nheads, seqlen=problem.seqlen, head_dim=problem.head_dim,
-                causal=int(problem.causal), dtype=problem.dtype)
+                causal=int(problem.causal), dtype=problem.dtype, **({"softcap": problem.softcap} if problem.softcap else {}))
     fp8 = problem.dtype in FP8_DTYPES
     q, k, v = random_inputs(problem.with_(dtype="bfloat16") if fp8 else problem)
     sources = (q, k, v)
     candidates, run_kw, descales, best_of = {}, {}, {}, BEST_OF
     if peers:
-        candidates = peer_callables(q, k, v, problem.causal, problem.scale)
+        candidates = peer_callables(q, k, v, problem.causal, problem.scale, problem.softcap)
     if fp8:  # the kernels and cuDNN FP8 take the e4m3 tensors; the bf16 peers their sources, for scale
         from harness.peers import cudnn_fp8_peer
 
@@ -519,6 +523,8 @@ def main(argv=None) -> int:
         flags = dict(seqlen=args.seqlen, headdim=args.headdim, causal=args.causal, batch=args.batch,
                      nheads=args.nheads, dtype=args.dtype)
         problems = sweep_problems(**flags) if args.sweep else [problem_from(**flags)]
+        if args.softcap:
+            problems = [p.with_(softcap=args.softcap) for p in problems]
         if args.seqlen_k or args.nheads_kv:  # --compile-only: K/V's own length and heads (decode's split path)
             problems = [p.with_(seqlen_k=args.seqlen_k or p.kv_len, nheads_kv=args.nheads_kv or p.kv_heads)
                         for p in problems]

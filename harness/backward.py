@@ -73,9 +73,10 @@ def check_deterministic(stage: str) -> bool:
     return False
 
 
-def check_differentiable(name: str, q, k, v, causal: bool, softmax_scale, stage=None) -> None:
+def check_differentiable(name: str, q, k, v, causal: bool, softmax_scale, stage=None, softcap: float = 0.0) -> None:
     """Before a forward whose inputs need gradients: refuse what the backward cannot do, naming
     the constraint, before anything is launched."""
+    refuse_softcap(softcap)
     if torch.are_deterministic_algorithms_enabled():
         check_deterministic(require_stage(stage))
     check = stage_module(stage).check
@@ -134,6 +135,12 @@ def _attention_backward_fake(q, k, v, out, lse, dout, causal, softmax_scale, bac
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
+def refuse_softcap(softcap: float) -> None:
+    if softcap:
+        raise UnsupportedProblem(f"softcap {softcap}: the backward does not take a softcap yet (forward only: call "
+                                 "on tensors that do not require grad, or under torch.no_grad())")
+
+
 def _setup_context(ctx, inputs, output):
     name, q, k, v, causal, softmax_scale = inputs[:6]
     out, lse = output
@@ -141,13 +148,15 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.causal, ctx.softmax_scale = causal, softmax_scale
     ctx.backward_stage = inputs[11] if len(inputs) > 11 else ""
+    ctx.softcap = inputs[12] if len(inputs) > 12 else 0.0
 
 
 def _backward(ctx, grad_out, grad_lse):
+    refuse_softcap(ctx.softcap)  # torch.compile traces past attention()'s own check
     q, k, v, out, lse = ctx.saved_tensors
     dq, dk, dv = torch.ops.fa3_cute.attention_backward(q, k, v, out, lse, grad_out, ctx.causal, ctx.softmax_scale,
                                                        ctx.backward_stage)
-    return None, dq, dk, dv, None, None, None, None, None, None, None, None
+    return None, dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
 def register(op) -> None:

@@ -33,16 +33,17 @@ def sdpa(q, k, v, causal: bool, scale: float):
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa)
 
 
-def reference(q, k, v, causal: bool, scale: float):
+def reference(q, k, v, causal: bool, scale: float, softcap: float = 0.0):
     """O and LSE in float32 from upcast copies of q, k, v.
 
     O is SDPA on the float32 copies; LSE is a logsumexp over explicit float32 scores, a chunk
-    of heads at a time so that long sequences and many heads both stay within memory.
+    of heads at a time so that long sequences and many heads both stay within memory. With a
+    ``softcap`` c the scores are c * tanh(s / c) and O comes from the same explicit scores.
     """
     import torch
 
     qf, kf, vf = (t.float() for t in (q, k, v))
-    o = sdpa(qf, kf, vf, causal, scale)
+    o = sdpa(qf, kf, vf, causal, scale) if not softcap else torch.empty_like(qf)
     b, h, n, _ = q.shape
     nk, group = k.shape[2], h // k.shape[1]
     lse = torch.empty((b, h, n), dtype=torch.float32, device=q.device)
@@ -52,9 +53,13 @@ def reference(q, k, v, causal: bool, scale: float):
         for h0 in range(0, h, chunk):
             heads = torch.arange(h0, min(h0 + chunk, h), device=q.device) // group
             s = (qf[bi, h0:h0 + chunk] @ kf[bi, heads].transpose(-1, -2)) * scale
+            if softcap:
+                s = softcap * torch.tanh(s / softcap)
             if masked is not None:
                 s.masked_fill_(masked, -math.inf)
             lse[bi, h0:h0 + chunk] = torch.logsumexp(s, dim=-1)
+            if softcap:
+                o[bi, h0:h0 + chunk] = torch.softmax(s, dim=-1) @ vf[bi, heads]
     return o, lse
 
 

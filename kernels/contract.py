@@ -130,6 +130,9 @@ class Problem:
     # (grouped-query attention: query head h reads K/V head h // group). None: as Q.
     seqlen_k: Optional[int] = None
     nheads_kv: Optional[int] = None
+    # Gemma-2's logit softcap: scaled scores s become softcap * tanh(s / softcap) before the
+    # softmax (0: off).
+    softcap: float = 0.0
 
     def __post_init__(self):
         for name in ("batch", "nheads", "seqlen", "head_dim", "seqlen_k", "nheads_kv"):
@@ -151,6 +154,10 @@ class Problem:
         object.__setattr__(self, "causal", as_causal(self.causal))
         if self.softmax_scale is not None:
             object.__setattr__(self, "softmax_scale", as_scale(self.softmax_scale))
+        if (isinstance(self.softcap, bool) or not isinstance(self.softcap, (int, float))
+                or not math.isfinite(self.softcap) or self.softcap < 0):
+            raise UnsupportedProblem(f"softcap must be a finite number >= 0 (0: off), got {self.softcap!r}")
+        object.__setattr__(self, "softcap", float(self.softcap))
 
     @property
     def scale(self) -> float:
@@ -205,6 +212,8 @@ class Capabilities:
     # Grouped-query attention (fewer K/V heads than Q heads), and K/V longer than Q (K5 on).
     gqa: bool = False
     unequal_lengths: bool = False
+    # The logit softcap (Problem.softcap): the warp-specialized kernels (K5 on).
+    softcap: bool = False
     # Most query heads per K/V head (decode packs a group into one 64-row query tile).
     max_group: Optional[int] = None
     # Compute capabilities the kernel's instructions exist on (TMA, WGMMA: Hopper only).
@@ -226,6 +235,9 @@ class Capabilities:
         if self.max_group is not None and p.group > self.max_group:
             raise UnsupportedProblem(f"at most {self.max_group} query heads per K/V head (nheads {p.nheads} / nheads_kv "
                                      f"{p.kv_heads} = {p.group}): the heads of a group share one query tile")
+        if p.softcap and not self.softcap:
+            raise UnsupportedProblem(f"softcap {p.softcap} not supported by this kernel (the bf16/fp16 "
+                                     "warp-specialized stages take it: k5, k6_pp, k6_overlap, k6)")
         if p.kv_len != p.seqlen and not self.unequal_lengths:
             raise UnsupportedProblem(f"this kernel needs seqlen_k == seqlen_q (self-attention shapes), got "
                                      f"seqlen_q {p.seqlen} and seqlen_k {p.kv_len}")

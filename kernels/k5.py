@@ -95,7 +95,7 @@ class ConsumerContext(NamedTuple):
 
 # GQA and keys outnumbering queries (bottom-right causal) come with K5's tile loop: K/V heads
 # are indexed as head // group, and the KV walk takes its length from K.
-CAPS = Capabilities(head_dims=(64, 128, 256), gqa=True, unequal_lengths=True)
+CAPS = Capabilities(head_dims=(64, 128, 256), gqa=True, unequal_lengths=True, softcap=True)
 
 # The anchors' tiles (flash-attention's FA3 and flash-attn-4 sm90): three consumer warpgroups at
 # d=64 (192-row tiles: more rows share each K/V tile), two at d=128/256; d=256 takes 80-key tiles,
@@ -129,7 +129,7 @@ class K5FMHA:
     def __init__(self, head_dim: int, dtype, causal: bool, num_wg: int, tile_n: int, kv_stages: int,
                  q_stages: int, scheduler: str, tma_store: bool = False, sm_count: int = H100_SMS,
                  section_bytes: int = schedule.SECTION_BYTES, o_store_per_wg: bool = False,
-                 pin_descriptors: bool = True, cluster: int = 1):
+                 pin_descriptors: bool = True, cluster: int = 1, softcap: float = 0.0):
         self.head_dim = head_dim
         self.dtype = dtype
         self.causal = causal
@@ -147,6 +147,7 @@ class K5FMHA:
         self.pin_descriptors = pin_descriptors  # sm90.StagedOperand for K and V (False: as K4 indexes them)
         self.cluster = cluster  # CTAs sharing each K/V tile through multicast (1: none)
         self.kv_mcast_mask = (1 << cluster) - 1 if cluster > 1 else None
+        self.softcap = softcap  # Problem.softcap: OnlineSoftmax.use_softcap
         self.num_threads = sm90.THREADS_PER_WARPGROUP * (num_wg + 1)
         self.producer_regs, self.consumer_regs = REGISTERS[num_wg]
 
@@ -580,6 +581,7 @@ class K5FMHA:
         self.after_qk_issue()
         warpgroup.wait_group(0)
         pipeline_k.consumer_release(kv_consume)
+        softmax.cap(acc_S)
         if const_expr(masked):
             sm90.mask_tile(acc_S, tScS, m_block, n_block, mask_lens[0], self.tile_m, self.tile_n, self.causal,
                            mask_lens[1])
@@ -604,7 +606,13 @@ class K5FMHA:
     # K4's hooks, as K4 has them; ``tile_softmax`` gets (mAux, m_block, head, batch, seqlen, n_tiles,
     # seqlen_k) after the scale.
     score_scale = k4.K4FMHA.score_scale
-    tile_softmax = k4.K4FMHA.tile_softmax
+
+    def tile_softmax(self, num_rows: int, scale_log2: Float32, *tile) -> sm90.OnlineSoftmax:
+        softmax = k4.K4FMHA.tile_softmax(self, num_rows, scale_log2, *tile)
+        if const_expr(self.softcap > 0.0):
+            softmax.use_softcap(self.softcap)
+        return softmax
+
     p_to_operand = k4.K4FMHA.p_to_operand
     finish_o = k4.K4FMHA.finish_o
 
@@ -659,12 +667,14 @@ def build(name: str, kernel_cls, p: Problem, cfg: dict, keep_ptx: bool, fake_arg
     cfg = dict(cfg)
     ctas = cfg.pop("ctas", None)
     sm_count = ctas or (num_sms() if cfg.get("cluster", 1) == 1 else schedule.max_cluster_ctas(cfg["cluster"]))
-    kernel = kernel_cls(p.head_dim, dt, p.causal, sm_count=sm_count, **cfg)
+    kernel = kernel_cls(p.head_dim, dt, p.causal, sm_count=sm_count, **cfg,
+                        **({"softcap": p.softcap} if p.softcap else {}))
     if kernel.smem_bytes() > SMEM_CAPACITY:
         raise UnsupportedProblem(
             f"{name.upper()} config {cfg} at head_dim {p.head_dim} needs {kernel.smem_bytes() // 1024} KB of SMEM "
             f"(limit {SMEM_CAPACITY // 1024} KB): use fewer kv_stages or a smaller tile_n")
-    key = (name, p.head_dim, dtype or p.dtype, p.causal, sm_count, tuple(sorted(cfg.items())))
+    key = (name, p.head_dim, dtype or p.dtype, p.causal, sm_count, tuple(sorted(cfg.items())),
+           *((p.softcap,) if p.softcap else ()))
 
     def counter():
         return make_fake_tensor(Int32, (kernel.counter_ints(),), stride=(1,))

@@ -131,6 +131,7 @@ class K6FMHA(k5.K5FMHA):
         acc_S = cute.make_rmem_tensor(tiled_mma_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
         sm90.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_consume.index], zero_init=True, wg_wait=0)
         pipeline_k.consumer_release(kv_consume)
+        softmax.cap(acc_S)
         sm90.mask_tile(acc_S, tScS, m_block, n_block, mask_lens[0], self.tile_m, self.tile_n, self.causal,
                        mask_lens[1])
         softmax.step(acc_S, row_scale, check_inf=True, n_block=n_block)  # O is still zero: no rescale needed
@@ -157,6 +158,7 @@ class K6FMHA(k5.K5FMHA):
         self.warp_scheduler.arrive()
         warpgroup.wait_group(1)  # QK done; PV may still run
         pipeline_k.consumer_release(kv_consume)
+        softmax.cap(acc_S)
         if const_expr(masked):
             sm90.mask_tile(acc_S, tScS, m_block, n_block, mask_lens[0], self.tile_m, self.tile_n, self.causal,
                        mask_lens[1])

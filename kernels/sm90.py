@@ -31,7 +31,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass._mlir.dialects import llvm
 
 from . import simt
-from .contract import LN_2
+from .contract import LN_2, LOG2_E
 
 THREADS_PER_WARPGROUP = 128  # four warps: the unit that issues a WGMMA and owns its accumulator
 WGMMA_M = 64  # rows of a warpgroup's WGMMA: each consumer warpgroup owns 64 query rows of a tile
@@ -243,6 +243,8 @@ class OnlineSoftmax:
     emulated_exp2 = 0
     # skip_unit_rescale: a warp whose rows all kept their max skips the O rescale (factor exactly 1).
     skip_unit_rescale = False
+    # The logit softcap c (Problem.softcap; 0: off), set per instance by ``use_softcap``.
+    softcap = 0.0
 
     def __init__(self, num_rows: int, scale_log2: Float32, p_offset: float = 0.0):
         self.num_rows = num_rows
@@ -254,6 +256,21 @@ class OnlineSoftmax:
         self.row_sum = cute.make_rmem_tensor(num_rows, Float32)
         self.row_max.fill(-Float32.inf)
         self.row_sum.fill(0.0)
+
+    def use_softcap(self, softcap: float):
+        """Scores become c * tanh(s * scale / c): ``cap`` leaves t = tanh(s * scale / c) in acc_S, and
+        the exponent's scale becomes c * log2(e), so that the softmax (and the LSE) sees c * t."""
+        self.softcap = softcap
+        self.cap_scale = self.scale_log2 * (1.0 / (softcap * LOG2_E))
+        self.scale_log2 = Float32(softcap * LOG2_E)
+
+    @cute.jit
+    def cap(self, acc_S: cute.Tensor):
+        """With a softcap, S -> tanh(S * scale / c), before any mask (the masks' -inf must stay
+        -inf); one MUFU op per score beside exp2's. Nothing without."""
+        if const_expr(self.softcap > 0.0):
+            for i in cutlass.range_constexpr(cute.size(acc_S)):
+                acc_S[i] = tanh_approx(acc_S[i] * self.cap_scale)
 
     @cute.jit
     def step(self, acc_S: cute.Tensor, row_scale: cute.Tensor, check_inf: cutlass.Constexpr[bool], n_block=None,
@@ -479,6 +496,14 @@ def store_o_tma_and_lse(acc_O: cute.Tensor, softmax: OnlineSoftmax, tiled_mma_pv
         cute.copy(tma_atom_O, tOsO, tOgO)
         cute.arch.cp_async_bulk_commit_group()
         cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+
+@dsl_user_op
+def tanh_approx(x: Float32, *, loc=None, ip=None) -> Float32:
+    """tanh.approx.f32: one MUFU op (max relative error about 2^-11, below bf16's P)."""
+    return Float32(llvm.inline_asm(T.f32(), [Float32(x).ir_value(loc=loc, ip=ip)], "tanh.approx.f32 $0, $1;", "=f,f",
+                                   has_side_effects=False, is_align_stack=False,
+                                   asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
 # --------------------------------------------------------------------------------------

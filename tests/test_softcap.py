@@ -1,0 +1,91 @@
+"""The logit softcap (issue 35): scores s -> c * tanh(s / c) before the softmax, in the
+warp-specialized stages' forward. CPU: the PTX, the refusals, the reference; GPU: the grid's cases."""
+
+import math
+import re
+
+import pytest
+import torch
+
+from harness import attention, varlen
+from harness.reference import reference
+from kernels import get_kernel
+from kernels.contract import Problem, UnsupportedProblem
+
+
+@pytest.mark.parametrize("name,d,causal", [("k6", 64, False), ("k6", 128, True), ("k5", 128, False)])
+def test_a_softcap_adds_one_tanh_per_score_before_the_masks(name, d, causal):
+    p = Problem(2, 8, 1000, d, causal=causal, nheads_kv=2)
+    plain, capped = (get_kernel(name).compile(p.with_(softcap=c), keep_ptx=True).ptx for c in (0.0, 30.0))
+    tanh, ex2 = (len(re.findall(pattern, capped)) for pattern in (r"tanh\.approx\.f32", r"ex2\.approx"))
+    assert "tanh.approx" not in plain and ex2 == len(re.findall(r"ex2\.approx", plain))
+    # one tanh per score, ahead of its ex2; the few other ex2s are the rows' rescale factors
+    assert 0.9 * ex2 <= tanh < ex2
+
+
+@pytest.mark.parametrize("softcap,match", [(-1.0, "finite number >= 0"), (math.inf, "finite number >= 0"),
+                                           (True, "finite number >= 0"), ("5", "finite number >= 0")])
+def test_a_bad_softcap_is_refused_by_name(softcap, match):
+    q, k, v = (torch.randn(1, 2, 16, 64, dtype=torch.bfloat16) for _ in range(3))
+    with pytest.raises(UnsupportedProblem, match=match):
+        attention("k6", q, k, v, softcap=softcap)
+    with pytest.raises(UnsupportedProblem, match=match):
+        Problem(1, 2, 16, 64, softcap=softcap)
+
+
+@pytest.mark.parametrize("name", ["k4", "k7", "k8", "decode"])
+def test_a_stage_without_the_softcap_refuses_it_before_any_launch(name):
+    q, k, v = (torch.randn(1, 2, 16, 64, dtype=torch.bfloat16) for _ in range(3))
+    with pytest.raises(UnsupportedProblem, match="softcap 5.0 not supported by this kernel|dtype|float8"):
+        attention(name, q, k, v, softcap=5)
+
+
+def test_the_backward_refuses_a_softcap_before_the_forward():
+    q, k, v = (torch.randn(1, 2, 16, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    with pytest.raises(UnsupportedProblem, match="backward does not take a softcap"):
+        attention("k6", q, k, v, softcap=5.0)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_softcap_reference_agrees_with_the_packed_float64_one(causal):
+    gen = torch.Generator().manual_seed(1)
+    b, h, hk, n, nk, d = 2, 4, 2, 33, 47, 16
+    q = torch.randn(b, h, n, d, generator=gen) * 3
+    k, v = (torch.randn(b, hk, nk, d, generator=gen) * 3 for _ in range(2))
+    o, lse = reference(q, k, v, causal, 0.25, softcap=2.0)
+    cu_q, cu_k = (torch.arange(0, (b + 1) * x, x, dtype=torch.int32) for x in (n, nk))
+    packed = [t.transpose(1, 2).reshape(-1, t.shape[1], d) for t in (q, k, v)]
+    o64, lse64 = varlen.reference(*packed, cu_q, cu_k, 0.25, causal=causal, softcap=2.0)
+    assert torch.allclose(o, o64.float().reshape(b, n, h, d).transpose(1, 2), atol=1e-5)
+    assert torch.allclose(lse, lse64.float().reshape(h, b, n).transpose(0, 1), atol=1e-5)
+    # a cap far above every score changes nothing; a small one does
+    o_far, _ = reference(q, k, v, causal, 0.25, softcap=1e6)
+    assert torch.allclose(o_far, reference(q, k, v, causal, 0.25)[0], atol=1e-5)
+    assert not torch.allclose(o, o_far, atol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["k5", "k6"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("softcap", [0.5, 5.0])
+def test_a_softcapped_forward_matches_the_explicit_reference(name, d, causal, softcap):
+    from harness.check import check_kernel
+
+    res = check_kernel(name, Problem(2, 8, 1000, d, causal=causal, nheads_kv=2, softcap=softcap))
+    assert res.ok, res.reason
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_public_call_takes_the_softcap_eagerly_and_compiled():
+    q, k, v = (torch.randn(2, 8, 300, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    want, want_lse = reference(q, k, v, True, 128 ** -0.5, softcap=1.0)
+    eager, lse = attention("k6", q, k, v, causal=True, return_lse=True, softcap=1.0)
+    compiled = torch.compile(lambda *t: attention("k6", *t, causal=True, softcap=1.0), fullgraph=True)(q, k, v)
+    for out in (eager, compiled):
+        assert (out.float() - want).abs().max() < 2e-2
+    assert (lse - want_lse).abs().max() < 1e-3
+    plain = attention("k6", q, k, v, causal=True)  # the same signature without the cap: its own launch
+    assert (plain.float() - want).abs().max() > 5e-2
