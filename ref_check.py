@@ -7,8 +7,9 @@
     python ref_check.py --decode --quick   # one KV-cache case per behaviour (about a minute)
     python ref_check.py --backward    # the backward (K9 and K10): dq, dk, dv against float64 autograd
 
-Kernels that take a logit softcap also run it (0.5, 5, 50; GQA, causal and not) against explicit
-capped scores.
+Kernels that take a logit softcap or a sliding window also run them (softcaps 0.5, 5, 50; windows
+with edges inside and across tiles, one key wide, one-sided, with more keys than queries; GQA,
+causal and not) against explicit scores.
 
 For each kernel: causal and non-causal, every head dim it supports among 64 and 128 (all of
 them with --all-head-dims), seqlens that are and are not multiples of the tiles, batch*heads > 1
@@ -62,6 +63,12 @@ def cases(name: str, seqlens, all_head_dims: bool):
             if caps.softcap:  # with GQA and an odd length; 0.5 saturates most scores, 50 almost none
                 for softcap in SOFTCAPS:
                     yield Problem(2, 8, 1000, d, causal=causal, nheads_kv=2 if caps.gqa else None, softcap=softcap)
+            if caps.window:  # edges inside tiles, across tiles, one key only, one side only; more keys than queries
+                windows = sorted({(left, -1 if causal else right) for left, right in WINDOWS} - {(-1, -1)})
+                for window in windows:
+                    for seqlen_q, seqlen_k in ((1000, 1000), (1000, 4097)):
+                        yield Problem(2, 4, seqlen_q, d, causal=causal, seqlen_k=seqlen_k,
+                                      nheads_kv=2 if caps.gqa else None, window=window)
 
 
 # (query heads, K/V heads): group 4, MQA, group 8.
@@ -69,6 +76,7 @@ GQA_HEADS = ((8, 2), (4, 1), (16, 2))
 # (seqlen_q, seqlen_k): decode-like, short and long chunks of a longer context, a 3x ratio.
 UNEQUAL_LENGTHS = ((1, 4097), (17, 1000), (1000, 4097), (128, 384))
 SOFTCAPS = (0.5, 5.0, 50.0)
+WINDOWS = ((256, 0), (0, 0), (100, 300), (-1, 64), (511, -1))  # (left, right); causal keeps the left
 
 
 def decode_cases(quick: bool):

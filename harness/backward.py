@@ -73,10 +73,11 @@ def check_deterministic(stage: str) -> bool:
     return False
 
 
-def check_differentiable(name: str, q, k, v, causal: bool, softmax_scale, stage=None, softcap: float = 0.0) -> None:
+def check_differentiable(name: str, q, k, v, causal: bool, softmax_scale, stage=None, softcap: float = 0.0,
+                         window=(-1, -1)) -> None:
     """Before a forward whose inputs need gradients: refuse what the backward cannot do, naming
     the constraint, before anything is launched."""
-    refuse_softcap(softcap)
+    refuse_forward_only_features(softcap, window, causal)
     if torch.are_deterministic_algorithms_enabled():
         check_deterministic(require_stage(stage))
     check = stage_module(stage).check
@@ -135,10 +136,14 @@ def _attention_backward_fake(q, k, v, out, lse, dout, causal, softmax_scale, bac
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def refuse_softcap(softcap: float) -> None:
-    if softcap:
-        raise UnsupportedProblem(f"softcap {softcap}: the backward does not take a softcap yet (forward only: call "
-                                 "on tensors that do not require grad, or under torch.no_grad())")
+def refuse_forward_only_features(softcap: float, window, causal: bool) -> None:
+    """The forward's softcap and sliding window have no backward yet."""
+    window = tuple(window) if window is not None else (-1, -1)
+    what = ([f"softcap {softcap}"] if softcap else []) + (
+        [f"window_size {window}"] if window[0] != -1 or (window[1] != -1 and not causal) else [])
+    if what:
+        raise UnsupportedProblem(f"{' and '.join(what)}: the backward does not take it yet (forward only: call on "
+                                 "tensors that do not require grad, or under torch.no_grad())")
 
 
 def _setup_context(ctx, inputs, output):
@@ -149,14 +154,15 @@ def _setup_context(ctx, inputs, output):
     ctx.causal, ctx.softmax_scale = causal, softmax_scale
     ctx.backward_stage = inputs[11] if len(inputs) > 11 else ""
     ctx.softcap = inputs[12] if len(inputs) > 12 else 0.0
+    ctx.window = inputs[13] if len(inputs) > 13 else None
 
 
 def _backward(ctx, grad_out, grad_lse):
-    refuse_softcap(ctx.softcap)  # torch.compile traces past attention()'s own check
+    refuse_forward_only_features(ctx.softcap, ctx.window, ctx.causal)  # torch.compile traces past attention()'s check
     q, k, v, out, lse = ctx.saved_tensors
     dq, dk, dv = torch.ops.fa3_cute.attention_backward(q, k, v, out, lse, grad_out, ctx.causal, ctx.softmax_scale,
                                                        ctx.backward_stage)
-    return None, dq, dk, dv, None, None, None, None, None, None, None, None, None
+    return None, dq, dk, dv, None, None, None, None, None, None, None, None, None, None
 
 
 def register(op) -> None:

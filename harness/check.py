@@ -40,7 +40,8 @@ class CheckResult:
         return dict(kernel=self.kernel, batch=p.batch, nheads=p.nheads, seqlen=p.seqlen, head_dim=p.head_dim,
                     dtype=p.dtype, causal=int(p.causal), max_abs=self.max_abs, rel_l2=self.rel_l2,
                     lse_max_abs=self.lse_max_abs, peer_max_abs=self.peer_max_abs, ok=self.ok, reason=self.reason,
-                    nheads_kv=p.kv_heads, seqlen_k=p.kv_len, **({"softcap": p.softcap} if p.softcap else {}))
+                    nheads_kv=p.kv_heads, seqlen_k=p.kv_len, **({"softcap": p.softcap} if p.softcap else {}),
+                    **({"window": list(p.window)} if p.window != (-1, -1) else {}))
 
 
 class Comparison(NamedTuple):
@@ -124,8 +125,9 @@ def check_kernel(name: str, p: Problem, seed=None, config=None) -> CheckResult:
     from .reference import reference, sdpa
 
     q, k, v, out, lse = launch_once(name, p, seed, config)
-    ref, ref_lse = reference(q, k, v, p.causal, p.scale, p.softcap)
-    peer = sdpa(q, k, v, p.causal, p.scale) if not p.softcap else None  # SDPA has no softcap: the elementwise bar
+    ref, ref_lse = reference(q, k, v, p.causal, p.scale, p.softcap, p.window)
+    plain = not p.softcap and p.window == (-1, -1)
+    peer = sdpa(q, k, v, p.causal, p.scale) if plain else None  # SDPA has no softcap or window: the elementwise bar
     c = compare(out, ref, lse, ref_lse, p.dtype, peer)
     return CheckResult(name, p, c.max_abs, c.rel_l2, c.lse_max_abs, not c.verdict, c.verdict, c.peer_max_abs)
 

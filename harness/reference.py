@@ -33,21 +33,28 @@ def sdpa(q, k, v, causal: bool, scale: float):
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa)
 
 
-def reference(q, k, v, causal: bool, scale: float, softcap: float = 0.0):
+def reference(q, k, v, causal: bool, scale: float, softcap: float = 0.0, window=(-1, -1)):
     """O and LSE in float32 from upcast copies of q, k, v.
 
     O is SDPA on the float32 copies; LSE is a logsumexp over explicit float32 scores, a chunk
     of heads at a time so that long sequences and many heads both stay within memory. With a
-    ``softcap`` c the scores are c * tanh(s / c) and O comes from the same explicit scores.
+    ``softcap`` c the scores are c * tanh(s / c), and with a sliding ``window`` (harness.varlen's
+    mask) the keys outside it are dropped; O then comes from the same explicit scores.
     """
     import torch
 
+    from .varlen import keep_mask, with_causal
+
+    window = tuple(window)
+    explicit = softcap or window != (-1, -1)
     qf, kf, vf = (t.float() for t in (q, k, v))
-    o = sdpa(qf, kf, vf, causal, scale) if not softcap else torch.empty_like(qf)
+    o = sdpa(qf, kf, vf, causal, scale) if not explicit else torch.empty_like(qf)
     b, h, n, _ = q.shape
     nk, group = k.shape[2], h // k.shape[1]
     lse = torch.empty((b, h, n), dtype=torch.float32, device=q.device)
     masked = ~causal_keep(n, nk, q.device) if causal else None
+    if window != (-1, -1):
+        masked = ~keep_mask(n, nk, with_causal(window, causal), q.device)
     chunk = max(1, SCORE_CHUNK_BYTES // (4 * n * nk))
     for bi in range(b):
         for h0 in range(0, h, chunk):
@@ -58,8 +65,8 @@ def reference(q, k, v, causal: bool, scale: float, softcap: float = 0.0):
             if masked is not None:
                 s.masked_fill_(masked, -math.inf)
             lse[bi, h0:h0 + chunk] = torch.logsumexp(s, dim=-1)
-            if softcap:
-                o[bi, h0:h0 + chunk] = torch.softmax(s, dim=-1) @ vf[bi, heads]
+            if explicit:  # a row that sees no key: O = 0 (the kernels refuse such windows)
+                o[bi, h0:h0 + chunk] = torch.softmax(s, dim=-1).nan_to_num(0.0) @ vf[bi, heads]
     return o, lse
 
 

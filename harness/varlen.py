@@ -14,36 +14,13 @@ from __future__ import annotations
 import math
 import numbers
 
-from kernels.contract import UnsupportedProblem
-
-
-def as_window(window_size) -> tuple:
-    """(left, right) as ints >= -1 (-1: unbounded); None is (-1, -1)."""
-    if window_size is None:
-        return -1, -1
-    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
-            or any(isinstance(x, bool) or not isinstance(x, numbers.Integral) for x in window_size)):
-        raise UnsupportedProblem(f"window_size must be a pair of ints (left, right), -1 for unbounded, got "
-                                 f"{window_size!r}")
-    left, right = (int(x) for x in window_size)
-    if left < -1 or right < -1:
-        raise UnsupportedProblem(f"window_size entries must be >= -1 (-1: unbounded), got {window_size!r}")
-    return left, right
+from kernels.contract import UnsupportedProblem, as_softcap, as_window  # noqa: F401 (this module's API too)
 
 
 def with_causal(window: tuple, causal: bool) -> tuple:
     """The window a causal call keeps: its right edge at most 0."""
     left, right = window
     return (left, 0 if causal and (right == -1 or right > 0) else right)
-
-
-def as_softcap(softcap) -> float:
-    """softcap as a float >= 0 (0 or None: off)."""
-    if softcap is None:
-        return 0.0
-    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not math.isfinite(softcap) or softcap < 0:
-        raise UnsupportedProblem(f"softcap must be a finite number >= 0 (0: off), got {softcap!r}")
-    return float(softcap)
 
 
 def sequence_lengths(name: str, cu_seqlens, total: int, batch: int | None = None) -> list:

@@ -101,6 +101,30 @@ def as_flag(name: str, value) -> bool:
     raise UnsupportedProblem(f"{name} must be a bool (True or False), got {value!r} ({type(value).__name__})")
 
 
+def as_window(window_size) -> tuple:
+    """A sliding window (left, right): keys j' = j - (seqlen_k - seqlen_q) with i - left <= j' <= i + right
+    for query i (bottom-right, as flash-attn); ints >= -1 (-1: unbounded); None is (-1, -1)."""
+    if window_size is None:
+        return -1, -1
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or any(isinstance(x, bool) or not isinstance(x, numbers.Integral) for x in window_size)):
+        raise UnsupportedProblem(f"window_size must be a pair of ints (left, right), -1 for unbounded, got "
+                                 f"{window_size!r}")
+    left, right = (int(x) for x in window_size)
+    if left < -1 or right < -1:
+        raise UnsupportedProblem(f"window_size entries must be >= -1 (-1: unbounded), got {window_size!r}")
+    return left, right
+
+
+def as_softcap(softcap) -> float:
+    """softcap as a float >= 0 (0 or None: off)."""
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not math.isfinite(softcap) or softcap < 0:
+        raise UnsupportedProblem(f"softcap must be a finite number >= 0 (0: off), got {softcap!r}")
+    return float(softcap)
+
+
 def as_scale(value) -> float:
     """``softmax_scale`` as a Python float: any real number (int, float, NumPy scalar) or a 0-d
     CPU tensor or array holding one. Bools and CUDA tensors are refused (reading a CUDA tensor
@@ -133,6 +157,9 @@ class Problem:
     # Gemma-2's logit softcap: scaled scores s become softcap * tanh(s / softcap) before the
     # softmax (0: off).
     softcap: float = 0.0
+    # A sliding window (left, right), as_window's; causal keeps its right edge at 0 (the window's
+    # right is then dropped), and (-1, -1) is no window.
+    window: tuple = (-1, -1)
 
     def __post_init__(self):
         for name in ("batch", "nheads", "seqlen", "head_dim", "seqlen_k", "nheads_kv"):
@@ -154,10 +181,9 @@ class Problem:
         object.__setattr__(self, "causal", as_causal(self.causal))
         if self.softmax_scale is not None:
             object.__setattr__(self, "softmax_scale", as_scale(self.softmax_scale))
-        if (isinstance(self.softcap, bool) or not isinstance(self.softcap, (int, float))
-                or not math.isfinite(self.softcap) or self.softcap < 0):
-            raise UnsupportedProblem(f"softcap must be a finite number >= 0 (0: off), got {self.softcap!r}")
-        object.__setattr__(self, "softcap", float(self.softcap))
+        object.__setattr__(self, "softcap", as_softcap(self.softcap))
+        left, right = as_window(self.window)
+        object.__setattr__(self, "window", (left, -1 if self.causal else right))
 
     @property
     def scale(self) -> float:
@@ -212,8 +238,9 @@ class Capabilities:
     # Grouped-query attention (fewer K/V heads than Q heads), and K/V longer than Q (K5 on).
     gqa: bool = False
     unequal_lengths: bool = False
-    # The logit softcap (Problem.softcap): the warp-specialized kernels (K5 on).
+    # The logit softcap and the sliding window (Problem.softcap, .window): K5 on.
     softcap: bool = False
+    window: bool = False
     # Most query heads per K/V head (decode packs a group into one 64-row query tile).
     max_group: Optional[int] = None
     # Compute capabilities the kernel's instructions exist on (TMA, WGMMA: Hopper only).
@@ -238,6 +265,12 @@ class Capabilities:
         if p.softcap and not self.softcap:
             raise UnsupportedProblem(f"softcap {p.softcap} not supported by this kernel (the bf16/fp16 "
                                      "warp-specialized stages take it: k5, k6_pp, k6_overlap, k6)")
+        if p.window != (-1, -1) and not self.window:
+            raise UnsupportedProblem(f"window_size {p.window} not supported by this kernel (the bf16/fp16 "
+                                     "warp-specialized stages take it: k5, k6_pp, k6_overlap, k6)")
+        if p.window != (-1, -1) and p.seqlen > p.kv_len:
+            raise UnsupportedProblem(f"a sliding window with more queries than keys (seqlen_q {p.seqlen} > seqlen_k "
+                                     f"{p.kv_len}) is not supported: aligned bottom-right, some query rows would see no key")
         if p.kv_len != p.seqlen and not self.unequal_lengths:
             raise UnsupportedProblem(f"this kernel needs seqlen_k == seqlen_q (self-attention shapes), got "
                                      f"seqlen_q {p.seqlen} and seqlen_k {p.kv_len}")

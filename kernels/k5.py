@@ -63,7 +63,7 @@ from .contract import (
     num_sms,
     run_kernel,  # noqa: F401  (the contract's launch-only entry)
 )
-from .tiles import kv_tile_count, unmasked_kv_tile_count
+from .tiles import kv_tile_count, kv_window_tiles, unmasked_kv_tile_count
 
 class TileSlots(NamedTuple):
     """Dynamic scheduling: the claimed tile indices in SMEM slots, their pipeline, and the
@@ -95,7 +95,7 @@ class ConsumerContext(NamedTuple):
 
 # GQA and keys outnumbering queries (bottom-right causal) come with K5's tile loop: K/V heads
 # are indexed as head // group, and the KV walk takes its length from K.
-CAPS = Capabilities(head_dims=(64, 128, 256), gqa=True, unequal_lengths=True, softcap=True)
+CAPS = Capabilities(head_dims=(64, 128, 256), gqa=True, unequal_lengths=True, softcap=True, window=True)
 
 # The anchors' tiles (flash-attention's FA3 and flash-attn-4 sm90): three consumer warpgroups at
 # d=64 (192-row tiles: more rows share each K/V tile), two at d=128/256; d=256 takes 80-key tiles,
@@ -129,7 +129,7 @@ class K5FMHA:
     def __init__(self, head_dim: int, dtype, causal: bool, num_wg: int, tile_n: int, kv_stages: int,
                  q_stages: int, scheduler: str, tma_store: bool = False, sm_count: int = H100_SMS,
                  section_bytes: int = schedule.SECTION_BYTES, o_store_per_wg: bool = False,
-                 pin_descriptors: bool = True, cluster: int = 1, softcap: float = 0.0):
+                 pin_descriptors: bool = True, cluster: int = 1, softcap: float = 0.0, window: tuple = None):
         self.head_dim = head_dim
         self.dtype = dtype
         self.causal = causal
@@ -148,6 +148,7 @@ class K5FMHA:
         self.cluster = cluster  # CTAs sharing each K/V tile through multicast (1: none)
         self.kv_mcast_mask = (1 << cluster) - 1 if cluster > 1 else None
         self.softcap = softcap  # Problem.softcap: OnlineSoftmax.use_softcap
+        self.window = window  # Problem.window, or None: tiles.kv_window_tiles bounds the walk
         self.num_threads = sm90.THREADS_PER_WARPGROUP * (num_wg + 1)
         self.producer_regs, self.consumer_regs = REGISTERS[num_wg]
 
@@ -406,8 +407,11 @@ class K5FMHA:
                                                     cta=cta)
         tVsVt, tVgVt = tma_pipeline.partition_for_tma(tma_atom_V, mV_tma, sVt, (d, tile_n), head // group, batch,
                                                     coord=(0, None), cta=cta)
-        n_lo, n_tiles = (0, kv_tile_count(m_block, seqlen, tile_m, tile_n, self.causal, seqlen_k)
-                         ) if const_expr(span is None) else span
+        if const_expr(self.window is not None):
+            n_lo, _, _, n_tiles = kv_window_tiles(m_block, seqlen, seqlen_k, tile_m, tile_n, self.causal, self.window)
+        else:
+            n_lo, n_tiles = (0, kv_tile_count(m_block, seqlen, tile_m, tile_n, self.causal, seqlen_k)
+                             ) if const_expr(span is None) else span
         kv_loads = (pipeline_k, tma_atom_K, tKgK, tKsK, pipeline_v, tma_atom_V, tVgVt, tVsVt)
         # Q goes right after the first K: in a persistent CTA it waits for the consumers to
         # release sQ, and that K need not wait with it.
@@ -491,9 +495,13 @@ class K5FMHA:
         seqlen_k, _ = kv_shape
         n_tiles = kv_tile_count(m_block, seqlen, tile_m, tile_n, self.causal, seqlen_k)
         n_unmasked = unmasked_kv_tile_count(m_block, seqlen, tile_m, tile_n, self.causal, seqlen_k)
-        n_lo = 0
+        n_lo, n_left = 0, 0
         if const_expr(span is not None):
             n_lo, n_tiles, _ = span
+        if const_expr(self.window is not None):  # masked, free, then masked again below n_lo
+            first, n_lo, n_unmasked, n_tiles = kv_window_tiles(m_block, seqlen, seqlen_k, tile_m, tile_n, self.causal,
+                                                               self.window)
+            n_left = n_lo - first
         mask_lens = (seqlen_k, seqlen_k - seqlen)  # key length, causal diagonal offset
         acc_O.fill(0.0)
         softmax = self.tile_softmax(num_rows, ctx.scale_log2, mAux, m_block, head, batch, seqlen, n_tiles, seqlen_k)
@@ -507,7 +515,7 @@ class K5FMHA:
                 tSrQ_stage = self.q_operand(tiled_mma_qk, sQ, tSrQ, q_stage, tidx)
                 mmas = sm90.Mmas(tiled_mma_qk, tiled_mma_pv, tSrQ_stage, tSrK, tOrVt, tOrP, acc_O, tScS)
                 kv_consume = self.mainloop(m_block, mask_lens, n_tiles, n_unmasked, kv_consume, pipelines, mmas,
-                                           softmax, row_scale, n_lo)
+                                           softmax, row_scale, n_lo, n_left)
         self.finish_o(acc_O, mAux)
         self.end_tile(tile_idx, span, q_consume, acc_O, softmax, ctx, m_block, head, batch)
         q_consume.advance()
@@ -551,9 +559,10 @@ class K5FMHA:
     @cute.jit
     def mainloop(self, m_block: Int32, mask_lens: tuple, n_tiles: Int32, n_unmasked: Int32,
                  kv_consume: pipeline.PipelineState, pipelines: tuple, mmas: sm90.Mmas, softmax: sm90.OnlineSoftmax,
-                 row_scale: cute.Tensor, n_lo=0) -> pipeline.PipelineState:
+                 row_scale: cute.Tensor, n_lo=0, n_left=0) -> pipeline.PipelineState:
         """One query tile's KV loop, descending: the masked diagonal / seqlen-tail tiles first,
-        then the mask-free rest, down to KV tile ``n_lo``."""
+        then the mask-free rest, down to KV tile ``n_lo``; under a window, the ``n_left`` tiles
+        below it, masked (the window's lower edge)."""
         n_masked, n_free = n_tiles - n_unmasked, n_unmasked
         if const_expr(not isinstance(n_lo, int)):
             n_masked = cutlass.max(n_tiles - cutlass.max(n_unmasked, n_lo), 0)
@@ -564,6 +573,10 @@ class K5FMHA:
         for i in cutlass.range(n_free, unroll=1):
             kv_consume = self.kv_iteration(n_lo + n_free - 1 - i, m_block, mask_lens, kv_consume, pipelines, mmas,
                                            softmax, row_scale, masked=False)
+        if const_expr(self.window is not None):
+            for i in cutlass.range(n_left, unroll=1):
+                kv_consume = self.kv_iteration(n_lo - 1 - i, m_block, mask_lens, kv_consume, pipelines, mmas,
+                                               softmax, row_scale, masked=True)
         return kv_consume
 
     @cute.jit
@@ -584,7 +597,7 @@ class K5FMHA:
         softmax.cap(acc_S)
         if const_expr(masked):
             sm90.mask_tile(acc_S, tScS, m_block, n_block, mask_lens[0], self.tile_m, self.tile_n, self.causal,
-                           mask_lens[1])
+                           mask_lens[1], window=self.window)
         softmax.step(acc_S, row_scale, check_inf=masked, n_block=n_block)
         softmax.rescale(acc_O, row_scale)
         self.p_to_operand(acc_S, tOrP)
@@ -661,20 +674,22 @@ def build(name: str, kernel_cls, p: Problem, cfg: dict, keep_ptx: bool, fake_arg
     ``fake_args(dtype, head_dim)``: the kernel's arguments before the counter, by default (q, k, v,
     o, lse, softmax_scale); ``dtype`` (default ``p.dtype``): the kernel class's dtype argument.
     """
-    check_config(dict(cfg, causal=p.causal), name.upper())
+    # a window, like causal, gives each query tile its own K/V tiles (no clusters, no split tail)
+    check_config(dict(cfg, causal=p.causal or p.window != (-1, -1)), name.upper())
     dt = cute_dtype(dtype or p.dtype)  # the kernel class's dtype
     # ctas: fewer persistent CTAs than SMs (tests: a variant's tail on a small problem)
     cfg = dict(cfg)
     ctas = cfg.pop("ctas", None)
     sm_count = ctas or (num_sms() if cfg.get("cluster", 1) == 1 else schedule.max_cluster_ctas(cfg["cluster"]))
-    kernel = kernel_cls(p.head_dim, dt, p.causal, sm_count=sm_count, **cfg,
-                        **({"softcap": p.softcap} if p.softcap else {}))
+    features = dict(({"softcap": p.softcap} if p.softcap else {}), **({"window": p.window} if p.window != (-1, -1)
+                                                                     else {}))
+    kernel = kernel_cls(p.head_dim, dt, p.causal, sm_count=sm_count, **cfg, **features)
     if kernel.smem_bytes() > SMEM_CAPACITY:
         raise UnsupportedProblem(
             f"{name.upper()} config {cfg} at head_dim {p.head_dim} needs {kernel.smem_bytes() // 1024} KB of SMEM "
             f"(limit {SMEM_CAPACITY // 1024} KB): use fewer kv_stages or a smaller tile_n")
     key = (name, p.head_dim, dtype or p.dtype, p.causal, sm_count, tuple(sorted(cfg.items())),
-           *((p.softcap,) if p.softcap else ()))
+           *((tuple(sorted(features.items())),) if features else ()))
 
     def counter():
         return make_fake_tensor(Int32, (kernel.counter_ints(),), stride=(1,))

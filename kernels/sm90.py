@@ -529,17 +529,22 @@ def columns_below(col_limit):
 @cute.jit
 def mask_tile(acc_S: cute.Tensor, tScS: cute.Tensor, m_block: Int32, n_block: Int32, seqlen: Int32,
               tile_m: cutlass.Constexpr, tile_n: cutlass.Constexpr, causal: cutlass.Constexpr, causal_offset=None,
-              rows_per_query: cutlass.Constexpr = 1):
+              rows_per_query: cutlass.Constexpr = 1, window: cutlass.Constexpr = None):
     """Set scores to -inf where key >= seqlen (the key length) or (causal) key > query +
     ``causal_offset`` (seqlen_k - seqlen_q when keys outnumber queries: bottom-right alignment).
-    With GQA packing (decode) ``rows_per_query`` rows hold one query position.
+    With GQA packing (decode) ``rows_per_query`` rows hold one query position. A sliding
+    ``window`` (left, right; -1 unbounded, right unused when causal) also drops keys below query
+    + offset - left and, not causal, above query + offset + right.
 
     ``tScS`` is the thread's partition of an identity tensor over the (tile_m, tile_n) tile:
     the same C-fragment layout as acc_S, but each slot holds its (row, col) coordinate.
     Column c of a row sits at key thr_col + 8 * (c // 2) + c % 2, so the keys below a limit are
     always the row's first n_keep columns: one 32-bit keep-mask per 32 columns, whose constant
-    bit tests ptxas turns into predicate moves (R2P), instead of one compare per column.
+    bit tests ptxas turns into predicate moves (R2P), instead of one compare per column. A
+    window's lower edge drops the first n_drop columns the same way.
     """
+    left, right = window if const_expr(window is not None) else (-1, -1)
+    right_edge = causal or right >= 0
     acc_S_mn = acc_mn_view(acc_S)
     tScS_mn = acc_mn_view(tScS)
     num_cols = cute.size(acc_S_mn, mode=[1])
@@ -547,16 +552,23 @@ def mask_tile(acc_S: cute.Tensor, tScS: cute.Tensor, m_block: Int32, n_block: In
     col_limit_seqlen = seqlen - n_block * tile_n - thr_col
     for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
         col_limit = col_limit_seqlen
-        if const_expr(causal):
+        if const_expr(right_edge or left >= 0):
             q_idx = m_block * tile_m + tScS_mn[r, 0][0]
             if const_expr(rows_per_query > 1):
                 q_idx = q_idx // rows_per_query
             if const_expr(causal_offset is not None):
                 q_idx = q_idx + causal_offset
-            col_limit = cutlass.min(col_limit, q_idx + 1 - n_block * tile_n - thr_col)
+        if const_expr(right_edge):
+            last_key = q_idx if const_expr(causal) else q_idx + right
+            col_limit = cutlass.min(col_limit, last_key + 1 - n_block * tile_n - thr_col)
         n_keep = columns_below(col_limit)
+        if const_expr(left >= 0):
+            n_drop = columns_below(q_idx - left - n_block * tile_n - thr_col)
         for chunk in cutlass.range_constexpr(cute.ceil_div(num_cols, 32)):
             keep = shr_u32(cutlass.Uint32(0xFFFFFFFF), cutlass.Uint32(cutlass.max(32 * (chunk + 1) - n_keep, 0)))
+            if const_expr(left >= 0):
+                drop = shr_u32(cutlass.Uint32(0xFFFFFFFF), cutlass.Uint32(cutlass.max(32 * (chunk + 1) - n_drop, 0)))
+                keep = keep & (drop ^ cutlass.Uint32(0xFFFFFFFF))
             for i in cutlass.range_constexpr(min(32, num_cols - 32 * chunk)):
                 c = 32 * chunk + i
                 acc_S_mn[r, c] = acc_S_mn[r, c] if cutlass.Boolean(keep & cutlass.Uint32(1 << i)) else -Float32.inf
