@@ -6,6 +6,7 @@
     python bench.py --sweep --out results/sweep.json k2 k4
     python bench.py k4 --compile-only      # no GPU needed: compile for sm_90a and inspect
     python bench.py k6 --softcap 30 --causal 1   # a logit softcap, beside flash-attn-4 with the same cap
+    python bench.py k6 --window 1024,0 --seqlen 16384   # a sliding window, beside flash-attn-4's
     python bench.py --decode --out results/decode.json   # decode over a KV cache, TB/s, graph-timed
     python bench.py --decode --batch 1 --nheads-kv 8      # part of the decode grid
     python bench.py --decode --splits-curve               # decode: TB/s against the split count
@@ -28,7 +29,7 @@ from harness.api import fp8_inputs
 from harness.config import DEFAULTS, SWEEP_HEAD_DIMS, SWEEP_SEQLENS, parse_bool, problem_from, sweep_problems
 from harness.peers import BEST_OF, BEST_OF_FP8, best_peer
 from kernels import get_kernel, kernel_names
-from kernels.contract import FP8_DTYPES, UnsupportedProblem
+from kernels.contract import FP8_DTYPES, UnsupportedProblem, as_window
 
 
 def decode_grid_text() -> str:
@@ -55,6 +56,8 @@ def parse_args(argv=None):
     ap.add_argument("--causal", type=int, choices=(0, 1), help="(CAUSAL)")
     ap.add_argument("--softcap", type=float, help="a logit softcap c > 0 (scores -> c*tanh(s/c)); the peers: "
                     "flash-attn-4 with the same cap (SDPA has none)")
+    ap.add_argument("--window", help="a sliding window LEFT,RIGHT (-1: unbounded; causal: RIGHT is 0), e.g. 1024,0; "
+                    "TFLOP/s on the pairs it keeps; the peers: flash-attn-4 with the same window")
     ap.add_argument("--batch", type=int, help="(BATCH; not with --sweep)")
     ap.add_argument("--nheads", type=int, help="(NHEADS; not with --sweep)")
     ap.add_argument("--dtype", help="bf16, fp16 or fp8 (DTYPE); fp8: e4m3 inputs (per-tensor descales; k8 "
@@ -183,12 +186,21 @@ def time_call(call, state=None) -> tuple:
     return ms, "ok"
 
 
+def parse_window(text: str) -> tuple:
+    try:
+        left, right = (int(x) for x in text.split(","))
+    except ValueError:
+        raise UnsupportedProblem(f"--window takes LEFT,RIGHT (two ints, -1 unbounded), got {text!r}") from None
+    return left, right
+
+
 def public_call(name, problem, q, k, v, **descales):
     """What a user calls: ``attention(name, ...)`` on the same tensors (e4m3 ones with their descales)."""
     from harness import attention
 
-    softcap = {"softcap": problem.softcap} if problem.softcap else {}
-    return lambda: attention(name, q, k, v, causal=problem.causal, softmax_scale=problem.scale, **softcap, **descales)
+    features = dict(({"softcap": problem.softcap} if problem.softcap else {}),
+                    **({"window_size": problem.window} if problem.window != (-1, -1) else {}))
+    return lambda: attention(name, q, k, v, causal=problem.causal, softmax_scale=problem.scale, **features, **descales)
 
 
 def kernel_row(name, problem, check: bool, sweep: bool, q, k, v, descales=None, **run_kw) -> dict:
@@ -241,13 +253,14 @@ def run_problem(names, problem, check: bool, peers: bool, sweep: bool, emit, rou
     from harness.timing import benchmark, burst_ms, gpu_fields, more_rounds, tflops
 
     base = dict(batch=problem.batch, nheads=problem.nheads, seqlen=problem.seqlen, head_dim=problem.head_dim,
-                causal=int(problem.causal), dtype=problem.dtype, **({"softcap": problem.softcap} if problem.softcap else {}))
+                causal=int(problem.causal), dtype=problem.dtype, **({"softcap": problem.softcap} if problem.softcap else {}),
+                **({"window": list(problem.window)} if problem.window != (-1, -1) else {}))
     fp8 = problem.dtype in FP8_DTYPES
     q, k, v = random_inputs(problem.with_(dtype="bfloat16") if fp8 else problem)
     sources = (q, k, v)
     candidates, run_kw, descales, best_of = {}, {}, {}, BEST_OF
     if peers:
-        candidates = peer_callables(q, k, v, problem.causal, problem.scale, problem.softcap)
+        candidates = peer_callables(q, k, v, problem.causal, problem.scale, problem.softcap, problem.window)
     if fp8:  # the kernels and cuDNN FP8 take the e4m3 tensors; the bf16 peers their sources, for scale
         from harness.peers import cudnn_fp8_peer
 
@@ -525,6 +538,8 @@ def main(argv=None) -> int:
         problems = sweep_problems(**flags) if args.sweep else [problem_from(**flags)]
         if args.softcap:
             problems = [p.with_(softcap=args.softcap) for p in problems]
+        if args.window:
+            problems = [p.with_(window=as_window(parse_window(args.window))) for p in problems]
         if args.seqlen_k or args.nheads_kv:  # --compile-only: K/V's own length and heads (decode's split path)
             problems = [p.with_(seqlen_k=args.seqlen_k or p.kv_len, nheads_kv=args.nheads_kv or p.kv_heads)
                         for p in problems]

@@ -210,8 +210,14 @@ class Problem:
     @property
     def flops(self) -> float:
         """Standard count: two GEMMs of 2*Nq*Nk*d each per head. Causal (bottom-right) keeps
-        Nq*Nk - Nq^2/2 of the score pairs: half of them when Nq == Nk, the convention."""
+        Nq*Nk - Nq^2/2 of the score pairs: half of them when Nq == Nk, the convention; a window,
+        the pairs it keeps (what flash-attn's benchmarks count)."""
         pairs = self.seqlen * self.kv_len - (self.seqlen * self.seqlen / 2 if self.causal else 0)
+        if self.window != (-1, -1):  # the (query, key) pairs a window keeps, counted exactly
+            left, right = self.window
+            right, offset, last = 0 if self.causal else right, self.kv_len - self.seqlen, self.kv_len - 1
+            pairs = sum(max(0, min(last, i + offset + right if right >= 0 else last)
+                            - max(0, i + offset - left if left >= 0 else 0) + 1) for i in range(self.seqlen))
         return 4.0 * self.batch * self.nheads * pairs * self.head_dim
 
     def with_(self, **kw) -> "Problem":
