@@ -42,7 +42,7 @@ def test_a_stage_without_the_softcap_refuses_it_before_any_launch(name):
 
 def test_the_backward_refuses_a_softcap_before_the_forward():
     q, k, v = (torch.randn(1, 2, 16, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    with pytest.raises(UnsupportedProblem, match="backward does not take a softcap"):
+    with pytest.raises(UnsupportedProblem, match="softcap 5.0: the backward does not take it"):
         attention("k6", q, k, v, softcap=5.0)
 
 
