@@ -29,6 +29,7 @@ import sys
 
 from harness.backward import MAIN_STAGES
 from harness.backward import STAGES as BACKWARD_STAGES
+from harness.backward import VARIANTS as BACKWARD_VARIANTS
 from harness.config import KNOBS
 from kernels import get_kernel, kernel_names
 from kernels.contract import Problem, UnsupportedProblem
@@ -172,10 +173,11 @@ def run_decode(quick: bool, out) -> tuple:
     return rows, failures
 
 
-def backward_cases(seqlens):
+def backward_cases(seqlens, features: bool = False):
     """K9's grid: d 64/128 x causal x seqlens, batch 2 x heads 3, bf16; fp16 once per causal mode;
     the forward grid's GQA heads and (seqlen_q, seqlen_k) pairs; inputs 8x larger once per head dim
-    (larger scores, a sharper softmax); batch 8 x 1024 heads."""
+    (larger scores, a sharper softmax); batch 8 x 1024 heads. ``features`` (K10): the forward grid's
+    softcaps and windows too."""
     for d in (64, 128):
         for causal in (False, True):
             for n in seqlens:
@@ -185,6 +187,13 @@ def backward_cases(seqlens):
                 yield Problem(2, nheads, 1000, d, causal=causal, nheads_kv=nheads_kv), 1.0
             for seqlen_q, seqlen_k in UNEQUAL_LENGTHS:
                 yield Problem(2, 4, seqlen_q, d, causal=causal, seqlen_k=seqlen_k, nheads_kv=2), 1.0
+            if features:
+                for softcap in SOFTCAPS:
+                    yield Problem(2, 8, 1000, d, causal=causal, nheads_kv=2, softcap=softcap), 1.0
+                for window in sorted({(left, -1 if causal else right) for left, right in WINDOWS} - {(-1, -1)}):
+                    for seqlen_q, seqlen_k in ((1000, 1000), (1000, 4097)):
+                        yield Problem(2, 4, seqlen_q, d, causal=causal, seqlen_k=seqlen_k, nheads_kv=2,
+                                      window=window), 1.0
         yield Problem(2, 3, 1000, d, causal=True), 8.0
     yield Problem(8, 1024, 80, 64, causal=True), 1.0
 
@@ -196,7 +205,7 @@ def run_backward_grid(seqlens, out, stages) -> tuple:
     print(f"{'stage':<6}{'dtype':<10}{'b':>3}{'h':>6}{'seqlen':>7}{'d':>5}{'causal':>7}{'kv h/len':>11}{'x':>4}"
           f"{'dq_err':>11}{'sdpa':>11}{'dk_err':>11}{'sdpa':>11}{'dv_err':>11}{'sdpa':>11}  result")
     for stage in stages:
-        for p, magnitude in backward_cases(seqlens):
+        for p, magnitude in backward_cases(seqlens, features=BACKWARD_VARIANTS[stage][0] == "k10"):
             row = backward_row(stage, p, magnitude)
             rows.append(row)
             failures += not row["ok"]

@@ -186,13 +186,14 @@ def attention(name: str, q, k, v, causal: bool = False, softmax_scale=None, retu
     Differentiable: where q, k or v require grad (and grad mode is on), the call goes through the
     custom op, whose backward is the stage ``backward`` names, "k9" or "k10" (None: the default,
     ``harness.backward.DEFAULT``); the LSE output is not differentiable. What the backward cannot do
-    (the FP8 stages, head dim 256, a softcap or a window) is refused here, before the forward runs.
+    (the FP8 stages, head dim 256; K9 with a softcap or a window) is refused here, before the forward
+    runs.
 
     ``softcap`` c > 0 (Gemma-2's logit softcap): the scaled scores s become c * tanh(s / c) before the
     softmax, and the LSE is that of the capped scores. ``window_size`` (left, right): query i sees
     key j' = j - (seqlen_k - seqlen_q) where i - left <= j' <= i + right (-1: unbounded; causal: right
     is 0), as flash-attn's; K/V tiles outside every row's window are skipped. Both are taken by the
-    warp-specialized 16-bit stages (k5 on), forward only; None (or 0, or (-1, -1)): off.
+    warp-specialized 16-bit stages (k5 on) and by K10's backward; None (or 0, or (-1, -1)): off.
     """
     descales = (descale_q, descale_k, descale_v)
     softcap, window = as_softcap(softcap), as_window(window_size)

@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from kernels.contract import UnsupportedProblem
+from kernels.contract import UnsupportedProblem, as_softcap, as_window
 
 from .inputs import problem_from_tensors, require_cuda
 
@@ -77,30 +77,31 @@ def check_differentiable(name: str, q, k, v, causal: bool, softmax_scale, stage=
                          window=(-1, -1)) -> None:
     """Before a forward whose inputs need gradients: refuse what the backward cannot do, naming
     the constraint, before anything is launched."""
-    refuse_forward_only_features(softcap, window, causal)
     if torch.are_deterministic_algorithms_enabled():
         check_deterministic(require_stage(stage))
     check = stage_module(stage).check
     if name in FORWARD_ONLY:
         raise UnsupportedProblem(f"{name} is forward-only (no backward): call it on tensors that do not require "
                                  "grad, under torch.no_grad(), or use a 16-bit stage such as k6 to train")
-    check(problem_from_tensors(q, k, v, causal, softmax_scale))
+    check(problem_from_tensors(q, k, v, causal, softmax_scale, softcap, window))
 
 
-def attention_backward(q, k, v, out, lse, dout, causal: bool = False, softmax_scale=None, backward=None) -> tuple:
+def attention_backward(q, k, v, out, lse, dout, causal: bool = False, softmax_scale=None, backward=None,
+                       softcap=None, window_size=None) -> tuple:
     """(dq, dk, dv) of ``out = attention(q, k, v, causal, softmax_scale)`` for the gradient ``dout``
     of ``out``, given the forward's ``out`` and ``lse`` (float32 (batch, heads, seqlen), the
     natural-log LSE of the scaled scores, as ``attention(..., return_lse=True)`` returns it). By
     the stage ``backward`` names, "k9" or "k10" (None: ``DEFAULT``): bf16 or fp16, head dim 64 or
     128; GQA and K/V longer than q (causal bottom-right) as the forward takes them. Under
     ``torch.use_deterministic_algorithms(True)`` K10 adds dQ's shares in a fixed order, so that a
-    repeat gives the same bits; K9 has no such mode and is refused (a warning in warn-only mode)."""
+    repeat gives the same bits; K9 has no such mode and is refused (a warning in warn-only mode).
+    ``softcap`` and ``window_size`` as the forward took them (K10 only)."""
     stage = require_stage(backward)
     module = stage_module(stage)
     check, compile_backward, run_backward = module.check, module.compile_backward, module.run_backward
 
     q, k, v, out, lse, dout = (t.detach() if isinstance(t, torch.Tensor) else t for t in (q, k, v, out, lse, dout))
-    p = problem_from_tensors(q, k, v, causal, softmax_scale)
+    p = problem_from_tensors(q, k, v, causal, softmax_scale, as_softcap(softcap), as_window(window_size))
     check(p)
     for name, t, shape, dtype in (("out", out, q.shape, q.dtype), ("dout", dout, q.shape, q.dtype),
                                   ("lse", lse, q.shape[:3], torch.float32)):
@@ -124,26 +125,18 @@ def attention_backward(q, k, v, out, lse, dout, causal: bool = False, softmax_sc
 
 @torch.library.custom_op("fa3_cute::attention_backward", mutates_args=())
 def attention_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                          dout: torch.Tensor, causal: bool, softmax_scale: Optional[float], backward_stage: str = ""
+                          dout: torch.Tensor, causal: bool, softmax_scale: Optional[float], backward_stage: str = "",
+                          softcap: float = 0.0, window_size: Optional[list[int]] = None
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``attention_backward`` as torch.compile sees it: opaque, its output shapes from the fake
     implementation below (the kernels cannot run on the fake tensors the backward is traced with)."""
-    return attention_backward(q, k, v, out, lse, dout, causal, softmax_scale, backward_stage)
+    return attention_backward(q, k, v, out, lse, dout, causal, softmax_scale, backward_stage, softcap, window_size)
 
 
 @attention_backward_op.register_fake
-def _attention_backward_fake(q, k, v, out, lse, dout, causal, softmax_scale, backward_stage=""):
+def _attention_backward_fake(q, k, v, out, lse, dout, causal, softmax_scale, backward_stage="", softcap=0.0,
+                             window_size=None):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-
-
-def refuse_forward_only_features(softcap: float, window, causal: bool) -> None:
-    """The forward's softcap and sliding window have no backward yet."""
-    window = tuple(window) if window is not None else (-1, -1)
-    what = ([f"softcap {softcap}"] if softcap else []) + (
-        [f"window_size {window}"] if window[0] != -1 or (window[1] != -1 and not causal) else [])
-    if what:
-        raise UnsupportedProblem(f"{' and '.join(what)}: the backward does not take it yet (forward only: call on "
-                                 "tensors that do not require grad, or under torch.no_grad())")
 
 
 def _setup_context(ctx, inputs, output):
@@ -158,10 +151,9 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grad_out, grad_lse):
-    refuse_forward_only_features(ctx.softcap, ctx.window, ctx.causal)  # torch.compile traces past attention()'s check
     q, k, v, out, lse = ctx.saved_tensors
     dq, dk, dv = torch.ops.fa3_cute.attention_backward(q, k, v, out, lse, grad_out, ctx.causal, ctx.softmax_scale,
-                                                       ctx.backward_stage)
+                                                       ctx.backward_stage, ctx.softcap, ctx.window)
     return None, dq, dk, dv, None, None, None, None, None, None, None, None, None, None
 
 

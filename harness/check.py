@@ -156,12 +156,12 @@ def check_backward(p: Problem, forward: str = "k6", seed=None, magnitude: float 
 
     q, k, v = (t * magnitude for t in random_inputs(p, seed=seed))
     dout = torch.randn_like(q)
-    out, lse = attention(forward, q, k, v, causal=p.causal, return_lse=True)
+    out, lse = attention(forward, q, k, v, causal=p.causal, return_lse=True, softcap=p.softcap, window_size=p.window)
     grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
     run_backward(compile_backward(p, **overrides), q, k, v, out, lse, dout, p.scale, grads)
     torch.cuda.synchronize()
-    want = reference_grads(q, k, v, dout, p.causal, p.scale)
-    peer = sdpa_grads(q, k, v, dout, p.causal, p.scale)
+    want = reference_grads(q, k, v, dout, p.causal, p.scale, p.softcap, p.window)
+    peer = sdpa_grads(q, k, v, dout, p.causal, p.scale, p.window)  # a softcap: SDPA's error without it, the scale
     row, reasons = backward_case(p, magnitude, forward, backward), []
     for name, got, ref, sdpa_grad in zip(("dq", "dk", "dv"), grads, want, peer):
         err = (got.double() - ref).abs().nan_to_num(float("inf"))
@@ -175,7 +175,9 @@ def check_backward(p: Problem, forward: str = "k6", seed=None, magnitude: float 
 def backward_case(p: Problem, magnitude: float, forward: str = "k6", backward: str = "k9") -> dict:
     """The fields that name a backward case in its result row (``check_backward``'s, or a crash's)."""
     return dict(kernel=backward, forward=forward, batch=p.batch, nheads=p.nheads, seqlen=p.seqlen, head_dim=p.head_dim,
-                dtype=p.dtype, causal=int(p.causal), nheads_kv=p.kv_heads, seqlen_k=p.kv_len, magnitude=magnitude)
+                dtype=p.dtype, causal=int(p.causal), nheads_kv=p.kv_heads, seqlen_k=p.kv_len, magnitude=magnitude,
+                **({"softcap": p.softcap} if p.softcap else {}),
+                **({"window": list(p.window)} if p.window != (-1, -1) else {}))
 
 
 @dataclass

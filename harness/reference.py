@@ -70,25 +70,42 @@ def reference(q, k, v, causal: bool, scale: float, softcap: float = 0.0, window=
     return o, lse
 
 
-def reference_grads(q, k, v, dout, causal: bool, scale: float) -> tuple:
+def reference_grads(q, k, v, dout, causal: bool, scale: float, softcap: float = 0.0, window=(-1, -1)) -> tuple:
     """(dq, dk, dv) in float64: autograd through an explicit softmax of float64 copies (GQA by
-    repeating K/V heads, whose gradients autograd then sums per group; causal bottom-right)."""
+    repeating K/V heads, whose gradients autograd then sums per group; causal bottom-right; a
+    softcap and a sliding window as ``reference`` applies them)."""
     import torch
+
+    from .varlen import keep_mask, with_causal
 
     qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
     group = q.shape[1] // k.shape[1]
     kr, vr = (t.repeat_interleave(group, dim=1) for t in (kd, vd))
     s = torch.einsum("bhqd,bhkd->bhqk", qd, kr) * scale
-    if causal:
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    if tuple(window) != (-1, -1):
+        s = s.masked_fill(~keep_mask(q.shape[2], k.shape[2], with_causal(tuple(window), causal), q.device), -math.inf)
+    elif causal:
         s = s.masked_fill(~causal_keep(q.shape[2], k.shape[2], q.device), -math.inf)
     torch.einsum("bhqk,bhkd->bhqd", torch.softmax(s, dim=-1), vr).backward(dout.double())
     return qd.grad, kd.grad, vd.grad
 
 
-def sdpa_grads(q, k, v, dout, causal: bool, scale: float) -> tuple:
-    """(dq, dk, dv) from SDPA's own backward in the inputs' dtype: the error a 16-bit backward makes."""
+def sdpa_grads(q, k, v, dout, causal: bool, scale: float, window=(-1, -1)) -> tuple:
+    """(dq, dk, dv) from SDPA's own backward in the inputs' dtype: the error a 16-bit backward makes
+    (a window as a boolean mask; SDPA has no softcap)."""
+    import torch.nn.functional as F
+
+    from .varlen import keep_mask, with_causal
+
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    sdpa(*leaves, causal, scale).backward(dout)
+    if tuple(window) != (-1, -1):
+        mask = keep_mask(q.shape[2], k.shape[2], with_causal(tuple(window), causal), q.device)
+        F.scaled_dot_product_attention(*leaves, attn_mask=mask, scale=scale,
+                                       enable_gqa=q.shape[1] != k.shape[1]).backward(dout)
+    else:
+        sdpa(*leaves, causal, scale).backward(dout)
     return tuple(t.grad for t in leaves)
 
 

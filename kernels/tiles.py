@@ -68,3 +68,19 @@ def kv_window_tiles(m_block, seqlen, seqlen_k, tile_m: int, tile_n: int, causal:
     free_lo = cutlass.min(cutlass.max(free_lo, first), end)
     free_hi = cutlass.min(cutlass.max(free_hi, free_lo), end)
     return first, free_lo, free_hi, end
+
+
+def query_window_tiles(n_block, seqlen, seqlen_k, tile_m: int, tile_n: int, causal: bool, window: tuple) -> tuple:
+    """The backward's view of ``kv_window_tiles``: the query tiles [lo, hi) whose walk visits key
+    tile ``n_block``, i.e. those with first <= n_block < end there (the tests check the two agree
+    pair by pair). May be empty: a key before every query's window. Python ints or DSL integers."""
+    left, right = window
+    right = 0 if causal else right
+    offset = seqlen_k - seqlen
+    m_tiles = (seqlen + tile_m - 1) // tile_m
+    lo, hi = 0, m_tiles
+    if right >= 0:  # end(i) > n_block: the tile's last row reaches the key tile's first key
+        lo = cutlass.max(n_block * tile_n - offset - right, 0) // tile_m
+    if left >= 0:  # first(i) <= n_block: the tile's first row starts at or before the key tile's last key
+        hi = cutlass.min(hi, cutlass.max((n_block + 1) * tile_n - offset + left + tile_m - 1, 0) // tile_m)
+    return lo, cutlass.max(hi, lo)

@@ -40,10 +40,24 @@ def test_a_stage_without_the_softcap_refuses_it_before_any_launch(name):
         attention(name, q, k, v, softcap=5)
 
 
-def test_the_backward_refuses_a_softcap_before_the_forward():
+def test_k9_refuses_a_softcap_before_the_forward():
     q, k, v = (torch.randn(1, 2, 16, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    with pytest.raises(UnsupportedProblem, match="softcap 5.0: the backward does not take it"):
-        attention("k6", q, k, v, softcap=5.0)
+    with pytest.raises(UnsupportedProblem, match="K9 \\(backward\\): no sliding window or softcap"):
+        attention("k6", q, k, v, softcap=5.0, backward="k9")
+
+
+@pytest.mark.parametrize("stage", ["k10", "k10_fa3"])
+def test_k10s_softcap_backward_multiplies_ds_by_tanhs_slope_in_the_sequential_step(stage):
+    from harness.backward import stage_overrides
+    from kernels.contract import compiled_ptx
+    from kernels.k10 import compile_backward
+
+    p = Problem(2, 8, 1000, 128, causal=True, softcap=5.0)
+    compiled = compile_backward(p, keep_ptx=True, **stage_overrides(stage))
+    ptx = compiled_ptx(compiled[1])
+    # one tanh per score of the recomputed S^T tile (128 keys x 64 queries over 256 MMA threads)
+    assert len(re.findall(r"tanh\.approx\.f32", ptx)) == 128 * 64 // 256
+    assert not compiled[3].get("overlap")  # the overlapped step has no registers for the slope: off
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -75,6 +89,17 @@ def test_a_softcapped_forward_matches_the_explicit_reference(name, d, causal, so
 
     res = check_kernel(name, Problem(2, 8, 1000, d, causal=causal, nheads_kv=2, softcap=softcap))
     assert res.ok, res.reason
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backward", ["k10", "k10_fa3"])
+@pytest.mark.parametrize("d,causal,softcap", [(64, False, 0.5), (128, True, 5.0), (128, False, 50.0)])
+def test_the_softcapped_backward_matches_float64_autograd(backward, d, causal, softcap):
+    from harness.check import check_backward
+
+    row = check_backward(Problem(2, 8, 1000, d, causal=causal, nheads_kv=2, softcap=softcap), backward=backward)
+    assert row["ok"], row["reason"]
 
 
 @pytest.mark.gpu

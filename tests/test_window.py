@@ -70,8 +70,34 @@ def test_a_window_is_refused_where_it_cannot_run():
     with pytest.raises(UnsupportedProblem, match="cluster=2"):
         get_kernel("k6").compile(Problem(1, 8, 4096, 128, window=(512, 0)), cluster=2)
     grad = [t.clone().requires_grad_() for t in (q, k, v)]
-    with pytest.raises(UnsupportedProblem, match="backward does not take it"):
-        attention("k6", *grad, window_size=(8, 0))
+    with pytest.raises(UnsupportedProblem, match="K9 \\(backward\\): no sliding window or softcap"):
+        attention("k6", *grad, window_size=(8, 0), backward="k9")
+
+
+def test_the_backwards_query_tiles_are_the_forwards_key_tiles_turned_around():
+    from kernels.tiles import query_window_tiles
+
+    rnd = random.Random(1)
+    for _ in range(1500):
+        tile_m, tile_n = rnd.choice([(64, 128), (128, 128), (64, 64), (192, 128)])
+        seqlen = rnd.randint(1, 700)
+        seqlen_k = seqlen + rnd.choice([0, rnd.randint(1, 500)])
+        causal, window = rnd.random() < 0.5, (rnd.choice([-1, 0, 1, 63, 130, 400]), rnd.choice([-1, 0, 5, 300]))
+        args = (seqlen, seqlen_k, tile_m, tile_n, causal, window)
+        forward = {(i, j) for i in range(-(-seqlen // tile_m)) for j in range(*kv_window_tiles(i, *args)[::3])}
+        backward = {(i, j) for j in range(-(-seqlen_k // tile_n)) for i in range(*query_window_tiles(j, *args))}
+        # K10's deterministic turns count on it: the key tiles a query tile waits for are those that visit it
+        assert forward == backward
+
+
+@pytest.mark.parametrize("causal,window", [(True, (256, -1)), (False, (100, 300))])
+def test_k10_takes_a_window_deterministic_too(causal, window):
+    from harness.backward import stage_overrides
+    from kernels.k10 import compile_backward
+
+    p = Problem(2, 8, 1000, 64, causal=causal, window=window, nheads_kv=2)
+    compiled = compile_backward(p, deterministic=True, **stage_overrides("k10_fa3"))
+    assert compiled[3]["last_first"]  # both windows have a right edge: the shares arrive last key tile first
 
 
 def test_a_causal_window_without_a_left_edge_is_plain_causal():
@@ -106,6 +132,36 @@ def test_a_windowed_forward_matches_the_explicit_reference(name, d, causal, wind
     p = Problem(2, 4, lengths[0], d, causal=causal, seqlen_k=lengths[1], nheads_kv=2, window=window)
     res = check_kernel(name, p)
     assert res.ok, res.reason
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backward", ["k10", "k10_fa3"])
+@pytest.mark.parametrize("d,causal,window,lengths", [(64, True, (256, -1), (1000, 1000)), (128, False, (100, 300), (1000, 4097)),
+                                                     (128, False, (0, 0), (1000, 1000)), (128, True, (511, -1), (1000, 4097))])
+def test_the_windowed_backward_matches_float64_autograd(backward, d, causal, window, lengths):
+    from harness.check import check_backward
+
+    p = Problem(2, 4, lengths[0], d, causal=causal, seqlen_k=lengths[1], nheads_kv=2, window=window)
+    row = check_backward(p, backward=backward)
+    assert row["ok"], row["reason"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_windowed_deterministic_backward_repeats_bit_for_bit():
+    from harness import attention_backward
+
+    q, k, v = (torch.randn(2, 8, 1000, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    dout = torch.randn_like(q)
+    out, lse = attention("k6", q, k, v, causal=True, return_lse=True, window_size=(256, 0))
+    torch.use_deterministic_algorithms(True)
+    try:
+        runs = [attention_backward(q, k, v, out, lse, dout, causal=True, window_size=(256, 0)) for _ in range(3)]
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for run in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(run, runs[0]))
 
 
 @pytest.mark.gpu
