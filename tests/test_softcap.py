@@ -80,14 +80,12 @@ def test_the_softcap_reference_agrees_with_the_packed_float64_one(causal):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("name", ["k5", "k6"])
-@pytest.mark.parametrize("d", [64, 128, 256])
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("softcap", [0.5, 5.0])
+@pytest.mark.parametrize("name,d,causal,softcap", [("k6", d, causal, 0.5) for d in (64, 128, 256) for causal in (0, 1)]
+                         + [("k5", 128, True, 5.0)])  # ref_check's grid has the rest
 def test_a_softcapped_forward_matches_the_explicit_reference(name, d, causal, softcap):
     from harness.check import check_kernel
 
-    res = check_kernel(name, Problem(2, 8, 1000, d, causal=causal, nheads_kv=2, softcap=softcap))
+    res = check_kernel(name, Problem(2, 8, 1000, d, causal=bool(causal), nheads_kv=2, softcap=softcap))
     assert res.ok, res.reason
 
 

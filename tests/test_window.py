@@ -121,11 +121,11 @@ def test_the_window_reference_agrees_with_the_packed_float64_one(causal, window)
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("name,d,causal,window,lengths", [
+@pytest.mark.parametrize("name,d,causal,window,lengths", [  # ref_check's grid has the rest
     (name, d, causal, window, lengths)
     for name, d, (causal, window), lengths in itertools.product(
-        ["k5", "k6"], [64, 128, 256], [(False, (256, 0)), (False, (100, 300)), (False, (0, 0)), (True, (256, -1)),
-                                       (True, (511, -1))], [(1000, 1000), (1000, 4097)])])
+        ["k6"], [64, 128], [(False, (256, 0)), (False, (0, 0)), (True, (256, -1))], [(1000, 1000), (1000, 4097)])]
+    + [("k5", 128, False, (100, 300), (1000, 4097)), ("k6", 256, True, (511, -1), (1000, 1000))])
 def test_a_windowed_forward_matches_the_explicit_reference(name, d, causal, window, lengths):
     from harness.check import check_kernel
 
