@@ -355,7 +355,7 @@ def decode_refusal(args):
     the prefill workload (flags or environment) would be ignored: refused instead, as ref_check does."""
     from harness.config import KNOBS
 
-    other = flags_given(args, ("seqlen", "causal", "nheads", "dtype", "sweep", "compile_only", "check"))
+    other = flags_given(args, ("seqlen", "causal", "nheads", "dtype", "sweep", "compile_only", "check", "softcap", "window"))
     if other or args.kernels:
         return (f"--decode times its own grid (harness/decode_bench.py); it takes --batch, --seqlen-k, --nheads-kv, "
                 f"--headdim, --q-len, --num-splits, --no-peers, --grid-only, --splits-curve, --host-times, "
@@ -444,7 +444,7 @@ def host_times_main(args, argv) -> int:
     from harness import host_times, results
 
     other = flags_given(args, ("seqlen", "headdim", "causal", "nheads", "batch", "dtype", "sweep", "compile_only",
-                                "check", "no_peers"))
+                                "check", "softcap", "window", "no_peers"))
     if args.rounds != 1:
         other.append("--rounds")
     if other or args.kernels:
@@ -476,7 +476,7 @@ def backward_main(args, argv) -> int:
     from harness import backward as backward_module
     from harness import backward_bench, results
 
-    other = flags_given(args, ("nheads", "batch", "dtype", "compile_only", "check", "no_peers"))
+    other = flags_given(args, ("nheads", "batch", "dtype", "compile_only", "check", "softcap", "window", "no_peers"))
     if args.rounds != 1:
         other.append("--rounds")
     stages = tuple(args.kernels) or backward_bench.STAGES

@@ -109,6 +109,26 @@ def sdpa_grads(q, k, v, dout, causal: bool, scale: float, window=(-1, -1)) -> tu
     return tuple(t.grad for t in leaves)
 
 
+def capped_grads_16bit(q, k, v, dout, causal: bool, scale: float, softcap: float, window=(-1, -1)) -> tuple:
+    """(dq, dk, dv) of a 16-bit softcapped attention through autograd, as SDPA's would be if it had
+    a softcap: S from the 16-bit inputs (fp32 accumulation), the cap, mask and softmax in fp32, P
+    rounded to the inputs' dtype for PV. The error bar of a softcap case (``check_backward``)."""
+    import torch
+
+    from .varlen import keep_mask, with_causal
+
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    lq, lk, lv = leaves
+    group = q.shape[1] // k.shape[1]
+    kr, vr = (t.repeat_interleave(group, dim=1) for t in (lk, lv))
+    s = (lq @ kr.transpose(-1, -2)).float() * scale
+    s = softcap * torch.tanh(s / softcap)
+    keep = keep_mask(q.shape[2], k.shape[2], with_causal(tuple(window), causal), q.device)
+    s = s.masked_fill(~keep, -math.inf)
+    (torch.softmax(s, dim=-1).to(q.dtype) @ vr).backward(dout)
+    return tuple(t.grad for t in leaves)
+
+
 def cache_lengths(cache_seqlens, batch: int, s_cache: int) -> list:
     """Each sequence's length as a Python int in [0, s_cache] (the kernels clamp the same way):
     ``cache_seqlens`` None (all rows), an int, or a tensor (batch,)."""

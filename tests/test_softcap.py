@@ -14,7 +14,7 @@ from kernels.contract import Problem, UnsupportedProblem
 
 
 @pytest.mark.parametrize("name,d,causal", [("k6", 64, False), ("k6", 128, True), ("k5", 128, False)])
-def test_a_softcap_adds_one_tanh_per_score_before_the_masks(name, d, causal):
+def test_a_softcap_adds_one_tanh_per_score(name, d, causal):
     p = Problem(2, 8, 1000, d, causal=causal, nheads_kv=2)
     plain, capped = (get_kernel(name).compile(p.with_(softcap=c), keep_ptx=True).ptx for c in (0.0, 30.0))
     tanh, ex2 = (len(re.findall(pattern, capped)) for pattern in (r"tanh\.approx\.f32", r"ex2\.approx"))
@@ -87,6 +87,36 @@ def test_a_softcapped_forward_matches_the_explicit_reference(name, d, causal, so
 
     res = check_kernel(name, Problem(2, 8, 1000, d, causal=bool(causal), nheads_kv=2, softcap=softcap))
     assert res.ok, res.reason
+
+
+@pytest.mark.parametrize("softcap,causal", [(0.5, False), (5.0, True)])
+def test_the_softcap_backwards_bar_fails_a_gradient_without_the_cap_or_its_slope(softcap, causal):
+    # check_backward's bar: within twice the error of a 16-bit softcapped backward (SDPA has none).
+    # A backward that ignored the cap, or dropped tanh's slope 1 - t^2 from dS, must fail it.
+    from harness.check import within_grad_bar
+    from harness.reference import capped_grads_16bit, reference_grads
+
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 256, 64, generator=gen).to(torch.bfloat16) for _ in range(3))
+    dout = torch.randn(1, 2, 256, 64, generator=gen).to(torch.bfloat16)
+    scale = 64 ** -0.5
+    want = reference_grads(q, k, v, dout, causal, scale, softcap)
+    peer = capped_grads_16bit(q, k, v, dout, causal, scale, softcap)
+
+    def err(grads):
+        return [float((g.double() - w).abs().max()) for g, w in zip(grads, want)]
+
+    peer_err = err(peer)
+    no_cap = reference_grads(q, k, v, dout, causal, scale)
+    qd, kd, vd, dd = (t.double() for t in (q, k, v, dout))  # dS without the slope, by hand
+    t = torch.tanh(qd @ kd.transpose(-1, -2) * scale / softcap)
+    s = (softcap * t).masked_fill(~varlen.keep_mask(256, 256, (-1, 0 if causal else -1)), -math.inf)
+    p = torch.softmax(s, dim=-1)
+    ds = p * (dd @ vd.transpose(-1, -2) - (dd * (p @ vd)).sum(-1, keepdim=True)) * scale
+    no_slope = (ds @ kd, ds.transpose(-1, -2) @ qd, p.transpose(-1, -2) @ dd)
+    assert all(within_grad_bar(e, pe) for e, pe in zip(peer_err, peer_err))
+    for wrong in (no_cap, no_slope):
+        assert not all(within_grad_bar(e, pe) for e, pe in zip(err(wrong), peer_err))
 
 
 @pytest.mark.gpu

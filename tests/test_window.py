@@ -3,6 +3,7 @@ bounds against brute force, the builds, the refusals, the reference; GPU: the gr
 
 import itertools
 import random
+import re
 
 import pytest
 import torch
@@ -50,7 +51,9 @@ def test_a_window_builds_with_its_lower_edge_loop(name, d, causal, window):
     capped = get_kernel(name).compile(p, keep_ptx=True)
     plain = get_kernel(name).compile(p.with_(window=(-1, -1)), keep_ptx=True)
     assert capped.info.get("cluster", 1) == 1  # a window gives each query tile its own K/V tiles
-    assert capped.ptx != plain.ptx
+    shifts = [len(re.findall(r"shr\.b32", x.ptx)) for x in (plain, capped)]
+    # the mask's keep-bits: one shift per 32 columns of a row at the upper edge; a left edge adds as many
+    assert shifts[1] > shifts[0] if window[0] >= 0 else shifts[1] > 0
 
 
 @pytest.mark.parametrize("window,match", [((1, 2, 3), "pair of ints"), ((-2, 0), ">= -1"), ((1.0, 2), "pair of ints"),
@@ -67,6 +70,10 @@ def test_a_window_is_refused_where_it_cannot_run():
         attention("k4", q, k, v, window_size=(8, 8))
     with pytest.raises(UnsupportedProblem, match="more queries than keys"):
         attention("k6", q, k[:, :, :8], v[:, :, :8], window_size=(8, 8))
+    from harness import attention_backward
+
+    with pytest.raises(UnsupportedProblem, match="K10 \\(backward\\): a sliding window with more queries than keys"):
+        attention_backward(q, k[:, :, :8], v[:, :, :8], q, torch.zeros(1, 2, 16), q, window_size=(8, 8))
     with pytest.raises(UnsupportedProblem, match="cluster=2"):
         get_kernel("k6").compile(Problem(1, 8, 4096, 128, window=(512, 0)), cluster=2)
     grad = [t.clone().requires_grad_() for t in (q, k, v)]
