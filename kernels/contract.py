@@ -160,6 +160,9 @@ class Problem:
     # A sliding window (left, right), as_window's; causal keeps its right edge at 0 (the window's
     # right is then dropped), and (-1, -1) is no window.
     window: tuple = (-1, -1)
+    # Packed sequences (flash-attn's varlen layout, cu_seqlens): batch counts the sequences, and
+    # seqlen / seqlen_k are the longest ones (max_seqlen_q / max_seqlen_k).
+    varlen: bool = False
 
     def __post_init__(self):
         for name in ("batch", "nheads", "seqlen", "head_dim", "seqlen_k", "nheads_kv"):
@@ -179,6 +182,7 @@ class Problem:
             raise UnsupportedProblem(f"dtype must be one of {DTYPES + FP8_DTYPES}, got {self.dtype!r}")
         # Frozen: normalize through object.__setattr__, so equal problems hash equal (cache keys).
         object.__setattr__(self, "causal", as_causal(self.causal))
+        object.__setattr__(self, "varlen", as_flag("varlen", self.varlen))
         if self.softmax_scale is not None:
             object.__setattr__(self, "softmax_scale", as_scale(self.softmax_scale))
         object.__setattr__(self, "softcap", as_softcap(self.softcap))
@@ -247,6 +251,7 @@ class Capabilities:
     # The logit softcap and the sliding window (Problem.softcap, .window): K5 on.
     softcap: bool = False
     window: bool = False
+    varlen: bool = False
     # Most query heads per K/V head (decode packs a group into one 64-row query tile).
     max_group: Optional[int] = None
     # Compute capabilities the kernel's instructions exist on (TMA, WGMMA: Hopper only).
@@ -258,6 +263,9 @@ class Capabilities:
             raise UnsupportedProblem(f"head_dim {p.head_dim} not supported (supported: {list(self.head_dims)}){why}")
         if p.dtype not in self.dtypes:
             raise UnsupportedProblem(f"dtype {p.dtype} not supported (supported: {list(self.dtypes)})")
+        if p.varlen and not self.varlen:
+            raise UnsupportedProblem("packed sequences (varlen) not supported by this kernel (the bf16/fp16 "
+                                     "warp-specialized stages take them: k5, k6_pp, k6_overlap, k6)")
         if p.causal and not self.causal:
             raise UnsupportedProblem("causal masking not supported by this kernel")
         if want_lse and not self.lse:
