@@ -89,6 +89,10 @@ def parse_args(argv=None):
                     help="only the host time per call, at a shape whose kernels take microseconds: each public "
                          "call beside SDPA's and flash-attn-4's (harness/host_times.py); with --decode the KV-cache "
                          "calls (the one call, the plan, the peers')")
+    ap.add_argument("--varlen", action="store_true",
+                    help="a packed batch (16 documents of 64..16k tokens, log-uniform, fixed seed; --headdim, "
+                         "--causal, --nheads) through attention_varlen beside flash-attn-4's varlen call and cuDNN "
+                         "on the padded batch; TFLOP/s on the real, unpadded work (harness/varlen_bench.py)")
     ap.add_argument("--backward", action="store_true",
                     help="the backward (k9, k10 or those named) beside cuDNN's and flash-attn-4's autograd backward "
                          "(harness/backward_bench.py): one workload (--seqlen, --headdim, --causal), or with --sweep "
@@ -531,6 +535,16 @@ def main(argv=None) -> int:
         return host_times_main(args, argv)
     if args.backward:
         return backward_main(args, argv)
+    if args.varlen:
+        from harness import varlen_bench
+
+        other = flags_given(args, ("seqlen", "batch", "dtype", "sweep", "compile_only", "check", "softcap", "window",
+                                   "no_peers"))
+        if other:
+            print(f"error: --varlen times its own packing (harness/varlen_bench.py); it takes --headdim, --causal, "
+                  f"--nheads and --out, not {', '.join(other)}", file=sys.stderr)
+            return 2
+        return varlen_bench.main(args, argv)
     try:
         names = resolve_kernels(args.kernels)
         flags = dict(seqlen=args.seqlen, headdim=args.headdim, causal=args.causal, batch=args.batch,

@@ -185,3 +185,13 @@ def test_the_packed_call_matches_the_float64_reference_sequence_by_sequence(d, c
     ref, ref_lse = varlen.reference(q, k, v, cu_q, cu_k, d ** -0.5, causal=causal)
     c = compare(out, ref, lse, ref_lse, "bfloat16")
     assert not c.verdict, c.verdict
+
+
+def test_the_varlen_benchmark_packing_is_fixed_and_counts_only_real_work():
+    from harness import varlen_bench
+
+    lengths = varlen_bench.document_lengths()
+    assert lengths == varlen_bench.document_lengths() and len(lengths) == 16
+    assert all(64 <= n <= 16384 for n in lengths) and max(lengths) > 8 * min(lengths)  # mixed, not a rectangle
+    assert varlen_bench.real_flops([3, 5], 2, 8, causal=False) == 4 * 2 * 8 * (9 + 25)
+    assert varlen_bench.real_flops([4], 1, 1, causal=True) == 4 * 8
