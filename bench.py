@@ -359,7 +359,7 @@ def decode_refusal(args):
     the prefill workload (flags or environment) would be ignored: refused instead, as ref_check does."""
     from harness.config import KNOBS
 
-    other = flags_given(args, ("seqlen", "causal", "nheads", "dtype", "sweep", "compile_only", "check", "softcap", "window"))
+    other = flags_given(args, ("seqlen", "causal", "nheads", "dtype", "sweep", "compile_only", "check", "softcap", "window", "varlen"))
     if other or args.kernels:
         return (f"--decode times its own grid (harness/decode_bench.py); it takes --batch, --seqlen-k, --nheads-kv, "
                 f"--headdim, --q-len, --num-splits, --no-peers, --grid-only, --splits-curve, --host-times, "
@@ -448,7 +448,7 @@ def host_times_main(args, argv) -> int:
     from harness import host_times, results
 
     other = flags_given(args, ("seqlen", "headdim", "causal", "nheads", "batch", "dtype", "sweep", "compile_only",
-                                "check", "softcap", "window", "no_peers"))
+                                "check", "softcap", "window", "varlen", "no_peers"))
     if args.rounds != 1:
         other.append("--rounds")
     if other or args.kernels:
@@ -480,7 +480,7 @@ def backward_main(args, argv) -> int:
     from harness import backward as backward_module
     from harness import backward_bench, results
 
-    other = flags_given(args, ("nheads", "batch", "dtype", "compile_only", "check", "softcap", "window", "no_peers"))
+    other = flags_given(args, ("nheads", "batch", "dtype", "compile_only", "check", "softcap", "window", "varlen", "no_peers"))
     if args.rounds != 1:
         other.append("--rounds")
     stages = tuple(args.kernels) or backward_bench.STAGES

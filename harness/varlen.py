@@ -188,15 +188,17 @@ def attention_varlen(name: str, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_
         raise UnsupportedProblem("attention_varlen is forward-only: call it on tensors that do not require grad, or "
                                  "under torch.no_grad()")
     dtype = {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(q.dtype, str(q.dtype).replace("torch.", ""))
-    p = Problem(len(lengths_q), q.shape[1], max(max_seqlen_q, 1), q.shape[2], dtype=dtype, causal=causal,
-                softmax_scale=scale, seqlen_k=max(max_seqlen_k, 1), nheads_kv=k.shape[1], softcap=as_softcap(softcap),
+    # the longest sequences, not the max_seqlen bounds (which may be loose): the configuration's lengths
+    p = Problem(len(lengths_q), q.shape[1], max(max(lengths_q), 1), q.shape[2], dtype=dtype, causal=causal,
+                softmax_scale=scale, seqlen_k=max(max(lengths_k), 1), nheads_kv=k.shape[1], softcap=as_softcap(softcap),
                 window=window, varlen=True)
     entry = get_kernel(name)
     entry.caps.check(p, want_lse=return_lse)
     for role, t in (("q", q), ("k", k), ("v", v)):
-        if t.stride(-1) != 1 or t.stride(1) % 8 or t.stride(0) % 8:
-            raise UnsupportedProblem(f"{role} must have a contiguous last dim and other strides multiples of 8 "
-                                     f"elements, got strides {t.stride()}")
+        if t.stride(-1) != 1 or t.stride(1) % 8 or t.stride(0) % 8 or t.data_ptr() % 16:
+            raise UnsupportedProblem(f"{role} must start 16-byte aligned, with a contiguous last dim and other strides "
+                                     f"multiples of 8 elements (TMA), got strides {t.stride()}")
+    cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     require_cuda(q, k, v)
     with torch.cuda.device(q.device):
         compiled = compiled_for(name, p)

@@ -295,7 +295,7 @@ class Capabilities:
             raise UnsupportedProblem(f"seqlen {max(p.seqlen, p.kv_len)} exceeds this kernel's limit of {self.max_seqlen}")
         if self.folds_batch_heads and p.batch * p.nheads > GRID_YZ_LIMIT:
             raise UnsupportedProblem(f"batch*heads = {p.batch * p.nheads} exceeds the grid limit {GRID_YZ_LIMIT}")
-        for name in ("batch", "nheads"):
+        for name in ("nheads",) if p.varlen else ("batch", "nheads"):  # packed: one grid dimension of tiles
             if getattr(p, name) > GRID_YZ_LIMIT:
                 raise UnsupportedProblem(f"{name} = {getattr(p, name)} exceeds the grid limit {GRID_YZ_LIMIT}")
 

@@ -326,8 +326,8 @@ class K5FMHA:
         if const_expr(self.cluster > 1):  # a cluster walks pairs of query tiles (tile_at splits them)
             num_m_blocks = cute.ceil_div(num_m_blocks, self.cluster)
             bx, gdx = bx // self.cluster, gdx // self.cluster
-        if const_expr(self.varlen):  # the pairs table, head after head
-            return bx, gdx, packed[2].shape[0] * nheads, packed[2]
+        if const_expr(self.varlen):  # the pairs table, heaviest first, all heads of a pair together
+            return bx, gdx, packed[2].shape[0] * nheads, (packed[2], nheads)
         return bx, gdx, num_m_blocks * nheads * batch, (num_m_blocks, nheads, nheads * batch, section)
 
     @cute.jit
@@ -337,9 +337,10 @@ class K5FMHA:
         m-block count the last group's second tile lies past the sequence: that CTA still loads
         its half of every K/V tile for its partner, and computes on zero-filled Q rows that
         nothing stores (the O store and the LSE stop at seqlen)."""
-        if const_expr(self.varlen):  # tile_grid: the (sequence, query tile) table
-            pair = tile_idx % tile_grid.shape[0]
-            return tile_grid[pair, 1], tile_idx // tile_grid.shape[0], tile_grid[pair, 0]
+        if const_expr(self.varlen):  # tile_grid: the (sequence, query tile) table and the heads, a pair's heads in a row
+            table, nheads = tile_grid
+            pair = tile_idx // nheads
+            return table[pair, 1], tile_idx % nheads, table[pair, 0]
         m_block, head, batch = schedule.tile_coords(tile_idx, *tile_grid, self.causal)
         if const_expr(self.cluster > 1):
             m_block = m_block * self.cluster + cute.arch.block_idx_in_cluster()
@@ -700,7 +701,7 @@ class K5FMHA:
 def schedule_config(p: Problem) -> dict:
     """Persistent (static) non-causal and dynamic causal, L2 sections by key length
     (schedule.section_bytes)."""
-    return dict(scheduler="dynamic" if p.causal else "static",
+    return dict(scheduler="dynamic" if p.causal or p.varlen else "static",  # packed: tiles of unequal work
                 section_bytes=schedule.section_bytes(p.kv_len) if p.causal else schedule.SECTION_BYTES)
 
 
