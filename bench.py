@@ -5,6 +5,8 @@
     python bench.py all --out results/bench.json
     python bench.py --sweep --out results/sweep.json k2 k4
     python bench.py k4 --compile-only      # no GPU needed: compile for sm_90a and inspect
+    python bench.py k6 --softcap 30 --causal 1   # a logit softcap, beside flash-attn-4 with the same cap
+    python bench.py k6 --window 1024,0 --seqlen 16384   # a sliding window, beside flash-attn-4's
     python bench.py --decode --out results/decode.json   # decode over a KV cache, TB/s, graph-timed
     python bench.py --decode --batch 1 --nheads-kv 8      # part of the decode grid
     python bench.py --decode --splits-curve               # decode: TB/s against the split count
@@ -27,7 +29,7 @@ from harness.api import fp8_inputs
 from harness.config import DEFAULTS, SWEEP_HEAD_DIMS, SWEEP_SEQLENS, parse_bool, problem_from, sweep_problems
 from harness.peers import BEST_OF, BEST_OF_FP8, best_peer
 from kernels import get_kernel, kernel_names
-from kernels.contract import FP8_DTYPES, UnsupportedProblem
+from kernels.contract import FP8_DTYPES, UnsupportedProblem, as_window
 
 
 def decode_grid_text() -> str:
@@ -52,6 +54,10 @@ def parse_args(argv=None):
     ap.add_argument("--seqlen", type=int, help="(SEQLEN)")
     ap.add_argument("--headdim", type=int, help="(HEADDIM)")
     ap.add_argument("--causal", type=int, choices=(0, 1), help="(CAUSAL)")
+    ap.add_argument("--softcap", type=float, help="a logit softcap c > 0 (scores -> c*tanh(s/c)); the peers: "
+                    "flash-attn-4 with the same cap (SDPA has none)")
+    ap.add_argument("--window", help="a sliding window LEFT,RIGHT (-1: unbounded; causal: RIGHT is 0), e.g. 1024,0; "
+                    "TFLOP/s on the pairs it keeps; the peers: flash-attn-4 with the same window")
     ap.add_argument("--batch", type=int, help="(BATCH; not with --sweep)")
     ap.add_argument("--nheads", type=int, help="(NHEADS; not with --sweep)")
     ap.add_argument("--dtype", help="bf16, fp16 or fp8 (DTYPE); fp8: e4m3 inputs (per-tensor descales; k8 "
@@ -83,6 +89,10 @@ def parse_args(argv=None):
                     help="only the host time per call, at a shape whose kernels take microseconds: each public "
                          "call beside SDPA's and flash-attn-4's (harness/host_times.py); with --decode the KV-cache "
                          "calls (the one call, the plan, the peers')")
+    ap.add_argument("--varlen", action="store_true",
+                    help="a packed batch (16 documents of 64..16k tokens, log-uniform, fixed seed; --headdim, "
+                         "--causal, --nheads) through attention_varlen beside flash-attn-4's varlen call and cuDNN "
+                         "on the padded batch; TFLOP/s on the real, unpadded work (harness/varlen_bench.py)")
     ap.add_argument("--backward", action="store_true",
                     help="the backward (k9, k10 or those named) beside cuDNN's and flash-attn-4's autograd backward "
                          "(harness/backward_bench.py): one workload (--seqlen, --headdim, --causal), or with --sweep "
@@ -180,11 +190,21 @@ def time_call(call, state=None) -> tuple:
     return ms, "ok"
 
 
+def parse_window(text: str) -> tuple:
+    try:
+        left, right = (int(x) for x in text.split(","))
+    except ValueError:
+        raise UnsupportedProblem(f"--window takes LEFT,RIGHT (two ints, -1 unbounded), got {text!r}") from None
+    return left, right
+
+
 def public_call(name, problem, q, k, v, **descales):
     """What a user calls: ``attention(name, ...)`` on the same tensors (e4m3 ones with their descales)."""
     from harness import attention
 
-    return lambda: attention(name, q, k, v, causal=problem.causal, softmax_scale=problem.scale, **descales)
+    features = dict(({"softcap": problem.softcap} if problem.softcap else {}),
+                    **({"window_size": problem.window} if problem.window != (-1, -1) else {}))
+    return lambda: attention(name, q, k, v, causal=problem.causal, softmax_scale=problem.scale, **features, **descales)
 
 
 def kernel_row(name, problem, check: bool, sweep: bool, q, k, v, descales=None, **run_kw) -> dict:
@@ -237,13 +257,14 @@ def run_problem(names, problem, check: bool, peers: bool, sweep: bool, emit, rou
     from harness.timing import benchmark, burst_ms, gpu_fields, more_rounds, tflops
 
     base = dict(batch=problem.batch, nheads=problem.nheads, seqlen=problem.seqlen, head_dim=problem.head_dim,
-                causal=int(problem.causal), dtype=problem.dtype)
+                causal=int(problem.causal), dtype=problem.dtype, **({"softcap": problem.softcap} if problem.softcap else {}),
+                **({"window": list(problem.window)} if problem.window != (-1, -1) else {}))
     fp8 = problem.dtype in FP8_DTYPES
     q, k, v = random_inputs(problem.with_(dtype="bfloat16") if fp8 else problem)
     sources = (q, k, v)
     candidates, run_kw, descales, best_of = {}, {}, {}, BEST_OF
     if peers:
-        candidates = peer_callables(q, k, v, problem.causal, problem.scale)
+        candidates = peer_callables(q, k, v, problem.causal, problem.scale, problem.softcap, problem.window)
     if fp8:  # the kernels and cuDNN FP8 take the e4m3 tensors; the bf16 peers their sources, for scale
         from harness.peers import cudnn_fp8_peer
 
@@ -338,7 +359,7 @@ def decode_refusal(args):
     the prefill workload (flags or environment) would be ignored: refused instead, as ref_check does."""
     from harness.config import KNOBS
 
-    other = flags_given(args, ("seqlen", "causal", "nheads", "dtype", "sweep", "compile_only", "check"))
+    other = flags_given(args, ("seqlen", "causal", "nheads", "dtype", "sweep", "compile_only", "check", "softcap", "window", "varlen"))
     if other or args.kernels:
         return (f"--decode times its own grid (harness/decode_bench.py); it takes --batch, --seqlen-k, --nheads-kv, "
                 f"--headdim, --q-len, --num-splits, --no-peers, --grid-only, --splits-curve, --host-times, "
@@ -427,7 +448,7 @@ def host_times_main(args, argv) -> int:
     from harness import host_times, results
 
     other = flags_given(args, ("seqlen", "headdim", "causal", "nheads", "batch", "dtype", "sweep", "compile_only",
-                                "check", "no_peers"))
+                                "check", "softcap", "window", "varlen", "no_peers"))
     if args.rounds != 1:
         other.append("--rounds")
     if other or args.kernels:
@@ -459,7 +480,7 @@ def backward_main(args, argv) -> int:
     from harness import backward as backward_module
     from harness import backward_bench, results
 
-    other = flags_given(args, ("nheads", "batch", "dtype", "compile_only", "check", "no_peers"))
+    other = flags_given(args, ("nheads", "batch", "dtype", "compile_only", "check", "softcap", "window", "varlen", "no_peers"))
     if args.rounds != 1:
         other.append("--rounds")
     stages = tuple(args.kernels) or backward_bench.STAGES
@@ -514,11 +535,25 @@ def main(argv=None) -> int:
         return host_times_main(args, argv)
     if args.backward:
         return backward_main(args, argv)
+    if args.varlen:
+        from harness import varlen_bench
+
+        other = flags_given(args, ("seqlen", "batch", "dtype", "sweep", "compile_only", "check", "softcap", "window",
+                                   "no_peers"))
+        if other:
+            print(f"error: --varlen times its own packing (harness/varlen_bench.py); it takes --headdim, --causal, "
+                  f"--nheads and --out, not {', '.join(other)}", file=sys.stderr)
+            return 2
+        return varlen_bench.main(args, argv)
     try:
         names = resolve_kernels(args.kernels)
         flags = dict(seqlen=args.seqlen, headdim=args.headdim, causal=args.causal, batch=args.batch,
                      nheads=args.nheads, dtype=args.dtype)
         problems = sweep_problems(**flags) if args.sweep else [problem_from(**flags)]
+        if args.softcap:
+            problems = [p.with_(softcap=args.softcap) for p in problems]
+        if args.window:
+            problems = [p.with_(window=as_window(parse_window(args.window))) for p in problems]
         if args.seqlen_k or args.nheads_kv:  # --compile-only: K/V's own length and heads (decode's split path)
             problems = [p.with_(seqlen_k=args.seqlen_k or p.kv_len, nheads_kv=args.nheads_kv or p.kv_heads)
                         for p in problems]

@@ -7,6 +7,10 @@
     python ref_check.py --decode --quick   # one KV-cache case per behaviour (about a minute)
     python ref_check.py --backward    # the backward (K9 and K10): dq, dk, dv against float64 autograd
 
+Kernels that take a logit softcap or a sliding window also run them (softcaps 0.5, 5, 50; windows
+with edges inside and across tiles, one key wide, one-sided, with more keys than queries; GQA,
+causal and not) against explicit scores.
+
 For each kernel: causal and non-causal, every head dim it supports among 64 and 128 (all of
 them with --all-head-dims), seqlens that are and are not multiples of the tiles, batch*heads > 1
 plus one case with thousands of (batch, head) pairs, fp16 beside bf16, fresh random inputs per
@@ -25,6 +29,7 @@ import sys
 
 from harness.backward import MAIN_STAGES
 from harness.backward import STAGES as BACKWARD_STAGES
+from harness.backward import VARIANTS as BACKWARD_VARIANTS
 from harness.config import KNOBS
 from kernels import get_kernel, kernel_names
 from kernels.contract import Problem, UnsupportedProblem
@@ -56,12 +61,23 @@ def cases(name: str, seqlens, all_head_dims: bool):
                 for seqlen_q, seqlen_k in UNEQUAL_LENGTHS:
                     yield Problem(2, 4, seqlen_q, d, causal=causal, seqlen_k=seqlen_k,
                                   nheads_kv=2 if caps.gqa else None)
+            if caps.softcap:  # with GQA and an odd length; 0.5 saturates most scores, 50 almost none
+                for softcap in SOFTCAPS:
+                    yield Problem(2, 8, 1000, d, causal=causal, nheads_kv=2 if caps.gqa else None, softcap=softcap)
+            if caps.window:  # edges inside tiles, across tiles, one key only, one side only; more keys than queries
+                windows = sorted({(left, -1 if causal else right) for left, right in WINDOWS} - {(-1, -1)})
+                for window in windows:
+                    for seqlen_q, seqlen_k in ((1000, 1000), (1000, 4097)):
+                        yield Problem(2, 4, seqlen_q, d, causal=causal, seqlen_k=seqlen_k,
+                                      nheads_kv=2 if caps.gqa else None, window=window)
 
 
 # (query heads, K/V heads): group 4, MQA, group 8.
 GQA_HEADS = ((8, 2), (4, 1), (16, 2))
 # (seqlen_q, seqlen_k): decode-like, short and long chunks of a longer context, a 3x ratio.
 UNEQUAL_LENGTHS = ((1, 4097), (17, 1000), (1000, 4097), (128, 384))
+SOFTCAPS = (0.5, 5.0, 50.0)
+WINDOWS = ((256, 0), (0, 0), (100, 300), (-1, 64), (511, -1))  # (left, right); causal keeps the left
 
 
 def decode_cases(quick: bool):
@@ -157,10 +173,11 @@ def run_decode(quick: bool, out) -> tuple:
     return rows, failures
 
 
-def backward_cases(seqlens):
+def backward_cases(seqlens, features: bool = False):
     """K9's grid: d 64/128 x causal x seqlens, batch 2 x heads 3, bf16; fp16 once per causal mode;
     the forward grid's GQA heads and (seqlen_q, seqlen_k) pairs; inputs 8x larger once per head dim
-    (larger scores, a sharper softmax); batch 8 x 1024 heads."""
+    (larger scores, a sharper softmax); batch 8 x 1024 heads. ``features`` (K10): the forward grid's
+    softcaps and windows too."""
     for d in (64, 128):
         for causal in (False, True):
             for n in seqlens:
@@ -170,6 +187,13 @@ def backward_cases(seqlens):
                 yield Problem(2, nheads, 1000, d, causal=causal, nheads_kv=nheads_kv), 1.0
             for seqlen_q, seqlen_k in UNEQUAL_LENGTHS:
                 yield Problem(2, 4, seqlen_q, d, causal=causal, seqlen_k=seqlen_k, nheads_kv=2), 1.0
+            if features:
+                for softcap in SOFTCAPS:
+                    yield Problem(2, 8, 1000, d, causal=causal, nheads_kv=2, softcap=softcap), 1.0
+                for window in sorted({(left, -1 if causal else right) for left, right in WINDOWS} - {(-1, -1)}):
+                    for seqlen_q, seqlen_k in ((1000, 1000), (1000, 4097)):
+                        yield Problem(2, 4, seqlen_q, d, causal=causal, seqlen_k=seqlen_k, nheads_kv=2,
+                                      window=window), 1.0
         yield Problem(2, 3, 1000, d, causal=True), 8.0
     yield Problem(8, 1024, 80, 64, causal=True), 1.0
 
@@ -181,7 +205,7 @@ def run_backward_grid(seqlens, out, stages) -> tuple:
     print(f"{'stage':<6}{'dtype':<10}{'b':>3}{'h':>6}{'seqlen':>7}{'d':>5}{'causal':>7}{'kv h/len':>11}{'x':>4}"
           f"{'dq_err':>11}{'sdpa':>11}{'dk_err':>11}{'sdpa':>11}{'dv_err':>11}{'sdpa':>11}  result")
     for stage in stages:
-        for p, magnitude in backward_cases(seqlens):
+        for p, magnitude in backward_cases(seqlens, features=BACKWARD_VARIANTS[stage][0] == "k10"):
             row = backward_row(stage, p, magnitude)
             rows.append(row)
             failures += not row["ok"]

@@ -23,6 +23,7 @@ from kernels.contract import (FP8_DTYPES, UnsupportedProblem, as_causal, as_flag
                               scratch)
 
 from . import backward as backward_module
+from .varlen import as_softcap, as_window
 from .inputs import (problem_from_tensors, require_cuda, require_name, require_quantizable, require_tensors,
                      torch_dtype)
 
@@ -56,7 +57,8 @@ def compiled_for(name: str, problem):
 def attention_op(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                  softmax_scale: Optional[float], return_lse: bool, descale_q: Optional[torch.Tensor] = None,
                  descale_k: Optional[torch.Tensor] = None, descale_v: Optional[torch.Tensor] = None,
-                 descale_values: Optional[list[float]] = None, backward_stage: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+                 descale_values: Optional[list[float]] = None, backward_stage: str = "",
+                 softcap: float = 0.0, window_size: Optional[list[int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(O, LSE), as torch.compile and its CUDA graphs see the call: the eager path (``_call``) with
     nothing kept from its body (``kernels.contract.fresh_buffers``). e4m3 inputs take their descales
     as CUDA tensors (``descale_*``) or numbers (``descale_values``). ``backward_stage`` names the
@@ -64,12 +66,12 @@ def attention_op(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     values = descale_values or [None] * 3
     descales = tuple(t if t is not None else x for t, x in zip((descale_q, descale_k, descale_v), values))
     with fresh_buffers():
-        return _call(name, q, k, v, causal, softmax_scale, return_lse, descales)
+        return _call(name, q, k, v, causal, softmax_scale, return_lse, descales, softcap, as_window(window_size))
 
 
 @attention_op.register_fake
 def _attention_fake(name, q, k, v, causal, softmax_scale, return_lse, descale_q=None, descale_k=None,
-                    descale_v=None, descale_values=None, backward_stage=""):
+                    descale_v=None, descale_values=None, backward_stage="", softcap=0.0, window_size=None):
     # Shapes only: the real call does every check (at run time, under torch.compile).
     b, h, n, _ = q.shape
     out_dtype = torch.bfloat16 if q.dtype == torch.float8_e4m3fn else q.dtype
@@ -162,7 +164,7 @@ def as_descale(name: str, x) -> float:
 
 
 def attention(name: str, q, k, v, causal: bool = False, softmax_scale=None, return_lse: bool = False, *,
-              descale_q=None, descale_k=None, descale_v=None, backward=None):
+              descale_q=None, descale_k=None, descale_v=None, backward=None, softcap=None, window_size=None):
     """softmax(q k^T * scale) v with kernel stage ``name``.
 
     q: CUDA tensor (batch, heads, seqlen, head_dim), bf16 or fp16, last dim contiguous; k, v: one
@@ -184,22 +186,31 @@ def attention(name: str, q, k, v, causal: bool = False, softmax_scale=None, retu
     Differentiable: where q, k or v require grad (and grad mode is on), the call goes through the
     custom op, whose backward is the stage ``backward`` names, "k9" or "k10" (None: the default,
     ``harness.backward.DEFAULT``); the LSE output is not differentiable. What the backward cannot do
-    (the FP8 stages, head dim 256) is refused here, before the forward runs.
+    (the FP8 stages, head dim 256; K9 with a softcap or a window) is refused here, before the forward
+    runs.
+
+    ``softcap`` c > 0 (Gemma-2's logit softcap): the scaled scores s become c * tanh(s / c) before the
+    softmax, and the LSE is that of the capped scores. ``window_size`` (left, right): query i sees
+    key j' = j - (seqlen_k - seqlen_q) where i - left <= j' <= i + right (-1: unbounded; causal: right
+    is 0), as flash-attn's; K/V tiles outside every row's window are skipped. Both are taken by the
+    warp-specialized 16-bit stages (k5 on) and by K10's backward; None (or 0, or (-1, -1)): off.
     """
     descales = (descale_q, descale_k, descale_v)
+    softcap, window = as_softcap(softcap), as_window(window_size)
     if torch.compiler.is_compiling():
-        return _traced(name, q, k, v, causal, softmax_scale, return_lse, descales, backward)
+        return _traced(name, q, k, v, causal, softmax_scale, return_lse, descales, backward, softcap, window)
     if backward is not None:
         backward_module.require_stage(backward)
     if backward_module.needs_grad(q, k, v):
         causal_, scale, _ = plain_arguments(name, q, k, v, causal, softmax_scale, return_lse)
-        backward_module.check_differentiable(name, q, k, v, causal_, scale, backward)
-        return _traced(name, q, k, v, causal, softmax_scale, return_lse, descales, backward)
-    out, lse = _call(name, q, k, v, causal, softmax_scale, return_lse, descales)
+        backward_module.check_differentiable(name, q, k, v, causal_, scale, backward, softcap, window)
+        return _traced(name, q, k, v, causal, softmax_scale, return_lse, descales, backward, softcap, window)
+    out, lse = _call(name, q, k, v, causal, softmax_scale, return_lse, descales, softcap, window)
     return (out, lse) if return_lse else out
 
 
-def _traced(name, q, k, v, causal, softmax_scale, return_lse, descales, backward_stage=None):
+def _traced(name, q, k, v, causal, softmax_scale, return_lse, descales, backward_stage=None, softcap=0.0,
+            window=(-1, -1)):
     """What torch.compile traces: the arguments as the op's schema takes them, then the op (every
     check that needs the tensors' data runs in its body, at run time)."""
     causal, scale, return_lse = plain_arguments(name, q, k, v, causal, softmax_scale, return_lse)
@@ -207,7 +218,7 @@ def _traced(name, q, k, v, causal, softmax_scale, return_lse, descales, backward
     block = name if entry is not None and entry.block_descales else ""
     (dq, dk, dv), values = split_descales(q, dict(zip(DESCALE_NAMES, descales)), block)
     out, lse = torch.ops.fa3_cute.attention(name, q, k, v, causal, scale, return_lse, dq, dk, dv, values,
-                                            backward_stage or "")
+                                            backward_stage or "", softcap, list(window))
     return (out, lse) if return_lse else out
 
 
@@ -228,12 +239,14 @@ _PREPARED: dict = {}
 _PREPARED_SIZE = 256  # many shapes (a varying batch, say): start over rather than grow
 
 
-def _call(name, q, k, v, causal, softmax_scale, return_lse, descales) -> tuple:
+def _call(name, q, k, v, causal, softmax_scale, return_lse, descales, softcap: float = 0.0,
+          window: tuple = (-1, -1)) -> tuple:
     """(O, LSE) of one eager call: the prepared launch of its signature, made on its first call."""
     key = _signature(name, q, k, v, causal, softmax_scale, return_lse, descales)
+    key = key and (*key, softcap, window)
     prepared = _PREPARED.get(key) if key is not None else None
     if prepared is None:
-        prepared = _prepare(name, q, k, v, causal, softmax_scale, return_lse, descales)
+        prepared = _prepare(name, q, k, v, causal, softmax_scale, return_lse, descales, softcap, window)
         if key is not None:
             if len(_PREPARED) >= _PREPARED_SIZE:
                 _PREPARED.clear()
@@ -273,14 +286,15 @@ def _signature(name, q, k, v, causal, softmax_scale, return_lse, descales) -> Op
             torch._C._cuda_getCurrentRawStream(index), torch.are_deterministic_algorithms_enabled())
 
 
-def _prepare(name, q, k, v, causal, softmax_scale, return_lse, descales) -> "_PreparedCall":
+def _prepare(name, q, k, v, causal, softmax_scale, return_lse, descales, softcap: float = 0.0,
+             window: tuple = (-1, -1)) -> "_PreparedCall":
     """Every check, in the order that names the real problem first (nothing that needs a GPU
     before the device check), then the compiled kernel and the launch they allow."""
     causal, scale, return_lse = plain_arguments(name, q, k, v, causal, softmax_scale, return_lse)
     entry = get_kernel(name)
     block = name if entry.block_descales else ""
     tensors, values = split_descales(q, dict(zip(DESCALE_NAMES, descales)), block)
-    problem = problem_from_tensors(q, k, v, causal, scale)
+    problem = problem_from_tensors(q, k, v, causal, scale, softcap, window)
     entry.caps.check(problem, want_lse=return_lse)
     if problem.dtype in FP8_DTYPES and block:
         check_block_descales(name, problem, dict(zip(DESCALE_NAMES, tensors)), q.device)

@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from kernels.contract import UnsupportedProblem
+from kernels.contract import UnsupportedProblem, as_softcap, as_window
 
 from .inputs import problem_from_tensors, require_cuda
 
@@ -73,7 +73,8 @@ def check_deterministic(stage: str) -> bool:
     return False
 
 
-def check_differentiable(name: str, q, k, v, causal: bool, softmax_scale, stage=None) -> None:
+def check_differentiable(name: str, q, k, v, causal: bool, softmax_scale, stage=None, softcap: float = 0.0,
+                         window=(-1, -1)) -> None:
     """Before a forward whose inputs need gradients: refuse what the backward cannot do, naming
     the constraint, before anything is launched."""
     if torch.are_deterministic_algorithms_enabled():
@@ -82,23 +83,25 @@ def check_differentiable(name: str, q, k, v, causal: bool, softmax_scale, stage=
     if name in FORWARD_ONLY:
         raise UnsupportedProblem(f"{name} is forward-only (no backward): call it on tensors that do not require "
                                  "grad, under torch.no_grad(), or use a 16-bit stage such as k6 to train")
-    check(problem_from_tensors(q, k, v, causal, softmax_scale))
+    check(problem_from_tensors(q, k, v, causal, softmax_scale, softcap, window))
 
 
-def attention_backward(q, k, v, out, lse, dout, causal: bool = False, softmax_scale=None, backward=None) -> tuple:
+def attention_backward(q, k, v, out, lse, dout, causal: bool = False, softmax_scale=None, backward=None,
+                       softcap=None, window_size=None) -> tuple:
     """(dq, dk, dv) of ``out = attention(q, k, v, causal, softmax_scale)`` for the gradient ``dout``
     of ``out``, given the forward's ``out`` and ``lse`` (float32 (batch, heads, seqlen), the
     natural-log LSE of the scaled scores, as ``attention(..., return_lse=True)`` returns it). By
     the stage ``backward`` names, "k9" or "k10" (None: ``DEFAULT``): bf16 or fp16, head dim 64 or
     128; GQA and K/V longer than q (causal bottom-right) as the forward takes them. Under
     ``torch.use_deterministic_algorithms(True)`` K10 adds dQ's shares in a fixed order, so that a
-    repeat gives the same bits; K9 has no such mode and is refused (a warning in warn-only mode)."""
+    repeat gives the same bits; K9 has no such mode and is refused (a warning in warn-only mode).
+    ``softcap`` and ``window_size`` as the forward took them (K10 only)."""
     stage = require_stage(backward)
     module = stage_module(stage)
     check, compile_backward, run_backward = module.check, module.compile_backward, module.run_backward
 
     q, k, v, out, lse, dout = (t.detach() if isinstance(t, torch.Tensor) else t for t in (q, k, v, out, lse, dout))
-    p = problem_from_tensors(q, k, v, causal, softmax_scale)
+    p = problem_from_tensors(q, k, v, causal, softmax_scale, as_softcap(softcap), as_window(window_size))
     check(p)
     for name, t, shape, dtype in (("out", out, q.shape, q.dtype), ("dout", dout, q.shape, q.dtype),
                                   ("lse", lse, q.shape[:3], torch.float32)):
@@ -122,15 +125,17 @@ def attention_backward(q, k, v, out, lse, dout, causal: bool = False, softmax_sc
 
 @torch.library.custom_op("fa3_cute::attention_backward", mutates_args=())
 def attention_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                          dout: torch.Tensor, causal: bool, softmax_scale: Optional[float], backward_stage: str = ""
+                          dout: torch.Tensor, causal: bool, softmax_scale: Optional[float], backward_stage: str = "",
+                          softcap: float = 0.0, window_size: Optional[list[int]] = None
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``attention_backward`` as torch.compile sees it: opaque, its output shapes from the fake
     implementation below (the kernels cannot run on the fake tensors the backward is traced with)."""
-    return attention_backward(q, k, v, out, lse, dout, causal, softmax_scale, backward_stage)
+    return attention_backward(q, k, v, out, lse, dout, causal, softmax_scale, backward_stage, softcap, window_size)
 
 
 @attention_backward_op.register_fake
-def _attention_backward_fake(q, k, v, out, lse, dout, causal, softmax_scale, backward_stage=""):
+def _attention_backward_fake(q, k, v, out, lse, dout, causal, softmax_scale, backward_stage="", softcap=0.0,
+                             window_size=None):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -141,13 +146,15 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.causal, ctx.softmax_scale = causal, softmax_scale
     ctx.backward_stage = inputs[11] if len(inputs) > 11 else ""
+    ctx.softcap = inputs[12] if len(inputs) > 12 else 0.0
+    ctx.window = inputs[13] if len(inputs) > 13 else None
 
 
 def _backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse = ctx.saved_tensors
     dq, dk, dv = torch.ops.fa3_cute.attention_backward(q, k, v, out, lse, grad_out, ctx.causal, ctx.softmax_scale,
-                                                       ctx.backward_stage)
-    return None, dq, dk, dv, None, None, None, None, None, None, None, None
+                                                       ctx.backward_stage, ctx.softcap, ctx.window)
+    return None, dq, dk, dv, None, None, None, None, None, None, None, None, None, None
 
 
 def register(op) -> None:

@@ -42,7 +42,7 @@ def shared_dtype(names: str, *tensors) -> str:
     return dtype
 
 
-def problem_from_tensors(q, k, v, causal: bool, softmax_scale=None) -> Problem:
+def problem_from_tensors(q, k, v, causal: bool, softmax_scale=None, softcap: float = 0.0, window=(-1, -1)) -> Problem:
     """Check q, k, v against the SDPA-layout contract and describe them as a Problem.
 
     Every refusal names the constraint. Nothing here needs a GPU: shapes, dtype, strides,
@@ -77,7 +77,7 @@ def problem_from_tensors(q, k, v, causal: bool, softmax_scale=None) -> Problem:
         raise UnsupportedProblem(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     b, h, n, d = q.shape
     return Problem(b, h, n, d, dtype=dtype, causal=causal, softmax_scale=softmax_scale, seqlen_k=k.shape[2],
-                   nheads_kv=k.shape[1])
+                   nheads_kv=k.shape[1], softcap=softcap, window=window)
 
 
 def require_rows(name: str, t) -> None:

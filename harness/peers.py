@@ -16,8 +16,9 @@ def best_peer(peer_tflops: dict, best_of: tuple = BEST_OF):
     return (max(timed)[1], max(timed)[0]) if timed else None
 
 
-def peer_callables(q, k, v, causal: bool, scale: float) -> dict:
-    """name -> zero-argument callable, or name -> reason string when the peer is unavailable."""
+def peer_callables(q, k, v, causal: bool, scale: float, softcap: float = 0.0, window=(-1, -1)) -> dict:
+    """name -> zero-argument callable, or name -> reason string when the peer is unavailable (SDPA
+    has no softcap or window)."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -27,13 +28,17 @@ def peer_callables(q, k, v, causal: bool, scale: float) -> dict:
         def call(backend=backend):
             with sdpa_kernel(backend):
                 return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
-        peers[name] = call
+        peers[name] = call if not softcap and tuple(window) == (-1, -1) else "unavailable (SDPA has no softcap or window)"
     try:
         from flash_attn.cute import flash_attn_func
 
         # FA4 takes (batch, seqlen, heads, dim): transpose once, outside the timed call.
         qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
-        peers["fa4"] = lambda: flash_attn_func(qt, kt, vt, softmax_scale=scale, causal=causal)
+        capped = {"softcap": softcap} if softcap else {}
+        if tuple(window) != (-1, -1):  # flash-attn's None is our -1 (unbounded); causal: right 0
+            capped["window_size"] = (None if window[0] < 0 else window[0], 0 if causal else
+                                     None if window[1] < 0 else window[1])
+        peers["fa4"] = lambda: flash_attn_func(qt, kt, vt, softmax_scale=scale, causal=causal, **capped)
     except Exception as e:  # not installed, or not importable on this GPU
         peers["fa4"] = f"unavailable ({type(e).__name__}: {e})"[:120]
     for name, fn in list(peers.items()):

@@ -33,50 +33,99 @@ def sdpa(q, k, v, causal: bool, scale: float):
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa)
 
 
-def reference(q, k, v, causal: bool, scale: float):
+def reference(q, k, v, causal: bool, scale: float, softcap: float = 0.0, window=(-1, -1)):
     """O and LSE in float32 from upcast copies of q, k, v.
 
     O is SDPA on the float32 copies; LSE is a logsumexp over explicit float32 scores, a chunk
-    of heads at a time so that long sequences and many heads both stay within memory.
+    of heads at a time so that long sequences and many heads both stay within memory. With a
+    ``softcap`` c the scores are c * tanh(s / c), and with a sliding ``window`` (harness.varlen's
+    mask) the keys outside it are dropped; O then comes from the same explicit scores.
     """
     import torch
 
+    from .varlen import keep_mask, with_causal
+
+    window = tuple(window)
+    explicit = softcap or window != (-1, -1)
     qf, kf, vf = (t.float() for t in (q, k, v))
-    o = sdpa(qf, kf, vf, causal, scale)
+    o = sdpa(qf, kf, vf, causal, scale) if not explicit else torch.empty_like(qf)
     b, h, n, _ = q.shape
     nk, group = k.shape[2], h // k.shape[1]
     lse = torch.empty((b, h, n), dtype=torch.float32, device=q.device)
     masked = ~causal_keep(n, nk, q.device) if causal else None
+    if window != (-1, -1):
+        masked = ~keep_mask(n, nk, with_causal(window, causal), q.device)
     chunk = max(1, SCORE_CHUNK_BYTES // (4 * n * nk))
     for bi in range(b):
         for h0 in range(0, h, chunk):
             heads = torch.arange(h0, min(h0 + chunk, h), device=q.device) // group
             s = (qf[bi, h0:h0 + chunk] @ kf[bi, heads].transpose(-1, -2)) * scale
+            if softcap:
+                s = softcap * torch.tanh(s / softcap)
             if masked is not None:
                 s.masked_fill_(masked, -math.inf)
             lse[bi, h0:h0 + chunk] = torch.logsumexp(s, dim=-1)
+            if explicit:  # a row that sees no key: O = 0 (the kernels refuse such windows)
+                o[bi, h0:h0 + chunk] = torch.softmax(s, dim=-1).nan_to_num(0.0) @ vf[bi, heads]
     return o, lse
 
 
-def reference_grads(q, k, v, dout, causal: bool, scale: float) -> tuple:
+def reference_grads(q, k, v, dout, causal: bool, scale: float, softcap: float = 0.0, window=(-1, -1)) -> tuple:
     """(dq, dk, dv) in float64: autograd through an explicit softmax of float64 copies (GQA by
-    repeating K/V heads, whose gradients autograd then sums per group; causal bottom-right)."""
+    repeating K/V heads, whose gradients autograd then sums per group; causal bottom-right; a
+    softcap and a sliding window as ``reference`` applies them)."""
     import torch
+
+    from .varlen import keep_mask, with_causal
 
     qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
     group = q.shape[1] // k.shape[1]
     kr, vr = (t.repeat_interleave(group, dim=1) for t in (kd, vd))
     s = torch.einsum("bhqd,bhkd->bhqk", qd, kr) * scale
-    if causal:
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    if tuple(window) != (-1, -1):
+        s = s.masked_fill(~keep_mask(q.shape[2], k.shape[2], with_causal(tuple(window), causal), q.device), -math.inf)
+    elif causal:
         s = s.masked_fill(~causal_keep(q.shape[2], k.shape[2], q.device), -math.inf)
     torch.einsum("bhqk,bhkd->bhqd", torch.softmax(s, dim=-1), vr).backward(dout.double())
     return qd.grad, kd.grad, vd.grad
 
 
-def sdpa_grads(q, k, v, dout, causal: bool, scale: float) -> tuple:
-    """(dq, dk, dv) from SDPA's own backward in the inputs' dtype: the error a 16-bit backward makes."""
+def sdpa_grads(q, k, v, dout, causal: bool, scale: float, window=(-1, -1)) -> tuple:
+    """(dq, dk, dv) from SDPA's own backward in the inputs' dtype: the error a 16-bit backward makes
+    (a window as a boolean mask; SDPA has no softcap)."""
+    import torch.nn.functional as F
+
+    from .varlen import keep_mask, with_causal
+
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    sdpa(*leaves, causal, scale).backward(dout)
+    if tuple(window) != (-1, -1):
+        mask = keep_mask(q.shape[2], k.shape[2], with_causal(tuple(window), causal), q.device)
+        F.scaled_dot_product_attention(*leaves, attn_mask=mask, scale=scale,
+                                       enable_gqa=q.shape[1] != k.shape[1]).backward(dout)
+    else:
+        sdpa(*leaves, causal, scale).backward(dout)
+    return tuple(t.grad for t in leaves)
+
+
+def capped_grads_16bit(q, k, v, dout, causal: bool, scale: float, softcap: float, window=(-1, -1)) -> tuple:
+    """(dq, dk, dv) of a 16-bit softcapped attention through autograd, as SDPA's would be if it had
+    a softcap: S from the 16-bit inputs (fp32 accumulation), the cap, mask and softmax in fp32, P
+    rounded to the inputs' dtype for PV. The error bar of a softcap case (``check_backward``)."""
+    import torch
+
+    from .varlen import keep_mask, with_causal
+
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    lq, lk, lv = leaves
+    group = q.shape[1] // k.shape[1]
+    kr, vr = (t.repeat_interleave(group, dim=1) for t in (lk, lv))
+    s = (lq @ kr.transpose(-1, -2)).float() * scale
+    s = softcap * torch.tanh(s / softcap)
+    keep = keep_mask(q.shape[2], k.shape[2], with_causal(tuple(window), causal), q.device)
+    s = s.masked_fill(~keep, -math.inf)
+    (torch.softmax(s, dim=-1).to(q.dtype) @ vr).backward(dout)
     return tuple(t.grad for t in leaves)
 
 

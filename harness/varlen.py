@@ -14,36 +14,13 @@ from __future__ import annotations
 import math
 import numbers
 
-from kernels.contract import UnsupportedProblem
-
-
-def as_window(window_size) -> tuple:
-    """(left, right) as ints >= -1 (-1: unbounded); None is (-1, -1)."""
-    if window_size is None:
-        return -1, -1
-    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
-            or any(isinstance(x, bool) or not isinstance(x, numbers.Integral) for x in window_size)):
-        raise UnsupportedProblem(f"window_size must be a pair of ints (left, right), -1 for unbounded, got "
-                                 f"{window_size!r}")
-    left, right = (int(x) for x in window_size)
-    if left < -1 or right < -1:
-        raise UnsupportedProblem(f"window_size entries must be >= -1 (-1: unbounded), got {window_size!r}")
-    return left, right
+from kernels.contract import UnsupportedProblem, as_softcap, as_window  # noqa: F401 (this module's API too)
 
 
 def with_causal(window: tuple, causal: bool) -> tuple:
     """The window a causal call keeps: its right edge at most 0."""
     left, right = window
     return (left, 0 if causal and (right == -1 or right > 0) else right)
-
-
-def as_softcap(softcap) -> float:
-    """softcap as a float >= 0 (0 or None: off)."""
-    if softcap is None:
-        return 0.0
-    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not math.isfinite(softcap) or softcap < 0:
-        raise UnsupportedProblem(f"softcap must be a finite number >= 0 (0: off), got {softcap!r}")
-    return float(softcap)
 
 
 def sequence_lengths(name: str, cu_seqlens, total: int, batch: int | None = None) -> list:
@@ -164,3 +141,73 @@ def key_tile_range(m_block: int, seqlen_q: int, seqlen_k: int, tile_m: int, tile
     if hi < lo or last_row < first_row:
         return 0, 0
     return lo // tile_n, hi // tile_n + 1
+
+
+def varlen_tiles(lengths_q: list, lengths_k: list, tile_m: int, causal: bool, window: tuple = (-1, -1)) -> list:
+    """The (sequence, query tile) pairs of a packing, heaviest first (the KV keys each one walks,
+    longest first: the tail of the schedule is short work). Empty sequences have none."""
+    work = []
+    for b, (n_q, n_k) in enumerate(zip(lengths_q, lengths_k)):
+        offset = n_k - n_q
+        left, right = with_causal(window, causal)
+        for m in range(-(-n_q // tile_m)):
+            last = min(n_k, (m + 1) * tile_m + offset + right) if right >= 0 else n_k  # keys below this
+            first = max(0, m * tile_m + offset - left) if left >= 0 else 0
+            work.append((max(last - first, 0), b, m))
+    work.sort(key=lambda w: -w[0])
+    return [(b, m) for _, b, m in work]
+
+
+def attention_varlen(name: str, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
+                     causal: bool = False, softmax_scale=None, return_lse: bool = False, *, softcap=None,
+                     window_size=None):
+    """flash-attn's varlen call: q (total_q, heads, d), k and v (total_k, heads_kv, d), sequence b
+    in rows cu_seqlens[b]:cu_seqlens[b + 1]; causal and the window aligned bottom-right per
+    sequence. Returns O (total_q, heads, d) and, with ``return_lse``, the LSE (heads, total_q). The
+    warp-specialized 16-bit stages (k5 on) take it, forward only. Every check runs before the
+    launch, which reads cu_seqlens once on the host (to list the tiles)."""
+    import torch
+
+    from kernels import get_kernel
+    from kernels.contract import Problem, as_causal, as_flag, as_scale
+
+    from .api import compiled_for
+    from .inputs import require_cuda, require_name
+
+    require_name(name)
+    causal, return_lse = as_causal(causal), as_flag("return_lse", return_lse)
+    scale = None if softmax_scale is None else as_scale(softmax_scale)
+    lengths_q, lengths_k = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    window = as_window(window_size)
+    bounded = causal or window != (-1, -1)
+    for b, (n_q, n_k) in enumerate(zip(lengths_q, lengths_k)):
+        if n_q and (n_k == 0 or (bounded and n_q > n_k)):
+            raise UnsupportedProblem(f"sequence {b} has {n_q} queries and {n_k} keys: every query must see a key "
+                                     f"({'causal or windowed, aligned bottom-right, keys must not be fewer' if bounded else 'no keys'})")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise UnsupportedProblem("attention_varlen is forward-only: call it on tensors that do not require grad, or "
+                                 "under torch.no_grad()")
+    dtype = {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(q.dtype, str(q.dtype).replace("torch.", ""))
+    # the longest sequences, not the max_seqlen bounds (which may be loose): the configuration's lengths
+    p = Problem(len(lengths_q), q.shape[1], max(max(lengths_q), 1), q.shape[2], dtype=dtype, causal=causal,
+                softmax_scale=scale, seqlen_k=max(max(lengths_k), 1), nheads_kv=k.shape[1], softcap=as_softcap(softcap),
+                window=window, varlen=True)
+    entry = get_kernel(name)
+    entry.caps.check(p, want_lse=return_lse)
+    for role, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(-1) != 1 or t.stride(1) % 8 or t.stride(0) % 8 or t.data_ptr() % 16:
+            raise UnsupportedProblem(f"{role} must start 16-byte aligned, with a contiguous last dim and other strides "
+                                     f"multiples of 8 elements (TMA), got strides {t.stride()}")
+    cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
+    require_cuda(q, k, v)
+    with torch.cuda.device(q.device):
+        compiled = compiled_for(name, p)
+        tile_m = 64 * compiled.info["num_wg"]
+        pairs = varlen_tiles(lengths_q, lengths_k, tile_m, causal, window)
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[1], q.shape[0], device=q.device, dtype=torch.float32)
+        if pairs:  # all sequences empty: nothing to run
+            tiles = torch.tensor(pairs, dtype=torch.int32).to(q.device, non_blocking=True)
+            packed = [t.unsqueeze(0).transpose(1, 2) for t in (q, k, v, out)]
+            compiled.launch(*packed, lse.unsqueeze(0), cu_seqlens_q, cu_seqlens_k, tiles, p.scale)
+    return (out, lse) if return_lse else out

@@ -101,6 +101,30 @@ def as_flag(name: str, value) -> bool:
     raise UnsupportedProblem(f"{name} must be a bool (True or False), got {value!r} ({type(value).__name__})")
 
 
+def as_window(window_size) -> tuple:
+    """A sliding window (left, right): keys j' = j - (seqlen_k - seqlen_q) with i - left <= j' <= i + right
+    for query i (bottom-right, as flash-attn); ints >= -1 (-1: unbounded); None is (-1, -1)."""
+    if window_size is None:
+        return -1, -1
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or any(isinstance(x, bool) or not isinstance(x, numbers.Integral) for x in window_size)):
+        raise UnsupportedProblem(f"window_size must be a pair of ints (left, right), -1 for unbounded, got "
+                                 f"{window_size!r}")
+    left, right = (int(x) for x in window_size)
+    if left < -1 or right < -1:
+        raise UnsupportedProblem(f"window_size entries must be >= -1 (-1: unbounded), got {window_size!r}")
+    return left, right
+
+
+def as_softcap(softcap) -> float:
+    """softcap as a float >= 0 (0 or None: off)."""
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not math.isfinite(softcap) or softcap < 0:
+        raise UnsupportedProblem(f"softcap must be a finite number >= 0 (0: off), got {softcap!r}")
+    return float(softcap)
+
+
 def as_scale(value) -> float:
     """``softmax_scale`` as a Python float: any real number (int, float, NumPy scalar) or a 0-d
     CPU tensor or array holding one. Bools and CUDA tensors are refused (reading a CUDA tensor
@@ -130,6 +154,15 @@ class Problem:
     # (grouped-query attention: query head h reads K/V head h // group). None: as Q.
     seqlen_k: Optional[int] = None
     nheads_kv: Optional[int] = None
+    # Gemma-2's logit softcap: scaled scores s become softcap * tanh(s / softcap) before the
+    # softmax (0: off).
+    softcap: float = 0.0
+    # A sliding window (left, right), as_window's; causal keeps its right edge at 0 (the window's
+    # right is then dropped), and (-1, -1) is no window.
+    window: tuple = (-1, -1)
+    # Packed sequences (flash-attn's varlen layout, cu_seqlens): batch counts the sequences, and
+    # seqlen / seqlen_k are the longest ones (max_seqlen_q / max_seqlen_k).
+    varlen: bool = False
 
     def __post_init__(self):
         for name in ("batch", "nheads", "seqlen", "head_dim", "seqlen_k", "nheads_kv"):
@@ -149,8 +182,12 @@ class Problem:
             raise UnsupportedProblem(f"dtype must be one of {DTYPES + FP8_DTYPES}, got {self.dtype!r}")
         # Frozen: normalize through object.__setattr__, so equal problems hash equal (cache keys).
         object.__setattr__(self, "causal", as_causal(self.causal))
+        object.__setattr__(self, "varlen", as_flag("varlen", self.varlen))
         if self.softmax_scale is not None:
             object.__setattr__(self, "softmax_scale", as_scale(self.softmax_scale))
+        object.__setattr__(self, "softcap", as_softcap(self.softcap))
+        left, right = as_window(self.window)
+        object.__setattr__(self, "window", (left, -1 if self.causal else right))
 
     @property
     def scale(self) -> float:
@@ -177,8 +214,14 @@ class Problem:
     @property
     def flops(self) -> float:
         """Standard count: two GEMMs of 2*Nq*Nk*d each per head. Causal (bottom-right) keeps
-        Nq*Nk - Nq^2/2 of the score pairs: half of them when Nq == Nk, the convention."""
+        Nq*Nk - Nq^2/2 of the score pairs: half of them when Nq == Nk, the convention; a window,
+        the pairs it keeps (what flash-attn's benchmarks count)."""
         pairs = self.seqlen * self.kv_len - (self.seqlen * self.seqlen / 2 if self.causal else 0)
+        if self.window != (-1, -1):  # the (query, key) pairs a window keeps, counted exactly
+            left, right = self.window
+            right, offset, last = 0 if self.causal else right, self.kv_len - self.seqlen, self.kv_len - 1
+            pairs = sum(max(0, min(last, i + offset + right if right >= 0 else last)
+                            - max(0, i + offset - left if left >= 0 else 0) + 1) for i in range(self.seqlen))
         return 4.0 * self.batch * self.nheads * pairs * self.head_dim
 
     def with_(self, **kw) -> "Problem":
@@ -205,6 +248,10 @@ class Capabilities:
     # Grouped-query attention (fewer K/V heads than Q heads), and K/V longer than Q (K5 on).
     gqa: bool = False
     unequal_lengths: bool = False
+    # The logit softcap and the sliding window (Problem.softcap, .window): K5 on.
+    softcap: bool = False
+    window: bool = False
+    varlen: bool = False
     # Most query heads per K/V head (decode packs a group into one 64-row query tile).
     max_group: Optional[int] = None
     # Compute capabilities the kernel's instructions exist on (TMA, WGMMA: Hopper only).
@@ -216,6 +263,9 @@ class Capabilities:
             raise UnsupportedProblem(f"head_dim {p.head_dim} not supported (supported: {list(self.head_dims)}){why}")
         if p.dtype not in self.dtypes:
             raise UnsupportedProblem(f"dtype {p.dtype} not supported (supported: {list(self.dtypes)})")
+        if p.varlen and not self.varlen:
+            raise UnsupportedProblem("packed sequences (varlen) not supported by this kernel (the bf16/fp16 "
+                                     "warp-specialized stages take them: k5, k6_pp, k6_overlap, k6)")
         if p.causal and not self.causal:
             raise UnsupportedProblem("causal masking not supported by this kernel")
         if want_lse and not self.lse:
@@ -226,6 +276,15 @@ class Capabilities:
         if self.max_group is not None and p.group > self.max_group:
             raise UnsupportedProblem(f"at most {self.max_group} query heads per K/V head (nheads {p.nheads} / nheads_kv "
                                      f"{p.kv_heads} = {p.group}): the heads of a group share one query tile")
+        if p.softcap and not self.softcap:
+            raise UnsupportedProblem(f"softcap {p.softcap} not supported by this kernel (the bf16/fp16 "
+                                     "warp-specialized stages take it: k5, k6_pp, k6_overlap, k6)")
+        if p.window != (-1, -1) and not self.window:
+            raise UnsupportedProblem(f"window_size {p.window} not supported by this kernel (the bf16/fp16 "
+                                     "warp-specialized stages take it: k5, k6_pp, k6_overlap, k6)")
+        if p.window != (-1, -1) and p.seqlen > p.kv_len:
+            raise UnsupportedProblem(f"a sliding window with more queries than keys (seqlen_q {p.seqlen} > seqlen_k "
+                                     f"{p.kv_len}) is not supported: aligned bottom-right, some query rows would see no key")
         if p.kv_len != p.seqlen and not self.unequal_lengths:
             raise UnsupportedProblem(f"this kernel needs seqlen_k == seqlen_q (self-attention shapes), got "
                                      f"seqlen_q {p.seqlen} and seqlen_k {p.kv_len}")
@@ -236,7 +295,7 @@ class Capabilities:
             raise UnsupportedProblem(f"seqlen {max(p.seqlen, p.kv_len)} exceeds this kernel's limit of {self.max_seqlen}")
         if self.folds_batch_heads and p.batch * p.nheads > GRID_YZ_LIMIT:
             raise UnsupportedProblem(f"batch*heads = {p.batch * p.nheads} exceeds the grid limit {GRID_YZ_LIMIT}")
-        for name in ("batch", "nheads"):
+        for name in ("nheads",) if p.varlen else ("batch", "nheads"):  # packed: one grid dimension of tiles
             if getattr(p, name) > GRID_YZ_LIMIT:
                 raise UnsupportedProblem(f"{name} = {getattr(p, name)} exceeds the grid limit {GRID_YZ_LIMIT}")
 

@@ -28,6 +28,7 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from . import k5, k9, sm90, tma_pipeline
+from .tiles import kv_window_tiles, query_window_tiles
 from .contract import LOG2_E, FakeShapes, Problem, cute_dtype, fake_stream, jit_compile, num_sms
 
 HEAD_DIMS = k9.HEAD_DIMS
@@ -50,8 +51,11 @@ FLAT_WIDTH = 256
 class K10Backward(k9.K9Backward):
     def __init__(self, head_dim: int, dtype, causal: bool, num_wg: int, tile_m: int, q_stages: int,
                  deterministic: bool = False, overlap: bool = False, dq_flat: bool = False,
-                 ds_stmatrix: bool = False, last_first: bool = False):
+                 ds_stmatrix: bool = False, last_first: bool = False, window: tuple = None, softcap: float = 0.0):
         super().__init__(head_dim, dtype, causal, num_wg, tile_m, q_stages)
+        assert not (softcap and overlap), "the overlapped step has no registers left for the softcap's tanh'"
+        self.window = window  # Problem.window, or None: tiles.query_window_tiles bounds the walk
+        self.softcap = softcap
         self.deterministic = deterministic
         self.last_first = last_first  # deterministic order: the key tiles seeing a query tile, last to first
         self.overlap = overlap  # variants, not yet measured: see mma_step_overlapped and store_dq
@@ -141,6 +145,9 @@ class K10Backward(k9.K9Backward):
         m_tiles = cute.ceil_div(seqlen, tile_m)
         m_first = cutlass.max(n_block * tile_n - offset, 0) // tile_m if cutlass.const_expr(self.causal) else 0
         per_head = m_tiles - m_first
+        if cutlass.const_expr(self.window is not None):  # possibly none: a key before every query's window
+            m_first, m_end = query_window_tiles(n_block, seqlen, seqlen_k, tile_m, tile_n, self.causal, self.window)
+            per_head = m_end - m_first
         walk = (kv_head * group, m_first, per_head)
         count = per_head * group
 
@@ -233,7 +240,12 @@ class K10Backward(k9.K9Backward):
         mdQsem, n_block, nheads, m_tiles, offset, n_tiles = order
         lock = mdQsem.iterator + (batch * nheads + head) * m_tiles + m_block
         turn_due = n_block
-        if cutlass.const_expr(self.last_first):
+        if cutlass.const_expr(self.window is not None):  # the key tiles that see query tile i: [first, end)
+            seqlen_k = n_tiles * self.tile_n  # only its tile count matters here
+            first, _, _, end = kv_window_tiles(m_block, seqlen_k - offset, seqlen_k, self.tile_m, self.tile_n,
+                                               self.causal, self.window)
+            turn_due = end - 1 - n_block if cutlass.const_expr(self.last_first) else n_block - first
+        elif cutlass.const_expr(self.last_first):
             last = cutlass.min(((m_block + 1) * self.tile_m + offset - 1) // self.tile_n, n_tiles - 1)
             turn_due = last - n_block
         if cute.arch.lane_idx() == 0:
@@ -256,15 +268,38 @@ class K10Backward(k9.K9Backward):
                  sD: cute.Tensor, n_block: Int32, m_block: Int32, lens: tuple, scale_log2: Float32,
                  softmax_scale: Float32):
         """K9's ``p_and_ds`` column by column, LSE2 and D from the stage's SMEM rows (the producer's
-        TMA brought them with Q and dO): each column's pair is read once, as it is needed."""
+        TMA brought them with Q and dO): each column's pair is read once, as it is needed. With a
+        softcap c the forward's score was c * t, t = tanh(S * scale / c): P = exp2(c * log2(e) * t
+        - LSE2), and the chain rule through the cap multiplies dS by 1 - t^2."""
         seqlen, offset = lens
         s_mn, dp_mn, c_mn = sm90.acc_mn_view(acc_S), sm90.acc_mn_view(acc_dP), sm90.acc_mn_view(tScS)
+        if cutlass.const_expr(self.softcap > 0.0):
+            cap_scale, scale_log2 = softmax_scale * (1.0 / self.softcap), Float32(self.softcap * LOG2_E)
         for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
             q, lse2, dot = self.column_rows(c_mn, c, m_block, seqlen, sLSE, sD)
             for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
-                p = self.probability(s_mn[r, c], lse2, (n_block, c_mn[r, c][0]), (q, offset), scale_log2)
+                score, slope = s_mn[r, c], Float32(1.0)
+                if cutlass.const_expr(self.softcap > 0.0):
+                    score = sm90.tanh_approx(score * cap_scale)
+                    slope = 1.0 - score * score
+                p = self.probability(score, lse2, (n_block, c_mn[r, c][0]), (q, offset), scale_log2)
                 s_mn[r, c] = p
-                dp_mn[r, c] = p * (dp_mn[r, c] - dot) * softmax_scale
+                dp_mn[r, c] = p * (dp_mn[r, c] - dot) * (softmax_scale * slope if cutlass.const_expr(
+                    self.softcap > 0.0) else softmax_scale)
+
+    def hidden(self, key: Int32, diagonal: Int32):
+        """Whether a query row whose diagonal key is ``diagonal`` (row + seqlen_k - seqlen) does
+        not see ``key``: causal, past the diagonal; a window, outside (left, right) of it. None
+        when every key is seen (no mask at all)."""
+        out = None
+        if cutlass.const_expr(self.causal):
+            out = key > diagonal
+        left, right = self.window if cutlass.const_expr(self.window is not None) else (-1, -1)
+        if cutlass.const_expr(right >= 0 and not self.causal):
+            out = key > diagonal + right
+        if cutlass.const_expr(left >= 0):
+            out = (key < diagonal - left) if cutlass.const_expr(out is None) else out | (key < diagonal - left)
+        return out
 
     @cute.jit
     def column_rows(self, c_mn: cute.Tensor, c: int, m_block: Int32, seqlen: Int32, sLSE: cute.Tensor, sD=None):
@@ -283,12 +318,13 @@ class K10Backward(k9.K9Backward):
 
     @cute.jit
     def probability(self, score: Float32, lse2: Float32, key: tuple, query: tuple, scale_log2: Float32) -> Float32:
-        """P = exp2(S * scale_log2 - LSE2) of one score; causal, 0 past the query's diagonal key
-        (``key``: its key tile and its column there; ``query``: the query and the diagonal's offset)."""
+        """P = exp2(S * scale_log2 - LSE2) of one score; 0 where the query does not see the key
+        (``hidden``; ``key``: its key tile and its column there; ``query``: the query and the
+        diagonal's offset)."""
         p = cute.math.exp2(score * scale_log2 - lse2, fastmath=True)
-        if cutlass.const_expr(self.causal):
+        if cutlass.const_expr(self.causal or self.window is not None):
             (n_block, column), (q, offset) = key, query
-            if n_block * self.tile_n + column > q + offset:
+            if self.hidden(n_block * self.tile_n + column, q + offset):
                 p = Float32(0.0)
         return p
 
@@ -480,7 +516,7 @@ class FlatPostpass:
 
 
 def check(p: Problem) -> None:
-    k9.check(p, "K10")
+    k9.check(p, "K10", features=True)
 
 
 def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = False, dq_flat: bool = False,
@@ -490,9 +526,14 @@ def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = F
 
     check(p)
     cfg = k9.config(p, overrides)
+    if p.softcap and cfg.get("overlap"):  # the overlapped step keeps no register for tanh's derivative
+        cfg = cfg.with_(overlap=False)
     dt = cute_dtype(p.dtype)
     key_tiles = -(-p.kv_len // (sm90.WGMMA_M * cfg["num_wg"]))
-    last_first = deterministic and p.causal and key_tiles <= num_sms()  # K10Backward.wait_turn says why
+    window = p.window if p.window != (-1, -1) else None
+    arrive_last_first = p.causal or (window is not None and window[1] >= 0)  # key tiles start their walks in order
+    last_first = deterministic and arrive_last_first and key_tiles <= num_sms()  # K10Backward.wait_turn says why
+    features = dict(({"window": window} if window else {}), **({"softcap": p.softcap} if p.softcap else {}))
 
     def accumulator(f, x):  # dQ's fp32 accumulator: (batch, heads, seqlen, d), or dq_flat's rows
         if not dq_flat:
@@ -512,7 +553,7 @@ def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = F
                 x(dt, True), Float32(1.0), fake_stream())
         semaphores = make_fake_tensor(Int32, (cute.sym_int(),), stride=(1,), assumed_align=4) if deterministic else None
         kernel = K10Backward(p.head_dim, dt, p.causal, **cfg, deterministic=deterministic, dq_flat=dq_flat,
-                             last_first=last_first)
+                             last_first=last_first, **features)
         return kernel, args + (semaphores,)
 
     def flat_post():
@@ -523,7 +564,8 @@ def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = F
     pre, post = k9.compile_passes(p, keep_ptx)
     if dq_flat:
         post = jit_compile(("k10_flat_post", p.head_dim, p.dtype, tuple(sorted(cfg.items()))), flat_post, keep_ptx)
-    key = ("k10", p.head_dim, p.dtype, p.causal, deterministic, last_first, dq_flat, tuple(sorted(cfg.items())))
+    key = ("k10", p.head_dim, p.dtype, p.causal, deterministic, last_first, dq_flat, tuple(sorted(cfg.items())),
+           *((tuple(sorted(features.items())),) if features else ()))
     return pre, jit_compile(key, main, keep_ptx), post, cfg.with_(deterministic=deterministic, dq_flat=dq_flat,
                                                                   last_first=last_first)
 

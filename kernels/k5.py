@@ -63,7 +63,7 @@ from .contract import (
     num_sms,
     run_kernel,  # noqa: F401  (the contract's launch-only entry)
 )
-from .tiles import kv_tile_count, unmasked_kv_tile_count
+from .tiles import kv_tile_count, kv_window_tiles, unmasked_kv_tile_count
 
 class TileSlots(NamedTuple):
     """Dynamic scheduling: the claimed tile indices in SMEM slots, their pipeline, and the
@@ -72,6 +72,14 @@ class TileSlots(NamedTuple):
     pipeline: object
     sTileIdx: object
     mTileCounter: object
+
+
+@cute.jit
+def sequence_rows(mX: cute.Tensor, start: Int32, length: Int32) -> cute.Tensor:
+    """Rows [start, start + length) of a (1, heads, total, ...) packed tensor, as a tensor of its
+    own: its shape bounds the epilogue's row predicates at the sequence's end."""
+    shape = (mX.shape[0], mX.shape[1], length) + tuple(mX.shape[3:])
+    return cute.make_tensor(mX.iterator + start * mX.stride[2], cute.make_layout(shape, stride=mX.stride))
 
 
 class ConsumerContext(NamedTuple):
@@ -95,7 +103,8 @@ class ConsumerContext(NamedTuple):
 
 # GQA and keys outnumbering queries (bottom-right causal) come with K5's tile loop: K/V heads
 # are indexed as head // group, and the KV walk takes its length from K.
-CAPS = Capabilities(head_dims=(64, 128, 256), gqa=True, unequal_lengths=True)
+CAPS = Capabilities(head_dims=(64, 128, 256), gqa=True, unequal_lengths=True, softcap=True, window=True,
+                    varlen=True)
 
 # The anchors' tiles (flash-attention's FA3 and flash-attn-4 sm90): three consumer warpgroups at
 # d=64 (192-row tiles: more rows share each K/V tile), two at d=128/256; d=256 takes 80-key tiles,
@@ -129,7 +138,8 @@ class K5FMHA:
     def __init__(self, head_dim: int, dtype, causal: bool, num_wg: int, tile_n: int, kv_stages: int,
                  q_stages: int, scheduler: str, tma_store: bool = False, sm_count: int = H100_SMS,
                  section_bytes: int = schedule.SECTION_BYTES, o_store_per_wg: bool = False,
-                 pin_descriptors: bool = True, cluster: int = 1):
+                 pin_descriptors: bool = True, cluster: int = 1, softcap: float = 0.0, window: tuple = None,
+                 varlen: bool = False):
         self.head_dim = head_dim
         self.dtype = dtype
         self.causal = causal
@@ -147,6 +157,9 @@ class K5FMHA:
         self.pin_descriptors = pin_descriptors  # sm90.StagedOperand for K and V (False: as K4 indexes them)
         self.cluster = cluster  # CTAs sharing each K/V tile through multicast (1: none)
         self.kv_mcast_mask = (1 << cluster) - 1 if cluster > 1 else None
+        self.softcap = softcap  # Problem.softcap: OnlineSoftmax.use_softcap
+        self.window = window  # Problem.window, or None: tiles.kv_window_tiles bounds the walk
+        self.varlen = varlen  # packed sequences: ``call_varlen``, ``sequence``
         self.num_threads = sm90.THREADS_PER_WARPGROUP * (num_wg + 1)
         self.producer_regs, self.consumer_regs = REGISTERS[num_wg]
 
@@ -184,6 +197,18 @@ class K5FMHA:
                  softmax_scale: Float32, mTileCounter: cute.Tensor, stream):
         self.launch(mQ, mK, tma_pipeline.head_dim_major_view(mV), mO, mLSE, None, softmax_scale, mTileCounter,
                     stream)
+
+    @cute.jit
+    def call_varlen(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+                    mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, mTiles: cute.Tensor, softmax_scale: Float32,
+                    mTileCounter: cute.Tensor, stream):
+        """Packed sequences: q, o (1, heads, total_q, d) and k, v (1, heads_kv, total_k, d) views of
+        flash-attn's (total, heads, d) tensors, lse (1, heads, total_q); sequence b holds rows
+        cu_seqlens[b]:cu_seqlens[b + 1] (``sequence``). ``mTiles`` (tiles, 2): the (sequence, query
+        tile) pairs there are, in the order to run them (``varlen_tiles``): empty and short
+        sequences cost nothing, and no CTA meets a tile past its sequence's end."""
+        self.launch(mQ, mK, tma_pipeline.head_dim_major_view(mV), mO, mLSE, (mCuSeqlensQ, mCuSeqlensK, mTiles),
+                    softmax_scale, mTileCounter, stream)
 
     @cute.jit
     def launch(self, mQ: cute.Tensor, mK: cute.Tensor, mVt: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
@@ -224,13 +249,15 @@ class K5FMHA:
         scale_log2 = softmax_scale * LOG2_E
         # One linear index per (m_block, head, batch) tile; schedule.tile_coords decodes it.
         num_tiles = cute.ceil_div(mQ.shape[2], self.tile_m) * mQ.shape[1] * mQ.shape[0]
+        if const_expr(self.varlen):  # every (sequence, query tile) pair, for every head
+            num_tiles = mAux[2].shape[0] * mQ.shape[1]
         grid_x = num_tiles if const_expr(self.scheduler == "single") else cutlass.min(num_tiles, self.sm_count)
         if const_expr(self.cluster > 1):  # one cluster per pair of query tiles, at most sm_count CTAs
             pairs = cute.ceil_div(mQ.shape[2], self.tile_m * self.cluster) * mQ.shape[1] * mQ.shape[0]
             grid_x = cutlass.min(pairs, self.sm_count // self.cluster) * self.cluster
         # K/V may have fewer heads (GQA: query head h reads K/V head h // group) and more rows
         # than Q (chunked prefill): the kernel takes both from K's shape.
-        kv_shape = (mK.shape[2], mQ.shape[1] // mK.shape[1])
+        kv_shape = (mK.shape[2], mQ.shape[1] // mK.shape[1], mAux if const_expr(self.varlen) else None)
         self.kernel(mQ_tma, mK_tma, mV_tma, mO, mLSE, mAux, mTileCounter, kv_shape, tma_atom_Q, tma_atom_K, tma_atom_V,
                     (tma_atom_O, mO_tma), scale_log2, sQ_layout, sK_layout, sVt_layout, tiled_mma_qk, tiled_mma_pv, SharedStorage).launch(
             grid=(grid_x, 1, 1), block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(),
@@ -287,7 +314,7 @@ class K5FMHA:
         """(first tile index, step, number of tiles, tile grid) of this CTA's tile loop; the tile grid
         is what ``tile_at`` needs to turn a tile index into coordinates."""
         seqlen, nheads, batch = mO.shape[2], mO.shape[1], mO.shape[0]
-        seqlen_k, group = kv_shape
+        seqlen_k, group, packed = kv_shape
         num_m_blocks = cute.ceil_div(seqlen, self.tile_m)
         # Non-causal tiles all cost the same: m fastest inside one head (K4's order) keeps just a
         # head or two of K/V in flight. Causal: L2 sections, heaviest m first.
@@ -299,6 +326,8 @@ class K5FMHA:
         if const_expr(self.cluster > 1):  # a cluster walks pairs of query tiles (tile_at splits them)
             num_m_blocks = cute.ceil_div(num_m_blocks, self.cluster)
             bx, gdx = bx // self.cluster, gdx // self.cluster
+        if const_expr(self.varlen):  # the pairs table, heaviest first, all heads of a pair together
+            return bx, gdx, packed[2].shape[0] * nheads, (packed[2], nheads)
         return bx, gdx, num_m_blocks * nheads * batch, (num_m_blocks, nheads, nheads * batch, section)
 
     @cute.jit
@@ -308,10 +337,25 @@ class K5FMHA:
         m-block count the last group's second tile lies past the sequence: that CTA still loads
         its half of every K/V tile for its partner, and computes on zero-filled Q rows that
         nothing stores (the O store and the LSE stop at seqlen)."""
+        if const_expr(self.varlen):  # tile_grid: the (sequence, query tile) table and the heads, a pair's heads in a row
+            table, nheads = tile_grid
+            pair = tile_idx // nheads
+            return table[pair, 1], tile_idx % nheads, table[pair, 0]
         m_block, head, batch = schedule.tile_coords(tile_idx, *tile_grid, self.causal)
         if const_expr(self.cluster > 1):
             m_block = m_block * self.cluster + cute.arch.block_idx_in_cluster()
         return m_block, head, batch
+
+    @cute.jit
+    def sequence(self, kv_shape: tuple, seqlen: Int32, batch: Int32) -> tuple:
+        """(first query row, query length, first key row, key length) of batch entry ``batch``: the
+        whole of Q and K, or, packed (varlen), sequence ``batch``'s rows of them."""
+        seq = (Int32(0), seqlen, Int32(0), kv_shape[0])
+        if const_expr(self.varlen):
+            mCuSeqlensQ, mCuSeqlensK, _ = kv_shape[2]
+            q0, k0 = mCuSeqlensQ[batch], mCuSeqlensK[batch]
+            seq = (q0, mCuSeqlensQ[batch + 1] - q0, k0, mCuSeqlensK[batch + 1] - k0)
+        return seq
 
     @cute.jit
     def claim_next_tile(self, tile_slots: tuple, tile_produce: pipeline.PipelineState, step: Int32,
@@ -393,20 +437,33 @@ class K5FMHA:
     def load_tile(self, tile_idx: Int32, span, q_produce: pipeline.PipelineState,
                   kv_produce: pipeline.PipelineState, loads: tuple):
         """Q and the K/V tiles of one query tile: all of them (``span`` None), or KV tiles [lo, hi)."""
-        seqlen, mQ_tma, mK_tma, mV_tma, kv_shape, tma_atom_Q, tma_atom_K, tma_atom_V, sQ, sK, sVt, pipelines, tile_grid = loads
+        m_block, head, batch = self.tile_at(tile_idx, loads[-1])
+        seq = self.sequence(loads[4], loads[0], batch)
+        return self.load_query_tile(m_block, head, Int32(0) if const_expr(self.varlen) else batch, seq, span,
+                                    q_produce, kv_produce, loads)
+
+    @cute.jit
+    def load_query_tile(self, m_block: Int32, head: Int32, batch: Int32, seq: tuple, span,
+                        q_produce: pipeline.PipelineState, kv_produce: pipeline.PipelineState, loads: tuple):
+        _, mQ_tma, mK_tma, mV_tma, kv_shape, tma_atom_Q, tma_atom_K, tma_atom_V, sQ, sK, sVt, pipelines, _ = loads
         pipeline_q, pipeline_k, pipeline_v = pipelines
         tile_m, tile_n, d = self.tile_m, self.tile_n, self.head_dim
-        m_block, head, batch = self.tile_at(tile_idx, tile_grid)
+        q_start, seqlen, k_start, seqlen_k = seq
+        rows = (q_start, 0) if const_expr(self.varlen) else None  # packed: the sequence's rows, by TMA coordinates
+        keys, keys_t = ((k_start, 0), (0, k_start)) if const_expr(self.varlen) else (None, None)
         tQsQ, tQgQ = tma_pipeline.partition_for_tma(tma_atom_Q, mQ_tma, sQ, (tile_m, d), head, batch,
-                                                    coord=(m_block, 0))
-        seqlen_k, group = kv_shape
+                                                    coord=(m_block, 0), offset=rows)
+        group = kv_shape[1]
         cta = (cute.arch.block_idx_in_cluster() if const_expr(self.cluster > 1) else 0, self.cluster)
         tKsK, tKgK = tma_pipeline.partition_for_tma(tma_atom_K, mK_tma, sK, (tile_n, d), head // group, batch,
-                                                    cta=cta)
+                                                    cta=cta, offset=keys)
         tVsVt, tVgVt = tma_pipeline.partition_for_tma(tma_atom_V, mV_tma, sVt, (d, tile_n), head // group, batch,
-                                                    coord=(0, None), cta=cta)
-        n_lo, n_tiles = (0, kv_tile_count(m_block, seqlen, tile_m, tile_n, self.causal, seqlen_k)
-                         ) if const_expr(span is None) else span
+                                                    coord=(0, None), cta=cta, offset=keys_t)
+        if const_expr(self.window is not None):
+            n_lo, _, _, n_tiles = kv_window_tiles(m_block, seqlen, seqlen_k, tile_m, tile_n, self.causal, self.window)
+        else:
+            n_lo, n_tiles = (0, kv_tile_count(m_block, seqlen, tile_m, tile_n, self.causal, seqlen_k)
+                             ) if const_expr(span is None) else span
         kv_loads = (pipeline_k, tma_atom_K, tKgK, tKsK, pipeline_v, tma_atom_V, tVgVt, tVsVt)
         # Q goes right after the first K: in a persistent CTA it waits for the consumers to
         # release sQ, and that K need not wait with it.
@@ -479,20 +536,34 @@ class K5FMHA:
     def consume_tile(self, tile_idx: Int32, span, q_consume: pipeline.PipelineState,
                      kv_consume: pipeline.PipelineState, ctx: "ConsumerContext"):
         """One query tile (or, with ``span`` = (lo, hi, end), its KV tiles [lo, hi)): mainloop, then
-        the end of the tile (``end_tile``)."""
-        mO, mAux, kv_shape, sQ, pipelines, tidx = ctx.mO, ctx.mAux, ctx.kv_shape, ctx.sQ, ctx.pipelines, ctx.tidx
+        the end of the tile (``end_tile``). Packed, O and LSE are written through views of the
+        sequence's rows."""
+        m_block, head, batch = self.tile_at(tile_idx, ctx.tile_grid)
+        seq = self.sequence(ctx.kv_shape, ctx.mO.shape[2], batch)
+        if const_expr(self.varlen):  # the sequence's rows of O and LSE, batch 0 of the packed views
+            ctx = ctx._replace(mO=sequence_rows(ctx.mO, seq[0], seq[1]), mLSE=sequence_rows(ctx.mLSE, seq[0], seq[1]))
+            batch = Int32(0)
+        return self.consume_query_tile(tile_idx, span, q_consume, kv_consume, ctx, m_block, head, batch, seq)
+
+    @cute.jit
+    def consume_query_tile(self, tile_idx: Int32, span, q_consume: pipeline.PipelineState,
+                           kv_consume: pipeline.PipelineState, ctx: "ConsumerContext", m_block: Int32, head: Int32,
+                           batch: Int32, seq: tuple):
+        mAux, sQ, pipelines, tidx = ctx.mAux, ctx.sQ, ctx.pipelines, ctx.tidx
         tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O, tScS = ctx.mmas
         pipeline_q = pipelines[0]
         tile_m, tile_n = self.tile_m, self.tile_n
-        seqlen = mO.shape[2]
+        _, seqlen, _, seqlen_k = seq
         num_rows = cute.size(sm90.acc_mn_view(acc_O), mode=[0])
-        m_block, head, batch = self.tile_at(tile_idx, ctx.tile_grid)
-        seqlen_k, _ = kv_shape
         n_tiles = kv_tile_count(m_block, seqlen, tile_m, tile_n, self.causal, seqlen_k)
         n_unmasked = unmasked_kv_tile_count(m_block, seqlen, tile_m, tile_n, self.causal, seqlen_k)
-        n_lo = 0
+        n_lo, n_left = 0, 0
         if const_expr(span is not None):
             n_lo, n_tiles, _ = span
+        if const_expr(self.window is not None):  # masked, free, then masked again below n_lo
+            first, n_lo, n_unmasked, n_tiles = kv_window_tiles(m_block, seqlen, seqlen_k, tile_m, tile_n, self.causal,
+                                                               self.window)
+            n_left = n_lo - first
         mask_lens = (seqlen_k, seqlen_k - seqlen)  # key length, causal diagonal offset
         acc_O.fill(0.0)
         softmax = self.tile_softmax(num_rows, ctx.scale_log2, mAux, m_block, head, batch, seqlen, n_tiles, seqlen_k)
@@ -506,7 +577,7 @@ class K5FMHA:
                 tSrQ_stage = self.q_operand(tiled_mma_qk, sQ, tSrQ, q_stage, tidx)
                 mmas = sm90.Mmas(tiled_mma_qk, tiled_mma_pv, tSrQ_stage, tSrK, tOrVt, tOrP, acc_O, tScS)
                 kv_consume = self.mainloop(m_block, mask_lens, n_tiles, n_unmasked, kv_consume, pipelines, mmas,
-                                           softmax, row_scale, n_lo)
+                                           softmax, row_scale, n_lo, n_left)
         self.finish_o(acc_O, mAux)
         self.end_tile(tile_idx, span, q_consume, acc_O, softmax, ctx, m_block, head, batch)
         q_consume.advance()
@@ -550,9 +621,10 @@ class K5FMHA:
     @cute.jit
     def mainloop(self, m_block: Int32, mask_lens: tuple, n_tiles: Int32, n_unmasked: Int32,
                  kv_consume: pipeline.PipelineState, pipelines: tuple, mmas: sm90.Mmas, softmax: sm90.OnlineSoftmax,
-                 row_scale: cute.Tensor, n_lo=0) -> pipeline.PipelineState:
+                 row_scale: cute.Tensor, n_lo=0, n_left=0) -> pipeline.PipelineState:
         """One query tile's KV loop, descending: the masked diagonal / seqlen-tail tiles first,
-        then the mask-free rest, down to KV tile ``n_lo``."""
+        then the mask-free rest, down to KV tile ``n_lo``; under a window, the ``n_left`` tiles
+        below it, masked (the window's lower edge)."""
         n_masked, n_free = n_tiles - n_unmasked, n_unmasked
         if const_expr(not isinstance(n_lo, int)):
             n_masked = cutlass.max(n_tiles - cutlass.max(n_unmasked, n_lo), 0)
@@ -563,6 +635,10 @@ class K5FMHA:
         for i in cutlass.range(n_free, unroll=1):
             kv_consume = self.kv_iteration(n_lo + n_free - 1 - i, m_block, mask_lens, kv_consume, pipelines, mmas,
                                            softmax, row_scale, masked=False)
+        if const_expr(self.window is not None):
+            for i in cutlass.range(n_left, unroll=1):
+                kv_consume = self.kv_iteration(n_lo - 1 - i, m_block, mask_lens, kv_consume, pipelines, mmas,
+                                               softmax, row_scale, masked=True)
         return kv_consume
 
     @cute.jit
@@ -580,9 +656,10 @@ class K5FMHA:
         self.after_qk_issue()
         warpgroup.wait_group(0)
         pipeline_k.consumer_release(kv_consume)
+        softmax.cap(acc_S)
         if const_expr(masked):
             sm90.mask_tile(acc_S, tScS, m_block, n_block, mask_lens[0], self.tile_m, self.tile_n, self.causal,
-                           mask_lens[1])
+                           mask_lens[1], window=self.window)
         softmax.step(acc_S, row_scale, check_inf=masked, n_block=n_block)
         softmax.rescale(acc_O, row_scale)
         self.p_to_operand(acc_S, tOrP)
@@ -604,7 +681,13 @@ class K5FMHA:
     # K4's hooks, as K4 has them; ``tile_softmax`` gets (mAux, m_block, head, batch, seqlen, n_tiles,
     # seqlen_k) after the scale.
     score_scale = k4.K4FMHA.score_scale
-    tile_softmax = k4.K4FMHA.tile_softmax
+
+    def tile_softmax(self, num_rows: int, scale_log2: Float32, *tile) -> sm90.OnlineSoftmax:
+        softmax = k4.K4FMHA.tile_softmax(self, num_rows, scale_log2, *tile)
+        if const_expr(self.softcap > 0.0):
+            softmax.use_softcap(self.softcap)
+        return softmax
+
     p_to_operand = k4.K4FMHA.p_to_operand
     finish_o = k4.K4FMHA.finish_o
 
@@ -618,13 +701,17 @@ class K5FMHA:
 def schedule_config(p: Problem) -> dict:
     """Persistent (static) non-causal and dynamic causal, L2 sections by key length
     (schedule.section_bytes)."""
-    return dict(scheduler="dynamic" if p.causal else "static",
+    return dict(scheduler="dynamic" if p.causal or p.varlen else "static",  # packed: tiles of unequal work
                 section_bytes=schedule.section_bytes(p.kv_len) if p.causal else schedule.SECTION_BYTES)
 
 
 def config(p: Problem, overrides: dict = None) -> Config:
-    """DEFAULT_CONFIG for the head dim and K5's schedule, then the overrides."""
-    return configure(dict(DEFAULT_CONFIG[p.head_dim], **schedule_config(p)), overrides)
+    """DEFAULT_CONFIG for the head dim and K5's schedule, then the overrides. Packed sequences
+    store O from registers (``build`` says why)."""
+    defaults = dict(DEFAULT_CONFIG[p.head_dim], **schedule_config(p))
+    if p.varlen:
+        defaults.update(tma_store=False)
+    return configure(defaults, overrides)
 
 
 def check_config(cfg: dict, name: str = "K5") -> None:
@@ -653,23 +740,36 @@ def build(name: str, kernel_cls, p: Problem, cfg: dict, keep_ptx: bool, fake_arg
     ``fake_args(dtype, head_dim)``: the kernel's arguments before the counter, by default (q, k, v,
     o, lse, softmax_scale); ``dtype`` (default ``p.dtype``): the kernel class's dtype argument.
     """
-    check_config(dict(cfg, causal=p.causal), name.upper())
+    # a window or packed sequences, like causal, give each query tile its own K/V tiles (no clusters,
+    # no split tail); a packed sequence's O rows end mid-tile: no TMA store
+    check_config(dict(cfg, causal=p.causal or p.window != (-1, -1) or p.varlen), name.upper())
+    if p.varlen and cfg.get("tma_store"):
+        raise UnsupportedProblem(f"{name.upper()} config {cfg}: packed sequences (varlen) store O from registers, "
+                                 "row by row (a TMA store would write into the next sequence): tma_store=False")
     dt = cute_dtype(dtype or p.dtype)  # the kernel class's dtype
     # ctas: fewer persistent CTAs than SMs (tests: a variant's tail on a small problem)
     cfg = dict(cfg)
     ctas = cfg.pop("ctas", None)
     sm_count = ctas or (num_sms() if cfg.get("cluster", 1) == 1 else schedule.max_cluster_ctas(cfg["cluster"]))
-    kernel = kernel_cls(p.head_dim, dt, p.causal, sm_count=sm_count, **cfg)
+    features = dict(({"softcap": p.softcap} if p.softcap else {}), **({"window": p.window} if p.window != (-1, -1)
+                                                                     else {}), **({"varlen": True} if p.varlen else {}))
+    kernel = kernel_cls(p.head_dim, dt, p.causal, sm_count=sm_count, **cfg, **features)
     if kernel.smem_bytes() > SMEM_CAPACITY:
         raise UnsupportedProblem(
             f"{name.upper()} config {cfg} at head_dim {p.head_dim} needs {kernel.smem_bytes() // 1024} KB of SMEM "
             f"(limit {SMEM_CAPACITY // 1024} KB): use fewer kv_stages or a smaller tile_n")
-    key = (name, p.head_dim, dtype or p.dtype, p.causal, sm_count, tuple(sorted(cfg.items())))
+    key = (name, p.head_dim, dtype or p.dtype, p.causal, sm_count, tuple(sorted(cfg.items())),
+           *((tuple(sorted(features.items())),) if features else ()))
 
     def counter():
         return make_fake_tensor(Int32, (kernel.counter_ints(),), stride=(1,))
 
     def args():
+        if p.varlen:  # q, k, v, o, lse as (1, heads, total, ...) views, then cu_seqlens_q/k and max_seqlen_q
+            q, k, v, o, lse, scale, stream = fake_attention_args(dt, p.head_dim, separate_kv=True)
+            cu = [make_fake_tensor(Int32, (cute.sym_int(),), stride=(1,), assumed_align=4) for _ in range(2)]
+            tiles = make_fake_tensor(Int32, (cute.sym_int(), 2), stride=(2, 1), assumed_align=4)
+            return kernel.call_varlen, (q, k, v, o, lse, *cu, tiles, scale, counter(), stream)
         if fake_args is None:
             *head, stream = fake_attention_args(dt, p.head_dim, separate_kv=True)
         else:

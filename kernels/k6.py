@@ -74,13 +74,13 @@ class K6FMHA(k5.K5FMHA):
     @cute.jit
     def mainloop(self, m_block: Int32, mask_lens: tuple, n_tiles: Int32, n_unmasked: Int32,
                  kv_consume: pipeline.PipelineState, pipelines: tuple, mmas: sm90.Mmas, softmax: sm90.OnlineSoftmax,
-                 row_scale: cute.Tensor, n_lo=0) -> pipeline.PipelineState:
+                 row_scale: cute.Tensor, n_lo=0, n_left=0) -> pipeline.PipelineState:
         if const_expr(not self.overlap):
             # K5's loop with the token around each batch of GEMMs: sync before the first QK,
             # then (inside K5's kv_iteration) arrive after QK j, sync before PV j; arrive after the last.
             self.warp_scheduler.sync()
             kv_consume = k5.K5FMHA.mainloop(self, m_block, mask_lens, n_tiles, n_unmasked, kv_consume, pipelines,
-                                            mmas, softmax, row_scale, n_lo)
+                                            mmas, softmax, row_scale, n_lo, n_left)
             self.warp_scheduler.arrive()
         else:
             # Prologue: QK and softmax of the first (masked) tile; its PV runs in the first step.
@@ -92,6 +92,11 @@ class K6FMHA(k5.K5FMHA):
             for i in cutlass.range(n_tiles - 1 - n_lo - n_masked, unroll=1):
                 kv_consume = self.overlapped_step(n_tiles - 2 - n_masked - i, m_block, mask_lens, kv_consume, pipelines,
                                                   mmas, softmax, row_scale, masked=False)
+            if const_expr(self.window is not None):  # below n_lo, masked; the peeled first tile may be one of them
+                top = cutlass.min(n_lo, n_tiles - 1)
+                for i in cutlass.range(top - (n_lo - n_left), unroll=1):
+                    kv_consume = self.overlapped_step(top - 1 - i, m_block, mask_lens, kv_consume, pipelines, mmas,
+                                                      softmax, row_scale, masked=True)
             kv_consume = self.last_pv(kv_consume, pipelines, mmas, softmax, row_scale)
         return kv_consume
 
@@ -131,8 +136,9 @@ class K6FMHA(k5.K5FMHA):
         acc_S = cute.make_rmem_tensor(tiled_mma_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
         sm90.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_consume.index], zero_init=True, wg_wait=0)
         pipeline_k.consumer_release(kv_consume)
+        softmax.cap(acc_S)
         sm90.mask_tile(acc_S, tScS, m_block, n_block, mask_lens[0], self.tile_m, self.tile_n, self.causal,
-                       mask_lens[1])
+                       mask_lens[1], window=self.window)
         softmax.step(acc_S, row_scale, check_inf=True, n_block=n_block)  # O is still zero: no rescale needed
         self.p_to_operand(acc_S, tOrP)
 
@@ -157,9 +163,10 @@ class K6FMHA(k5.K5FMHA):
         self.warp_scheduler.arrive()
         warpgroup.wait_group(1)  # QK done; PV may still run
         pipeline_k.consumer_release(kv_consume)
+        softmax.cap(acc_S)
         if const_expr(masked):
             sm90.mask_tile(acc_S, tScS, m_block, n_block, mask_lens[0], self.tile_m, self.tile_n, self.causal,
-                       mask_lens[1])
+                       mask_lens[1], window=self.window)
         self.softmax_under_pv(acc_S, tOrP, acc_O, softmax, row_scale, n_block, masked, (pipeline_v, kv_prev),
                               mask_lens)
         return kv_consume
@@ -206,7 +213,7 @@ def compile_kernel(p: Problem, *, keep_ptx: bool = False, tuned: bool = True, nu
         cluster=cluster, q_in_regs=q_in_regs), tuned)
     from .experiments import kernel_class  # K6FMHA, or with the knobs measured and left off that cfg asks for
 
-    kernel_cls, cfg = kernel_class(cfg, p.causal)
+    kernel_cls, cfg = kernel_class(cfg, p.causal or p.window != (-1, -1) or p.varlen)  # tiles not alike, as causal
     return k5.build("k6", kernel_cls, p, cfg, keep_ptx)
 
 
@@ -234,11 +241,12 @@ def config(p: Problem, overrides: dict, tuned: bool = True) -> Config:
     if tile_n is None and overlap:
         tile_n = (NON_CAUSAL_TILE_N_WITH_OVERLAP if not p.causal else {}).get(p.head_dim,
                                                                               TILE_N_WITH_OVERLAP.get(p.head_dim))
-    if tma_store is None and p.kv_len <= TMA_STORE_UP_TO_SEQLEN.get((p.head_dim, p.causal), 0):
+    if tma_store is None and p.kv_len <= TMA_STORE_UP_TO_SEQLEN.get((p.head_dim, p.causal), 0) and not p.varlen:
         tma_store = True
     if o_store_per_wg is None:
         o_store_per_wg = p.causal or p.kv_len <= O_STORE_PER_WG_NON_CAUSAL_UP_TO_SEQLEN
-    if cluster is None and not p.causal and scheduler in (None, "static") and not split_tail and ctas is None:
+    lockstep = not p.causal and p.window == (-1, -1) and not p.varlen  # every query tile reads the same K/V tiles
+    if cluster is None and lockstep and scheduler in (None, "static") and not split_tail and ctas is None:
         tile_m = sm90.WGMMA_M * (num_wg or k5.DEFAULT_CONFIG[p.head_dim]["num_wg"])
         pairs_whole = -(-p.seqlen // tile_m) % 2 == 0
         cluster = 2 if pairs_whole and p.kv_len >= CLUSTER_FROM_SEQLEN.get(p.head_dim, float("inf")) else None

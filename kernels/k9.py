@@ -372,7 +372,13 @@ def config(p: Problem, overrides: dict = None) -> Config:
     return k4.config(p, overrides, DEFAULT_CONFIG)
 
 
-def check(p: Problem, stage: str = "K9") -> None:
+def check(p: Problem, stage: str = "K9", features: bool = False) -> None:
+    """What the backward refuses; ``features``: whether the stage takes a window and a softcap."""
+    if not features and (p.softcap or p.window != (-1, -1)):
+        raise UnsupportedProblem(f"{stage} (backward): no sliding window or softcap (K10 takes them)")
+    if p.window != (-1, -1) and p.seqlen > p.kv_len:  # as the forward: the tile bounds assume keys >= queries
+        raise UnsupportedProblem(f"{stage} (backward): a sliding window with more queries than keys (seqlen_q "
+                                 f"{p.seqlen} > seqlen_k {p.kv_len}) is not supported")
     if p.head_dim not in HEAD_DIMS:
         raise UnsupportedProblem(f"{stage} (backward): head_dim {p.head_dim} not supported "
                                  f"(supported: {list(HEAD_DIMS)})")

@@ -31,7 +31,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass._mlir.dialects import llvm
 
 from . import simt
-from .contract import LN_2
+from .contract import LN_2, LOG2_E
 
 THREADS_PER_WARPGROUP = 128  # four warps: the unit that issues a WGMMA and owns its accumulator
 WGMMA_M = 64  # rows of a warpgroup's WGMMA: each consumer warpgroup owns 64 query rows of a tile
@@ -243,6 +243,8 @@ class OnlineSoftmax:
     emulated_exp2 = 0
     # skip_unit_rescale: a warp whose rows all kept their max skips the O rescale (factor exactly 1).
     skip_unit_rescale = False
+    # The logit softcap c (Problem.softcap; 0: off), set per instance by ``use_softcap``.
+    softcap = 0.0
 
     def __init__(self, num_rows: int, scale_log2: Float32, p_offset: float = 0.0):
         self.num_rows = num_rows
@@ -254,6 +256,21 @@ class OnlineSoftmax:
         self.row_sum = cute.make_rmem_tensor(num_rows, Float32)
         self.row_max.fill(-Float32.inf)
         self.row_sum.fill(0.0)
+
+    def use_softcap(self, softcap: float):
+        """Scores become c * tanh(s * scale / c): ``cap`` leaves t = tanh(s * scale / c) in acc_S, and
+        the exponent's scale becomes c * log2(e), so that the softmax (and the LSE) sees c * t."""
+        self.softcap = softcap
+        self.cap_scale = self.scale_log2 * (1.0 / (softcap * LOG2_E))
+        self.scale_log2 = Float32(softcap * LOG2_E)
+
+    @cute.jit
+    def cap(self, acc_S: cute.Tensor):
+        """With a softcap, S -> tanh(S * scale / c), before any mask (the masks' -inf must stay
+        -inf); one MUFU op per score beside exp2's. Nothing without."""
+        if const_expr(self.softcap > 0.0):
+            for i in cutlass.range_constexpr(cute.size(acc_S)):
+                acc_S[i] = tanh_approx(acc_S[i] * self.cap_scale)
 
     @cute.jit
     def step(self, acc_S: cute.Tensor, row_scale: cute.Tensor, check_inf: cutlass.Constexpr[bool], n_block=None,
@@ -481,6 +498,14 @@ def store_o_tma_and_lse(acc_O: cute.Tensor, softmax: OnlineSoftmax, tiled_mma_pv
         cute.arch.cp_async_bulk_wait_group(0, read=True)
 
 
+@dsl_user_op
+def tanh_approx(x: Float32, *, loc=None, ip=None) -> Float32:
+    """tanh.approx.f32: one MUFU op (max relative error about 2^-11, below bf16's P)."""
+    return Float32(llvm.inline_asm(T.f32(), [Float32(x).ir_value(loc=loc, ip=ip)], "tanh.approx.f32 $0, $1;", "=f,f",
+                                   has_side_effects=False, is_align_stack=False,
+                                   asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
 # --------------------------------------------------------------------------------------
 # Masking through an identity-tensor coordinate probe
 # --------------------------------------------------------------------------------------
@@ -504,17 +529,22 @@ def columns_below(col_limit):
 @cute.jit
 def mask_tile(acc_S: cute.Tensor, tScS: cute.Tensor, m_block: Int32, n_block: Int32, seqlen: Int32,
               tile_m: cutlass.Constexpr, tile_n: cutlass.Constexpr, causal: cutlass.Constexpr, causal_offset=None,
-              rows_per_query: cutlass.Constexpr = 1):
+              rows_per_query: cutlass.Constexpr = 1, window: cutlass.Constexpr = None):
     """Set scores to -inf where key >= seqlen (the key length) or (causal) key > query +
     ``causal_offset`` (seqlen_k - seqlen_q when keys outnumber queries: bottom-right alignment).
-    With GQA packing (decode) ``rows_per_query`` rows hold one query position.
+    With GQA packing (decode) ``rows_per_query`` rows hold one query position. A sliding
+    ``window`` (left, right; -1 unbounded, right unused when causal) also drops keys below query
+    + offset - left and, not causal, above query + offset + right.
 
     ``tScS`` is the thread's partition of an identity tensor over the (tile_m, tile_n) tile:
     the same C-fragment layout as acc_S, but each slot holds its (row, col) coordinate.
     Column c of a row sits at key thr_col + 8 * (c // 2) + c % 2, so the keys below a limit are
     always the row's first n_keep columns: one 32-bit keep-mask per 32 columns, whose constant
-    bit tests ptxas turns into predicate moves (R2P), instead of one compare per column.
+    bit tests ptxas turns into predicate moves (R2P), instead of one compare per column. A
+    window's lower edge drops the first n_drop columns the same way.
     """
+    left, right = window if const_expr(window is not None) else (-1, -1)
+    right_edge = causal or right >= 0
     acc_S_mn = acc_mn_view(acc_S)
     tScS_mn = acc_mn_view(tScS)
     num_cols = cute.size(acc_S_mn, mode=[1])
@@ -522,16 +552,23 @@ def mask_tile(acc_S: cute.Tensor, tScS: cute.Tensor, m_block: Int32, n_block: In
     col_limit_seqlen = seqlen - n_block * tile_n - thr_col
     for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
         col_limit = col_limit_seqlen
-        if const_expr(causal):
+        if const_expr(right_edge or left >= 0):
             q_idx = m_block * tile_m + tScS_mn[r, 0][0]
             if const_expr(rows_per_query > 1):
                 q_idx = q_idx // rows_per_query
             if const_expr(causal_offset is not None):
                 q_idx = q_idx + causal_offset
-            col_limit = cutlass.min(col_limit, q_idx + 1 - n_block * tile_n - thr_col)
+        if const_expr(right_edge):
+            last_key = q_idx if const_expr(causal) else q_idx + right
+            col_limit = cutlass.min(col_limit, last_key + 1 - n_block * tile_n - thr_col)
         n_keep = columns_below(col_limit)
+        if const_expr(left >= 0):
+            n_drop = columns_below(q_idx - left - n_block * tile_n - thr_col)
         for chunk in cutlass.range_constexpr(cute.ceil_div(num_cols, 32)):
             keep = shr_u32(cutlass.Uint32(0xFFFFFFFF), cutlass.Uint32(cutlass.max(32 * (chunk + 1) - n_keep, 0)))
+            if const_expr(left >= 0):
+                drop = shr_u32(cutlass.Uint32(0xFFFFFFFF), cutlass.Uint32(cutlass.max(32 * (chunk + 1) - n_drop, 0)))
+                keep = keep & (drop ^ cutlass.Uint32(0xFFFFFFFF))
             for i in cutlass.range_constexpr(min(32, num_cols - 32 * chunk)):
                 c = 32 * chunk + i
                 acc_S_mn[r, c] = acc_S_mn[r, c] if cutlass.Boolean(keep & cutlass.Uint32(1 << i)) else -Float32.inf

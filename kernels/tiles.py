@@ -9,6 +9,9 @@ touched. Only the last visited tiles need element masks: the one holding the dia
 From K5 on, keys may outnumber queries (``seqlen_k``; chunked prefill): the causal diagonal is
 then aligned bottom-right, query row i seeing keys j <= i + (seqlen_k - seqlen), as flash-attn
 does. Without ``seqlen_k`` (K2-K4) the code is what it was.
+
+A sliding window (``kv_window_tiles``) bounds the walk on both sides: the tiles below the first
+row's window start are skipped, and the tiles holding a window edge get masks, at either end.
 """
 
 import cutlass
@@ -41,3 +44,43 @@ def unmasked_kv_tile_count(m_block: Int32, seqlen: Int32, tile_m: cutlass.Conste
             first_row_key = first_row_key + seqlen_k - seqlen
         n_full = cutlass.min(n_full, first_row_key // tile_n)
     return n_full
+
+
+def kv_window_tiles(m_block, seqlen, seqlen_k, tile_m: int, tile_n: int, causal: bool, window: tuple) -> tuple:
+    """Under a sliding window (left, right; bottom-right, -1 unbounded; causal: right = 0), the KV
+    tiles of query tile ``m_block`` as (first, free_lo, free_hi, end): it visits [first, end);
+    [free_lo, free_hi) need no mask for any of its rows, the tiles around them do. Tiles outside
+    [first, end) are skipped, not masked: the time follows the window. Keys never precede
+    queries here (seqlen_k >= seqlen), so every bound is a non-negative integer division. Python
+    ints or DSL integers (the tests run it on ints)."""
+    left, right = window
+    right = 0 if causal else right
+    offset = seqlen_k - seqlen
+    first_row, last_row = m_block * tile_m, (m_block + 1) * tile_m - 1
+    end, free_hi = (seqlen_k + tile_n - 1) // tile_n, seqlen_k // tile_n
+    if right >= 0:  # keys up to row + offset + right
+        end = cutlass.min(end, (last_row + offset + right + tile_n) // tile_n)
+        free_hi = cutlass.min(free_hi, (first_row + offset + right + 1) // tile_n)
+    first, free_lo = 0, 0
+    if left >= 0:  # keys from row + offset - left
+        first = cutlass.max(first_row + offset - left, 0) // tile_n
+        free_lo = (cutlass.max(last_row + offset - left, 0) + tile_n - 1) // tile_n
+    free_lo = cutlass.min(cutlass.max(free_lo, first), end)
+    free_hi = cutlass.min(cutlass.max(free_hi, free_lo), end)
+    return first, free_lo, free_hi, end
+
+
+def query_window_tiles(n_block, seqlen, seqlen_k, tile_m: int, tile_n: int, causal: bool, window: tuple) -> tuple:
+    """The backward's view of ``kv_window_tiles``: the query tiles [lo, hi) whose walk visits key
+    tile ``n_block``, i.e. those with first <= n_block < end there (the tests check the two agree
+    pair by pair). May be empty: a key before every query's window. Python ints or DSL integers."""
+    left, right = window
+    right = 0 if causal else right
+    offset = seqlen_k - seqlen
+    m_tiles = (seqlen + tile_m - 1) // tile_m
+    lo, hi = 0, m_tiles
+    if right >= 0:  # end(i) > n_block: the tile's last row reaches the key tile's first key
+        lo = cutlass.max(n_block * tile_n - offset - right, 0) // tile_m
+    if left >= 0:  # first(i) <= n_block: the tile's first row starts at or before the key tile's last key
+        hi = cutlass.min(hi, cutlass.max((n_block + 1) * tile_n - offset + left + tile_m - 1, 0) // tile_m)
+    return lo, cutlass.max(hi, lo)

@@ -175,16 +175,21 @@ def smem_tensors(storage, *smem_layouts) -> tuple:
 
 @cute.jit
 def partition_for_tma(tma_atom: cute.CopyAtom, mX_tma: cute.Tensor, sX: cute.Tensor, tile: cutlass.Constexpr,
-                      head: Int32, batch: Int32, coord: tuple = (None, 0), cta: tuple = (0, 1)):
+                      head: Int32, batch: Int32, coord: tuple = (None, 0), cta: tuple = (0, 1), offset=None):
     """Pair an SMEM buffer (tile[0], tile[1][, stages]) with the GMEM boxes of one (batch, head).
 
     ``coord`` picks the boxes as in ``cute.local_tile``: None on the sequence mode keeps all
     of them ((None, 0) for a seq-major view, (0, None) for the head-dim-major one), a tile
     index there keeps just that one. Returns (tXsX, tXgX): index tXsX[None, stage] (an
     unstaged sX has the box mode only) and tXgX[None, tile] (only the box with a fixed coord).
-    ``cta`` = (rank, CTAs) for a multicast atom: this CTA's slice of each box.
+    ``cta`` = (rank, CTAs) for a multicast atom: this CTA's slice of each box. ``offset``: where
+    the (batch, head) matrix starts, as a coordinate of its two modes (a packed sequence's first
+    row); the boxes then start there, at any row.
     """
-    gX = cute.local_tile(mX_tma[None, None, head, batch], tile, coord)
+    gX = mX_tma[None, None, head, batch]
+    if cutlass.const_expr(offset is not None):
+        gX = cute.domain_offset(offset, gX)
+    gX = cute.local_tile(gX, tile, coord)
     return cpasync.tma_partition(tma_atom, cta[0], cute.make_layout(cta[1]), cute.group_modes(sX, 0, 2),
                                  cute.group_modes(gX, 0, 2))
 

@@ -2,6 +2,7 @@
 and the float64 reference agreeing with SDPA and with a brute-force definition."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -119,3 +120,83 @@ def test_the_key_tile_range_is_exactly_the_tiles_some_row_sees(nq, nk, window):
         seen = {j // tile_n for j in range(nk) if rows[:, j].any()}
         first, last = varlen.key_tile_range(m, nq, nk, tile_m, tile_n, window)
         assert seen == set(range(first, last)), (m, first, last, sorted(seen))
+
+
+# ---- the packed call (K5/K6) -----------------------------------------------------------------
+
+
+def test_the_tile_list_has_every_sequences_tiles_heaviest_first():
+    pairs = varlen.varlen_tiles([0, 300, 1, 128], [0, 300, 1, 1000], 128, causal=True)
+    assert sorted(pairs) == [(1, 0), (1, 1), (1, 2), (2, 0), (3, 0)]  # none for the empty sequence
+    assert pairs[0] == (3, 0)  # 128 queries on the last 128 of 1000 keys: the most keys to walk
+    assert varlen.varlen_tiles([1000], [1000], 128, causal=False, window=(100, 0))[0][1] > 0  # window: equal-ish work
+
+
+@pytest.mark.parametrize("name,kwargs,match", [
+    ("k4", {}, "packed sequences \\(varlen\\) not supported by this kernel"),
+    ("k6", dict(causal=True, lengths_k=[5, 1, 5]), "sequence 1 has 2 queries and 1 keys"),
+    ("k6", dict(lengths_k=[5, 0, 5]), "sequence 1 has 2 queries and 0 keys"),
+])
+def test_a_packed_call_the_kernels_cannot_take_is_refused_by_name(name, kwargs, match):
+    lengths_k = kwargs.pop("lengths_k", None)
+    q, k, v, cu_q, cu_k = (t.to(torch.bfloat16) if t.is_floating_point() else t
+                           for t in _packed([5, 2, 5], lengths_k, d=64))
+    with pytest.raises(UnsupportedProblem, match=match):
+        varlen.attention_varlen(name, q, k, v, cu_q, cu_k, 5, max(lengths_k or [5]), **kwargs)
+
+
+def test_the_packed_call_is_forward_only():
+    q, k, v, cu_q, cu_k = (t.to(torch.bfloat16).requires_grad_() if t.is_floating_point() else t
+                           for t in _packed([5, 2, 5], d=64))
+    with pytest.raises(UnsupportedProblem, match="forward-only"):
+        varlen.attention_varlen("k6", q, k, v, cu_q, cu_k, 5, 5)
+
+
+@pytest.mark.parametrize("d,causal", [(128, False), (128, True)])  # K6 takes clusters and a TMA store here, rectangular
+def test_the_packed_kernel_builds_without_a_tma_store_or_clusters(d, causal):
+    from kernels import get_kernel
+    from kernels.contract import Problem
+
+    compiled = get_kernel("k6").compile(Problem(16, 16, 16384, d, causal=causal, varlen=True), keep_ptx=True)
+    assert not compiled.info["tma_store"] and compiled.info.get("cluster", 1) == 1
+    assert compiled.info["scheduler"] == "dynamic"  # tiles of unequal work: claimed, not dealt round-robin
+    rectangular = get_kernel("k6").compile(Problem(16, 16, 16384, d, causal=causal))
+    assert causal or (rectangular.info["tma_store"] or rectangular.info.get("cluster", 1) > 1)
+    # the sequence's first row comes from cu_seqlens: TMA boxes at any row, O stored row by row
+    assert "cp.async.bulk.tensor" in compiled.ptx and not re.search(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared",
+                                                                      compiled.ptx)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("lengths", [[1000], [0, 17, 1, 300, 0, 1000, 128, 255], [4097, 64, 3]])
+@pytest.mark.parametrize("name,features", [("k6", {}), ("k5", {}), ("k6", dict(softcap=5.0, window_size=(200, 0)))])
+def test_the_packed_call_matches_the_float64_reference_sequence_by_sequence(d, causal, lengths, name, features):
+    from harness.check import compare
+
+    gen = torch.Generator(device="cuda").manual_seed(sum(lengths) + d)
+    heads, heads_kv = 8, 2
+    lengths_k = [n + (64 if i % 2 else 0) for i, n in enumerate(lengths)]  # keys outnumber queries in some
+    q = torch.randn(sum(lengths), heads, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k, v = (torch.randn(sum(lengths_k), heads_kv, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+            for _ in range(2))
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(x).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+                  for x in (lengths, lengths_k))
+    out, lse = varlen.attention_varlen(name, q, k, v, cu_q, cu_k, max(lengths) + 5, max(lengths_k) + 5, causal=causal,
+                                       return_lse=True, **features)  # loose max_seqlen bounds, as flash-attn takes
+    ref, ref_lse = varlen.reference(q, k, v, cu_q, cu_k, d ** -0.5, causal=causal, window=features.get("window_size"),
+                                    softcap=features.get("softcap", 0.0))
+    c = compare(out, ref, lse, ref_lse, "bfloat16", lse_slack=features.get("softcap", 0.0) * 2.0 ** -11)
+    assert not c.verdict, c.verdict
+
+
+def test_the_varlen_benchmark_packing_is_fixed_and_counts_only_real_work():
+    from harness import varlen_bench
+
+    lengths = varlen_bench.document_lengths()
+    assert lengths == varlen_bench.document_lengths() and len(lengths) == 16
+    assert all(64 <= n <= 16384 for n in lengths) and max(lengths) > 8 * min(lengths)  # mixed, not a rectangle
+    assert varlen_bench.real_flops([3, 5], 2, 8, causal=False) == 4 * 2 * 8 * (9 + 25)
+    assert varlen_bench.real_flops([4], 1, 1, causal=True) == 4 * 8

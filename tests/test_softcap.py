@@ -1,0 +1,144 @@
+"""The logit softcap (issue 35): scores s -> c * tanh(s / c) before the softmax, in the
+warp-specialized stages' forward. CPU: the PTX, the refusals, the reference; GPU: the grid's cases."""
+
+import math
+import re
+
+import pytest
+import torch
+
+from harness import attention, varlen
+from harness.reference import reference
+from kernels import get_kernel
+from kernels.contract import Problem, UnsupportedProblem
+
+
+@pytest.mark.parametrize("name,d,causal", [("k6", 64, False), ("k6", 128, True), ("k5", 128, False)])
+def test_a_softcap_adds_one_tanh_per_score(name, d, causal):
+    p = Problem(2, 8, 1000, d, causal=causal, nheads_kv=2)
+    plain, capped = (get_kernel(name).compile(p.with_(softcap=c), keep_ptx=True).ptx for c in (0.0, 30.0))
+    tanh, ex2 = (len(re.findall(pattern, capped)) for pattern in (r"tanh\.approx\.f32", r"ex2\.approx"))
+    assert "tanh.approx" not in plain and ex2 == len(re.findall(r"ex2\.approx", plain))
+    # one tanh per score, ahead of its ex2; the few other ex2s are the rows' rescale factors
+    assert 0.9 * ex2 <= tanh < ex2
+
+
+@pytest.mark.parametrize("softcap,match", [(-1.0, "finite number >= 0"), (math.inf, "finite number >= 0"),
+                                           (True, "finite number >= 0"), ("5", "finite number >= 0")])
+def test_a_bad_softcap_is_refused_by_name(softcap, match):
+    q, k, v = (torch.randn(1, 2, 16, 64, dtype=torch.bfloat16) for _ in range(3))
+    with pytest.raises(UnsupportedProblem, match=match):
+        attention("k6", q, k, v, softcap=softcap)
+    with pytest.raises(UnsupportedProblem, match=match):
+        Problem(1, 2, 16, 64, softcap=softcap)
+
+
+@pytest.mark.parametrize("name", ["k4", "k7", "k8", "decode"])
+def test_a_stage_without_the_softcap_refuses_it_before_any_launch(name):
+    q, k, v = (torch.randn(1, 2, 16, 64, dtype=torch.bfloat16) for _ in range(3))
+    with pytest.raises(UnsupportedProblem, match="softcap 5.0 not supported by this kernel|dtype|float8"):
+        attention(name, q, k, v, softcap=5)
+
+
+def test_k9_refuses_a_softcap_before_the_forward():
+    q, k, v = (torch.randn(1, 2, 16, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    with pytest.raises(UnsupportedProblem, match="K9 \\(backward\\): no sliding window or softcap"):
+        attention("k6", q, k, v, softcap=5.0, backward="k9")
+
+
+@pytest.mark.parametrize("stage", ["k10", "k10_fa3"])
+def test_k10s_softcap_backward_multiplies_ds_by_tanhs_slope_in_the_sequential_step(stage):
+    from harness.backward import stage_overrides
+    from kernels.contract import compiled_ptx
+    from kernels.k10 import compile_backward
+
+    p = Problem(2, 8, 1000, 128, causal=True, softcap=5.0)
+    compiled = compile_backward(p, keep_ptx=True, **stage_overrides(stage))
+    ptx = compiled_ptx(compiled[1])
+    # one tanh per score of the recomputed S^T tile (128 keys x 64 queries over 256 MMA threads)
+    assert len(re.findall(r"tanh\.approx\.f32", ptx)) == 128 * 64 // 256
+    assert not compiled[3].get("overlap")  # the overlapped step has no registers for the slope: off
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_softcap_reference_agrees_with_the_packed_float64_one(causal):
+    gen = torch.Generator().manual_seed(1)
+    b, h, hk, n, nk, d = 2, 4, 2, 33, 47, 16
+    q = torch.randn(b, h, n, d, generator=gen) * 3
+    k, v = (torch.randn(b, hk, nk, d, generator=gen) * 3 for _ in range(2))
+    o, lse = reference(q, k, v, causal, 0.25, softcap=2.0)
+    cu_q, cu_k = (torch.arange(0, (b + 1) * x, x, dtype=torch.int32) for x in (n, nk))
+    packed = [t.transpose(1, 2).reshape(-1, t.shape[1], d) for t in (q, k, v)]
+    o64, lse64 = varlen.reference(*packed, cu_q, cu_k, 0.25, causal=causal, softcap=2.0)
+    assert torch.allclose(o, o64.float().reshape(b, n, h, d).transpose(1, 2), atol=1e-5)
+    assert torch.allclose(lse, lse64.float().reshape(h, b, n).transpose(0, 1), atol=1e-5)
+    # a cap far above every score changes nothing; a small one does
+    o_far, _ = reference(q, k, v, causal, 0.25, softcap=1e6)
+    assert torch.allclose(o_far, reference(q, k, v, causal, 0.25)[0], atol=1e-5)
+    assert not torch.allclose(o, o_far, atol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name,d,causal,softcap", [("k6", d, causal, 0.5) for d in (64, 128, 256) for causal in (0, 1)]
+                         + [("k5", 128, True, 5.0)])  # ref_check's grid has the rest
+def test_a_softcapped_forward_matches_the_explicit_reference(name, d, causal, softcap):
+    from harness.check import check_kernel
+
+    res = check_kernel(name, Problem(2, 8, 1000, d, causal=bool(causal), nheads_kv=2, softcap=softcap))
+    assert res.ok, res.reason
+
+
+@pytest.mark.parametrize("softcap,causal", [(0.5, False), (5.0, True)])
+def test_the_softcap_backwards_bar_fails_a_gradient_without_the_cap_or_its_slope(softcap, causal):
+    # check_backward's bar: within twice the error of a 16-bit softcapped backward (SDPA has none).
+    # A backward that ignored the cap, or dropped tanh's slope 1 - t^2 from dS, must fail it.
+    from harness.check import within_grad_bar
+    from harness.reference import capped_grads_16bit, reference_grads
+
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 256, 64, generator=gen).to(torch.bfloat16) for _ in range(3))
+    dout = torch.randn(1, 2, 256, 64, generator=gen).to(torch.bfloat16)
+    scale = 64 ** -0.5
+    want = reference_grads(q, k, v, dout, causal, scale, softcap)
+    peer = capped_grads_16bit(q, k, v, dout, causal, scale, softcap)
+
+    def err(grads):
+        return [float((g.double() - w).abs().max()) for g, w in zip(grads, want)]
+
+    peer_err = err(peer)
+    no_cap = reference_grads(q, k, v, dout, causal, scale)
+    qd, kd, vd, dd = (t.double() for t in (q, k, v, dout))  # dS without the slope, by hand
+    t = torch.tanh(qd @ kd.transpose(-1, -2) * scale / softcap)
+    s = (softcap * t).masked_fill(~varlen.keep_mask(256, 256, (-1, 0 if causal else -1)), -math.inf)
+    p = torch.softmax(s, dim=-1)
+    ds = p * (dd @ vd.transpose(-1, -2) - (dd * (p @ vd)).sum(-1, keepdim=True)) * scale
+    no_slope = (ds @ kd, ds.transpose(-1, -2) @ qd, p.transpose(-1, -2) @ dd)
+    assert all(within_grad_bar(e, pe) for e, pe in zip(peer_err, peer_err))
+    for wrong in (no_cap, no_slope):
+        assert not all(within_grad_bar(e, pe) for e, pe in zip(err(wrong), peer_err))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backward", ["k10", "k10_fa3"])
+@pytest.mark.parametrize("d,causal,softcap", [(64, False, 0.5), (128, True, 5.0), (128, False, 50.0)])
+def test_the_softcapped_backward_matches_float64_autograd(backward, d, causal, softcap):
+    from harness.check import check_backward
+
+    row = check_backward(Problem(2, 8, 1000, d, causal=causal, nheads_kv=2, softcap=softcap), backward=backward)
+    assert row["ok"], row["reason"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_public_call_takes_the_softcap_eagerly_and_compiled():
+    q, k, v = (torch.randn(2, 8, 300, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    want, want_lse = reference(q, k, v, True, 128 ** -0.5, softcap=1.0)
+    eager, lse = attention("k6", q, k, v, causal=True, return_lse=True, softcap=1.0)
+    compiled = torch.compile(lambda *t: attention("k6", *t, causal=True, softcap=1.0), fullgraph=True)(q, k, v)
+    for out in (eager, compiled):
+        assert (out.float() - want).abs().max() < 2e-2
+    assert (lse - want_lse).abs().max() < 1e-3
+    plain = attention("k6", q, k, v, causal=True)  # the same signature without the cap: its own launch
+    assert (plain.float() - want).abs().max() > 5e-2
