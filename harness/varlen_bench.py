@@ -21,6 +21,24 @@ def real_flops(lengths: list, heads: int, head_dim: int, causal: bool) -> float:
     return 4.0 * heads * head_dim * sum(n * n - (n * n / 2 if causal else 0) for n in lengths)
 
 
+def rectangular_equivalent(name: str, lengths: list, heads: int, head_dim: int, causal: bool, timer) -> float:
+    """Milliseconds the rectangular call would take on this packing: each document's work at the
+    speed ``attention`` reaches on a (total // n, heads, n, d) batch of its length n, the same
+    tokens as the packing (the issue's "same total tokens at the same lengths")."""
+    import torch
+
+    from .api import attention
+
+    total, ms = sum(lengths), 0.0
+    for n in sorted(set(lengths)):
+        batch = max(1, total // n)
+        q, k, v = (torch.randn(batch, heads, n, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        rect_ms = timer(lambda: attention(name, q, k, v, causal=causal))
+        ms += rect_ms * real_flops([n] * lengths.count(n), heads, head_dim, causal) / real_flops([n] * batch, heads,
+                                                                                               head_dim, causal)
+    return ms
+
+
 def candidates(q, k, v, cu, lengths: list, causal: bool, scale: float, names) -> dict:
     """name -> zero-argument callable (or a reason string): ours, flash-attn-4's, cuDNN padded."""
     import torch
@@ -29,10 +47,13 @@ def candidates(q, k, v, cu, lengths: list, causal: bool, scale: float, names) ->
 
     from .varlen import attention_varlen
 
-    most, calls = max(lengths), {}
+    most, calls, cu_host = max(lengths), {}, cu.cpu()
     for name in names:
         calls[name] = (lambda name=name: attention_varlen(name, q, k, v, cu, cu, most, most, causal=causal,
                                                           softmax_scale=scale))
+        # cu_seqlens on the CPU: the host reads them without waiting for the GPU
+        calls[f"{name} (cu_seqlens on CPU)"] = (lambda name=name: attention_varlen(
+            name, q, k, v, cu_host, cu_host, most, most, causal=causal, softmax_scale=scale))
     try:
         from flash_attn.cute import flash_attn_varlen_func
 
@@ -69,6 +90,7 @@ def main(args, argv) -> int:
 
     from . import results
     from .timing import burst_ms, tflops
+    from .varlen import prepare_varlen
 
     names = tuple(args.kernels) or ("k6",)
     if not torch.cuda.is_available():
@@ -85,16 +107,32 @@ def main(args, argv) -> int:
     out = results.open_result_file(args.out, results.command_line("bench.py", argv))
     print(f"== {torch.cuda.get_device_name()}: varlen, {len(lengths)} documents, {total} tokens (lengths {lengths}), "
           f"heads {heads}, d {d}, causal {int(causal)}; TFLOP/s on the unpadded work")
+    kernels_alone = {name: prepare_varlen(name, q, k, v, cu, cu, max(lengths), max(lengths), causal, d ** -0.5)[0]
+                     for name in names}
     for name, fn in candidates(q, k, v, cu, lengths, causal, d ** -0.5, names).items():
         row = dict(kernel=name, documents=len(lengths), tokens=total, nheads=heads, head_dim=d, causal=int(causal),
                    lengths=lengths)
         if callable(fn):
             ms = burst_ms(fn)
             row.update(status="ok", call_ms=ms, call_tflops=tflops(flops, ms))
-            print(f"{name:<20}{ms:>10.3f} ms {row['call_tflops']:>8.1f} TFLOP/s", flush=True)
+            alone = ""
+            if name in kernels_alone:  # the compiled launch with its tile table made: what the host adds
+                row.update(kernel_ms=burst_ms(kernels_alone[name]))
+                row.update(kernel_tflops=tflops(flops, row["kernel_ms"]))
+                alone = f"   kernel alone {row['kernel_ms']:.3f} ms {row['kernel_tflops']:.1f} TFLOP/s"
+            print(f"{name:<28}{ms:>10.3f} ms {row['call_tflops']:>8.1f} TFLOP/s{alone}", flush=True)
         else:
             row.update(status=fn)
-            print(f"{name:<20}{fn}", flush=True)
+            print(f"{name:<28}{fn}", flush=True)
+        if out:
+            out.append(row)
+    for name in names:  # what the same documents cost the rectangular call, length by length
+        row = dict(kernel=f"{name} rectangular", documents=len(lengths), tokens=total, nheads=heads, head_dim=d,
+                   causal=int(causal), lengths=lengths, status="ok")
+        ms = rectangular_equivalent(name, lengths, heads, d, causal, burst_ms)
+        row.update(call_ms=ms, call_tflops=tflops(flops, ms))
+        print(f"{row['kernel']:<28}{ms:>10.3f} ms {row['call_tflops']:>8.1f} TFLOP/s  (each length as a "
+              f"(tokens // n, {heads}, n, {d}) batch)", flush=True)
         if out:
             out.append(row)
     if out:

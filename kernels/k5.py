@@ -326,8 +326,12 @@ class K5FMHA:
         if const_expr(self.cluster > 1):  # a cluster walks pairs of query tiles (tile_at splits them)
             num_m_blocks = cute.ceil_div(num_m_blocks, self.cluster)
             bx, gdx = bx // self.cluster, gdx // self.cluster
-        if const_expr(self.varlen):  # the pairs table, heaviest first, all heads of a pair together
-            return bx, gdx, packed[2].shape[0] * nheads, (packed[2], nheads)
+        if const_expr(self.varlen):
+            # The pairs table (heaviest first) once per L2 section of heads, a pair's heads in a row:
+            # the pairs in flight then read one section's K/V (seqlen_k: every sequence's keys).
+            section = schedule.l2_section_heads(seqlen_k, self.head_dim, self.dtype.width // 8, nheads, group,
+                                                self.section_bytes)
+            return bx, gdx, packed[2].shape[0] * nheads, (packed[2], nheads, section)
         return bx, gdx, num_m_blocks * nheads * batch, (num_m_blocks, nheads, nheads * batch, section)
 
     @cute.jit
@@ -337,10 +341,10 @@ class K5FMHA:
         m-block count the last group's second tile lies past the sequence: that CTA still loads
         its half of every K/V tile for its partner, and computes on zero-filled Q rows that
         nothing stores (the O store and the LSE stop at seqlen)."""
-        if const_expr(self.varlen):  # tile_grid: the (sequence, query tile) table and the heads, a pair's heads in a row
-            table, nheads = tile_grid
-            pair = tile_idx // nheads
-            return table[pair, 1], tile_idx % nheads, table[pair, 0]
+        if const_expr(self.varlen):  # tile_grid: the (sequence, query tile) table, the heads, the section
+            table, nheads, section = tile_grid
+            pair, head, _ = schedule.tile_coords(tile_idx, table.shape[0], nheads, nheads, section, False)
+            return table[pair, 1], head, table[pair, 0]
         m_block, head, batch = schedule.tile_coords(tile_idx, *tile_grid, self.causal)
         if const_expr(self.cluster > 1):
             m_block = m_block * self.cluster + cute.arch.block_idx_in_cluster()
@@ -702,7 +706,7 @@ def schedule_config(p: Problem) -> dict:
     """Persistent (static) non-causal and dynamic causal, L2 sections by key length
     (schedule.section_bytes)."""
     return dict(scheduler="dynamic" if p.causal or p.varlen else "static",  # packed: tiles of unequal work
-                section_bytes=schedule.section_bytes(p.kv_len) if p.causal else schedule.SECTION_BYTES)
+                section_bytes=schedule.section_bytes(p.kv_len) if p.causal and not p.varlen else schedule.SECTION_BYTES)
 
 
 def config(p: Problem, overrides: dict = None) -> Config:

@@ -200,3 +200,22 @@ def test_the_varlen_benchmark_packing_is_fixed_and_counts_only_real_work():
     assert all(64 <= n <= 16384 for n in lengths) and max(lengths) > 8 * min(lengths)  # mixed, not a rectangle
     assert varlen_bench.real_flops([3, 5], 2, 8, causal=False) == 4 * 2 * 8 * (9 + 25)
     assert varlen_bench.real_flops([4], 1, 1, causal=True) == 4 * 8
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("causal", [False, True])
+def test_cu_seqlens_on_the_cpu_give_the_same_output_and_the_launch_writes_every_row(causal):
+    lengths = [0, 300, 17, 1000, 1]
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    q, k, v = (torch.randn(sum(lengths), 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    on_gpu = varlen.attention_varlen("k6", q, k, v, cu.cuda(), cu.cuda(), 1000, 1000, causal=causal)
+    launch, out, lse = varlen.prepare_varlen("k6", q, k, v, cu, cu, 1000, 1000, causal=causal, return_lse=True)
+    out.fill_(float("nan"))
+    lse.fill_(float("nan"))
+    launch()
+    torch.cuda.synchronize()
+    assert torch.equal(out, on_gpu) and not lse.isnan().any()
+    ref, ref_lse = varlen.reference(q, k, v, cu.cuda(), cu.cuda(), 128 ** -0.5, causal=causal)
+    assert (out.double() - ref).abs().max().item() < 2e-2
