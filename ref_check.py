@@ -6,6 +6,8 @@
     python ref_check.py --decode      # attention over a KV cache: decode_nosplit, decode_combine, decode
     python ref_check.py --decode --quick   # one KV-cache case per behaviour (about a minute)
     python ref_check.py --backward    # the backward (K9 and K10): dq, dk, dv against float64 autograd
+    python ref_check.py --varlen      # packed sequences (attention_varlen) against a per-sequence reference
+    python ref_check.py k6 --features # only the softcap and window cases (with --backward too)
 
 Kernels that take a logit softcap or a sliding window also run them (softcaps 0.5, 5, 50; windows
 with edges inside and across tiles, one key wide, one-sided, with more keys than queries; GQA,
@@ -198,7 +200,54 @@ def backward_cases(seqlens, features: bool = False):
     yield Problem(8, 1024, 80, 64, causal=True), 1.0
 
 
-def run_backward_grid(seqlens, out, stages) -> tuple:
+def varlen_cases(quick: bool = False):
+    """Packed calls: (lengths_q, lengths_k, heads, heads_kv, d, causal, softcap, window, dtype, cu on the CPU).
+    Per head dim and causal mode: one long sequence; empty, one-row and ragged sequences with keys
+    outnumbering queries in every second one (GQA); a long one beside tiny ones; a random packing
+    (a fixed draw, zeros included); a softcap and a window on the ragged packing; fp16 once."""
+    import random
+
+    ragged = [0, 17, 1, 300, 0, 1000, 128, 255]
+    for d in (64, 128) if quick else (64, 128, 256):
+        for causal in (False, True):
+            rnd = random.Random(d * 2 + causal)
+            drawn = [rnd.choice((0, rnd.randint(1, 64), rnd.randint(1, 3000))) for _ in range(10)]
+            packings = [([1000], None, 4, 4), (ragged, [n + 64 * (i % 2) for i, n in enumerate(ragged)], 8, 2),
+                        ([4097, 64, 3], None, 8, 2), (drawn, None, 6, 3)]
+            for i, (lengths_q, lengths_k, h, h_kv) in enumerate(packings[:2] if quick else packings):
+                yield lengths_q, lengths_k or lengths_q, h, h_kv, d, causal, 0.0, (-1, -1), "bfloat16", i % 2 == 1
+            keys = [n + 64 * (i % 2) for i, n in enumerate(ragged)]
+            yield ragged, keys, 8, 2, d, causal, 5.0, (-1, -1), "bfloat16", False
+            yield ragged, keys, 8, 2, d, causal, 0.0, (100, 0 if causal else 300), "bfloat16", False
+    yield ragged, ragged, 4, 4, 64, True, 0.0, (-1, -1), "float16", False
+
+
+def run_varlen_grid(names, quick: bool, out) -> tuple:
+    from harness.check import check_varlen_case
+
+    rows, failures = [], 0
+    print("packed grid (attention_varlen): O within twice the max error of SDPA's own 16-bit output, sequence by "
+          "sequence (softcap: the elementwise bound), of the float64 reference; LSE within 1e-4; outputs NaN-poisoned")
+    for name in names:
+        for lengths_q, lengths_k, h, h_kv, d, causal, softcap, window, dtype, on_cpu in varlen_cases(quick):
+            try:
+                row = check_varlen_case(name, lengths_q, lengths_k, h, h_kv, d, causal, softcap, window, dtype, on_cpu)
+            except Exception as e:  # a crash is a failure of this case
+                row = dict(kernel=name, lengths_q=lengths_q, lengths_k=lengths_k, head_dim=d, causal=int(causal),
+                           softcap=softcap, window=list(window), dtype=dtype, ok=False, status="crashed",
+                           max_abs=None, peer_max_abs=None, lse_max_abs=None, reason=f"{type(e).__name__}: {e}"[:300])
+            rows.append(row)
+            failures += not row["ok"]
+            if out:
+                out.append(row)
+            case = f"{name} {dtype} d={d} causal={int(causal)} heads {h}/{h_kv} q {lengths_q} k {lengths_k}"
+            case += (f" softcap {softcap:g}" if softcap else "") + (f" window {window}" if window != (-1, -1) else "")
+            print(f"{case[:110]:<110}{_e(row['max_abs'])}{_e(row['peer_max_abs'])}{_e(row['lse_max_abs'])}  "
+                  f"{'ok' if row['ok'] else 'FAIL ' + row['reason']}", flush=True)
+    return rows, failures
+
+
+def run_backward_grid(seqlens, out, stages, features_only: bool = False) -> tuple:
     rows, failures = [], 0
     print(f"backward grid ({', '.join(stages)}; O and LSE from k6): dq, dk, dv each within twice the max error of "
           "SDPA's own 16-bit backward + 1e-3 of float64 autograd (harness/check.py check_backward), outputs NaN-poisoned")
@@ -206,6 +255,8 @@ def run_backward_grid(seqlens, out, stages) -> tuple:
           f"{'dq_err':>11}{'sdpa':>11}{'dk_err':>11}{'sdpa':>11}{'dv_err':>11}{'sdpa':>11}  result")
     for stage in stages:
         for p, magnitude in backward_cases(seqlens, features=BACKWARD_VARIANTS[stage][0] == "k10"):
+            if features_only and not has_feature(p):
+                continue
             row = backward_row(stage, p, magnitude)
             rows.append(row)
             failures += not row["ok"]
@@ -226,6 +277,10 @@ def backward_row(stage, p, magnitude) -> dict:
     except Exception as e:  # a crash is a failure of this case
         return dict(backward_case(p, magnitude, backward=stage), ok=False, status="crashed",
                     reason=f"{type(e).__name__}: {e}"[:300])
+
+
+def has_feature(p: Problem) -> bool:
+    return bool(p.softcap) or p.window != (-1, -1)
 
 
 def describe_grid(seqlens, all_head_dims: bool) -> str:
@@ -251,6 +306,10 @@ def main(argv=None) -> int:
     ap.add_argument("--backward", action="store_true",
                     help="the backward's grid against float64 autograd instead, for the backward stages named "
                          f"(default {', '.join(MAIN_STAGES)}; any of {', '.join(BACKWARD_STAGES)})")
+    ap.add_argument("--varlen", action="store_true",
+                    help="the packed-sequence grid (attention_varlen) of the kernels named (default k6)")
+    ap.add_argument("--features", action="store_true",
+                    help="only the cases with a softcap or a window (the grids' other cases unchanged)")
     ap.add_argument("--config", type=json.loads, default=None,
                     help="compile_kernel keywords for every case, as JSON (e.g. '{\"tile_n\": 128}'): check a "
                          "configuration before timing it; cases it cannot run are failures")
@@ -260,6 +319,12 @@ def main(argv=None) -> int:
     if ignored:
         print(f"error: ref_check runs its own grid and would ignore {', '.join(ignored)}: unset them, or check "
               "one workload with `CHECK=1 python bench.py`", file=sys.stderr)
+        return 2
+    if args.decode + args.backward + args.varlen > 1:
+        print("error: --decode, --backward and --varlen are three grids: name one", file=sys.stderr)
+        return 2
+    if args.features and (args.decode or args.varlen):
+        print("error: --features picks cases of the forward and --backward grids", file=sys.stderr)
         return 2
     stages = list(MAIN_STAGES) if args.kernels in ([], ["all"]) else args.kernels
     unknown = [n for n in stages if n not in BACKWARD_STAGES]
@@ -279,8 +344,12 @@ def main(argv=None) -> int:
     seqlens = QUICK_SEQLENS if args.quick else SEQLENS
     out = results.open_result_file(args.out, results.command_line("ref_check.py", argv))
     print(f"device: {torch.cuda.get_device_name()}")
+    if args.varlen:
+        rows, failures = run_varlen_grid(["k6"] if args.kernels in ([], ["all"]) else args.kernels, args.quick, out)
     if args.decode or args.backward:
-        rows, failures = run_decode(args.quick, out) if args.decode else run_backward_grid(seqlens, out, stages)
+        rows, failures = (run_decode(args.quick, out) if args.decode
+                          else run_backward_grid(seqlens, out, stages, args.features))
+    if args.decode or args.backward or args.varlen:
         if out:
             out.close()
         print(f"\n{len(rows) - failures}/{len(rows)} cases passed" + (f", {failures} FAILED" if failures else ""))
@@ -297,6 +366,8 @@ def main(argv=None) -> int:
             failures += 1
             continue
         for p in grid:
+            if args.features and not has_feature(p):
+                continue
             try:
                 res = check_kernel(name, p, config=args.config)
                 row = dict(res.row(), status="ok" if res.ok else "failed")

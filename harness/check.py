@@ -479,3 +479,52 @@ def fp8_quantized(name: str, p: Problem, q, k, v) -> tuple:
     rows = lambda d, block, n: d.repeat_interleave(block, dim=-1)[..., :n, None]  # noqa: E731
     return q8, k8, v8, (rows(dq, tm, q.shape[2]), rows(dk, tn, k.shape[2]).transpose(-1, -2),
                         rows(dv, tn, v.shape[2]))
+
+
+def check_varlen_case(name: str, lengths_q: list, lengths_k: list, nheads: int, nheads_kv: int, head_dim: int,
+                      causal: bool, softcap: float = 0.0, window=(-1, -1), dtype: str = "bfloat16",
+                      cu_on_cpu: bool = False, seed=None) -> dict:
+    """One packed case: fresh random inputs, O and LSE NaN-poisoned before the launch
+    (``prepare_varlen``'s own buffers), compared with the float64 reference built sequence by
+    sequence (``varlen.reference``) by ``compare``'s rule; the peer is SDPA in the 16-bit dtype,
+    sequence by sequence with the same mask (none with a softcap: SDPA has no cap, and the
+    elementwise bound stands in). Returns a result row."""
+    import torch
+    import torch.nn.functional as F
+
+    from .inputs import torch_dtype
+    from .varlen import keep_mask, prepare_varlen, reference, with_causal
+
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(seed if seed is not None else torch.seed() % (2**63))
+    dt = torch_dtype(dtype)
+    q = torch.randn(sum(lengths_q), nheads, head_dim, device="cuda", dtype=dt, generator=gen)
+    k, v = (torch.randn(sum(lengths_k), nheads_kv, head_dim, device="cuda", dtype=dt, generator=gen) for _ in range(2))
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(x, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int32,
+                               device="cpu" if cu_on_cpu else "cuda") for x in (lengths_q, lengths_k))
+    scale = head_dim ** -0.5
+    row = dict(kernel=name, lengths_q=list(lengths_q), lengths_k=list(lengths_k), nheads=nheads, nheads_kv=nheads_kv,
+               head_dim=head_dim, dtype=dtype, causal=int(causal), softcap=softcap, window=list(window),
+               cu_seqlens_on_cpu=cu_on_cpu)
+    launch, out, lse = prepare_varlen(name, q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=causal,
+                                      softmax_scale=scale, return_lse=True, softcap=softcap or None,
+                                      window_size=tuple(window))
+    out.fill_(float("nan"))
+    lse.fill_(float("nan"))
+    launch()
+    torch.cuda.synchronize()
+    ref, ref_lse = reference(q, k, v, cu_q, cu_k, scale, causal=causal, window=tuple(window), softcap=softcap)
+    peer = None
+    if not softcap:
+        peer = torch.zeros_like(q)
+        qs, ks = cu_q.tolist(), cu_k.tolist()
+        for b in range(len(lengths_q)):
+            if lengths_q[b] == 0:
+                continue
+            mask = keep_mask(lengths_q[b], lengths_k[b], with_causal(tuple(window), causal), q.device)
+            seq = [t[a:z].transpose(0, 1)[None] for t, (a, z) in ((q, qs[b:b + 2]), (k, ks[b:b + 2]), (v, ks[b:b + 2]))]
+            o = F.scaled_dot_product_attention(*seq, attn_mask=mask, scale=scale, enable_gqa=nheads != nheads_kv)
+            peer[qs[b]:qs[b + 1]] = o[0].transpose(0, 1).nan_to_num(0.0)  # a row that sees no key: 0, as ours
+    c = compare(out, ref, lse, ref_lse, dtype, peer=peer, lse_slack=softcap * TANH_APPROX_REL)
+    return dict(row, max_abs=c.max_abs, peer_max_abs=c.peer_max_abs, rel_l2=c.rel_l2, lse_max_abs=c.lse_max_abs,
+                ok=not c.verdict, reason=c.verdict)

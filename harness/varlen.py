@@ -24,10 +24,35 @@ def with_causal(window: tuple, causal: bool) -> tuple:
     return (left, 0 if causal and (right == -1 or right > 0) else right)
 
 
+_READ: dict = {}  # id(cu_seqlens) -> (weak reference, version counter when read, its values)
+_READ_KEPT = 64
+
+
+def known_prefix_sums(cu_seqlens) -> list:
+    """``cu_seqlens.tolist()``, kept for a GPU tensor that tracks versions: torch bumps a tensor's
+    version on every in-place change (its views share the counter), so the same object at the
+    same version holds the same values. (A kernel writing into it behind torch's back would not
+    bump it.) Inference-mode tensors have no counter and are read every time."""
+    import weakref
+
+    if cu_seqlens.device.type == "cpu" or cu_seqlens.is_inference():
+        return cu_seqlens.tolist()
+    kept = _READ.get(id(cu_seqlens))
+    if kept is not None and kept[0]() is cu_seqlens and kept[1] == cu_seqlens._version:
+        return kept[2]
+    values = cu_seqlens.tolist()
+    if len(_READ) >= _READ_KEPT:
+        _READ.pop(next(iter(_READ)))
+    _READ[id(cu_seqlens)] = (weakref.ref(cu_seqlens), cu_seqlens._version, values)
+    return values
+
+
 def sequence_lengths(name: str, cu_seqlens, total: int, batch: int | None = None) -> list:
     """The lengths that ``cu_seqlens`` describes, after checking it names a packing of ``total``
     rows: a 1-D int32 tensor of batch + 1 prefix sums from 0 to ``total``, never decreasing.
-    Reading the values is one small copy to the host."""
+    Reading the values is one small copy to the host, which waits for the GPU's queued work when
+    the tensor is on the GPU; a tensor read before and unchanged since (the same object, its
+    version counter unmoved: what a model's layers pass) is not read again (``known_prefix_sums``)."""
     import torch
 
     if not isinstance(cu_seqlens, torch.Tensor):
@@ -39,7 +64,7 @@ def sequence_lengths(name: str, cu_seqlens, total: int, batch: int | None = None
     if batch is not None and cu_seqlens.numel() != batch + 1:
         raise UnsupportedProblem(f"{name} has {cu_seqlens.numel()} entries; the other cu_seqlens describe "
                                  f"{batch} sequences, so it needs {batch + 1}")
-    cu = cu_seqlens.tolist()
+    cu = known_prefix_sums(cu_seqlens)
     if cu[0] != 0:
         raise UnsupportedProblem(f"{name} must start at 0, got {cu[0]}")
     if any(b < a for a, b in zip(cu, cu[1:])):
@@ -178,8 +203,9 @@ def attention_varlen(name: str, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_
     in rows cu_seqlens[b]:cu_seqlens[b + 1]; causal and the window aligned bottom-right per
     sequence. Returns O (total_q, heads, d) and, with ``return_lse``, the LSE (heads, total_q). The
     warp-specialized 16-bit stages (k5 on) take it, forward only. Every check runs before the
-    launch, which reads cu_seqlens once on the host (to list the tiles): cu_seqlens on the GPU
-    cost a wait for the work queued before the call, cu_seqlens on the CPU none."""
+    launch, which needs cu_seqlens's values on the host (to list the tiles): cu_seqlens on the GPU
+    cost a wait for the work queued before the call the first time a tensor is passed
+    (``known_prefix_sums``), cu_seqlens on the CPU none."""
     launch, out, lse = prepare_varlen(name, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                                       softmax_scale, return_lse, softcap=softcap, window_size=window_size)
     launch()

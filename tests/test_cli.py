@@ -260,3 +260,32 @@ def test_backward_refuses_what_it_would_ignore_and_needs_a_gpu(capsys):
     if not torch.cuda.is_available():
         assert bench.main(["--backward", "--seqlen", "1024"]) == 2
         assert "No CUDA GPU" in capsys.readouterr().err
+
+
+def test_ref_check_refuses_two_grids_at_once_and_features_outside_theirs(capsys):
+    assert ref_check.main(["--varlen", "--backward"]) == 2
+    assert "three grids" in capsys.readouterr().err
+    assert ref_check.main(["--varlen", "--features"]) == 2
+
+
+def test_ref_check_varlen_grid_is_valid_packings_with_every_feature():
+    from harness.varlen import with_causal
+
+    grid = list(ref_check.varlen_cases())
+    assert len(grid) == len({repr(c) for c in grid})  # no case twice
+    for lengths_q, lengths_k, h, h_kv, d, causal, softcap, window, dtype, on_cpu in grid:
+        assert len(lengths_q) == len(lengths_k) and h % h_kv == 0
+        bounded = causal or window != (-1, -1)
+        assert all(n_k > 0 and (not bounded or n_q <= n_k) for n_q, n_k in zip(lengths_q, lengths_k) if n_q)
+    assert any(0 in c[0] for c in grid) and any(1 in c[0] for c in grid)  # empty and one-row sequences
+    assert {c[4] for c in grid} == {64, 128, 256} and {c[5] for c in grid} == {False, True}
+    assert any(c[6] for c in grid) and any(with_causal(c[7], c[5]) != (-1, -1) for c in grid)
+    assert any(c[2] != c[3] for c in grid) and any(c[9] for c in grid) and any(c[8] == "float16" for c in grid)
+
+
+def test_ref_check_features_picks_the_softcap_and_window_cases():
+    from kernels.contract import Problem
+
+    assert ref_check.has_feature(Problem(1, 1, 8, 64, softcap=5.0))
+    assert ref_check.has_feature(Problem(1, 1, 8, 64, window=(4, 0)))
+    assert not ref_check.has_feature(Problem(1, 1, 8, 64, causal=True))

@@ -219,3 +219,20 @@ def test_cu_seqlens_on_the_cpu_give_the_same_output_and_the_launch_writes_every_
     assert torch.equal(out, on_gpu) and not lse.isnan().any()
     ref, ref_lse = varlen.reference(q, k, v, cu.cuda(), cu.cuda(), 128 ** -0.5, causal=causal)
     assert (out.double() - ref).abs().max().item() < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_gpu_cu_seqlens_is_read_again_after_an_in_place_change():
+    q = torch.zeros(12, 2, 16, device="cuda")
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32, device="cuda")
+    assert varlen.check_varlen(q, q, q, cu, cu, 12, 12)[0] == [5, 7]
+    assert varlen.check_varlen(q, q, q, cu, cu, 12, 12)[0] == [5, 7]  # kept: no second read
+    cu[1] = 6
+    assert varlen.check_varlen(q, q, q, cu, cu, 12, 12)[0] == [6, 6]
+    cu[1:].fill_(13)
+    with pytest.raises(UnsupportedProblem, match="ends at 13"):
+        varlen.check_varlen(q, q, q, cu, cu, 12, 12)
+    with torch.inference_mode():
+        frozen = torch.tensor([0, 3, 12], dtype=torch.int32, device="cuda")
+        assert varlen.check_varlen(q, q, q, frozen, frozen, 12, 12)[0] == [3, 9]
