@@ -29,7 +29,7 @@ from harness.api import fp8_inputs
 from harness.config import DEFAULTS, SWEEP_HEAD_DIMS, SWEEP_SEQLENS, parse_bool, problem_from, sweep_problems
 from harness.peers import BEST_OF, BEST_OF_FP8, best_peer
 from kernels import get_kernel, kernel_names
-from kernels.contract import FP8_DTYPES, UnsupportedProblem, as_window
+from kernels.contract import FP8_DTYPES, UnsupportedProblem, as_softcap, as_window
 
 
 def decode_grid_text() -> str:
@@ -480,7 +480,7 @@ def backward_main(args, argv) -> int:
     from harness import backward as backward_module
     from harness import backward_bench, results
 
-    other = flags_given(args, ("nheads", "batch", "dtype", "compile_only", "check", "softcap", "window", "varlen", "no_peers"))
+    other = flags_given(args, ("nheads", "batch", "dtype", "compile_only", "check", "varlen", "no_peers"))
     if args.rounds != 1:
         other.append("--rounds")
     stages = tuple(args.kernels) or backward_bench.STAGES
@@ -489,6 +489,12 @@ def backward_main(args, argv) -> int:
         print(f"error: --backward times {' and '.join(backward_bench.STAGES)} and the peers at bench.py's bf16 workload "
               f"(batch 16384/N, heads 2048/d); it takes backward stages, --seqlen, --headdim, --causal or --sweep, and "
               f"--out, not {', '.join(other) or ' '.join(unknown)}", file=sys.stderr)
+        return 2
+    try:  # a softcap or a window: ours and flash-attn-4's backward with them (cuDNN has neither)
+        window = as_window(parse_window(args.window)) if args.window else (-1, -1)
+        softcap = as_softcap(args.softcap) if args.softcap is not None else 0.0
+    except UnsupportedProblem as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     import torch
 
@@ -513,7 +519,7 @@ def backward_main(args, argv) -> int:
             out.append(row)
         print(backward_bench.format_row(row), flush=True)
 
-    backward_bench.run(emit, dims, causals, seqlens, stages)
+    backward_bench.run(emit, dims, causals, seqlens, stages, softcap, window)
     if out:
         print(f"\nwrote {out.close()}")
     return 0

@@ -19,9 +19,11 @@ SWEEP = dict(head_dims=(64, 128, 256), causals=(0, 1), seqlens=(1024, 4096, 1638
 STAGES = ("k9", "k10")  # unless told; harness.backward.STAGES lists every stage and variant
 
 
-def candidates(q, k, v, do, causal: bool, scale: float, stages=STAGES) -> dict:
+def candidates(q, k, v, do, causal: bool, scale: float, stages=STAGES, softcap: float = 0.0,
+               window: tuple = (-1, -1)) -> dict:
     """name -> (the autograd backward, our launches alone or None), or for a stage that cannot
-    run the problem, the reason (a string)."""
+    run the problem, the reason (a string). With a softcap or a window, cuDNN (which has
+    neither) sits out and flash-attn-4 gets the same options."""
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -30,7 +32,8 @@ def candidates(q, k, v, do, causal: bool, scale: float, stages=STAGES) -> dict:
     from kernels.contract import Problem
 
     b, h, n, d = q.shape
-    p = Problem(b, h, n, d, causal=causal)
+    p = Problem(b, h, n, d, causal=causal, softcap=softcap, window=window)
+    features = dict(({"softcap": softcap} if softcap else {}), **({"window_size": window} if window != (-1, -1) else {}))
     calls = dict(refusals(p, stages))
     extra = ("k10_det",) * ("k10" in stages and "k10" not in calls)
     for stage in tuple(s for s in stages if s not in calls) + extra:
@@ -38,20 +41,22 @@ def candidates(q, k, v, do, causal: bool, scale: float, stages=STAGES) -> dict:
         module, overrides = stage_module(name), dict(stage_overrides(name), **({"deterministic": True} if name != stage
                                                                                 else {}))
         leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-        out, lse = attention("k6", *leaves, causal=causal, softmax_scale=scale, return_lse=True, backward=name)
+        out, lse = attention("k6", *leaves, causal=causal, softmax_scale=scale, return_lse=True, backward=name,
+                             **features)
         compiled = module.compile_backward(p, **overrides)
         call = lambda o=out, ls=leaves: torch.autograd.grad(o, ls, do, retain_graph=True)  # noqa: E731
         calls[stage] = (deterministically(call) if stage == "k10_det" else call,
                         lambda m=module, c=compiled, o=out.detach(), lse=lse: m.run_backward(c, q, k, v, o, lse, do, scale))
-    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        o_cudnn = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=causal, scale=scale)
-    calls["sdpa-cudnn"] = (lambda: torch.autograd.grad(o_cudnn, leaves, do, retain_graph=True), None)
+    if not features:
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            o_cudnn = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=causal, scale=scale)
+        calls["sdpa-cudnn"] = (lambda: torch.autograd.grad(o_cudnn, leaves, do, retain_graph=True), None)
     try:
         from flash_attn.cute import flash_attn_func
 
         fa_leaves = [x.detach().transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v)]
-        o_fa = flash_attn_func(*fa_leaves, softmax_scale=scale, causal=causal)
+        o_fa = flash_attn_func(*fa_leaves, softmax_scale=scale, causal=causal, **features)
         o_fa = o_fa[0] if isinstance(o_fa, tuple) else o_fa
         do_fa = do.transpose(1, 2).contiguous()
         calls["fa4"] = (lambda: torch.autograd.grad(o_fa, fa_leaves, do_fa, retain_graph=True), None)
@@ -87,10 +92,12 @@ def deterministically(fn):
     return call
 
 
-def run(emit, head_dims, causals, seqlens, stages=STAGES) -> None:
+def run(emit, head_dims, causals, seqlens, stages=STAGES, softcap: float = 0.0, window: tuple = (-1, -1)) -> None:
     """One row per candidate and cell, emitted as it is timed; ``vs_best_peer`` compares autograd
     calls (ours against the faster of cuDNN's and flash-attn-4's)."""
     import torch
+
+    from kernels.contract import Problem
 
     from .config import default_batch_heads
     from .timing import benchmark, burst_ms, tflops
@@ -100,12 +107,15 @@ def run(emit, head_dims, causals, seqlens, stages=STAGES) -> None:
             for n in seqlens:
                 b, h = default_batch_heads(n, d)
                 q, k, v, do = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-                flops = 10 * b * h * n * n * d / (2 if causal else 1)
+                # 2.5 x the forward's count, a window's on the pairs it keeps
+                flops = 2.5 * Problem(b, h, n, d, causal=bool(causal), window=window).flops()
+                extra = dict(({"softcap": softcap} if softcap else {}), **({"window": list(window)}
+                                                                         if window != (-1, -1) else {}))
                 rows = []
-                for name, entry in candidates(q, k, v, do, bool(causal), d ** -0.5, stages).items():
+                for name, entry in candidates(q, k, v, do, bool(causal), d ** -0.5, stages, softcap, window).items():
                     if isinstance(entry, str):
                         rows.append(dict(kernel=name, batch=b, nheads=h, seqlen=n, head_dim=d, causal=int(causal),
-                                         status=f"unsupported: {entry}"[:300]))
+                                         **extra, status=f"unsupported: {entry}"[:300]))
                         continue
                     call, launches = entry
                     try:
@@ -115,7 +125,8 @@ def run(emit, head_dims, causals, seqlens, stages=STAGES) -> None:
                                    ms=ms, tflops=tflops(flops, ms) if ms else None)
                     except Exception as e:  # noqa: BLE001  (a candidate that fails: a row that says so)
                         row = dict(status=f"failed: {type(e).__name__}: {e}"[:300])
-                    rows.append(dict(kernel=name, batch=b, nheads=h, seqlen=n, head_dim=d, causal=int(causal), **row))
+                    rows.append(dict(kernel=name, batch=b, nheads=h, seqlen=n, head_dim=d, causal=int(causal), **extra,
+                                     **row))
                 ours = stages + ("k10_det",)
                 peers = [r["call_ms"] for r in rows if r["kernel"] not in ours and r.get("call_ms")]
                 for row in rows:

@@ -289,3 +289,13 @@ def test_ref_check_features_picks_the_softcap_and_window_cases():
     assert ref_check.has_feature(Problem(1, 1, 8, 64, softcap=5.0))
     assert ref_check.has_feature(Problem(1, 1, 8, 64, window=(4, 0)))
     assert not ref_check.has_feature(Problem(1, 1, 8, 64, causal=True))
+
+
+def test_backward_takes_a_softcap_or_a_window_and_refuses_bad_ones(capsys):
+    assert bench.main(["--backward", "--window=-2,0"]) == 2
+    assert ">= -1" in capsys.readouterr().err
+    assert bench.main(["--backward", "--softcap", "-1"]) == 2
+    assert "softcap must be a finite number" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert bench.main(["--backward", "--window", "1024,0", "--softcap", "30"]) == 2
+        assert "No CUDA GPU" in capsys.readouterr().err

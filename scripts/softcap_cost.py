@@ -1,0 +1,63 @@
+"""What a logit softcap costs K6, with and without part of exp2 moved off the MUFU.
+
+    python scripts/softcap_cost.py --out results/softcap-cost-h100.json
+
+A softcap adds one tanh per score, on the MUFU beside exp2's ex2. ``emulated_exp2=n`` (a knob of
+kernels/experiments.py) computes n of every 8 columns' exp2 on the FMA pipe instead. Each
+configuration is checked against the float32 reference (on the first batch entry) and then its
+compiled launch is timed (bf16, batch 16384/N, heads 2048/d).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from harness import results  # noqa: E402
+from harness.check import TANH_APPROX_REL, compare, launch_once  # noqa: E402
+from harness.config import default_batch_heads  # noqa: E402
+from harness.reference import reference  # noqa: E402
+from harness.timing import benchmark, tflops  # noqa: E402
+from kernels import get_kernel  # noqa: E402
+from kernels.contract import Problem  # noqa: E402
+
+WORKLOADS = ((128, True, 8192), (128, False, 4096), (64, True, 8192))  # (d, causal, N)
+SOFTCAP, EMULATED = 30.0, (0, 2, 3, 4)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", help="write the rows as JSON here, each as it is done")
+    args = ap.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("No CUDA GPU is visible, so nothing can be timed here.", file=sys.stderr)
+        return 2
+    out = results.open_result_file(args.out, results.command_line("scripts/softcap_cost.py", argv))
+    for d, causal, n in WORKLOADS:
+        b, h = default_batch_heads(n, d)
+        for cap, emulated in [(0.0, 0)] + [(SOFTCAP, e) for e in EMULATED]:
+            p = Problem(b, h, n, d, causal=causal, softcap=cap)
+            cfg = dict(emulated_exp2=emulated) if emulated else {}
+            q, k, v, o, lse = launch_once("k6", p, config=cfg or None)
+            ref, ref_lse = reference(q[:1], k[:1], v[:1], causal, p.scale, softcap=cap)
+            verdict = compare(o[:1], ref, lse[:1], ref_lse, "bfloat16", lse_slack=cap * TANH_APPROX_REL).verdict
+            compiled = get_kernel("k6").compile(p, **cfg)
+            ms = benchmark(lambda: get_kernel("k6").run(compiled, q, k, v, o, lse, p.scale))
+            row = dict(kernel="k6", batch=b, nheads=h, seqlen=n, head_dim=d, causal=int(causal), softcap=cap,
+                       emulated_exp2=emulated, ok=not verdict, reason=verdict, ms=ms, tflops=tflops(p.flops(), ms))
+            print(f"d={d} causal={int(causal)} N={n} softcap={cap:g} emulated_exp2={emulated}: {ms:.3f} ms "
+                  f"{row['tflops']:.1f} TFLOP/s {'ok' if row['ok'] else 'FAIL ' + verdict}", flush=True)
+            if out:
+                out.append(row)
+    if out:
+        print(f"wrote {out.close()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
