@@ -108,7 +108,7 @@ def run(emit, head_dims, causals, seqlens, stages=STAGES, softcap: float = 0.0, 
                 b, h = default_batch_heads(n, d)
                 q, k, v, do = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
                 # 2.5 x the forward's count, a window's on the pairs it keeps
-                flops = 2.5 * Problem(b, h, n, d, causal=bool(causal), window=window).flops()
+                flops = 2.5 * Problem(b, h, n, d, causal=bool(causal), window=window).flops
                 extra = dict(({"softcap": softcap} if softcap else {}), **({"window": list(window)}
                                                                          if window != (-1, -1) else {}))
                 rows = []

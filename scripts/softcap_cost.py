@@ -49,7 +49,7 @@ def main(argv=None) -> int:
             compiled = get_kernel("k6").compile(p, **cfg)
             ms = benchmark(lambda: get_kernel("k6").run(compiled, q, k, v, o, lse, p.scale))
             row = dict(kernel="k6", batch=b, nheads=h, seqlen=n, head_dim=d, causal=int(causal), softcap=cap,
-                       emulated_exp2=emulated, ok=not verdict, reason=verdict, ms=ms, tflops=tflops(p.flops(), ms))
+                       emulated_exp2=emulated, ok=not verdict, reason=verdict, ms=ms, tflops=tflops(p.flops, ms))
             print(f"d={d} causal={int(causal)} N={n} softcap={cap:g} emulated_exp2={emulated}: {ms:.3f} ms "
                   f"{row['tflops']:.1f} TFLOP/s {'ok' if row['ok'] else 'FAIL ' + verdict}", flush=True)
             if out:
