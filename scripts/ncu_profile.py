@@ -15,8 +15,9 @@ and its idle warps count too). ``--clock-control none``: the card runs at its ow
 ratios, not absolute times. Rows go to --out as they are made.
 
 Workloads: prefill bf16 and FP8 (e4m3 inputs with descales) at d = 128, N = 8192, non-causal,
-batch 2 x 16 heads (bench.py's 16384/N and 2048/d); decode at batch 8, 32 query heads on 8 K/V
-heads, 32k keys, d = 128 (bench.py --decode's grid).
+batch 2 x 16 heads (bench.py's 16384/N and 2048/d), the bf16 one also with a softcap of 30 and
+through autograd's backward (``bwd-*``: the backward's main kernel); decode at batch 8, 32 query
+heads on 8 K/V heads, 32k keys, d = 128 (bench.py --decode's grid).
 """
 
 from __future__ import annotations
@@ -54,7 +55,11 @@ JOBS = {
     "k7": ("fp8", "k7"), "k8": ("fp8", "k8"), "cudnn-fp8": ("fp8", "cuDNN FP8"),
     "decode": ("decode", "decode"), "decode_combine": ("decode", "decode_combine"),
     "decode-sdpa-cudnn": ("decode", "cuDNN (SDPA)"), "decode-fa4": ("decode", "flash-attn-4"),
+    "k6-softcap": ("softcap", "k6, softcap 30"), "fa4-softcap": ("softcap", "flash-attn-4, softcap 30"),
+    "bwd-k9": ("backward", "k9"), "bwd-k10": ("backward", "k10"), "bwd-k10_fa3": ("backward", "k10_fa3"),
+    "bwd-sdpa-cudnn": ("backward", "cuDNN (SDPA)"), "bwd-fa4": ("backward", "flash-attn-4"),
 }
+SOFTCAP = 30.0
 
 
 def job_call(name: str):
@@ -81,6 +86,18 @@ def job_call(name: str):
         return peer
     p = Problem(**PREFILL)
     q, k, v = random_inputs(p)
+    if workload == "softcap":
+        if name.startswith("k"):
+            return lambda: attention(name.split("-")[0], q, k, v, softcap=SOFTCAP)
+        return peer_callables(q, k, v, False, p.scale, SOFTCAP)[name.split("-")[0]]
+    if workload == "backward":  # the autograd backward after one forward, as bench.py --backward times it
+        import torch
+
+        from harness.backward_bench import candidates
+
+        stage = name.split("-", 1)[1]
+        calls = candidates(q, k, v, torch.randn_like(q), False, p.scale, stages=(stage,) if stage[0] == "k" else ())
+        return calls[stage][0]
     if workload == "bf16":
         if name.startswith("k"):
             return lambda: attention(name, q, k, v)
