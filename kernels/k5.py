@@ -688,8 +688,9 @@ class K5FMHA:
 
     def tile_softmax(self, num_rows: int, scale_log2: Float32, *tile) -> sm90.OnlineSoftmax:
         softmax = k4.K4FMHA.tile_softmax(self, num_rows, scale_log2, *tile)
-        if const_expr(self.softcap > 0.0):
-            softmax.use_softcap(self.softcap)
+        if const_expr(self.softcap > 0.0):  # bf16's P holds e^-2c; fp16's would underflow
+            softmax.use_softcap(self.softcap, known_max=self.dtype == cutlass.BFloat16
+                                and self.softcap <= sm90.KNOWN_MAX_SOFTCAP)
         return softmax
 
     p_to_operand = k4.K4FMHA.p_to_operand

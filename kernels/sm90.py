@@ -33,6 +33,10 @@ from cutlass._mlir.dialects import llvm
 from . import simt
 from .contract import LN_2, LOG2_E
 
+# The largest softcap whose known-max softmax keeps P = e^(c*t - c) >= e^-2c a normal float32 (and
+# bf16, which shares its exponent range; not fp16): 2c * log2(e) < 126, with room for rounding.
+KNOWN_MAX_SOFTCAP = 40.0
+
 THREADS_PER_WARPGROUP = 128  # four warps: the unit that issues a WGMMA and owns its accumulator
 WGMMA_M = 64  # rows of a warpgroup's WGMMA: each consumer warpgroup owns 64 query rows of a tile
 
@@ -245,6 +249,7 @@ class OnlineSoftmax:
     skip_unit_rescale = False
     # The logit softcap c (Problem.softcap; 0: off), set per instance by ``use_softcap``.
     softcap = 0.0
+    known_max = False  # ``use_softcap(known_max=True)``: the row max is 1 throughout
 
     def __init__(self, num_rows: int, scale_log2: Float32, p_offset: float = 0.0):
         self.num_rows = num_rows
@@ -257,12 +262,20 @@ class OnlineSoftmax:
         self.row_max.fill(-Float32.inf)
         self.row_sum.fill(0.0)
 
-    def use_softcap(self, softcap: float):
+    def use_softcap(self, softcap: float, known_max: bool = False):
         """Scores become c * tanh(s * scale / c): ``cap`` leaves t = tanh(s * scale / c) in acc_S, and
-        the exponent's scale becomes c * log2(e), so that the softmax (and the LSE) sees c * t."""
+        the exponent's scale becomes c * log2(e), so that the softmax (and the LSE) sees c * t.
+
+        ``known_max``: t <= 1, so the row max may be taken as 1 from the start: P = exp2(c*log2(e)*(t - 1))
+        needs no max reduction and O no rescale. P then spans [e^-2c, 1] instead of ending at 1: a
+        caller asks for it only where that range is a normal float32 and bf16 (``KNOWN_MAX_SOFTCAP``)."""
         self.softcap = softcap
         self.cap_scale = self.scale_log2 * (1.0 / (softcap * LOG2_E))
         self.scale_log2 = Float32(softcap * LOG2_E)
+        if known_max:
+            assert softcap <= KNOWN_MAX_SOFTCAP, f"softcap {softcap}: e^-2c is not a normal float32"
+            self.known_max = True
+            self.row_max.fill(1.0)
 
     @cute.jit
     def cap(self, acc_S: cute.Tensor):
@@ -280,6 +293,23 @@ class OnlineSoftmax:
         the KV tile (K8's scales are per tile). ``exponentiate=False`` stops at the exponents
         (S*scale_log2 - max*scale_log2): ``exp2_rows_and_sum`` finishes the step."""
         acc_S_mn = acc_mn_view(acc_S)
+        if const_expr(self.known_max):
+            self.step_known_max(acc_S_mn)
+        else:
+            self.step_online(acc_S_mn, row_scale, check_inf, n_block, exponentiate)
+
+    @cute.jit
+    def step_known_max(self, acc_S_mn: cute.Tensor):
+        """``step`` with the max fixed at 1 (a softcap's t <= 1): one FFMA and one ex2 per score;
+        masked scores are -inf and give 0, a row with none left sums to 0 (``finalize``)."""
+        for r in cutlass.range_constexpr(self.num_rows):
+            row = acc_S_mn[r, None]
+            row.store(cute.math.exp2(row.load() * self.scale_log2 - self.scale_log2, fastmath=True))
+            self.row_sum[r] = self.row_sum[r] + row_reduce(row, operator.add)
+
+    @cute.jit
+    def step_online(self, acc_S_mn: cute.Tensor, row_scale: cute.Tensor, check_inf: cutlass.Constexpr[bool],
+                    n_block, exponentiate: cutlass.Constexpr[bool]):
         scale = self.tile_scale_log2(n_block) if const_expr(self.scaled_max) else self.scale_log2
         for r in cutlass.range_constexpr(self.num_rows):
             row = acc_S_mn[r, None]
@@ -322,7 +352,9 @@ class OnlineSoftmax:
 
     @cute.jit
     def rescale(self, acc_O: cute.Tensor, row_scale: cute.Tensor):
-        if const_expr(self.skip_unit_rescale):
+        if const_expr(self.known_max):
+            pass  # the max never moves: nothing to rescale
+        elif const_expr(self.skip_unit_rescale):
             moved = row_scale[0] != 1.0
             for r in cutlass.range_constexpr(1, self.num_rows):
                 moved = moved | (row_scale[r] != 1.0)

@@ -16,11 +16,23 @@ from kernels.contract import Problem, UnsupportedProblem
 @pytest.mark.parametrize("name,d,causal", [("k6", 64, False), ("k6", 128, True), ("k5", 128, False)])
 def test_a_softcap_adds_one_tanh_per_score(name, d, causal):
     p = Problem(2, 8, 1000, d, causal=causal, nheads_kv=2)
-    plain, capped = (get_kernel(name).compile(p.with_(softcap=c), keep_ptx=True).ptx for c in (0.0, 30.0))
-    tanh, ex2 = (len(re.findall(pattern, capped)) for pattern in (r"tanh\.approx\.f32", r"ex2\.approx"))
-    assert "tanh.approx" not in plain and ex2 == len(re.findall(r"ex2\.approx", plain))
-    # one tanh per score, ahead of its ex2; the few other ex2s are the rows' rescale factors
-    assert 0.9 * ex2 <= tanh < ex2
+    plain, online, fp16 = (get_kernel(name).compile(q, keep_ptx=True).ptx
+                           for q in (p, p.with_(softcap=50.0), p.with_(softcap=30.0, dtype="float16")))
+    assert "tanh.approx" not in plain
+    for capped in (online, fp16):  # beyond KNOWN_MAX_SOFTCAP, or fp16: the online max as without a cap
+        tanh, ex2 = (len(re.findall(pattern, capped)) for pattern in (r"tanh\.approx\.f32", r"ex2\.approx"))
+        assert ex2 == len(re.findall(r"ex2\.approx", plain))
+        assert 0.9 * ex2 <= tanh < ex2  # one tanh per score, ahead of its ex2; the others: the rescale factors
+
+
+@pytest.mark.parametrize("name,d,causal", [("k6", 64, False), ("k6", 128, True), ("k5", 128, False)])
+def test_a_softcap_up_to_40_in_bf16_needs_no_row_max_and_no_rescale(name, d, causal):
+    p = Problem(2, 8, 1000, d, causal=causal, nheads_kv=2)
+    plain, known = (get_kernel(name).compile(q, keep_ptx=True).ptx for q in (p, p.with_(softcap=40.0)))
+    tanh, ex2 = (len(re.findall(pattern, known)) for pattern in (r"tanh\.approx\.f32", r"ex2\.approx"))
+    assert tanh == ex2 > 0  # one ex2 per score and no rescale factor
+    assert not re.search(r"\bmax(\.NaN)?\.f32", known) and re.search(r"\bmax(\.NaN)?\.f32", plain)
+    assert known.count("shfl.sync") < plain.count("shfl.sync")  # the row max's quad reductions are gone
 
 
 @pytest.mark.parametrize("softcap,match", [(-1.0, "finite number >= 0"), (math.inf, "finite number >= 0"),
