@@ -47,8 +47,8 @@ def _archs(archs) -> str:
 def caps_table() -> str:
     """README: what each registered kernel runs, from its Capabilities."""
     short = {"bfloat16": "bf16", "float16": "fp16", "float8_e4m3fn": "fp8 e4m3"}
-    header = ["kernel", "file", "head dims", "dtypes", "causal", "LSE", "GQA", "seqlen_k ≠ seqlen_q", "GPUs",
-              "limits"]
+    header = ["kernel", "file", "head dims", "dtypes", "causal", "LSE", "GQA", "seqlen_k ≠ seqlen_q", "softcap",
+              "sliding window", "packed (varlen)", "GPUs", "limits"]
     body = []
     for name in kernel_names():
         entry = get_kernel(name)
@@ -59,9 +59,38 @@ def caps_table() -> str:
         body.append([f"`{name}`", f"`{entry.module.replace('.', '/')}.py`" + (f" ({variant})" if variant else ""),
                      ", ".join(map(str, caps.head_dims)), ", ".join(short.get(d, d) for d in caps.dtypes),
                      "yes" if caps.causal else "no", "yes" if caps.lse else "no", "yes" if caps.gqa else "no",
-                     "yes" if caps.unequal_lengths else "no", _archs(caps.archs),
-                     "; ".join(limits)])
+                     "yes" if caps.unequal_lengths else "no",
+                     *("yes" if flag else "no" for flag in (caps.softcap, caps.window, caps.varlen)),
+                     _archs(caps.archs), "; ".join(limits)])
     return markdown_table(header, body)
+
+
+def backward_caps_table() -> str:
+    """README: what each backward stage takes, asked of its own ``check`` (the backward stages
+    are not in the forward registry, so they have no ``Capabilities``)."""
+    from harness.backward import DETERMINISTIC, STAGES, stage_module, stage_overrides
+    from kernels.contract import Problem, UnsupportedProblem
+
+    def takes(stage, **kw) -> bool:
+        try:
+            stage_module(stage).check(Problem(1, 1, 128, kw.pop("head_dim", 64), **kw))
+            return True
+        except UnsupportedProblem:
+            return False
+
+    body = []
+    for stage in STAGES:
+        variant = ", ".join(f"{k}={v}" for k, v in stage_overrides(stage).items())
+        module = stage_module(stage).__name__.replace(".", "/")
+        body.append([f"`{stage}`", f"`{module}.py`" + (f" ({variant})" if variant else ""),
+                     ", ".join(str(d) for d in (32, 64, 96, 128, 256) if takes(stage, head_dim=d)),
+                     *("yes" if takes(stage, **kw) else "no" for kw in (dict(softcap=30.0), dict(window=(64, 0)))),
+                     "yes" if stage in DETERMINISTIC else "no"])
+    # attention_varlen refuses inputs that require grad (harness/varlen.py): no stage has a packed backward
+    return ("Backward stages (`attention(..., backward=...)`, `harness.attention_backward`), asked of each stage's "
+            "own check; none takes packed sequences (`attention_varlen` is forward-only):\n\n"
+            + markdown_table(["backward", "file", "head dims", "softcap", "sliding window", "deterministic mode"],
+                             body))
 
 
 def sweep_rows(sweep):
@@ -212,17 +241,30 @@ def refcheck_runs_summary(runs, kernels, stem):
                            for k in dict.fromkeys(r["kernel"] for r in mine))
         body.append([gpu_short_name(f["meta"].get("device", "")), f["meta"].get("date", "")[:10],
                      f"`{f['meta'].get('command', '')}`", counts])
+    features = any(feature_grid(f) for f in runs)
     return (markdown_table(["GPU", "date", "command", "cases that pass"], body)
-            + f"\n\nEvery case of the newest H100 run (else the newest), with its errors: [{stem}-runs.md]({stem}-runs.md#correctness)"
-            " (an older run's cases are in its result file).")
+            + f"\n\nEvery case of the newest H100 run{' of the full grid' if features else ''} (else the newest), with "
+            f"its errors: [{stem}-runs.md]({stem}-runs.md#correctness) (an older run's cases are in its result file"
+            + (", and so are the feature grids' (`--features`, `--varlen`), which [varlen.md](varlen.md#correctness) "
+               "counts" if features else "") + ").")
+
+
+def feature_grid(f) -> bool:
+    """Whether a refcheck run is one of the feature grids (``--varlen``: its rows name packed
+    lengths; ``--features``: every row sets a softcap or a window): docs/varlen.md counts those,
+    and a kernel page prints the full grid instead (its table has no column for either)."""
+    return bool(f["rows"]) and all("lengths_q" in r or r.get("softcap") or r.get("window") for r in f["rows"])
 
 
 def printed_in_full(runs):
     """The refcheck runs (newest first) whose every case a page prints: of each grid (the KV-cache
     grid's rows name a case), the newest on the issues' GPU (TARGET_GPU), else the newest; the
-    summary lists them all (the tree stays small enough to travel with every GPU call)."""
+    feature grids are left to the summary (``feature_grid``), which lists them all (the tree stays
+    small enough to travel with every GPU call)."""
     chosen = {}
     for f in runs:
+        if feature_grid(f):
+            continue
         grid = any("case" in r for r in f["rows"])
         on_target = gpu_short_name(f["meta"].get("device", "")) == TARGET_GPU
         if grid not in chosen or (on_target and not chosen[grid][1]):
@@ -492,6 +534,258 @@ def training_table(run):
             "(forward K6 in our runs; the test passes when every run ends below ln 64 − 0.3 and within 5% + 0.02 of "
             "SDPA's):\n\n" + markdown_table(["attention", "steps", "first loss", "mid-run loss",
                                              "mean of the last 20", "vs SDPA"], body))
+
+
+# docs/varlen.md: issue 35's runs (packed sequences, the sliding window, the softcap).
+VARLEN_PEERS = {"fa4": "*flash-attn-4 varlen*", "sdpa-cudnn-padded": "*cuDNN, padded to the longest*"}
+PEER_NAMES = {"fa4": "flash-attn-4", "sdpa-cudnn": "cuDNN"}
+
+
+def _varlen_label(name: str) -> str:
+    """A bench.py --varlen candidate as a table row: "k6 (cu_seqlens on CPU)" -> `k6`, cu_seqlens on CPU."""
+    if name in VARLEN_PEERS:
+        return VARLEN_PEERS[name]
+    kernel, _, rest = name.partition(" ")
+    return f"`{kernel}`" + (f", {rest.strip('()')}" if rest.startswith("(") else f" {rest}" if rest else "")
+
+
+def _ok_rows(f) -> dict:
+    """kernel -> row, of the rows that ran."""
+    return {r["kernel"]: r for r in f["rows"] if r.get("status") == "ok"}
+
+
+def _ratio(a, b, nd=3) -> str:
+    return f"{a / b:.{nd}f}×" if a and b else "—"
+
+
+def _from(files) -> str:
+    """Runs for a caption: their GPU, commands and dates."""
+    gpus = ", ".join(dict.fromkeys(gpu_short_name(f["meta"].get("device", "")) for f in files))
+    dates = ", ".join(dict.fromkeys(f["meta"].get("date", "")[:10] for f in files))
+    commands = "; ".join(f"`{f['meta'].get('command', '')}`" for f in files)
+    return f"From {commands} (on an {gpus}, {dates})"
+
+
+def _by_window(files):
+    return sorted(files, key=lambda f: f["rows"][0]["window"][0])
+
+
+def varlen_cells(runs) -> dict:
+    """causal -> kernel -> row of bench.py --varlen (a file per causal flag)."""
+    return {f["rows"][0]["causal"]: _ok_rows(f) for f in sorted(runs, key=lambda f: f["rows"][0]["causal"])}
+
+
+def varlen_table(runs):
+    """docs/varlen.md: bench.py --varlen, every candidate's public call (and K6's compiled launch
+    alone) and its ratio to flash-attn-4's varlen call and to K6's rectangular call at the same
+    lengths."""
+    by = varlen_cells(runs)
+    causals = list(by)
+    lines = []  # (label, {causal: TFLOP/s})
+    for name in dict.fromkeys(k for rows in by.values() for k in rows):
+        lines.append((_varlen_label(name), {c: by[c].get(name, {}).get("call_tflops") for c in causals}))
+        if any(by[c].get(name, {}).get("kernel_tflops") for c in causals):
+            lines.append((f"{_varlen_label(name)}, compiled launch alone",
+                          {c: by[c].get(name, {}).get("kernel_tflops") for c in causals}))
+    what = {0: "non-causal", 1: "causal"}
+    body = [[label] + [fmt(t[c]) for c in causals]
+            + [_ratio(t[c], by[c].get(peer, {}).get("call_tflops")) for peer in ("fa4", "k6 rectangular")
+               for c in causals] for label, t in lines]
+    r0 = runs[0]["rows"][0]
+    header = (["candidate"] + [f"TFLOP/s {what[c]}" for c in causals]
+              + [f"× flash-attn-4, {what[c]}" for c in causals] + [f"× `k6` rectangular, {what[c]}" for c in causals])
+    return (f"TFLOP/s of a packed batch (flash-attn's layout): {r0['documents']} documents of {min(r0['lengths'])} to "
+            f"{max(r0['lengths'])} tokens ({r0['tokens']} in all), {r0['nheads']} heads, d = {r0['head_dim']}, bf16; "
+            "FLOPs count the unpadded work, so cuDNN's padding shows as lost speed. Every candidate is its call, "
+            "burst-timed back to back as a model calls it (host time counts). `k6` passes the same cu_seqlens tensor "
+            "each call, as a model's layers do (read on the host once); the compiled launch alone leaves out the "
+            "host's part; `k6` rectangular: each length timed as a (tokens // n, heads, n, d) batch through "
+            "`attention()`, weighted by that length's FLOPs. Ratios: against flash-attn-4's call and the rectangular "
+            f"call. {_from(sorted(runs, key=lambda f: f['rows'][0]['causal']))}.\n\n" + markdown_table(header, body))
+
+
+def _flops(r) -> float:
+    from kernels.contract import Problem
+
+    return Problem(r["batch"], r["nheads"], r["seqlen"], r["head_dim"], causal=bool(r["causal"]),
+                   window=tuple(r.get("window") or (-1, -1))).flops
+
+
+def same_flops(rect, window_row) -> dict:
+    """The rectangle's rows (kernel -> row) if its FLOPs are within 10% of the window's, else {}."""
+    rows = _ok_rows(rect) if rect else {}
+    return rows if rows and abs(_flops(next(iter(rows.values()))) / _flops(window_row) - 1) < 0.1 else {}
+
+
+def window_table(windows, rect):
+    """docs/varlen.md: bench.py --window, K6 beside flash-attn-4 (the public call and the kernel
+    alone), and each against the rectangle of about the same FLOPs (``rect``): the rectangle's
+    TFLOP/s over the window's is the window's time per FLOP relative to the rectangle's."""
+    body = []
+    for f in _by_window(windows):
+        rows, r0 = _ok_rows(f), f["rows"][0]
+        same = same_flops(rect, r0)
+        for key, timing in (("call_tflops", "public call"), ("tflops", "kernel alone")):
+            k6, fa4 = (rows.get(k, {}).get(key) for k in ("k6", "fa4"))
+            body.append([r0["window"][0], r0["seqlen"], timing, fmt(k6), fmt(fa4), _ratio(k6, fa4)]
+                        + [_ratio(same[k].get(key), t) if k in same else "—" for k, t in (("k6", k6), ("fa4", fa4))])
+    r0 = windows[0]["rows"][0]
+    note = ""
+    if rect:
+        q = rect["rows"][0]
+        ratios = " and ".join(f"{_flops(q) / _flops(f['rows'][0]):.2f}× W = {f['rows'][0]['window'][0]}'s"
+                              for f in _by_window(windows))
+        note = (f" The rectangle: B={q['batch']} H={q['nheads']} N={q['seqlen']} d={q['head_dim']}"
+                f"{' causal' if q['causal'] else ' non-causal'}, no window, its FLOPs {ratios} (compared only where "
+                "within 10%); time per FLOP against it: the rectangle's TFLOP/s over the window's, same candidate, "
+                "same timing.")
+    return (f"TFLOP/s with a sliding window (left edge W, right edge the diagonal: causal), B={r0['batch']} "
+            f"H={r0['nheads']} d={r0['head_dim']}, bf16; FLOPs count the (query, key) pairs the window keeps. Timed "
+            f"two ways: {CALL}; and {ALONE}.{note} {_from(_by_window(windows) + ([rect] if rect else []))}.\n\n"
+            + markdown_table(["W", "N", "timing", "`k6`", "*flash-attn-4*", "`k6` / flash-attn-4",
+                              "`k6` time per FLOP × the rectangle's", "flash-attn-4's × its rectangle's"], body))
+
+
+def window_backward_table(runs):
+    """docs/varlen.md: bench.py --backward --window, K10 beside flash-attn-4's backward."""
+    body = []
+    for f in _by_window(runs):
+        rows, r0 = _ok_rows(f), f["rows"][0]
+        fa4 = rows.get("fa4", {}).get("call_tflops")
+        for k in (k for k in rows if k not in PEERS):
+            body.append([r0["window"][0], r0["seqlen"], f"`{k}`", fmt(rows[k]["call_tflops"]),
+                         fmt(rows[k].get("tflops")), fmt(fa4), _ratio(rows[k]["call_tflops"], fa4)])
+    r0 = runs[0]["rows"][0]
+    return (f"TFLOP/s of one backward (2.5× the forward's FLOPs, the window's pairs only), B={r0['batch']} "
+            f"H={r0['nheads']} d={r0['head_dim']}, causal, bf16: each candidate through autograd after one forward, "
+            "back to back (burst-timed); \"launches\": our three kernels alone between CUDA events. "
+            f"{_from(_by_window(runs))}.\n\n"
+            + markdown_table(["W", "N", "backward", "TFLOP/s", "launches", "*flash-attn-4*", "ours / flash-attn-4"],
+                             body))
+
+
+def softcap_costs(pair) -> dict:
+    """kernel -> {timing key: (TFLOP/s without, with, cost)} of a (with softcap, without) pair of runs."""
+    capped, plain = (_ok_rows(f) for f in pair)
+    out = {}
+    for k, r in capped.items():
+        out[k] = {}
+        for key in ("call_tflops", "tflops"):
+            w, wo = r.get(key), plain.get(k, {}).get(key)
+            out[k][key] = (wo, w, 1 - w / wo if w and wo else None)
+    return out
+
+
+def softcap_table(forward, backward):
+    """docs/varlen.md: what a softcap costs (1 − TFLOP/s with it / without), ours and flash-attn-4's,
+    forward (bench.py --softcap) and backward (bench.py --backward --softcap); ``forward`` and
+    ``backward`` are (with, without) pairs of result files, or None."""
+    body, files = [], []
+    for what, pair in (("forward", forward), ("backward", backward)):
+        if not pair:
+            continue
+        files += list(pair)
+        costs = softcap_costs(pair)
+        fa4 = costs.get("fa4", {}).get("call_tflops", (None, None, None))[1]
+        for k in [k for k in costs if k not in PEERS] + [p for p in PEERS if p in costs]:
+            line = [what, f"`{k}`" if k not in PEERS else f"*{PEER_NAMES.get(k, k)}*"]
+            for key in ("call_tflops", "tflops"):
+                wo, w, cost = costs[k][key]
+                line += [fmt(wo), fmt(w), f"{100 * cost:.1f}%" if cost is not None else "—"]
+            body.append(line + [_ratio(costs[k]["call_tflops"][1], fa4) if k not in PEERS else "—"])
+    r0 = files[0]["rows"][0]
+    return (f"TFLOP/s with softcap {r0['softcap']:g} and without, B={r0['batch']} H={r0['nheads']} N={r0['seqlen']} "
+            f"d={r0['head_dim']}{', causal' if r0['causal'] else ''}, bf16; cost: 1 − TFLOP/s with / without. "
+            f"Forward: {CALL}, and {ALONE}; backward: through autograd after one forward, and (alone) our three "
+            f"launches between CUDA events. {_from(files)}.\n\n"
+            + markdown_table(["pass", "candidate", "without", "with softcap", "cost", "alone: without",
+                              "alone: with", "alone: cost", "with softcap × flash-attn-4's"], body))
+
+
+def softcap_cost_table(run):
+    """docs/varlen.md: scripts/softcap_cost.py, K6's compiled launch without a softcap and with
+    one, for each setting of the emulated_exp2 knob (part of exp2 on the FMA pipe)."""
+    cells = {}
+    for r in run["rows"]:
+        cells.setdefault((r["head_dim"], r["causal"], r["seqlen"], r["batch"], r["nheads"]), {})[
+            (r["softcap"], r["emulated_exp2"])] = r
+    settings = sorted({e for cell in cells.values() for cap, e in cell if cap})
+    body = []
+    for (d, c, n, b, h), cell in cells.items():
+        plain = next((r["tflops"] for (cap, _), r in cell.items() if not cap and r["ok"]), None)
+        line = [d, c, n, f"{b}×{h}", fmt(plain)]
+        for e in settings:
+            r = next((r for (cap, e2), r in cell.items() if cap and e2 == e), None)
+            t = r["tflops"] if r and r["ok"] else None
+            line.append(f"{fmt(t)} ({100 * (1 - t / plain):.1f}%)" if t and plain else "FAIL" if r else "—")
+        body.append(line)
+    cap = next(r["softcap"] for r in run["rows"] if r["softcap"])
+    return (f"TFLOP/s of `k6`'s compiled launch (CUDA events), bf16, without a softcap and with softcap {cap:g} "
+            "(in brackets: its cost against none) for each setting of `emulated_exp2=n`, n of every 8 columns' exp2 "
+            f"on the FMA pipe; each configuration checked against the float32 reference first "
+            f"({sum(r['ok'] for r in run['rows'])}/{len(run['rows'])} pass). {_from([run])}.\n\n"
+            + markdown_table(["d", "causal", "N", "batch×heads", "no softcap"]
+                             + [f"softcap, emulated_exp2={e}" + (" (the default)" if e == 0 else "") for e in settings],
+                             body))
+
+
+def issue35_targets(varlen, windows, rect, backward, softcap) -> str:
+    """docs/varlen.md: issue 35's targets (public calls), each with what was measured and whether it
+    is met; ``softcap``: the forward and backward (with, without) pairs, either may be None."""
+    body = []
+
+    def target(what, values, met):
+        body.append([what, ", ".join(values), "yes" if met else "**no**"])
+
+    if varlen:
+        by = varlen_cells(varlen)
+        name = {0: "non-causal", 1: "causal"}
+        for peer, bar, what in (("fa4", 1.0, "flash-attn-4's varlen call"),
+                                ("k6 rectangular", 0.95, "the rectangular call at the same lengths")):
+            r = {c: by[c]["k6"]["call_tflops"] / by[c][peer]["call_tflops"]
+                 for c in by if "k6" in by[c] and peer in by[c]}
+            target(f"packed call ≥ {bar:.2f}× {what}", [f"{name[c]} {x:.3f}×" for c, x in r.items()],
+                   r and min(r.values()) >= bar)
+    w1k = next((f for f in windows if f["rows"][0]["window"][0] == 1024), None)
+    if w1k:
+        rows, r0 = _ok_rows(w1k), w1k["rows"][0]
+        if "k6" in rows and "fa4" in rows:
+            x = rows["k6"]["call_tflops"] / rows["fa4"]["call_tflops"]
+            target(f"window W = 1024, N = {r0['seqlen']}, forward ≥ 1.00× flash-attn-4", [f"{x:.3f}×"], x >= 1.0)
+        same = same_flops(rect, r0)
+        if "k6" in same and "k6" in rows:
+            x = same["k6"]["call_tflops"] / rows["k6"]["call_tflops"]
+            target("the same, forward time ≤ 1.15× the rectangular call doing the same FLOPs",
+                   [f"{x:.2f}× (per FLOP)"], x <= 1.15)
+    b1k = next((f for f in backward if f["rows"][0]["window"][0] == 1024), None)
+    if b1k:
+        rows, r0 = _ok_rows(b1k), b1k["rows"][0]
+        for k in (k for k in rows if k not in PEERS and "fa4" in rows):
+            x = rows[k]["call_tflops"] / rows["fa4"]["call_tflops"]
+            target(f"window W = 1024, N = {r0['seqlen']}, backward (`{k}`) ≥ 1.00× flash-attn-4", [f"{x:.3f}×"],
+                   x >= 1.0)
+    for what, pair in zip(("forward", "backward"), softcap):
+        if pair:
+            for k, cost in softcap_costs(pair).items():
+                if k not in PEERS and cost["call_tflops"][2] is not None:
+                    c = cost["call_tflops"][2]
+                    target(f"softcap costs ≤ 10%, {what} (`{k}`)", [f"{100 * c:.1f}%"], c <= 0.10)
+    gpus = {gpu_short_name(f["meta"].get("device", "")) for f in varlen + windows + backward + [rect]
+            + [f for pair in softcap if pair for f in pair] if f}
+    return (f"On an {', '.join(sorted(gpus))}, the public calls, from the tables below:\n\n"
+            + markdown_table(["issue 35's target", "measured", "met"], body))
+
+
+def feature_refcheck_table(runs):
+    """docs/varlen.md: the feature grids' ref_check runs (``feature_grid``), cases that pass per
+    kernel; every case is in the result file."""
+    body = []
+    for f in sorted(runs, key=lambda f: f["meta"].get("date", "")):
+        for k in dict.fromkeys(r["kernel"] for r in f["rows"]):
+            mine = [r for r in f["rows"] if r["kernel"] == k]
+            body.append([gpu_short_name(f["meta"].get("device", "")), f["meta"].get("date", "")[:10],
+                         f"`{f['meta'].get('command', '')}`", f"`{k}`", f"{sum(r['ok'] for r in mine)}/{len(mine)}"])
+    return markdown_table(["GPU", "date", "command", "kernel", "cases that pass"], body)
 
 
 def save_png(fig, path) -> None:
@@ -1159,6 +1453,36 @@ def fill(stem: str, name: str, make) -> None:
             page.write_text(replace_block(text, name, table))
 
 
+def fill_varlen_page(refchecks) -> None:
+    """docs/varlen.md: issue 35's tables, each from the newest run of its kind on the issues' GPU
+    (TARGET_GPU); a kind not run yet leaves its block as it is."""
+    def run(pattern):
+        return newest(finished(pattern), TARGET_GPU)
+
+    varlen = [f for f in (run("varlen-noncausal-*.json"), run("varlen-causal-*.json")) if f]
+    if varlen:
+        fill("varlen", "varlen", lambda: varlen_table(varlen))
+    windows = [f for f in (run(f"window-{w}-*.json") for w in (1024, 4096)) if f]
+    rect = run("window-same-flops-*.json")
+    if windows:
+        fill("varlen", "window", lambda: window_table(windows, rect))
+    backward = [f for f in (run(f"backward-window-{w}-*.json") for w in (1024, 4096)) if f]
+    if backward:
+        fill("varlen", "window-backward", lambda: window_backward_table(backward))
+    pairs = [(run(f"{prefix}softcap-30-*.json"), run(f"{prefix}softcap-none-*.json")) for prefix in ("", "backward-")]
+    pairs = [pair if all(pair) else None for pair in pairs]
+    if any(pairs):
+        fill("varlen", "softcap", lambda: softcap_table(*pairs))
+    if varlen or windows or backward or any(pairs):
+        fill("varlen", "targets", lambda: issue35_targets(varlen, windows, rect, backward, pairs))
+    cost = run("softcap-cost-*.json")
+    if cost:
+        fill("varlen", "softcap-cost", lambda: softcap_cost_table(cost))
+    features = [f for f in refchecks if feature_grid(f)]
+    if features:
+        fill("varlen", "refcheck-features", lambda: feature_refcheck_table(features))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--plot", action="store_true")
@@ -1172,6 +1496,8 @@ def main(argv=None):
     readme = ROOT / "README.md"
     text = replace_block(readme.read_text(), "kernels", readme_table(sweep, merged_refcheck()))
     text = replace_block(text, "caps", caps_table())
+    if "<!-- table:caps-backward -->" in text:
+        text = replace_block(text, "caps-backward", backward_caps_table())
     bench_files = finished("bench-*.json")
     if bench_files and "<!-- table:headline -->" in text:
         text = replace_block(text, "headline", headline_table(bench_files))
@@ -1243,6 +1569,7 @@ def main(argv=None):
     if backward_checks:
         for stem in ("k9", "k10"):
             fill(stem, "refcheck-backward", lambda: refcheck_backward_table(backward_checks))
+    fill_varlen_page(refchecks)
     training = newest(finished("training-*.json"), TARGET_GPU)
     if training:
         fill("k10", "training", lambda: training_table(training))
