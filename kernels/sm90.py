@@ -294,17 +294,26 @@ class OnlineSoftmax:
         (S*scale_log2 - max*scale_log2): ``exp2_rows_and_sum`` finishes the step."""
         acc_S_mn = acc_mn_view(acc_S)
         if const_expr(self.known_max):
-            self.step_known_max(acc_S_mn)
+            self.step_known_max(acc_S_mn, check_inf)
         else:
             self.step_online(acc_S_mn, row_scale, check_inf, n_block, exponentiate)
 
     @cute.jit
-    def step_known_max(self, acc_S_mn: cute.Tensor):
+    def step_known_max(self, acc_S_mn: cute.Tensor, masked: cutlass.Constexpr[bool]):
         """``step`` with the max fixed at 1 (a softcap's t <= 1): one FFMA and one ex2 per score;
-        masked scores are -inf and give 0, a row with none left sums to 0 (``finalize``)."""
+        masked scores are -inf and give 0, a row with none left sums to 0 (``finalize``).
+        ``emulated_exp2`` as in ``step_online``, in tiles with no masked score."""
         for r in cutlass.range_constexpr(self.num_rows):
             row = acc_S_mn[r, None]
-            row.store(cute.math.exp2(row.load() * self.scale_log2 - self.scale_log2, fastmath=True))
+            if const_expr(self.emulated_exp2 == 0 or masked):
+                row.store(cute.math.exp2(row.load() * self.scale_log2 - self.scale_log2, fastmath=True))
+            else:
+                row.store(row.load() * self.scale_log2 - self.scale_log2)
+                for c in cutlass.range_constexpr(cute.size(row)):
+                    if const_expr(c % 8 >= 8 - self.emulated_exp2):
+                        row[c] = exp2_poly(row[c])
+                    else:
+                        row[c] = cute.math.exp2(row[c], fastmath=True)
             self.row_sum[r] = self.row_sum[r] + row_reduce(row, operator.add)
 
     @cute.jit
