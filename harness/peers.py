@@ -19,7 +19,6 @@ def best_peer(peer_tflops: dict, best_of: tuple = BEST_OF):
 def peer_callables(q, k, v, causal: bool, scale: float, softcap: float = 0.0, window=(-1, -1)) -> dict:
     """name -> zero-argument callable, or name -> reason string when the peer is unavailable (SDPA
     has no softcap or window)."""
-    import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -41,14 +40,22 @@ def peer_callables(q, k, v, causal: bool, scale: float, softcap: float = 0.0, wi
         peers["fa4"] = lambda: flash_attn_func(qt, kt, vt, softmax_scale=scale, causal=causal, **capped)
     except Exception as e:  # not installed, or not importable on this GPU
         peers["fa4"] = f"unavailable ({type(e).__name__}: {e})"[:120]
-    for name, fn in list(peers.items()):
+    return tried_once(peers)
+
+
+def tried_once(calls: dict, width: int = 120) -> dict:
+    """``calls`` (name -> zero-argument callable, or a reason string) after running each callable
+    once: one that raises is replaced by why, so a timing loop meets only calls that work."""
+    import torch
+
+    for name, fn in list(calls.items()):
         if callable(fn):
             try:
                 fn()
                 torch.cuda.synchronize()
             except Exception as e:
-                peers[name] = f"failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"[:120]
-    return peers
+                calls[name] = f"failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"[:width]
+    return calls
 
 
 def cudnn_fp8_peer(q8, k8, v8, descales, causal: bool, scale: float):

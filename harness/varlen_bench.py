@@ -45,6 +45,7 @@ def candidates(q, k, v, cu, lengths: list, causal: bool, scale: float, names) ->
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    from .peers import tried_once
     from .varlen import attention_varlen
 
     most, calls, cu_host = max(lengths), {}, cu.cpu()
@@ -77,14 +78,7 @@ def candidates(q, k, v, cu, lengths: list, causal: bool, scale: float, names) ->
             return F.scaled_dot_product_attention(pq, pk, pv, is_causal=causal, scale=scale, enable_gqa=gqa)
 
     calls["sdpa-cudnn-padded"] = cudnn_padded
-    for name, fn in list(calls.items()):
-        if callable(fn):
-            try:
-                fn()
-                torch.cuda.synchronize()
-            except Exception as e:
-                calls[name] = f"failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"[:160]
-    return calls
+    return tried_once(calls, width=160)
 
 
 def main(args, argv) -> int:
