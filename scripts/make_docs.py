@@ -853,11 +853,16 @@ def ncu_profile_table(f, workload: str, top: int = 3):
     """docs/k5-k8.md, docs/decode.md: scripts/ncu_profile.py's rows of one workload (bf16, fp8,
     decode), each candidate's longest kernel: activity of the tensor, issue and MUFU pipes and the
     stall reasons with the most warp cycles per issued instruction."""
-    rows = [r for r in f["rows"] if r["workload"] == workload]
+    # a softcap's rows beside the same run's plain ones
+    rows = [r for r in f["rows"] if r["workload"] == workload or (workload, r["workload"]) == ("softcap", "bf16")]
     r0 = next((r for r in rows if r["status"] == "ok"), rows[0])
     shape = (f"batch {r0['batch']}, 32 query heads on {r0['nheads_kv']} K/V heads, {r0['kv_len']} keys, d=128"
              if workload == "decode" else f"batch {r0['batch']} x {r0['nheads']} heads, N={r0['seqlen']}, "
-             f"d={r0['head_dim']}, non-causal, {'e4m3 inputs' if workload == 'fp8' else 'bf16'}")
+             f"d={r0['head_dim']}, non-causal, {'e4m3 inputs' if workload == 'fp8' else 'bf16'}"
+             + {"backward": ", the autograd backward after one forward",
+                "softcap": ", without a softcap and with softcap 30 (the online max: before the known-max "
+                           "softmax)"}.get(workload, ""))
+    counted = workload in ("backward", "softcap")  # instructions executed: where one call issues more work
     head = (f"`{f['meta'].get('command', '')}`, {gpu_short_name(f['meta'].get('device', ''))}, "
             f"{f['meta'].get('date', '')[:10]}: {shape}. One profiled call each, its longest kernel "
             "(ncu at the card's own clocks: read the ratios, not the durations).")
@@ -867,13 +872,15 @@ def ncu_profile_table(f, workload: str, top: int = 3):
             body.append([r["label"], "—", "—", "—", "—", "—", f"not profiled: {r['status'][:80]}"])
             continue
         stalls = sorted(((k[6:], v) for k, v in r.items() if k.startswith("stall_")), key=lambda kv: -kv[1])[:top]
-        body.append([f"`{r['label']}`" if r["label"] == r["job"].split("-")[0] or r["label"] == r["job"]
+        body.append([f"`{r['label']}`" if r["label"] in (r["job"].split("-")[0], r["job"], r["job"].split("-", 1)[-1])
                      else r["label"], str(r["kernels_in_call"]), f"{r['duration_us']:.0f}",
                      f"{r['tensor_pipe_pct']:.1f}", f"{r['issue_active_pct']:.1f}", f"{r['xu_pipe_pct']:.1f}",
+                     *([f"{r['instructions'] / 1e6:.0f}"] if counted else []),
                      ", ".join(f"{name} {v:.2f}" for name, v in stalls)])
     return head + "\n\n" + markdown_table(
         ["call", "kernels", "longest kernel (µs)", "tensor pipe (% of peak)", "issue slots (% of peak)",
-         "MUFU/XU pipe (% of peak)", "top stalls (warp cycles per issue)"], body)
+         "MUFU/XU pipe (% of peak)", *(["warp instructions (M)"] if counted else []),
+         "top stalls (warp cycles per issue)"], body)
 
 
 def ncu_stalls_table(f, top: int = 8):
@@ -1576,9 +1583,13 @@ def main(argv=None):
         if args.plot:
             plot_training(training, ROOT / "docs" / "plots" / "training.png")
     profiles = finished("ncu-profile-*.json")
-    for stem, workload in (("k5", "bf16"), ("k6", "bf16"), ("k7", "fp8"), ("k8", "fp8"), ("decode", "decode")):
-        # the newest run that profiled this workload (a run of some jobs leaves the others' tables be)
-        run = newest([f for f in profiles if any(r["workload"] == workload for r in f["rows"])], TARGET_GPU)
+    for stem, workload in (("k5", "bf16"), ("k6", "bf16"), ("k7", "fp8"), ("k8", "fp8"), ("decode", "decode"),
+                           ("k10", "backward"), ("varlen", "softcap")):
+        # the newest of the runs that profiled the most of this workload's jobs (a run of some jobs,
+        # e.g. k6 and fa4 beside their softcap rows, leaves the others' table be)
+        count = {id(f): sum(r["workload"] == workload for r in f["rows"]) for f in profiles}
+        most = max(count.values(), default=0)
+        run = newest([f for f in profiles if count[id(f)] == most], TARGET_GPU) if most else None
         if run:
             fill(stem, f"ncu-profile-{workload}", lambda run=run, workload=workload: ncu_profile_table(run, workload))
     compares = sorted(ROOT.glob("results/ncu-compare-*.txt"))
