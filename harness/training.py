@@ -62,7 +62,8 @@ def batches(steps: int, batch: int = 16):
 
 
 def attend_with(name: str):
-    """The attention a run uses: "sdpa", or "k9"/"k10" (our forward K6, that stage's backward)."""
+    """The attention a run uses: "sdpa", or a backward stage ("k9", "k10", "k10_fa3": the default):
+    our forward K6 and that stage's backward."""
     if name == "sdpa":
         return lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     from harness import attention
@@ -94,7 +95,8 @@ def main(argv=None) -> int:
     from harness import results
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--runs", nargs="+", default=["sdpa", "k9", "k10"], choices=["sdpa", "k9", "k10"])
+    ap.add_argument("--runs", nargs="+", default=["sdpa", "k9", "k10", "k10_fa3"],
+                    choices=["sdpa", "k9", "k10", "k10_fa3"])
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     out = results.open_result_file(args.out, results.command_line("-m harness.training", argv))

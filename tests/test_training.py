@@ -9,7 +9,7 @@ import torch
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("stage", ["k9", "k10"])
+@pytest.mark.parametrize("stage", ["k9", "k10", "k10_fa3"])
 def test_a_small_gpt_trains_with_attention_as_with_sdpa(stage):
     from harness.training import NO_LOOK_BACK, tail, train
 
