@@ -201,9 +201,9 @@ def parse_window(text: str) -> tuple:
 def public_call(name, problem, q, k, v, **descales):
     """What a user calls: ``attention(name, ...)`` on the same tensors (e4m3 ones with their descales)."""
     from harness import attention
+    from harness.peers import feature_options
 
-    features = dict(({"softcap": problem.softcap} if problem.softcap else {}),
-                    **({"window_size": problem.window} if problem.window != (-1, -1) else {}))
+    features = feature_options(problem.softcap, problem.window)
     return lambda: attention(name, q, k, v, causal=problem.causal, softmax_scale=problem.scale, **features, **descales)
 
 

@@ -29,11 +29,12 @@ def candidates(q, k, v, do, causal: bool, scale: float, stages=STAGES, softcap: 
 
     from harness import attention
     from harness.backward import stage_module, stage_overrides
+    from harness.peers import fa4_feature_options, feature_options
     from kernels.contract import Problem
 
     b, h, n, d = q.shape
     p = Problem(b, h, n, d, causal=causal, softcap=softcap, window=window)
-    features = dict(({"softcap": softcap} if softcap else {}), **({"window_size": window} if window != (-1, -1) else {}))
+    features = feature_options(softcap, window)
     calls = dict(refusals(p, stages))
     extra = ("k10_det",) * ("k10" in stages and "k10" not in calls)
     for stage in tuple(s for s in stages if s not in calls) + extra:
@@ -56,7 +57,8 @@ def candidates(q, k, v, do, causal: bool, scale: float, stages=STAGES, softcap: 
         from flash_attn.cute import flash_attn_func
 
         fa_leaves = [x.detach().transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v)]
-        o_fa = flash_attn_func(*fa_leaves, softmax_scale=scale, causal=causal, **features)
+        o_fa = flash_attn_func(*fa_leaves, softmax_scale=scale, causal=causal,
+                               **fa4_feature_options(causal, softcap, window))
         o_fa = o_fa[0] if isinstance(o_fa, tuple) else o_fa
         do_fa = do.transpose(1, 2).contiguous()
         calls["fa4"] = (lambda: torch.autograd.grad(o_fa, fa_leaves, do_fa, retain_graph=True), None)

@@ -16,6 +16,21 @@ def best_peer(peer_tflops: dict, best_of: tuple = BEST_OF):
     return (max(timed)[1], max(timed)[0]) if timed else None
 
 
+def feature_options(softcap: float = 0.0, window=(-1, -1)) -> dict:
+    """``attention(...)``'s keywords for a softcap and a sliding window, none for what is off."""
+    return dict(({"softcap": softcap} if softcap else {}),
+                **({"window_size": tuple(window)} if tuple(window) != (-1, -1) else {}))
+
+
+def fa4_feature_options(causal: bool, softcap: float = 0.0, window=(-1, -1)) -> dict:
+    """flash-attn-4's keywords for the same: its None is our -1 (unbounded); causal: right edge 0."""
+    options = {"softcap": softcap} if softcap else {}
+    if tuple(window) != (-1, -1):
+        options["window_size"] = (None if window[0] < 0 else window[0], 0 if causal else
+                                  None if window[1] < 0 else window[1])
+    return options
+
+
 def peer_callables(q, k, v, causal: bool, scale: float, softcap: float = 0.0, window=(-1, -1)) -> dict:
     """name -> zero-argument callable, or name -> reason string when the peer is unavailable (SDPA
     has no softcap or window)."""
@@ -33,10 +48,7 @@ def peer_callables(q, k, v, causal: bool, scale: float, softcap: float = 0.0, wi
 
         # FA4 takes (batch, seqlen, heads, dim): transpose once, outside the timed call.
         qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
-        capped = {"softcap": softcap} if softcap else {}
-        if tuple(window) != (-1, -1):  # flash-attn's None is our -1 (unbounded); causal: right 0
-            capped["window_size"] = (None if window[0] < 0 else window[0], 0 if causal else
-                                     None if window[1] < 0 else window[1])
+        capped = fa4_feature_options(causal, softcap, window)
         peers["fa4"] = lambda: flash_attn_func(qt, kt, vt, softmax_scale=scale, causal=causal, **capped)
     except Exception as e:  # not installed, or not importable on this GPU
         peers["fa4"] = f"unavailable ({type(e).__name__}: {e})"[:120]

@@ -179,3 +179,12 @@ def test_the_long_windowed_call_is_right_where_the_overlap_and_many_tiles_run():
     for causal in (False, True):  # 16k keys at d = 128: K6's overlap, tiles skipped on both sides
         res = check_kernel("k6", Problem(1, 4, 16384, 128, causal=causal, window=(1024, 0 if not causal else -1)))
         assert res.ok, res.reason
+
+
+def test_the_peers_get_the_window_in_flash_attns_terms_and_ours_in_ours():
+    from harness.peers import fa4_feature_options, feature_options
+
+    assert feature_options() == {} and fa4_feature_options(False) == {}
+    assert feature_options(5.0, (100, -1)) == {"softcap": 5.0, "window_size": (100, -1)}
+    assert fa4_feature_options(False, 5.0, (100, -1)) == {"softcap": 5.0, "window_size": (100, None)}
+    assert fa4_feature_options(True, 0.0, (-1, 7)) == {"window_size": (None, 0)}  # causal: the diagonal
