@@ -212,6 +212,12 @@ class Problem:
         return self.nheads // self.kv_heads
 
     @property
+    def lockstep(self) -> bool:
+        """Whether every query tile reads the same K/V tiles: no causal mask, no window, no packed
+        sequences (what K6's 2-CTA clusters and split tail assume)."""
+        return not self.causal and self.window == (-1, -1) and not self.varlen
+
+    @property
     def flops(self) -> float:
         """Standard count: two GEMMs of 2*Nq*Nk*d each per head. Causal (bottom-right) keeps
         Nq*Nk - Nq^2/2 of the score pairs: half of them when Nq == Nk, the convention; a window,

@@ -747,7 +747,7 @@ def build(name: str, kernel_cls, p: Problem, cfg: dict, keep_ptx: bool, fake_arg
     """
     # a window or packed sequences, like causal, give each query tile its own K/V tiles (no clusters,
     # no split tail); a packed sequence's O rows end mid-tile: no TMA store
-    check_config(dict(cfg, causal=p.causal or p.window != (-1, -1) or p.varlen), name.upper())
+    check_config(dict(cfg, causal=not p.lockstep), name.upper())
     if p.varlen and cfg.get("tma_store"):
         raise UnsupportedProblem(f"{name.upper()} config {cfg}: packed sequences (varlen) store O from registers, "
                                  "row by row (a TMA store would write into the next sequence): tma_store=False")

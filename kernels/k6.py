@@ -213,7 +213,7 @@ def compile_kernel(p: Problem, *, keep_ptx: bool = False, tuned: bool = True, nu
         cluster=cluster, q_in_regs=q_in_regs), tuned)
     from .experiments import kernel_class  # K6FMHA, or with the knobs measured and left off that cfg asks for
 
-    kernel_cls, cfg = kernel_class(cfg, p.causal or p.window != (-1, -1) or p.varlen)  # tiles not alike, as causal
+    kernel_cls, cfg = kernel_class(cfg, not p.lockstep)  # tiles not alike, as causal
     return k5.build("k6", kernel_cls, p, cfg, keep_ptx)
 
 
@@ -245,8 +245,7 @@ def config(p: Problem, overrides: dict, tuned: bool = True) -> Config:
         tma_store = True
     if o_store_per_wg is None:
         o_store_per_wg = p.causal or p.kv_len <= O_STORE_PER_WG_NON_CAUSAL_UP_TO_SEQLEN
-    lockstep = not p.causal and p.window == (-1, -1) and not p.varlen  # every query tile reads the same K/V tiles
-    if cluster is None and lockstep and scheduler in (None, "static") and not split_tail and ctas is None:
+    if cluster is None and p.lockstep and scheduler in (None, "static") and not split_tail and ctas is None:
         tile_m = sm90.WGMMA_M * (num_wg or k5.DEFAULT_CONFIG[p.head_dim]["num_wg"])
         pairs_whole = -(-p.seqlen // tile_m) % 2 == 0
         cluster = 2 if pairs_whole and p.kv_len >= CLUSTER_FROM_SEQLEN.get(p.head_dim, float("inf")) else None

@@ -301,20 +301,25 @@ class OnlineSoftmax:
     @cute.jit
     def step_known_max(self, acc_S_mn: cute.Tensor, masked: cutlass.Constexpr[bool]):
         """``step`` with the max fixed at 1 (a softcap's t <= 1): one FFMA and one ex2 per score;
-        masked scores are -inf and give 0, a row with none left sums to 0 (``finalize``).
-        ``emulated_exp2`` as in ``step_online``, in tiles with no masked score."""
+        masked scores are -inf and give 0, a row with none left sums to 0 (``finalize``)."""
         for r in cutlass.range_constexpr(self.num_rows):
             row = acc_S_mn[r, None]
-            if const_expr(self.emulated_exp2 == 0 or masked):
-                row.store(cute.math.exp2(row.load() * self.scale_log2 - self.scale_log2, fastmath=True))
-            else:
-                row.store(row.load() * self.scale_log2 - self.scale_log2)
-                for c in cutlass.range_constexpr(cute.size(row)):
-                    if const_expr(c % 8 >= 8 - self.emulated_exp2):
-                        row[c] = exp2_poly(row[c])
-                    else:
-                        row[c] = cute.math.exp2(row[c], fastmath=True)
+            self.exp2_row(row, self.scale_log2, self.scale_log2, masked)
             self.row_sum[r] = self.row_sum[r] + row_reduce(row, operator.add)
+
+    @cute.jit
+    def exp2_row(self, row: cute.Tensor, scale: Float32, shift: Float32, masked: cutlass.Constexpr[bool]):
+        """row <- exp2(row * scale - shift): ex2 throughout, or in a tile with no masked score (-inf
+        must give exactly 0) ``emulated_exp2`` of every 8 columns on the FMA pipe (``exp2_poly``)."""
+        if const_expr(self.emulated_exp2 == 0 or masked):
+            row.store(cute.math.exp2(row.load() * scale - shift, fastmath=True))
+        else:
+            row.store(row.load() * scale - shift)
+            for c in cutlass.range_constexpr(cute.size(row)):
+                if const_expr(c % 8 >= 8 - self.emulated_exp2):
+                    row[c] = exp2_poly(row[c])
+                else:
+                    row[c] = cute.math.exp2(row[c], fastmath=True)
 
     @cute.jit
     def step_online(self, acc_S_mn: cute.Tensor, row_scale: cute.Tensor, check_inf: cutlass.Constexpr[bool],
@@ -347,15 +352,8 @@ class OnlineSoftmax:
             if const_expr(not exponentiate):
                 assert self.emulated_exp2 == 0 and not self.scaled_max, "exponentiate=False: plain ex2 only"
                 row.store(row.load() * scale - m_scaled)
-            elif const_expr(self.emulated_exp2 == 0 or check_inf):
-                row.store(cute.math.exp2(row.load() * scale - m_scaled, fastmath=True))
             else:
-                row.store(row.load() * scale - m_scaled)
-                for c in cutlass.range_constexpr(cute.size(row)):
-                    if const_expr(c % 8 >= 8 - self.emulated_exp2):
-                        row[c] = exp2_poly(row[c])
-                    else:
-                        row[c] = cute.math.exp2(row[c], fastmath=True)
+                self.exp2_row(row, scale, m_scaled, check_inf)
             if const_expr(exponentiate):
                 self.row_sum[r] = self.row_sum[r] * row_scale[r] + row_reduce(row, operator.add)
 
