@@ -124,6 +124,15 @@ def decode_cases(quick: bool):
             yield C(kernel, 3, 32, 8, 4, 3000, d, True, [3000, 1111, 0], page_size=page, graph=True)
         yield C(kernel, 1, 32, 8, 1, 131072, 128, False, [131072], page_size=256)
         yield C(kernel, 2, 32, 8, 1, 5000, 128, False, 4321, page_size=128)
+        # A sliding window: the splits share only its key tiles. Edges inside a tile and across
+        # tiles, a window wider than the cache, several queries, GQA, paged, forced splits, non-causal.
+        for left in (0, 100, 1000, 10000):
+            yield C(kernel, 3, 32, 8, 4, 8192, 128, True, [8192, 3001, 0], window=(left, -1))
+        yield C(kernel, 2, 32, 8, 1, 8192, 64, True, [8192, 1500], window=(700, -1), graph=True)
+        yield C(kernel, 2, 32, 8, 1, 8192, 256, True, [8192, 1500], window=(700, -1))
+        yield C(kernel, 3, 32, 8, 4, 3000, 128, True, [3000, 1111, 0], page_size=16, window=(300, -1), graph=True)
+        yield C(kernel, 2, 32, 8, 1, 4000, 128, False, [4000, 2500], num_splits=7, window=(1000, -1))
+        yield C(kernel, 2, 32, 8, 3, 4000, 128, False, [4000, 2500], window=(200, 1))
     yield C("decode_nosplit", 2, 32, 8, 4, 3000, 128, True, [3000, 10])
 
 
@@ -147,6 +156,7 @@ def quick_decode_cases(tiles: int):
         yield C(k, 2, 32, 8, 1, 4000, 128, False, [4000, 2500], num_splits=splits)
     yield C(k, 3, 32, 8, 4, 3000, 128, True, [3000, 1111, 0], page_size=128, graph=True)
     yield C(k, 3, 32, 8, 4, 3000, 128, True, [3000, 1111, 0], page_size=16, graph=True)
+    yield C(k, 3, 32, 8, 4, 8192, 128, True, [8192, 3001, 0], window=(100, -1))
     yield C("decode_combine", 4, 32, 8, 1, 8192, 128, False, [0, 1, 127, 8192], graph=True)
     yield C("decode_nosplit", 2, 32, 8, 4, 3000, 128, True, [3000, 10])
 
