@@ -291,16 +291,17 @@ class DecodeFMHA:
             pages = page_ctx + (kv_len,)
         causal_offset = kv_len - q_len  # bottom-right: query i sees keys j <= i + causal_offset
         n_tiles = cute.ceil_div(kv_len, tile_n)
-        first_query = m_block * self.q_per_tile
-        n_first = Int32(0)
-        if const_expr(self.window is not None):  # the key tiles some row of the tile sees, and only those
-            n_first, n_tiles = self.window_tiles(first_query, q_len, causal_offset, n_tiles)
-        n_lo, n_hi, claim_base = self.split_tiles(cutlass.max(n_tiles - n_first, 0), num_splits, split)
-        n_lo, n_hi, claim_base = n_lo + n_first, n_hi + n_first, claim_base + n_first
+        if const_expr(self.window is None):
+            n_lo, n_hi, claim_base = self.split_tiles(n_tiles, num_splits, split)
+        else:  # the splits share the key tiles some row of the tile sees, and only those
+            n_first, n_tiles = self.window_tiles(m_block * self.q_per_tile, q_len, causal_offset, n_tiles)
+            n_lo, n_hi, claim_base = self.split_tiles(n_tiles - n_first, num_splits, split)
+            n_lo, n_hi, claim_base = n_lo + n_first, n_hi + n_first, claim_base + n_first
         # Tiles from n_full on need the element mask: the tail past kv_len and, causal, the tiles
         # past the first packed row's diagonal; under a window every tile (its edges are per row).
         n_full = kv_len // tile_n
         if const_expr(self.causal):
+            first_query = m_block * self.q_per_tile
             n_full = cutlass.min(n_full, cutlass.max(first_query + causal_offset + 1, 0) // tile_n)
         if const_expr(self.window is not None):
             n_full = n_first
