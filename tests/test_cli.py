@@ -299,3 +299,12 @@ def test_backward_takes_a_softcap_or_a_window_and_refuses_bad_ones(capsys):
     if not torch.cuda.is_available():
         assert bench.main(["--backward", "--window", "1024,0", "--softcap", "30"]) == 2
         assert "No CUDA GPU" in capsys.readouterr().err
+
+
+def test_decode_window_refuses_what_it_cannot_run(capsys):
+    assert bench.main(["--decode", "--window=-1,0"]) == 2
+    assert "LEFT >= 0" in capsys.readouterr().err
+    assert bench.main(["--decode", "--window", "1024,0", "--splits-curve"]) == 2
+    assert "only the window's row" in capsys.readouterr().err
+    assert bench.main(["--decode", "--window", "x"]) == 2
+    assert "LEFT,RIGHT" in capsys.readouterr().err
