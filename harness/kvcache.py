@@ -175,11 +175,13 @@ def resolve_splits(p: Problem, num_splits: int, max_seqlen_k: Optional[int] = No
 
 def window_keys(p: Problem, max_seqlen_k: Optional[int] = None) -> Optional[int]:
     """The most keys a query tile's window can span (None: no bound below ``max_seqlen_k`` or the
-    cache): what the split count should be chosen for, since the splits share only those."""
-    left, right = p.window
-    if left < 0 or (right < 0 and not p.causal):
+    cache): what the split count should be chosen for, since the splits share only those. Aligned
+    bottom-right, the last query's right edge is the cache's end whatever the right size, so the
+    span is left + q_len keys, causal or not (and one split count: the same bits either way)."""
+    left = p.window[0]
+    if left < 0:
         return max_seqlen_k
-    return min(max_seqlen_k or p.kv_len, left + p.seqlen + (0 if p.causal else right))
+    return min(max_seqlen_k or p.kv_len, left + p.seqlen)
 
 
 def launcher_for(p: Problem, num_splits: int, seqlens: bool, kernel: str, page_size: int = 0):
