@@ -7,7 +7,7 @@
     python ref_check.py --decode --quick   # one KV-cache case per behaviour (about a minute)
     python ref_check.py --backward    # the backward (K9 and K10): dq, dk, dv against float64 autograd
     python ref_check.py --varlen      # packed sequences (attention_varlen) against a per-sequence reference
-    python ref_check.py k6 --features # only the softcap and window cases (with --backward too)
+    python ref_check.py k6 --features # only the softcap and window cases (with --backward, --decode too)
 
 Kernels that take a logit softcap or a sliding window also run them (softcaps 0.5, 5, 50; windows
 with edges inside and across tiles, one key wide, one-sided, with more keys than queries; GQA,
@@ -161,7 +161,7 @@ def quick_decode_cases(tiles: int):
     yield C("decode_nosplit", 2, 32, 8, 4, 3000, 128, True, [3000, 10])
 
 
-def run_decode(quick: bool, out) -> tuple:
+def run_decode(quick: bool, out, features_only: bool = False) -> tuple:
     from harness.check import check_kvcache
 
     rows, failures = [], 0
@@ -170,6 +170,8 @@ def run_decode(quick: bool, out) -> tuple:
           "repeated plan runs and graph replay (harness/check.py check_kvcache)")
     print(f"{'case':<100}{'max_abs':>11}{'sdpa_err':>11}{'lse_err':>11}  result")
     for case in decode_cases(quick):
+        if features_only and tuple(case.window) == (-1, -1):
+            continue
         try:
             row = check_kvcache(case)
         except Exception as e:  # a crash is a failure of this case
@@ -333,8 +335,8 @@ def main(argv=None) -> int:
     if args.decode + args.backward + args.varlen > 1:
         print("error: --decode, --backward and --varlen are three grids: name one", file=sys.stderr)
         return 2
-    if args.features and (args.decode or args.varlen):
-        print("error: --features picks cases of the forward and --backward grids", file=sys.stderr)
+    if args.features and args.varlen:
+        print("error: --features picks cases of the forward, --backward and --decode grids", file=sys.stderr)
         return 2
     stages = list(MAIN_STAGES) if args.kernels in ([], ["all"]) else args.kernels
     unknown = [n for n in stages if n not in BACKWARD_STAGES]
@@ -357,7 +359,7 @@ def main(argv=None) -> int:
     if args.varlen:
         rows, failures = run_varlen_grid(["k6"] if args.kernels in ([], ["all"]) else args.kernels, args.quick, out)
     if args.decode or args.backward:
-        rows, failures = (run_decode(args.quick, out) if args.decode
+        rows, failures = (run_decode(args.quick, out, args.features) if args.decode
                           else run_backward_grid(seqlens, out, stages, args.features))
     if args.decode or args.backward or args.varlen:
         if out:

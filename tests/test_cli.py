@@ -268,6 +268,11 @@ def test_ref_check_refuses_two_grids_at_once_and_features_outside_theirs(capsys)
     assert ref_check.main(["--varlen", "--features"]) == 2
 
 
+def test_ref_check_decode_features_are_the_window_cases():
+    windowed = [c for c in ref_check.decode_cases(False) if tuple(c.window) != (-1, -1)]
+    assert windowed and {c.kernel for c in windowed} == {"decode", "decode_combine"}
+
+
 def test_ref_check_varlen_grid_is_valid_packings_with_every_feature():
     from harness.varlen import with_causal
 
