@@ -359,11 +359,20 @@ def decode_refusal(args):
     the prefill workload (flags or environment) would be ignored: refused instead, as ref_check does."""
     from harness.config import KNOBS
 
-    other = flags_given(args, ("seqlen", "causal", "nheads", "dtype", "sweep", "compile_only", "check", "softcap", "window", "varlen"))
+    other = flags_given(args, ("seqlen", "causal", "nheads", "dtype", "sweep", "compile_only", "check", "softcap", "varlen"))
     if other or args.kernels:
         return (f"--decode times its own grid (harness/decode_bench.py); it takes --batch, --seqlen-k, --nheads-kv, "
                 f"--headdim, --q-len, --num-splits, --no-peers, --grid-only, --splits-curve, --host-times, "
-                f"--pages-curve and --out, not {', '.join(other) or ' '.join(args.kernels)}")
+                f"--pages-curve, --window and --out, not {', '.join(other) or ' '.join(args.kernels)}")
+    if args.window:
+        try:
+            left, _ = as_window(parse_window(args.window))
+        except UnsupportedProblem as e:
+            return str(e)
+        if left < 0:
+            return "--decode --window LEFT,RIGHT needs LEFT >= 0 (a window with no left edge reads the whole cache)"
+        if args.grid_only or args.splits_curve or args.host_times or args.pages_curve:
+            return "--decode --window runs only the window's row: not with --grid-only, the curves or --host-times"
     ignored = [f"{var}={os.environ[var]}" for var in (*KNOBS.values(), "CHECK") if var in os.environ]
     if ignored:
         return f"--decode would ignore {', '.join(ignored)}: unset it (--batch, --headdim, ... restrict the grid)"
@@ -431,6 +440,9 @@ def decode_main(args, argv) -> int:
     elif args.pages_curve:
         decode_bench.run_pages(emit, batches=(args.batch,) if args.batch else (1, 8), kv_len=args.seqlen_k or 32768,
                                nheads_kv=args.nheads_kv or 8, **shape)
+    elif args.window:
+        decode_bench.run_window(emit, parse_window(args.window)[0], batch=args.batch or 8,
+                                kv_len=args.seqlen_k or 32768, nheads_kv=args.nheads_kv or 8, **shape)
     else:
         decode_bench.run_grid(decode_bench.grid(args.batch, args.seqlen_k, args.nheads_kv), emit, not args.no_peers,
                               num_splits=args.num_splits or 0, **shape)

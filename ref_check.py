@@ -7,7 +7,7 @@
     python ref_check.py --decode --quick   # one KV-cache case per behaviour (about a minute)
     python ref_check.py --backward    # the backward (K9 and K10): dq, dk, dv against float64 autograd
     python ref_check.py --varlen      # packed sequences (attention_varlen) against a per-sequence reference
-    python ref_check.py k6 --features # only the softcap and window cases (with --backward too)
+    python ref_check.py k6 --features # only the softcap and window cases (with --backward, --decode too)
 
 Kernels that take a logit softcap or a sliding window also run them (softcaps 0.5, 5, 50; windows
 with edges inside and across tiles, one key wide, one-sided, with more keys than queries; GQA,
@@ -124,6 +124,15 @@ def decode_cases(quick: bool):
             yield C(kernel, 3, 32, 8, 4, 3000, d, True, [3000, 1111, 0], page_size=page, graph=True)
         yield C(kernel, 1, 32, 8, 1, 131072, 128, False, [131072], page_size=256)
         yield C(kernel, 2, 32, 8, 1, 5000, 128, False, 4321, page_size=128)
+        # A sliding window: the splits share only its key tiles. Edges inside a tile and across
+        # tiles, a window wider than the cache, several queries, GQA, paged, forced splits, non-causal.
+        for left in (0, 100, 1000, 10000):
+            yield C(kernel, 3, 32, 8, 4, 8192, 128, True, [8192, 3001, 0], window=(left, -1))
+        yield C(kernel, 2, 32, 8, 1, 8192, 64, True, [8192, 1500], window=(700, -1), graph=True)
+        yield C(kernel, 2, 32, 8, 1, 8192, 256, True, [8192, 1500], window=(700, -1))
+        yield C(kernel, 3, 32, 8, 4, 3000, 128, True, [3000, 1111, 0], page_size=16, window=(300, -1), graph=True)
+        yield C(kernel, 2, 32, 8, 1, 4000, 128, False, [4000, 2500], num_splits=7, window=(1000, -1))
+        yield C(kernel, 2, 32, 8, 3, 4000, 128, False, [4000, 2500], window=(200, 1))
     yield C("decode_nosplit", 2, 32, 8, 4, 3000, 128, True, [3000, 10])
 
 
@@ -147,11 +156,12 @@ def quick_decode_cases(tiles: int):
         yield C(k, 2, 32, 8, 1, 4000, 128, False, [4000, 2500], num_splits=splits)
     yield C(k, 3, 32, 8, 4, 3000, 128, True, [3000, 1111, 0], page_size=128, graph=True)
     yield C(k, 3, 32, 8, 4, 3000, 128, True, [3000, 1111, 0], page_size=16, graph=True)
+    yield C(k, 3, 32, 8, 4, 8192, 128, True, [8192, 3001, 0], window=(100, -1))
     yield C("decode_combine", 4, 32, 8, 1, 8192, 128, False, [0, 1, 127, 8192], graph=True)
     yield C("decode_nosplit", 2, 32, 8, 4, 3000, 128, True, [3000, 10])
 
 
-def run_decode(quick: bool, out) -> tuple:
+def run_decode(quick: bool, out, features_only: bool = False) -> tuple:
     from harness.check import check_kvcache
 
     rows, failures = [], 0
@@ -160,6 +170,8 @@ def run_decode(quick: bool, out) -> tuple:
           "repeated plan runs and graph replay (harness/check.py check_kvcache)")
     print(f"{'case':<100}{'max_abs':>11}{'sdpa_err':>11}{'lse_err':>11}  result")
     for case in decode_cases(quick):
+        if features_only and tuple(case.window) == (-1, -1):
+            continue
         try:
             row = check_kvcache(case)
         except Exception as e:  # a crash is a failure of this case
@@ -323,8 +335,8 @@ def main(argv=None) -> int:
     if args.decode + args.backward + args.varlen > 1:
         print("error: --decode, --backward and --varlen are three grids: name one", file=sys.stderr)
         return 2
-    if args.features and (args.decode or args.varlen):
-        print("error: --features picks cases of the forward and --backward grids", file=sys.stderr)
+    if args.features and args.varlen:
+        print("error: --features picks cases of the forward, --backward and --decode grids", file=sys.stderr)
         return 2
     stages = list(MAIN_STAGES) if args.kernels in ([], ["all"]) else args.kernels
     unknown = [n for n in stages if n not in BACKWARD_STAGES]
@@ -347,7 +359,7 @@ def main(argv=None) -> int:
     if args.varlen:
         rows, failures = run_varlen_grid(["k6"] if args.kernels in ([], ["all"]) else args.kernels, args.quick, out)
     if args.decode or args.backward:
-        rows, failures = (run_decode(args.quick, out) if args.decode
+        rows, failures = (run_decode(args.quick, out, args.features) if args.decode
                           else run_backward_grid(seqlens, out, stages, args.features))
     if args.decode or args.backward or args.varlen:
         if out:

@@ -206,13 +206,15 @@ class KVCacheCase:
     dtype: str = "bfloat16"
     graph: bool = False  # capture plan.run, change q and the lengths in place, replay
     page_size: int = 0  # > 0: the caches cut into pages of this many rows, shuffled (``paged_cache``)
+    window: tuple = (-1, -1)  # a sliding window_size (left, right), bottom-right
 
     def label(self) -> str:
         lens = self.lengths if not isinstance(self.lengths, list) or len(self.lengths) <= 4 else "per-batch"
         return (f"{self.kernel} b={self.batch} h={self.nheads}/{self.nheads_kv} q_len={self.q_len} "
                 f"s_cache={self.s_cache} d={self.head_dim} causal={int(self.causal)} lens={lens} "
                 f"splits={self.num_splits or 'auto'} {self.dtype}" + (" graph" if self.graph else "")
-                + (f" pages={self.page_size}" if self.page_size else ""))
+                + (f" pages={self.page_size}" if self.page_size else "")
+                + (f" window={self.window}" if tuple(self.window) != (-1, -1) else ""))
 
 
 def paged_cache(k, v, page_size: int, lengths: list, gen):
@@ -281,7 +283,8 @@ def check_kvcache(case: KVCacheCase, seed=None) -> dict:
 
     def expected():  # for the current q, lengths (and pages)
         kc, vc = (k, v) if table is None else (pages_to_cache(k, table), pages_to_cache(v, table))
-        return (*reference_kvcache(q, kc, vc, lens, c.causal, scale), sdpa_kvcache(q, kc, vc, lens, c.causal, scale))
+        return (*reference_kvcache(q, kc, vc, lens, c.causal, scale, window=c.window),
+                sdpa_kvcache(q, kc, vc, lens, c.causal, scale, window=c.window))
 
     def judge(tag, out, lse, want):
         cmp = compare(out, want[0], lse, want[1], c.dtype, peer=want[2])
@@ -293,7 +296,7 @@ def check_kvcache(case: KVCacheCase, seed=None) -> dict:
     def call(num_splits=c.num_splits, causal=c.causal):
         _poison_next_alloc(q.shape, dt, (c.batch, c.nheads, c.q_len))
         return attention_with_kvcache(q, k, v, lens, page_table=table, causal=causal, num_splits=num_splits,
-                                      return_lse=True, kernel=c.kernel)
+                                      return_lse=True, kernel=c.kernel, window_size=c.window)
 
     want = expected()
     out, lse = call()
@@ -302,7 +305,7 @@ def check_kvcache(case: KVCacheCase, seed=None) -> dict:
         with deterministic():
             o_p, lse_p = call()
             o_c, lse_c = attention_with_kvcache(q, *contiguous, lens, causal=c.causal, num_splits=c.num_splits,
-                                                return_lse=True, kernel=c.kernel)
+                                                return_lse=True, kernel=c.kernel, window_size=c.window)
         if not (torch.equal(o_p, o_c) and torch.equal(lse_p, lse_c)):
             reasons.append("paged differs from the contiguous cache it was cut from")
     if c.num_splits and c.kernel != "decode_nosplit":
@@ -318,7 +321,8 @@ def check_kvcache(case: KVCacheCase, seed=None) -> dict:
     if isinstance(c.lengths, list):  # a plan takes lengths as a tensor only
         def make_plan():
             return decode_plan(c.batch, c.nheads, c.nheads_kv, c.head_dim, c.s_cache, q_len=c.q_len, dtype=c.dtype,
-                               causal=c.causal, num_splits=c.num_splits, kernel=c.kernel, page_size=c.page_size)
+                               causal=c.causal, num_splits=c.num_splits, kernel=c.kernel, page_size=c.page_size,
+                               window_size=c.window)
 
         plan = make_plan()
         o, l = plan.run(q, k, v, lens, table)  # warm-up (compiles); o, l: the plan's buffers, the same every run

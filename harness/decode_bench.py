@@ -236,6 +236,58 @@ def run_grid(rows: list, emit, peers: bool = True, head_dim: int = HEAD_DIM, q_l
         torch.cuda.empty_cache()
 
 
+def run_window(emit, left: int, batch: int = 8, kv_len: int = 32768, nheads_kv: int = 8, head_dim: int = HEAD_DIM,
+               q_len: int = Q_LEN) -> None:
+    """A sliding window (``left`` keys before each query, causal) over a ``kv_len`` cache: the
+    decode kernels and flash-attn-4 with the same window, and the decode kernels without one on a
+    cache of just the window's keys (what reading only the window should cost). Bandwidth counts
+    the window's bytes; the check is against SDPA on the window's keys."""
+    import torch
+    import torch.nn.functional as F
+
+    from harness.kvcache import decode_plan
+
+    peak = hbm_peak(torch.cuda.get_device_name())
+    keys = min(kv_len, left + q_len)
+    base = dict(mode="window", batch=batch, nheads=NHEADS, nheads_kv=nheads_kv, seqlen_k=kv_len, q_len=q_len,
+                head_dim=head_dim, dtype="bfloat16", window=[left, 0], kv_bytes=kv_bytes(batch, nheads_kv, keys, head_dim))
+    inputs = Inputs(batch, kv_len, nheads_kv, head_dim, q_len)
+    base["cache_copies"] = inputs.copies
+    k0, v0 = inputs.cache(0)
+    qb, kb, vb = (t.transpose(1, 2).float() for t in (inputs.q, k0[:, -keys:], v0[:, -keys:]))
+    mask = torch.ones(q_len, keys, dtype=torch.bool, device="cuda").tril(keys - q_len)
+    mask &= torch.ones_like(mask).triu(keys - q_len - left)  # query i: keys i + off - left .. i + off
+    o_ref = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=inputs.scale,
+                                           enable_gqa=True).transpose(1, 2)
+    entries = {}
+    try:
+        from flash_attn.cute import flash_attn_func
+
+        def fa4(i):
+            out = flash_attn_func(inputs.q, *inputs.cache(i), softmax_scale=inputs.scale, causal=True,
+                                  window_size=(left, 0))
+            return out[0] if isinstance(out, tuple) else out
+        entries["fa4"] = (fa4, contextlib.nullcontext, {})
+    except Exception as e:  # not installed, or not importable on this GPU
+        entries["fa4"] = f"unavailable ({type(e).__name__}: {e})"[:120]
+    b, _, h, d = inputs.q.shape
+    for name in KERNELS:
+        try:
+            plan = decode_plan(b, h, nheads_kv, d, kv_len, q_len=q_len, causal=True, kernel=name,
+                               window_size=(left, 0))
+            entries[name] = (lambda i, plan=plan: plan.run(inputs.q, *inputs.cache(i), inputs.lens)[0],
+                             contextlib.nullcontext, plan_fields(plan))
+            short = decode_plan(b, h, nheads_kv, d, keys, q_len=q_len, causal=True, kernel=name)
+            cut = [tuple(t[:, -keys:] for t in kv) for kv in inputs.caches]  # views: the window's rows only
+            window_lens = torch.full((b,), keys, dtype=torch.int32, device="cuda")
+            entries[f"{name} (a {keys}-key cache)"] = (
+                lambda i, short=short: short.run(inputs.q, *cut[i % len(cut)], window_lens)[0],
+                contextlib.nullcontext, plan_fields(short))
+        except Exception as e:  # a refused shape or a failed compile: a status, not a crash
+            entries[name] = failure(e)
+    time_candidates(base, entries, o_ref, peak, emit)
+
+
 def run_splits(emit, batch: int = 1, kv_len: int = 32768, nheads_kv: int = 8, head_dim: int = HEAD_DIM,
                q_len: int = Q_LEN) -> None:
     """TB/s of ``decode`` against its split count (SPLITS_CURVE), by default at batch 1, 8 K/V

@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 
 from kernels import get_kernel
-from kernels.contract import (Problem, StreamBuffers, UnsupportedProblem, as_causal, as_flag, as_scale,
+from kernels.contract import (Problem, StreamBuffers, UnsupportedProblem, as_causal, as_flag, as_scale, as_window,
                               fresh_buffers, num_sms)
 
 from .inputs import shared_dtype, torch_dtype
@@ -173,29 +173,44 @@ def resolve_splits(p: Problem, num_splits: int, max_seqlen_k: Optional[int] = No
     return _SPLITS[key]
 
 
+def window_keys(p: Problem, max_seqlen_k: Optional[int] = None) -> Optional[int]:
+    """The most keys a query tile's window can span (None: no bound below ``max_seqlen_k`` or the
+    cache): what the split count should be chosen for, since the splits share only those. Aligned
+    bottom-right, the last query's right edge is the cache's end whatever the right size, so the
+    span is left + q_len keys, causal or not (and one split count: the same bits either way)."""
+    left = p.window[0]
+    if left < 0:
+        return max_seqlen_k
+    return min(max_seqlen_k or p.kv_len, left + p.seqlen)
+
+
 def launcher_for(p: Problem, num_splits: int, seqlens: bool, kernel: str, page_size: int = 0):
     """The compiled kernel(s) for a resolved split count; lengths and scale are launch arguments
     (``page_size``: a paged cache's, which sets the TMA boxes per tile: decode.page_boxes)."""
     from kernels import decode
 
     ctas = decode.grid_ctas(p.batch, p.kv_heads, p.group, p.seqlen)
+    window = p.window if p.window != (-1, -1) else None
     key = (p.head_dim, p.dtype, p.causal, p.group, num_splits, seqlens, MERGE[kernel], decode.deterministic_requested(),
            torch.cuda.current_device(),  # the defaults may differ by GPU (decode.NO_CLAIM_GPUS, SHARED_SM_GPUS)
-           ctas > num_sms(), page_size)
+           ctas > num_sms(), page_size, window)
     if key not in _LAUNCHERS:
         _LAUNCHERS[key] = decode.make_launcher(p.head_dim, p.dtype, p.causal, p.group, num_splits, seqlens,
-                                               merge=MERGE[kernel], ctas=ctas, page_size=page_size)
+                                               merge=MERGE[kernel], ctas=ctas, page_size=page_size, window=window)
     return _LAUNCHERS[key]
 
 
 def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, page_table=None, causal: bool = False,
-                           softmax_scale=None, num_splits: int = 0, return_lse: bool = False, kernel: str = "decode"):
+                           softmax_scale=None, num_splits: int = 0, return_lse: bool = False, kernel: str = "decode",
+                           window_size=None):
     """softmax(q k^T * scale) v over each sequence's first cache_seqlens[b] cache rows (paged:
     the rows its ``page_table`` row names, page after page).
 
     Returns O (batch, q_len, nheads, head_dim) in q's dtype, and with ``return_lse`` the float32
     (batch, nheads, q_len) log-sum-exp. ``num_splits``: 0 picks a split count that fills the GPU,
-    1 turns the split off. Unsupported inputs raise ``kernels.UnsupportedProblem`` naming the
+    1 turns the split off. ``window_size`` (left, right): a sliding window, aligned bottom-right as
+    causal is (query i of q_len sees cache rows i + len - q_len - left ... + right; -1: unbounded);
+    the splits share only the window's key tiles. Unsupported inputs raise ``kernels.UnsupportedProblem`` naming the
     constraint, before anything is launched. A call whose arguments look like an earlier one's
     (shapes, strides, dtypes, devices, flags) skips the checks that call passed.
     """
@@ -206,18 +221,19 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, page_tabl
             lens, length = None, cache_seqlens
         scale = None if softmax_scale is None else as_scale(softmax_scale)
         return_lse = as_flag("return_lse", return_lse)
+        left, right = as_window(window_size)
         out, lse = torch.ops.fa3_cute.attention_with_kvcache(q, k_cache, v_cache, lens, length, page_table,
-                                                             as_causal(causal), scale, num_splits, kernel)
+                                                             as_causal(causal), scale, num_splits, kernel, left, right)
         return (out, lse) if return_lse else out
     try:
         key = _call_signature(q, k_cache, v_cache, cache_seqlens, page_table, causal, softmax_scale, num_splits,
-                              return_lse, kernel)
+                              return_lse, kernel) + (type(window_size), window_size)
         prepared = _PREPARED.get(key)
     except (TypeError, AttributeError):  # unhashable flags or non-tensors: the full checks will say what
         key, prepared = None, None
     if prepared is None:
         prepared = _prepare(q, k_cache, v_cache, cache_seqlens, page_table, causal, softmax_scale, num_splits,
-                            return_lse, kernel)
+                            return_lse, kernel, window_size)
         if key is not None:
             if len(_PREPARED) >= 256:  # many shapes (a varying batch): start over rather than grow
                 _PREPARED.clear()
@@ -268,19 +284,20 @@ _PREPARED: dict = {}
 @torch.library.custom_op("fa3_cute::attention_with_kvcache", mutates_args=())
 def _kvcache_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: Optional[torch.Tensor],
                 cache_length: Optional[int], page_table: Optional[torch.Tensor], causal: bool,
-                softmax_scale: Optional[float], num_splits: int, kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
+                softmax_scale: Optional[float], num_splits: int, kernel: str, window_left: int = -1,
+                window_right: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
     """What torch.compile sees: (O, LSE) from the eager call (a custom op has a fixed number of
     outputs; the length comes as a tensor or as an int, never both)."""
     lens = cache_seqlens if cache_seqlens is not None else cache_length
     with fresh_buffers():  # nothing kept from a custom op's body (kernels.contract.fresh_buffers)
         return attention_with_kvcache(q, k_cache, v_cache, lens, page_table=page_table, causal=causal,
                                       softmax_scale=softmax_scale, num_splits=num_splits, return_lse=True,
-                                      kernel=kernel)
+                                      kernel=kernel, window_size=(window_left, window_right))
 
 
 @_kvcache_op.register_fake
 def _kvcache_fake(q, k_cache, v_cache, cache_seqlens, cache_length, page_table, causal, softmax_scale, num_splits,
-                  kernel):
+                  kernel, window_left=-1, window_right=-1):
     b, q_len, h, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((b, h, q_len), dtype=torch.float32)
 
@@ -308,13 +325,14 @@ def _call_signature(q, k_cache, v_cache, cache_seqlens, page_table, causal, soft
             torch.are_deterministic_algorithms_enabled())  # the prepared launcher walks fixed shares then
 
 
-def _prepare(q, k_cache, v_cache, cache_seqlens, page_table, causal, softmax_scale, num_splits, return_lse, kernel):
+def _prepare(q, k_cache, v_cache, cache_seqlens, page_table, causal, softmax_scale, num_splits, return_lse, kernel,
+             window_size=None):
     """Every check, then the call they allow (``_PreparedCall``)."""
     entry = _check_kernel(kernel)
     causal = as_causal(causal)
     return_lse = as_flag("return_lse", return_lse)
     scale = None if softmax_scale is None else as_scale(softmax_scale)
-    p = problem_from_cache(q, k_cache, v_cache, causal, scale, page_table)
+    p = problem_from_cache(q, k_cache, v_cache, causal, scale, page_table).with_(window=as_window(window_size))
     page_size = k_cache.shape[1] if page_table is not None else 0
     # Causal with q_len > a cache length is fine here: those query rows see no key (O = 0, LSE = -inf).
     entry.caps.check(p.with_(causal=False), want_lse=return_lse)
@@ -342,8 +360,8 @@ def _prepare(q, k_cache, v_cache, cache_seqlens, page_table, causal, softmax_sca
         if page_table is not None:  # pages cannot be cut to a length as rows can: the kernel reads it
             length, kv_rows = kv_rows, None
     with torch.cuda.device(q.device):
-        launcher = launcher_for(p, resolve_splits(p, splits), cache_seqlens is not None and kv_rows is None, kernel,
-                                page_size)
+        launcher = launcher_for(p, resolve_splits(p, splits, window_keys(p)),
+                                cache_seqlens is not None and kv_rows is None, kernel, page_size)
     return _PreparedCall(launcher, p.scale, kv_rows, return_lse, q, length)
 
 
@@ -353,8 +371,8 @@ class DecodePlan:
     def __init__(self, problem: Problem, kernel: str, num_splits: int, device, max_seqlen_k: int, page_size: int = 0):
         self.problem, self.page_size = problem, page_size
         self.scale = problem.scale
-        self.launcher = launcher_for(problem, resolve_splits(problem, num_splits, max_seqlen_k), True, kernel,
-                                     page_size)
+        self.launcher = launcher_for(problem, resolve_splits(problem, num_splits, window_keys(problem, max_seqlen_k)),
+                                     True, kernel, page_size)
         self.num_splits = self.launcher.num_splits
         b, q_len, h, d = problem.batch, problem.seqlen, problem.nheads, problem.head_dim
         self.q_shape = (b, q_len, h, d)
@@ -407,7 +425,7 @@ class DecodePlan:
 
 def decode_plan(batch: int, nheads: int, nheads_kv: int, head_dim: int, max_seqlen_k: int, *, q_len: int = 1,
                 dtype: str = "bfloat16", causal: bool = False, softmax_scale=None, num_splits: int = 0, device=None,
-                kernel: str = "decode", page_size: int = 0) -> DecodePlan:
+                kernel: str = "decode", page_size: int = 0, window_size=None) -> DecodePlan:
     """Compile and size a decode step: ``max_seqlen_k`` (the longest cache length expected) and
     the GPU's SM count choose the split count (``num_splits`` 0), which the plan then keeps.
     ``page_size``: the rows per page of a paged cache, whose ``page_table`` each run then takes."""
@@ -420,7 +438,7 @@ def decode_plan(batch: int, nheads: int, nheads_kv: int, head_dim: int, max_seql
                                                           str(dtype).replace("torch.", ""))
     p = Problem(batch, nheads, q_len, head_dim, dtype=dtype, causal=as_causal(causal),
                 softmax_scale=None if softmax_scale is None else as_scale(softmax_scale), seqlen_k=max_seqlen_k,
-                nheads_kv=nheads_kv)
+                nheads_kv=nheads_kv, window=as_window(window_size))
     if nheads_kv > nheads:
         raise UnsupportedProblem(f"nheads_kv ({nheads_kv}) cannot exceed nheads ({nheads})")
     entry.caps.check(p.with_(causal=False))  # causal with q_len > a length is allowed here: those rows see nothing

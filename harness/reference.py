@@ -149,17 +149,19 @@ def pages_to_cache(pool, page_table):
     return pool[page_table.to(torch.long)].flatten(1, 2)
 
 
-def reference_kvcache(q, k_cache, v_cache, cache_seqlens, causal: bool, scale: float, dtype=None):
+def reference_kvcache(q, k_cache, v_cache, cache_seqlens, causal: bool, scale: float, dtype=None, window=(-1, -1)):
     """O (batch, q_len, heads, d) and LSE (batch, heads, q_len) of attention over a KV cache, from
     upcast copies (float64 by default), one sequence at a time.
 
     q (batch, q_len, heads, d); caches (batch, s_cache, heads_kv, d); ``cache_seqlens`` None (all
     rows), an int, or a tensor (batch,). Rows past a sequence's length are sliced away before
     anything reads them (NaN planted there cannot reach the reference). Query head h reads K/V head
-    h // group; causal is bottom-right (query i sees key j <= i + length - q_len). A row that sees
-    no key gets O = 0 and LSE = -inf.
+    h // group; causal is bottom-right (query i sees key j <= i + length - q_len), and so is a
+    sliding ``window`` (harness.varlen's mask). A row that sees no key gets O = 0 and LSE = -inf.
     """
     import torch
+
+    from .varlen import keep_mask, with_causal
 
     dtype = dtype or torch.float64
     b, q_len, h, d = q.shape
@@ -172,8 +174,8 @@ def reference_kvcache(q, k_cache, v_cache, cache_seqlens, causal: bool, scale: f
         k = k_cache[bi, :n].to(dtype).repeat_interleave(group, dim=1)  # (n, h, d)
         v = v_cache[bi, :n].to(dtype).repeat_interleave(group, dim=1)
         s = torch.einsum("qhd,khd->hqk", q[bi].to(dtype), k) * scale
-        if causal:
-            s.masked_fill_(~causal_keep(q_len, n, q.device), -math.inf)
+        if causal or tuple(window) != (-1, -1):
+            s.masked_fill_(~keep_mask(q_len, n, with_causal(tuple(window), causal), q.device), -math.inf)
         row_lse = torch.logsumexp(s, dim=-1)  # -inf for a row that sees no key
         p = torch.exp(s - row_lse[..., None]).nan_to_num(0.0)  # such a row: exp(-inf + inf) -> 0
         o[bi] = torch.einsum("hqk,khd->qhd", p, v)
@@ -181,12 +183,15 @@ def reference_kvcache(q, k_cache, v_cache, cache_seqlens, causal: bool, scale: f
     return o, lse
 
 
-def sdpa_kvcache(q, k_cache, v_cache, cache_seqlens, causal: bool, scale: float):
+def sdpa_kvcache(q, k_cache, v_cache, cache_seqlens, causal: bool, scale: float, window=(-1, -1)):
     """SDPA in the inputs' own dtype over each sequence's first rows: the 16-bit peer whose error
     against ``reference_kvcache`` sets a KV-cache check's tolerance (as ``sdpa`` does for
     ``reference``). O (batch, q_len, heads, d); a row that sees no key is 0, as defined (SDPA
-    would give NaN for a row with nothing to attend to)."""
+    would give NaN for a row with nothing to attend to). A sliding ``window`` goes in as a mask."""
     import torch
+    import torch.nn.functional as F
+
+    from .varlen import keep_mask, with_causal
 
     b, q_len = q.shape[:2]
     o = torch.zeros_like(q)
@@ -194,6 +199,12 @@ def sdpa_kvcache(q, k_cache, v_cache, cache_seqlens, causal: bool, scale: float)
         if n == 0:
             continue
         qb, kb, vb = (t.transpose(0, 1)[None] for t in (q[bi], k_cache[bi, :n], v_cache[bi, :n]))  # (1, h, len, d)
+        if tuple(window) != (-1, -1):
+            mask = keep_mask(q_len, n, with_causal(tuple(window), causal), q.device)
+            o[bi] = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale,
+                                                   enable_gqa=qb.shape[1] != kb.shape[1])[0].transpose(0, 1)
+            o[bi] = o[bi].nan_to_num(0.0)
+            continue
         o[bi] = sdpa(qb, kb, vb, causal, scale)[0].transpose(0, 1)
         if causal and q_len > n:  # bottom-right: query rows i < q_len - n see no key
             o[bi, :q_len - n] = 0

@@ -167,7 +167,7 @@ def smem_bytes(head_dim: int, tile_n: int, kv_stages: int, dtype_bytes: int = 2,
 CAPS = tma_pipeline.smem_capabilities(
     HEAD_DIMS, lambda d: smem_bytes(d, DEFAULT_CONFIG[d]["tile_n"], DEFAULT_CONFIG[d]["kv_stages"], merge="last_cta",
                                     claim=DEFAULT_CONFIG[d]["claim_after"] > 0),
-    "DEFAULT_CONFIG", gqa=True, unequal_lengths=True, max_group=MAX_GROUP)
+    "DEFAULT_CONFIG", gqa=True, unequal_lengths=True, max_group=MAX_GROUP, window=True)
 MERGES = ("combine", "last_cta", "last_split")
 DEFAULT_MERGE = "last_cta"  # the registered ``decode``
 
@@ -199,17 +199,19 @@ def _fake_decode_args(dtype, head_dim: int, seqlens: bool, split: bool, counters
 
 
 def compile_decode(head_dim: int, dtype: str, causal: bool, group: int, split: bool, seqlens: bool,
-                   merge: str = "combine", keep_ptx: bool = False, paged: bool = False, page_boxes: int = 1, **cfg):
-    """The main kernel; ``cfg``: a ``config`` (DEFAULT_CONFIG's keys)."""
+                   merge: str = "combine", keep_ptx: bool = False, paged: bool = False, page_boxes: int = 1,
+                   window: tuple = None, **cfg):
+    """The main kernel; ``cfg``: a ``config`` (DEFAULT_CONFIG's keys); ``window``: a sliding
+    window's (left, right), or None."""
     dt = cute_dtype(dtype)
     merge = merge if split else "combine"
     in_kernel = merge != "combine"
     if not in_kernel:  # the merge's loads live in Combine then: one main kernel for every value
         cfg = dict(cfg, merge_prefetch=0, claim_after=0)
     key = ("decode", head_dim, dtype, causal, group, split, seqlens, merge, paged, page_boxes,
-           tuple(sorted(cfg.items())))
+           tuple(sorted(cfg.items())), *((window,) if window else ()))
     return jit_compile(key, lambda: (DecodeFMHA(head_dim, dt, causal, group, split=split, merge=merge, paged=paged,
-                                                page_boxes=page_boxes, **cfg),
+                                                page_boxes=page_boxes, **cfg, **({"window": window} if window else {})),
                                      _fake_decode_args(dt, head_dim, seqlens, split, in_kernel, paged)), keep_ptx)
 
 
@@ -342,9 +344,9 @@ def page_boxes(tile_n: int, page_size: int) -> int:
 
 def make_launcher(head_dim: int, dtype: str, causal: bool, group: int, num_splits: int, seqlens: bool,
                   keep_ptx: bool = False, merge: str = "combine", ctas: int = 0, page_size: int = 0,
-                  **cfg) -> DecodeLauncher:
+                  window: tuple = None, **cfg) -> DecodeLauncher:
     """``ctas``: the grid's CTAs per split (batch x K/V heads x query tiles), for SHARED_SM_GPUS;
-    ``page_size``: a paged cache's (0: contiguous)."""
+    ``page_size``: a paged cache's (0: contiguous); ``window``: (left, right), or None for none."""
     if merge not in MERGES:
         raise UnsupportedProblem(f"merge must be one of {MERGES}, got {merge!r}")
     split = num_splits > 1
@@ -366,7 +368,7 @@ def make_launcher(head_dim: int, dtype: str, causal: bool, group: int, num_split
         raise UnsupportedProblem(f"{page_size}-key pages give {boxes} TMA boxes per tile, and {cfg['kv_stages']} "
                                  f"stages of them are more than the producer warp's 32 lanes look up: fewer stages")
     main = compile_decode(head_dim, dtype, causal, group, split, seqlens, merge=merge, keep_ptx=keep_ptx,
-                          paged=page_size > 0, page_boxes=boxes, **cfg)
+                          paged=page_size > 0, page_boxes=boxes, window=window, **cfg)
     combine = (compile_combine(head_dim, dtype, cfg["merge_prefetch"], keep_ptx) if split and merge == "combine"
                else None)
     launcher = DecodeLauncher(main, combine, num_splits, head_dim, group, merge, claim=claim)
@@ -390,7 +392,8 @@ def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_splits: int = 0, m
         raise UnsupportedProblem("claim_after needs an in-kernel merge (last_cta or last_split): the merging CTA "
                                  "resets the claim counter")
     launcher = make_launcher(p.head_dim, p.dtype, p.causal, p.group, splits, False, keep_ptx, merge,
-                             ctas=grid_ctas(p.batch, p.kv_heads, p.group, p.seqlen), **knobs)
+                             ctas=grid_ctas(p.batch, p.kv_heads, p.group, p.seqlen),
+                             window=p.window if p.window != (-1, -1) else None, **knobs)
     cfg = launcher.config
     ptx = None
     if keep_ptx:

@@ -49,10 +49,11 @@ class DecodeFMHA:
     def __init__(self, head_dim: int, dtype, causal: bool, group: int, tile_n: int, kv_stages: int, split: bool,
                  merge: str = "combine", l2_prefetch: int = 0, refill_at_release: bool = False,
                  merge_prefetch: int = 0, prefetch_ahead: int = 0, prefetch_after_wait: int = 0,
-                 claim_after: int = 0, paged: bool = False, page_boxes: int = 1):
+                 claim_after: int = 0, paged: bool = False, page_boxes: int = 1, window: tuple = None):
         self.head_dim = head_dim
         self.dtype = dtype
         self.causal = causal
+        self.window = window  # (left, right) or None: the splits share only the window's key tiles
         self.group = group
         self.tile_m = TILE_M
         self.tile_n = tile_n
@@ -257,7 +258,8 @@ class DecodeFMHA:
         idle through that kernel's tail and this one's first round trip. Only a hint: that kernel
         may still write the cache or the lengths, but L2 is coherent, so the TMA loads after the
         wait see its writes; a stale length (``hint_len``) merely aims the prefetch at other tiles."""
-        if warp_idx == 0:
+        # Under a window the split's tiles start at the window's first: no hint (not measured).
+        if warp_idx == 0 and const_expr(self.window is None):
             if const_expr(self.paged):  # one length for the warp: the loop below shuffles
                 hint_len = cute.arch.shuffle_sync(hint_len, 0)
             lo, hi, _ = self.split_tiles(cute.ceil_div(hint_len, self.tile_n), num_splits, split)
@@ -289,14 +291,35 @@ class DecodeFMHA:
             pages = page_ctx + (kv_len,)
         causal_offset = kv_len - q_len  # bottom-right: query i sees keys j <= i + causal_offset
         n_tiles = cute.ceil_div(kv_len, tile_n)
-        n_lo, n_hi, claim_base = self.split_tiles(n_tiles, num_splits, split)
+        if const_expr(self.window is None):
+            n_lo, n_hi, claim_base = self.split_tiles(n_tiles, num_splits, split)
+        else:  # the splits share the key tiles some row of the tile sees, and only those
+            n_first, n_tiles = self.window_tiles(m_block * self.q_per_tile, q_len, causal_offset, n_tiles)
+            n_lo, n_hi, claim_base = self.split_tiles(n_tiles - n_first, num_splits, split)
+            n_lo, n_hi, claim_base = n_lo + n_first, n_hi + n_first, claim_base + n_first
         # Tiles from n_full on need the element mask: the tail past kv_len and, causal, the tiles
-        # past the first packed row's diagonal.
+        # past the first packed row's diagonal; under a window every tile (its edges are per row).
         n_full = kv_len // tile_n
         if const_expr(self.causal):
             first_query = m_block * self.q_per_tile
             n_full = cutlass.min(n_full, cutlass.max(first_query + causal_offset + 1, 0) // tile_n)
+        if const_expr(self.window is not None):
+            n_full = n_first
         return (kv_len, causal_offset, n_lo, n_hi), (n_lo, n_hi, claim_base, n_tiles), n_full, pages
+
+    @cute.jit
+    def window_tiles(self, first_query: Int32, q_len: Int32, causal_offset: Int32, n_tiles: Int32) -> tuple:
+        """[first, end) of the key tiles a sliding window leaves the tile's query rows: from the
+        first row's left edge to the last row's right edge (causal: its diagonal)."""
+        left, right = self.window
+        n_first, n_end = Int32(0), n_tiles
+        if const_expr(left >= 0):
+            n_first = cutlass.max(first_query + causal_offset - left, 0) // self.tile_n
+        if const_expr(right >= 0 and not self.causal):
+            last_query = cutlass.min(first_query + self.q_per_tile, q_len) - 1
+            n_end = cutlass.min(n_tiles, cutlass.max(last_query + causal_offset + right + 1, 0)
+                                // self.tile_n + 1)
+        return n_first, cutlass.max(n_end, n_first)
 
     @cute.jit
     def first_loads(self, storage, pipeline_tile, pipeline_kv, kv_loads: tuple, mCounters: Optional[cute.Tensor],
@@ -520,7 +543,7 @@ class DecodeFMHA:
         if const_expr(masked):
             # Row r of query tile m_block is query position (m_block * packed_rows + r) // group.
             sm90.mask_tile(acc_S, tScS, m_block, n_block, kv_len, self.packed_rows, self.tile_n, self.causal,
-                           causal_offset, rows_per_query=self.group)
+                           causal_offset, rows_per_query=self.group, window=self.window)
             self.zero_v_tail(sVt[None, None, kv_consume.index], kv_len - n_block * self.tile_n, tidx)
         softmax.step(acc_S, row_scale, check_inf=masked)
         softmax.rescale(acc_O, row_scale)

@@ -268,6 +268,11 @@ def test_ref_check_refuses_two_grids_at_once_and_features_outside_theirs(capsys)
     assert ref_check.main(["--varlen", "--features"]) == 2
 
 
+def test_ref_check_decode_features_are_the_window_cases():
+    windowed = [c for c in ref_check.decode_cases(False) if tuple(c.window) != (-1, -1)]
+    assert windowed and {c.kernel for c in windowed} == {"decode", "decode_combine"}
+
+
 def test_ref_check_varlen_grid_is_valid_packings_with_every_feature():
     from harness.varlen import with_causal
 
@@ -299,3 +304,12 @@ def test_backward_takes_a_softcap_or_a_window_and_refuses_bad_ones(capsys):
     if not torch.cuda.is_available():
         assert bench.main(["--backward", "--window", "1024,0", "--softcap", "30"]) == 2
         assert "No CUDA GPU" in capsys.readouterr().err
+
+
+def test_decode_window_refuses_what_it_cannot_run(capsys):
+    assert bench.main(["--decode", "--window=-1,0"]) == 2
+    assert "LEFT >= 0" in capsys.readouterr().err
+    assert bench.main(["--decode", "--window", "1024,0", "--splits-curve"]) == 2
+    assert "only the window's row" in capsys.readouterr().err
+    assert bench.main(["--decode", "--window", "x"]) == 2
+    assert "LEFT,RIGHT" in capsys.readouterr().err

@@ -198,16 +198,19 @@ def test_merge_of_empty_splits_is_zero_and_minus_inf():
 
 # ---- the reference ------------------------------------------------------------------------------
 
-def _explicit(q, k, v, lengths, causal, scale):
+def _explicit(q, k, v, lengths, causal, scale, window=(-1, -1)):
     """Attention row by row with Python loops: the definition, nothing shared with the reference."""
     b, q_len, h, d = q.shape
     group = h // k.shape[2]
+    left, right = window
     o = torch.zeros(b, q_len, h, d, dtype=torch.float64)
     lse = torch.full((b, h, q_len), -math.inf, dtype=torch.float64)
     for bi in range(b):
         for hi in range(h):
             for i in range(q_len):
-                keys = [j for j in range(lengths[bi]) if not causal or j <= i + lengths[bi] - q_len]
+                diagonal = i + lengths[bi] - q_len
+                keys = [j for j in range(lengths[bi]) if (not causal or j <= diagonal)
+                        and (left < 0 or j >= diagonal - left) and (right < 0 or causal or j <= diagonal + right)]
                 if not keys:
                     continue
                 s = torch.stack([q[bi, i, hi].double() @ k[bi, j, hi // group].double() * scale for j in keys])
@@ -230,6 +233,44 @@ def test_reference_kvcache_matches_the_definition_and_ignores_stale_rows(causal)
     assert not o.isnan().any() and torch.allclose(o, o_want, atol=1e-10)
     assert torch.equal(lse.isinf(), lse_want.isinf()) and torch.allclose(lse[~lse.isinf()], lse_want[~lse.isinf()])
     assert bool((lse[2] == -math.inf).all()) and bool((o[2] == 0).all())
+
+
+@pytest.mark.parametrize("causal,window", [(True, (0, -1)), (True, (3, -1)), (False, (2, 1)), (False, (-1, 0)),
+                                           (True, (100, -1))])
+def test_reference_kvcache_takes_a_sliding_window(causal, window):
+    torch.manual_seed(4)
+    q = torch.randn(3, 4, 6, 8)
+    k, v = torch.randn(3, 9, 2, 8), torch.randn(3, 9, 2, 8)
+    lengths = [9, 2, 0]
+    for b, n in enumerate(lengths):
+        k[b, n:], v[b, n:] = float("nan"), float("inf")
+    o, lse = reference_kvcache(q, k, v, torch.tensor(lengths), causal, 0.3, window=window)
+    o_want, lse_want = _explicit(q, k, v, lengths, causal, 0.3, window)
+    assert not o.isnan().any() and torch.allclose(o, o_want, atol=1e-10)
+    assert torch.equal(lse.isinf(), lse_want.isinf()) and torch.allclose(lse[~lse.isinf()], lse_want[~lse.isinf()])
+    peer = sdpa_kvcache(q.float(), k.float(), v.float(), torch.tensor(lengths), causal, 0.3, window=window)
+    assert torch.allclose(peer.double(), o_want, atol=1e-5)
+
+
+def test_a_decode_window_sizes_the_split_count_by_its_keys():
+    from harness.kvcache import window_keys
+    from kernels.contract import Problem
+
+    p = Problem(4, 32, 2, 128, causal=True, seqlen_k=65536, nheads_kv=8)
+    assert window_keys(p) is None and window_keys(p, 4096) == 4096
+    assert window_keys(p.with_(window=(1000, -1))) == 1002 and window_keys(p.with_(window=(1000, -1)), 500) == 500
+    # not causal, the right edge stops at the cache's end: the same keys, so the same split count
+    assert window_keys(p.with_(causal=False, window=(1000, 3))) == 1002
+    assert window_keys(p.with_(causal=False, window=(1000, -1))) == 1002
+    assert window_keys(p.with_(window=(-1, 0))) is None
+
+
+def test_attention_with_kvcache_refuses_a_bad_window():
+    q, k, v = _tensors()
+    with pytest.raises(UnsupportedProblem, match=">= -1"):
+        attention_with_kvcache(q, k, v, window_size=(-2, 0))
+    with pytest.raises(UnsupportedProblem, match="pair of ints"):
+        attention_with_kvcache(q, k, v, window_size=5)
 
 
 @pytest.mark.parametrize("lengths", [None, 5, 0])
@@ -376,6 +417,24 @@ def test_kvcache_cases(kernel, shape, lengths, causal, splits):
     from harness.check import KVCacheCase, check_kvcache
 
     row = check_kvcache(KVCacheCase(kernel, *shape, 128, causal, lengths, splits, graph=True))
+    assert row["ok"], row["reason"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kernel", ["decode", "decode_combine"])
+@pytest.mark.parametrize("shape,lengths,causal,window,extra", [
+    ((3, 32, 8, 4, 8192), [8192, 3001, 0], True, (100, -1), {}),
+    ((3, 32, 8, 4, 8192), [8192, 3001, 0], True, (0, -1), {}),  # one key per query: its own
+    ((2, 32, 8, 1, 8192), [8192, 1500], True, (10000, -1), dict(graph=True)),  # wider than the cache
+    ((3, 32, 8, 4, 3000), [3000, 1111, 0], True, (300, -1), dict(page_size=16)),
+    ((2, 32, 8, 1, 4000), [4000, 2500], False, (1000, -1), dict(num_splits=7)),
+    ((2, 32, 8, 3, 4000), [4000, 2500], False, (200, 1), {}),
+])
+def test_kvcache_with_a_sliding_window(kernel, shape, lengths, causal, window, extra):
+    from harness.check import KVCacheCase, check_kvcache
+
+    row = check_kvcache(KVCacheCase(kernel, *shape, 128, causal, lengths, window=window, **extra))
     assert row["ok"], row["reason"]
 
 
