@@ -13,6 +13,7 @@
 #   bash scripts/reproduce.sh call results     # the public call: host times before/after the fast path, the k6 and
 #                                               FP8 sweeps and the k6 headline runs with both timings (~25 minutes)
 #   bash scripts/reproduce.sh backward results # K9/K10: ref_check --backward, GPU tests, training, sanitizers, sweep
+#   bash scripts/reproduce.sh features results # varlen, window, softcap (docs/varlen.md): the grids, racecheck/synccheck
 # Each file records the command that wrote it; then, anywhere: python scripts/make_docs.py --plot
 # Without a GPU: the SASS census of the KV-tile loops (results/sass-loops*.json, docs/k6.md), e.g.
 #   python scripts/sass_loops.py --headdim 64 128 256 --causal 0 1 --fa4 --out results/sass-loops.json
@@ -464,6 +465,26 @@ out.close()") || rc=1
     for causal in 0 1; do
       CHECK=1 SEQLEN=8192 HEADDIM=128 CAUSAL=$causal timeout 100 $py bench.py k6 --out "$dir/bench-k6-c$causal-$gpu.json" || rc=1
     done
+    exit $rc
+    ;;
+  features)  # packed sequences, sliding window and softcap, forward, backward and decode: their grids, then
+    # racecheck/synccheck on small launches of each path (scripts/sanitize_case.py checks what it launched)
+    rc=0
+    timeout 300 $py ref_check.py --varlen --out "$dir/refcheck-varlen-$gpu.json" > /dev/null || rc=1
+    timeout 300 $py ref_check.py k6 --features --out "$dir/refcheck-k6-features-$gpu.json" > /dev/null || rc=1
+    timeout 600 $py ref_check.py --backward k10_fa3 --features --out "$dir/refcheck-backward-features-$gpu.json" \
+      > /dev/null || rc=1
+    timeout 300 $py ref_check.py --decode --features --out "$dir/refcheck-decode-window-$gpu.json" > /dev/null || rc=1
+    for case in "FMHA k6 --varlen --causal 1 --batch-heads 4" "FMHA k6 --causal 1 --window 100,0 --softcap 5" \
+                "K10Backward k6 --backward k10_fa3 --causal 1 --window 100,0 --softcap 5 --batch-heads 4" \
+                "FMHA decode --seqlen 4 --seqlen-k 3000 --batch-heads 32 --nheads-kv 8 --causal 1 --window 700,0"; do
+      read -r kernel args <<< "$case"
+      for tool in racecheck synccheck; do
+        # shellcheck disable=SC2086
+        timeout 200 compute-sanitizer --tool $tool --kernel-name kns=$kernel $py scripts/sanitize_case.py $args 2>&1 \
+          | grep "SUMMARY\|: ok\|FAIL" | sed "s/^/$tool: /" || { echo "$tool $args: timed out or failed"; rc=1; }
+      done
+    done | tee "$dir/sanitizer-features-$gpu.txt"
     exit $rc
     ;;
   backward)  # K9 and K10 (docs/k9.md, docs/k10.md): the backward's grid, its GPU tests, the training

@@ -35,18 +35,46 @@ def main(argv=None) -> int:
     ap.add_argument("--page-size", type=int, default=0,
                     help="decode kernels: attention_with_kvcache and a plan on a paged cache of these pages, shuffled "
                          "(harness.check.check_kvcache; --batch-heads is then the query heads of one sequence)")
+    ap.add_argument("--softcap", type=float, default=0.0, help="a logit softcap (forward and backward)")
+    ap.add_argument("--window", default=None, help="a sliding window LEFT,RIGHT (-1 unbounded), bottom-right")
+    ap.add_argument("--backward", default=None,
+                    help="the backward stage (k9, k10, k10_fa3, ...) instead of the forward: dq, dk, dv checked "
+                         "(harness.check.check_backward; the forward is the kernel named)")
+    ap.add_argument("--varlen", action="store_true",
+                    help="attention_varlen on a ragged packing of --batch-heads heads: an empty, a one-row and "
+                         "sequences that end inside tiles (harness.check.check_varlen_case)")
     args = ap.parse_args(argv)
-    if args.page_size:
+    window = tuple(int(x) for x in args.window.split(",")) if args.window else (-1, -1)
+    if args.varlen:
+        from harness.check import check_varlen_case
+
+        lengths = [0, 1, 17, args.seqlen, 2 * args.seqlen + 5]
+        row = check_varlen_case(args.kernel, lengths, lengths, args.batch_heads, args.nheads_kv or args.batch_heads,
+                                args.headdim, bool(args.causal), args.softcap, window)
+        print(f"{args.kernel} varlen {lengths} softcap={args.softcap} window={window}: "
+              f"{'ok' if row['ok'] else 'FAIL ' + row['reason']} (max_abs {row['max_abs']:.2e})")
+        return 0 if row["ok"] else 1
+    if args.backward:
+        from harness.check import check_backward
+
+        p = Problem(1, args.batch_heads, args.seqlen, args.headdim, causal=bool(args.causal), seqlen_k=args.seqlen_k,
+                    nheads_kv=args.nheads_kv, softcap=args.softcap, window=window)
+        row = check_backward(p, forward=args.kernel, backward=args.backward)
+        print(f"{args.backward} backward d={args.headdim} causal={args.causal} N={args.seqlen} softcap={args.softcap} "
+              f"window={window}: {'ok' if row['ok'] else 'FAIL ' + row['reason']}")
+        return 0 if row["ok"] else 1
+    if args.page_size or (args.kernel.startswith("decode") and window != (-1, -1)):
         from harness.check import KVCacheCase, check_kvcache
 
         keys = args.seqlen_k or 3000
         case = KVCacheCase(args.kernel, 2, args.batch_heads, args.nheads_kv or args.batch_heads, args.seqlen, keys,
-                           args.headdim, bool(args.causal), [keys // 3, keys], page_size=args.page_size)
+                           args.headdim, bool(args.causal), [keys // 3, keys], page_size=args.page_size, window=window)
         row = check_kvcache(case)
         print(f"{case.label()}: {'ok' if row['ok'] else 'FAIL ' + row['reason']} (max_abs {row['max_abs']:.2e})")
         return 0 if row["ok"] else 1
     res = check_kernel(args.kernel, Problem(1, args.batch_heads, args.seqlen, args.headdim, causal=bool(args.causal),
-                                            seqlen_k=args.seqlen_k, nheads_kv=args.nheads_kv), config=args.config)
+                                            seqlen_k=args.seqlen_k, nheads_kv=args.nheads_kv, softcap=args.softcap,
+                                            window=window), config=args.config)
     p = res.problem
     kv = f" K/V {p.kv_heads} heads x {p.kv_len} keys" if (p.kv_heads, p.kv_len) != (p.nheads, p.seqlen) else ""
     print(f"{args.kernel} d={args.headdim} causal={args.causal} N={args.seqlen}{kv}"
