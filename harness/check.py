@@ -363,6 +363,7 @@ def check_kvcache(case: KVCacheCase, seed=None) -> dict:
     torch.cuda.synchronize()
     return dict(kernel=c.kernel, case=c.label(), batch=c.batch, nheads=c.nheads, nheads_kv=c.nheads_kv, seqlen=c.q_len,
                 seqlen_k=c.s_cache, head_dim=c.head_dim, dtype=c.dtype, causal=int(c.causal), num_splits=c.num_splits,
+                **({"window": list(c.window)} if tuple(c.window) != (-1, -1) else {}),
                 **worst, ok=not reasons, reason="; ".join(reasons)[:300])
 
 

@@ -664,6 +664,29 @@ def window_backward_table(runs):
                              body))
 
 
+def decode_window_table(runs):
+    """docs/varlen.md: bench.py --decode --window, the decode kernels with a window on a long cache
+    beside flash-attn-4 with the same window and beside themselves on a cache of only the window's keys."""
+    body = []
+    for f in _by_window(runs):
+        rows, r0 = _ok_rows(f), f["rows"][0]
+        fa4 = rows.get("fa4", {}).get("ms")
+        for k, r in rows.items():
+            if k == "fa4" or "cache)" in k:
+                continue
+            short = next((x for name, x in rows.items() if name.startswith(f"{k} (a ")), None)
+            body.append([r0["window"][0], r0["seqlen_k"], f"`{k}`", f"{1000 * r['ms']:.1f}", f"{r['tbps']:.2f}",
+                         f"{1000 * fa4:.1f}" if fa4 else "—", _ratio(fa4, r["ms"]),
+                         f"{1000 * short['ms']:.1f}" if short else "—", _ratio(short and short["ms"], r["ms"])])
+    r0 = runs[0]["rows"][0]
+    return (f"One decode step (q_len {r0['q_len']}, {r0['nheads']} query heads on {r0['nheads_kv']} K/V heads, "
+            f"d={r0['head_dim']}, batch {r0['batch']}, bf16) with a window (W, 0) on a cache of N keys; a plan's run, "
+            "burst-timed; TB/s on the window's K/V bytes. The last columns: the same kernel without a window on a "
+            f"cache of only the window's W + 1 keys, what reading only the window should cost. {_from(_by_window(runs))}.\n\n"
+            + markdown_table(["W", "N", "kernel", "µs", "TB/s", "*flash-attn-4* µs", "flash-attn-4 / ours",
+                              "W + 1-key cache µs", "that / ours"], body))
+
+
 def softcap_costs(pair) -> dict:
     """kernel -> {timing key: (TFLOP/s without, with, cost)} of a (with softcap, without) pair of runs."""
     capped, plain = (_ok_rows(f) for f in pair)
@@ -1476,6 +1499,9 @@ def fill_varlen_page(refchecks) -> None:
     backward = [f for f in (run(f"backward-window-{w}-*.json") for w in (1024, 4096)) if f]
     if backward:
         fill("varlen", "window-backward", lambda: window_backward_table(backward))
+    decode = [f for f in (run(f"decode-window-{w}-*.json") for w in (1024, 4096)) if f]
+    if decode:
+        fill("varlen", "decode-window", lambda: decode_window_table(decode))
     pairs = [(run(f"{prefix}softcap-30-*.json"), run(f"{prefix}softcap-none-*.json")) for prefix in ("", "backward-")]
     pairs = [pair if all(pair) else None for pair in pairs]
     if any(pairs):

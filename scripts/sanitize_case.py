@@ -77,7 +77,8 @@ def main(argv=None) -> int:
                                             window=window), config=args.config)
     p = res.problem
     kv = f" K/V {p.kv_heads} heads x {p.kv_len} keys" if (p.kv_heads, p.kv_len) != (p.nheads, p.seqlen) else ""
-    print(f"{args.kernel} d={args.headdim} causal={args.causal} N={args.seqlen}{kv}"
+    feats = (f" softcap={args.softcap}" if args.softcap else "") + (f" window={window}" if window != (-1, -1) else "")
+    print(f"{args.kernel} d={args.headdim} causal={args.causal} N={args.seqlen}{kv}{feats}"
           f"{' ' + json.dumps(args.config) if args.config else ''}: "
           f"{'ok' if res.ok else 'FAIL ' + res.reason} (max_abs {res.max_abs:.2e})")
     return 0 if res.ok else 1
