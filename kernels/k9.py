@@ -426,6 +426,17 @@ def compile_passes(p: Problem, keep_ptx: bool = False) -> tuple:
             jit_compile(("k9_post", p.head_dim, p.dtype), post, keep_ptx))
 
 
+def row_buffers(batch: int, heads: int, rows: int, device) -> tuple:
+    """LSE2 and D, (batch, heads, rows) floats each, in one allocation: every row padded to 4
+    floats (16 bytes, where a TMA box of them may start) and D starting 32 bytes into the
+    allocation (the pre-pass's compile assumes 32-byte aligned row tensors)."""
+    import torch
+
+    size = batch * heads * (rows + (-rows % 4))
+    flat = torch.empty(2 * (size + (-size % 8)), device=device, dtype=torch.float32)
+    return tuple(flat[start:start + size].view(batch, heads, -1)[..., :rows] for start in (0, size + (-size % 8)))
+
+
 def run_backward(compiled: tuple, q, k, v, o, lse, do, softmax_scale: float, grads: tuple | None = None,
                  extra: tuple = (), dq_accum=None) -> tuple:
     """(dq, dk, dv) of attention(q, k, v) = o with log-sum-exp ``lse`` (natural log, float32,
@@ -437,9 +448,7 @@ def run_backward(compiled: tuple, q, k, v, o, lse, do, softmax_scale: float, gra
 
     pre, main, post = compiled
     b, h, n, d = q.shape
-    # LSE2 and D rows padded to 4 floats (16 bytes): a kernel may then load them by TMA.
-    rows = torch.empty(2, b, h, n + (-n % 4), device=q.device, dtype=torch.float32)[..., :n]
-    lse2, dot = rows[0], rows[1]
+    lse2, dot = row_buffers(b, h, n, q.device)
     if dq_accum is None:
         dq_accum = (torch.empty(b, h, n, d, device=q.device, dtype=torch.float32),) * 2
     dq, dk, dv = grads if grads is not None else (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))

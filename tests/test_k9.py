@@ -51,3 +51,14 @@ def test_k9_gradients_match_float64_autograd(shape, causal, d):
              unequal=Problem(2, 4, 300, d, seqlen_k=1000, nheads_kv=2))[shape].with_(causal=causal)
     row = check_backward(p)
     assert row["ok"], row
+
+
+@pytest.mark.parametrize("batch,heads,rows", [(1, 1, 4), (1, 3, 12), (2, 4, 1000), (1, 25, 1004), (3, 1, 1)])
+def test_the_lse2_and_d_rows_start_where_the_kernels_assume(batch, heads, rows):
+    from kernels.k9 import row_buffers
+
+    lse2, dot = row_buffers(batch, heads, rows, "cpu")
+    for t in (lse2, dot):
+        assert t.shape == (batch, heads, rows) and t.data_ptr() % 32 == 0  # the pre-pass's alignment claim
+        assert t.stride(-1) == 1 and all(s * 4 % 16 == 0 for s in t.stride()[:-1])  # TMA: 16-byte rows
+    assert dot.data_ptr() >= lse2[-1, -1, -1:].data_ptr() + 4  # no overlap
