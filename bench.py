@@ -26,7 +26,8 @@ import os
 import sys
 
 from harness.api import fp8_inputs
-from harness.config import DEFAULTS, SWEEP_HEAD_DIMS, SWEEP_SEQLENS, parse_bool, problem_from, sweep_problems
+from harness.config import (DEFAULTS, SWEEP_HEAD_DIMS, SWEEP_SEQLENS, parse_bool, parse_window, problem_from,
+                            sweep_problems)
 from harness.peers import BEST_OF, BEST_OF_FP8, best_peer
 from kernels import get_kernel, kernel_names
 from kernels.contract import FP8_DTYPES, UnsupportedProblem, as_softcap, as_window
@@ -188,14 +189,6 @@ def time_call(call, state=None) -> tuple:
     if not torch.isfinite(out).all():
         return None, "failed: the public call's output is not finite"
     return ms, "ok"
-
-
-def parse_window(text: str) -> tuple:
-    try:
-        left, right = (int(x) for x in text.split(","))
-    except ValueError:
-        raise UnsupportedProblem(f"--window takes LEFT,RIGHT (two ints, -1 unbounded), got {text!r}") from None
-    return left, right
 
 
 def public_call(name, problem, q, k, v, **descales):

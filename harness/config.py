@@ -26,6 +26,15 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
 
+def parse_window(text: str) -> tuple:
+    """A --window flag's LEFT,RIGHT as two ints (``as_window`` checks their values)."""
+    try:
+        left, right = (int(x) for x in text.split(","))
+    except ValueError:
+        raise UnsupportedProblem(f"--window takes LEFT,RIGHT (two ints, -1 unbounded), got {text!r}") from None
+    return left, right
+
+
 def parse_bool(text, name="flag") -> bool:
     t = str(text).strip().lower()
     if t in _TRUE:

@@ -246,6 +246,7 @@ def run_window(emit, left: int, batch: int = 8, kv_len: int = 32768, nheads_kv: 
     import torch.nn.functional as F
 
     from harness.kvcache import decode_plan
+    from harness.varlen import keep_mask
 
     peak = hbm_peak(torch.cuda.get_device_name())
     keys = min(kv_len, left + q_len)
@@ -255,10 +256,8 @@ def run_window(emit, left: int, batch: int = 8, kv_len: int = 32768, nheads_kv: 
     base["cache_copies"] = inputs.copies
     k0, v0 = inputs.cache(0)
     qb, kb, vb = (t.transpose(1, 2).float() for t in (inputs.q, k0[:, -keys:], v0[:, -keys:]))
-    mask = torch.ones(q_len, keys, dtype=torch.bool, device="cuda").tril(keys - q_len)
-    mask &= torch.ones_like(mask).triu(keys - q_len - left)  # query i: keys i + off - left .. i + off
-    o_ref = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=inputs.scale,
-                                           enable_gqa=True).transpose(1, 2)
+    o_ref = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=keep_mask(q_len, keys, (left, 0), "cuda"),
+                                           scale=inputs.scale, enable_gqa=True).transpose(1, 2)
     entries = {}
     try:
         from flash_attn.cute import flash_attn_func

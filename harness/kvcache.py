@@ -190,7 +190,7 @@ def launcher_for(p: Problem, num_splits: int, seqlens: bool, kernel: str, page_s
     from kernels import decode
 
     ctas = decode.grid_ctas(p.batch, p.kv_heads, p.group, p.seqlen)
-    window = p.window if p.window != (-1, -1) else None
+    window = p.sliding_window
     key = (p.head_dim, p.dtype, p.causal, p.group, num_splits, seqlens, MERGE[kernel], decode.deterministic_requested(),
            torch.cuda.current_device(),  # the defaults may differ by GPU (decode.NO_CLAIM_GPUS, SHARED_SM_GPUS)
            ctas > num_sms(), page_size, window)

@@ -22,11 +22,17 @@ def causal_keep(seqlen_q: int, seqlen_k: int, device):
     return j <= i + (seqlen_k - seqlen_q)
 
 
-def sdpa(q, k, v, causal: bool, scale: float):
-    """SDPA computing what the kernels compute (GQA; bottom-right causal), in the inputs' dtype."""
+def sdpa(q, k, v, causal: bool, scale: float, window=(-1, -1)):
+    """SDPA computing what the kernels compute (GQA; bottom-right causal; a sliding window as a
+    boolean mask), in the inputs' dtype."""
     import torch.nn.functional as F
 
     gqa = q.shape[1] != k.shape[1]
+    if tuple(window) != (-1, -1):
+        from .varlen import keep_mask, with_causal
+
+        mask = keep_mask(q.shape[2], k.shape[2], with_causal(tuple(window), causal), q.device)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
     if causal and q.shape[2] != k.shape[2]:
         mask = causal_keep(q.shape[2], k.shape[2], q.device)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
@@ -95,17 +101,8 @@ def reference_grads(q, k, v, dout, causal: bool, scale: float, softcap: float = 
 def sdpa_grads(q, k, v, dout, causal: bool, scale: float, window=(-1, -1)) -> tuple:
     """(dq, dk, dv) from SDPA's own backward in the inputs' dtype: the error a 16-bit backward makes
     (a window as a boolean mask; SDPA has no softcap)."""
-    import torch.nn.functional as F
-
-    from .varlen import keep_mask, with_causal
-
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    if tuple(window) != (-1, -1):
-        mask = keep_mask(q.shape[2], k.shape[2], with_causal(tuple(window), causal), q.device)
-        F.scaled_dot_product_attention(*leaves, attn_mask=mask, scale=scale,
-                                       enable_gqa=q.shape[1] != k.shape[1]).backward(dout)
-    else:
-        sdpa(*leaves, causal, scale).backward(dout)
+    sdpa(*leaves, causal, scale, window).backward(dout)
     return tuple(t.grad for t in leaves)
 
 
@@ -189,9 +186,6 @@ def sdpa_kvcache(q, k_cache, v_cache, cache_seqlens, causal: bool, scale: float,
     ``reference``). O (batch, q_len, heads, d); a row that sees no key is 0, as defined (SDPA
     would give NaN for a row with nothing to attend to). A sliding ``window`` goes in as a mask."""
     import torch
-    import torch.nn.functional as F
-
-    from .varlen import keep_mask, with_causal
 
     b, q_len = q.shape[:2]
     o = torch.zeros_like(q)
@@ -199,13 +193,9 @@ def sdpa_kvcache(q, k_cache, v_cache, cache_seqlens, causal: bool, scale: float,
         if n == 0:
             continue
         qb, kb, vb = (t.transpose(0, 1)[None] for t in (q[bi], k_cache[bi, :n], v_cache[bi, :n]))  # (1, h, len, d)
-        if tuple(window) != (-1, -1):
-            mask = keep_mask(q_len, n, with_causal(tuple(window), causal), q.device)
-            o[bi] = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale,
-                                                   enable_gqa=qb.shape[1] != kb.shape[1])[0].transpose(0, 1)
+        o[bi] = sdpa(qb, kb, vb, causal, scale, window)[0].transpose(0, 1)
+        if tuple(window) != (-1, -1):  # a row whose window holds no key: SDPA's NaN
             o[bi] = o[bi].nan_to_num(0.0)
-            continue
-        o[bi] = sdpa(qb, kb, vb, causal, scale)[0].transpose(0, 1)
-        if causal and q_len > n:  # bottom-right: query rows i < q_len - n see no key
+        elif causal and q_len > n:  # bottom-right: query rows i < q_len - n see no key
             o[bi, :q_len - n] = 0
     return o

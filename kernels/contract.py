@@ -212,6 +212,11 @@ class Problem:
         return self.nheads // self.kv_heads
 
     @property
+    def sliding_window(self):
+        """The window as the kernels' ``window`` argument takes it: (left, right), or None for none."""
+        return self.window if self.window != (-1, -1) else None
+
+    @property
     def lockstep(self) -> bool:
         """Whether every query tile reads the same K/V tiles: no causal mask, no window, no packed
         sequences (what K6's 2-CTA clusters and split tail assume)."""

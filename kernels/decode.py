@@ -393,7 +393,7 @@ def compile_kernel(p: Problem, *, keep_ptx: bool = False, num_splits: int = 0, m
                                  "resets the claim counter")
     launcher = make_launcher(p.head_dim, p.dtype, p.causal, p.group, splits, False, keep_ptx, merge,
                              ctas=grid_ctas(p.batch, p.kv_heads, p.group, p.seqlen),
-                             window=p.window if p.window != (-1, -1) else None, **knobs)
+                             window=p.sliding_window, **knobs)
     cfg = launcher.config
     ptx = None
     if keep_ptx:

@@ -530,7 +530,7 @@ def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = F
         cfg = cfg.with_(overlap=False)
     dt = cute_dtype(p.dtype)
     key_tiles = -(-p.kv_len // (sm90.WGMMA_M * cfg["num_wg"]))
-    window = p.window if p.window != (-1, -1) else None
+    window = p.sliding_window
     arrive_last_first = p.causal or (window is not None and window[1] >= 0)  # key tiles start their walks in order
     last_first = deterministic and arrive_last_first and key_tiles <= num_sms()  # K10Backward.wait_turn says why
     features = dict(({"window": window} if window else {}), **({"softcap": p.softcap} if p.softcap else {}))

@@ -18,7 +18,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from harness.check import check_kernel  # noqa: E402
-from kernels.contract import Problem  # noqa: E402
+from harness.config import parse_window  # noqa: E402
+from kernels.contract import Problem, as_window  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -44,7 +45,7 @@ def main(argv=None) -> int:
                     help="attention_varlen on a ragged packing of --batch-heads heads: an empty, a one-row and "
                          "sequences that end inside tiles (harness.check.check_varlen_case)")
     args = ap.parse_args(argv)
-    window = tuple(int(x) for x in args.window.split(",")) if args.window else (-1, -1)
+    window = as_window(parse_window(args.window)) if args.window else (-1, -1)
     if args.varlen:
         from harness.check import check_varlen_case
 
