@@ -7,6 +7,7 @@
     python ref_check.py --decode --quick   # one KV-cache case per behaviour (about a minute)
     python ref_check.py --backward    # the backward (K9 and K10): dq, dk, dv against float64 autograd
     python ref_check.py --varlen      # packed sequences (attention_varlen) against a per-sequence reference
+    python ref_check.py --varlen --backward   # their gradients (K10's packed backward), sequence by sequence
     python ref_check.py k6 --features # only the softcap and window cases (with --backward, --decode too)
 
 Kernels that take a logit softcap or a sliding window also run them (softcaps 0.5, 5, 50; windows
@@ -234,6 +235,39 @@ def varlen_cases(quick: bool = False):
     yield ragged, ragged, 4, 4, 64, True, 0.0, (-1, -1), "float16", False
 
 
+BACKWARD_HEAD_DIMS = (64, 128)  # kernels.k9.HEAD_DIMS, without importing the kernels for --help
+
+
+def run_varlen_backward_grid(stages, quick: bool, out) -> tuple:
+    """The packed grid's cases through ``attention_varlen_backward`` (harness.check.check_varlen_backward_case)."""
+    from harness.check import check_varlen_backward_case
+
+    rows, failures = [], 0
+    print("packed backward grid: each sequence's dq, dk, dv within twice the max error of a 16-bit backward of that "
+          "sequence (SDPA's; softcap: autograd of a 16-bit capped softmax) + 1e-3 of float64 autograd; NaN-poisoned")
+    for stage in stages:
+        for lengths_q, lengths_k, h, h_kv, d, causal, softcap, window, dtype, on_cpu in varlen_cases(quick):
+            if d not in BACKWARD_HEAD_DIMS:  # the packed grid's d = 256 has no backward here
+                continue
+            try:
+                row = check_varlen_backward_case(stage, lengths_q, lengths_k, h, h_kv, d, causal, softcap, window,
+                                                 dtype, on_cpu)
+            except Exception as e:  # a crash is a failure of this case
+                row = dict(kernel=stage, lengths_q=lengths_q, lengths_k=lengths_k, head_dim=d, causal=int(causal),
+                           softcap=softcap, window=list(window), dtype=dtype, backward=True, ok=False,
+                           status="crashed", reason=f"{type(e).__name__}: {e}"[:300])
+            rows.append(row)
+            failures += not row["ok"]
+            if out:
+                out.append(row)
+            errs = " ".join(f"{g} {row[g + '_max_abs']:.2e}/{row[g + '_sdpa_max_abs']:.2e}" for g in ("dq", "dk", "dv")
+                            if row.get(g + "_max_abs") is not None)
+            print(f"{stage} {dtype} d={d} causal={int(causal)} heads {h}/{h_kv} q {lengths_q} k {lengths_k}"
+                  f"{f' softcap={softcap}' if softcap else ''}{f' window={window}' if window != (-1, -1) else ''}  "
+                  f"{errs}  {'ok' if row['ok'] else 'FAIL ' + row['reason']}", flush=True)
+    return rows, failures
+
+
 def run_varlen_grid(names, quick: bool, out) -> tuple:
     from harness.check import check_varlen_case
 
@@ -332,8 +366,9 @@ def main(argv=None) -> int:
         print(f"error: ref_check runs its own grid and would ignore {', '.join(ignored)}: unset them, or check "
               "one workload with `CHECK=1 python bench.py`", file=sys.stderr)
         return 2
-    if args.decode + args.backward + args.varlen > 1:
-        print("error: --decode, --backward and --varlen are three grids: name one", file=sys.stderr)
+    if args.decode + args.backward + args.varlen > 1 and not (args.varlen and args.backward and not args.decode):
+        print("error: --decode, --backward and --varlen are three grids: name one (or --varlen --backward, the "
+              "packed backward's)", file=sys.stderr)
         return 2
     if args.features and args.varlen:
         print("error: --features picks cases of the forward, --backward and --decode grids", file=sys.stderr)
@@ -356,9 +391,12 @@ def main(argv=None) -> int:
     seqlens = QUICK_SEQLENS if args.quick else SEQLENS
     out = results.open_result_file(args.out, results.command_line("ref_check.py", argv))
     print(f"device: {torch.cuda.get_device_name()}")
-    if args.varlen:
+    if args.varlen and args.backward:
+        rows, failures = run_varlen_backward_grid(["k10_fa3"] if args.kernels in ([], ["all"]) else stages,
+                                                  args.quick, out)
+    elif args.varlen:
         rows, failures = run_varlen_grid(["k6"] if args.kernels in ([], ["all"]) else args.kernels, args.quick, out)
-    if args.decode or args.backward:
+    elif args.decode or args.backward:
         rows, failures = (run_decode(args.quick, out, args.features) if args.decode
                           else run_backward_grid(seqlens, out, stages, args.features))
     if args.decode or args.backward or args.varlen:

@@ -533,3 +533,60 @@ def check_varlen_case(name: str, lengths_q: list, lengths_k: list, nheads: int, 
     c = compare(out, ref, lse, ref_lse, dtype, peer=peer, lse_slack=softcap * TANH_APPROX_REL)
     return dict(row, max_abs=c.max_abs, peer_max_abs=c.peer_max_abs, rel_l2=c.rel_l2, lse_max_abs=c.lse_max_abs,
                 ok=not c.verdict, reason=c.verdict)
+
+
+def check_varlen_backward_case(stage: str, lengths_q: list, lengths_k: list, nheads: int, nheads_kv: int,
+                               head_dim: int, causal: bool, softcap: float = 0.0, window=(-1, -1),
+                               dtype: str = "bfloat16", cu_on_cpu: bool = False, seed=None) -> dict:
+    """One packed backward case: fresh inputs and dO, O and LSE from K6's packed forward, the
+    ``stage``'s dq, dk, dv (``attention_varlen_backward``) into NaN-poisoned tensors; each
+    sequence's gradients against float64 autograd of that sequence alone (``reference_grads``),
+    with ``check_backward``'s bar (twice the 16-bit peer's error on that sequence, + GRAD_FLOOR);
+    a sequence without queries must get dK = dV = 0 exactly. Returns a result row (the worst
+    sequence's errors)."""
+    import torch
+
+    from .inputs import torch_dtype
+    from .reference import capped_grads_16bit, reference_grads, sdpa_grads
+    from .varlen import attention_varlen, attention_varlen_backward
+
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(seed if seed is not None else torch.seed() % (2**63))
+    dt = torch_dtype(dtype)
+    q, dout = (torch.randn(sum(lengths_q), nheads, head_dim, device="cuda", dtype=dt, generator=gen) for _ in range(2))
+    k, v = (torch.randn(sum(lengths_k), nheads_kv, head_dim, device="cuda", dtype=dt, generator=gen) for _ in range(2))
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(x, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int32,
+                               device="cpu" if cu_on_cpu else "cuda") for x in (lengths_q, lengths_k))
+    scale, window = head_dim ** -0.5, tuple(window)
+    row = dict(kernel=stage, lengths_q=list(lengths_q), lengths_k=list(lengths_k), nheads=nheads, nheads_kv=nheads_kv,
+               head_dim=head_dim, dtype=dtype, causal=int(causal), softcap=softcap, window=list(window),
+               cu_seqlens_on_cpu=cu_on_cpu, backward=True)
+    lengths = (max(lengths_q), max(lengths_k))
+    out, lse = attention_varlen("k6", q, k, v, cu_q, cu_k, *lengths, causal=causal, softmax_scale=scale,
+                                return_lse=True, softcap=softcap or None, window_size=window)
+    grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
+    attention_varlen_backward(q, k, v, out, lse, dout, cu_q, cu_k, *lengths, causal=causal, softmax_scale=scale,
+                              backward=stage, softcap=softcap or None, window_size=window, grads=grads)
+    torch.cuda.synchronize()
+    worst, reasons = {f"{g}_{e}": 0.0 for g in ("dq", "dk", "dv") for e in ("max_abs", "sdpa_max_abs")}, []
+    qs, ks = cu_q.tolist(), cu_k.tolist()
+    for b in range(len(lengths_q)):
+        rows_q, rows_k = slice(qs[b], qs[b + 1]), slice(ks[b], ks[b + 1])
+        if lengths_q[b] == 0:  # its keys see no query: their gradients are exactly 0
+            if not all(bool((g[rows_k] == 0).all()) for g in grads[1:]):
+                reasons.append(f"sequence {b} (no queries): dk, dv not all 0")
+            continue
+        seq = [t[rows].transpose(0, 1)[None] for t, rows in ((q, rows_q), (k, rows_k), (v, rows_k), (dout, rows_q))]
+        want = reference_grads(*seq, causal, scale, softcap, window)
+        peer = (sdpa_grads(*seq, causal, scale, window) if not softcap
+                else capped_grads_16bit(*seq, causal, scale, softcap, window))
+        got = [g[rows].transpose(0, 1)[None] for g, rows in zip(grads, (rows_q, rows_k, rows_k))]
+        for name, mine, ref, sdpa_grad in zip(("dq", "dk", "dv"), got, want, peer):
+            max_abs = float((mine.double() - ref).abs().nan_to_num(float("inf")).max())
+            peer_max_abs = float((sdpa_grad.double() - ref).abs().max())
+            if not within_grad_bar(max_abs, peer_max_abs):  # NaN fails too
+                reasons.append(f"sequence {b}: {name} max_abs {max_abs:.3g} > {PEER_FACTOR:g} x the 16-bit peer's "
+                               f"{peer_max_abs:.3g} + {GRAD_FLOOR:g}")
+            worst[f"{name}_max_abs"] = max(worst[f"{name}_max_abs"], max_abs)
+            worst[f"{name}_sdpa_max_abs"] = max(worst[f"{name}_sdpa_max_abs"], peer_max_abs)
+    return dict(row, **worst, ok=not reasons, reason="; ".join(reasons)[:300], status="ok" if not reasons else "failed")

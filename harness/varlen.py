@@ -198,18 +198,137 @@ def varlen_tiles(lengths_q: list, lengths_k: list, tile_m: int, causal: bool, wi
 
 def attention_varlen(name: str, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
                      causal: bool = False, softmax_scale=None, return_lse: bool = False, *, softcap=None,
-                     window_size=None):
+                     window_size=None, backward=None):
     """flash-attn's varlen call: q (total_q, heads, d), k and v (total_k, heads_kv, d), sequence b
     in rows cu_seqlens[b]:cu_seqlens[b + 1]; causal and the window aligned bottom-right per
     sequence. Returns O (total_q, heads, d) and, with ``return_lse``, the LSE (heads, total_q). The
-    warp-specialized 16-bit stages (k5 on) take it, forward only. Every check runs before the
-    launch, which needs cu_seqlens's values on the host (to list the tiles): cu_seqlens on the GPU
-    cost a wait for the work queued before the call the first time a tensor is passed
-    (``known_prefix_sums``), cu_seqlens on the CPU none."""
+    warp-specialized 16-bit stages (k5 on) take it. Every check runs before the launch, which
+    needs cu_seqlens's values on the host (to list the tiles): cu_seqlens on the GPU cost a wait
+    for the work queued before the call the first time a tensor is passed
+    (``known_prefix_sums``), cu_seqlens on the CPU none. Differentiable: with inputs that need
+    gradients, autograd runs ``attention_varlen_backward`` (K10, ``backward=`` as ``attention``
+    takes it), checked before the forward."""
+    import torch
+
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v)):
+        check_varlen_differentiable(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                    softmax_scale, softcap, window_size, backward)
+        out, lse = _varlen_function().apply(q, k, v, name, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                          causal, softmax_scale, softcap, window_size, backward)
+        return (out, lse) if return_lse else out
     launch, out, lse = prepare_varlen(name, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                                       softmax_scale, return_lse, softcap=softcap, window_size=window_size)
     launch()
     return (out, lse) if return_lse else out
+
+
+def _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, softcap,
+                    window_size):
+    """(Problem, lengths_q, lengths_k) of a packed call, every argument checked. The Problem's
+    lengths are the longest sequences', not the max_seqlen bounds (which may be loose)."""
+    import torch
+
+    from kernels.contract import Problem, as_causal, as_scale
+
+    lengths_q, lengths_k = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    bounded = as_causal(causal) or as_window(window_size) != (-1, -1)
+    for b, (n_q, n_k) in enumerate(zip(lengths_q, lengths_k)):
+        if n_q and (n_k == 0 or (bounded and n_q > n_k)):
+            raise UnsupportedProblem(f"sequence {b} has {n_q} queries and {n_k} keys: every query must see a key "
+                                     f"({'causal or windowed, aligned bottom-right, keys must not be fewer' if bounded else 'no keys'})")
+    dtype = {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(q.dtype, str(q.dtype).replace("torch.", ""))
+    p = Problem(len(lengths_q), q.shape[1], max(max(lengths_q), 1), q.shape[2], dtype=dtype, causal=as_causal(causal),
+                softmax_scale=None if softmax_scale is None else as_scale(softmax_scale),
+                seqlen_k=max(max(lengths_k), 1), nheads_kv=k.shape[1], softcap=as_softcap(softcap),
+                window=as_window(window_size), varlen=True)
+    return p, lengths_q, lengths_k
+
+
+def check_varlen_differentiable(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
+                                softmax_scale=None, softcap=None, window_size=None, backward=None):
+    """Before a packed forward whose inputs need gradients: refuse what the packed backward cannot
+    do, naming the constraint, before anything is launched."""
+    import torch
+
+    from .backward import require_stage, stage_module
+
+    stage = require_stage(backward)
+    module = stage_module(stage)
+    if not hasattr(module, "run_varlen_backward"):
+        raise UnsupportedProblem(f"backward={stage!r} takes no packed sequences (varlen): K10's stages do "
+                                 f"(backward=None or 'k10_fa3')")
+    if torch.are_deterministic_algorithms_enabled():
+        raise UnsupportedProblem("torch.use_deterministic_algorithms(True): the packed backward has no deterministic "
+                                 "mode yet (its dQ shares add up in arrival order)")
+    p, _, _ = _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                              softcap, window_size)
+    module.check(p)
+    return stage, p
+
+
+def attention_varlen_backward(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
+                              max_seqlen_k: int, causal: bool = False, softmax_scale=None, backward=None, *,
+                              softcap=None, window_size=None, grads: tuple | None = None) -> tuple:
+    """(dq, dk, dv) of ``out = attention_varlen(..., q, k, v, ...)`` for the gradient ``dout`` of
+    ``out``, given the forward's ``out`` (total_q, heads, d) and ``lse`` (heads, total_q), as
+    ``attention_varlen(..., return_lse=True)`` returns them (what ring/context-parallel attention
+    needs). K10's backward on each sequence's rows; ``grads``: three tensors to write into."""
+    import torch
+
+    from .backward import _COMPILED, stage_module, stage_overrides
+    from .inputs import require_cuda
+
+    stage, p = check_varlen_differentiable(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                           softmax_scale, softcap, window_size, backward)
+    for name, t, shape, dtype in (("out", out, q.shape, q.dtype), ("dout", dout, q.shape, q.dtype),
+                                  ("lse", lse, (q.shape[1], q.shape[0]), torch.float32)):
+        if not isinstance(t, torch.Tensor) or t.shape != shape or t.dtype != dtype or t.device != q.device:
+            got = f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise UnsupportedProblem(f"{name} must be a {dtype} tensor of shape {tuple(shape)} on q's device "
+                                     f"({q.device}), got {got}")
+    require_cuda(q, k, v)
+    if q.shape[0] == 0:  # no queries at all: nothing reaches any key
+        dq, dk, dv = grads if grads is not None else (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
+        dk.zero_(), dv.zero_()
+        return dq, dk, dv
+    module = stage_module(stage)
+    key = (stage, p.with_(softmax_scale=None), q.get_device(), False)
+    if key not in _COMPILED:
+        _COMPILED[key] = module.compile_backward(p, **stage_overrides(stage))
+    with torch.cuda.device(q.device):
+        cu_q, cu_k = (t.to(q.device, non_blocking=True).contiguous() for t in (cu_seqlens_q, cu_seqlens_k))
+        return module.run_varlen_backward(_COMPILED[key], q.detach(), k.detach(), v.detach(), out.detach(),
+                                          lse.detach().contiguous(), dout, p.scale, cu_q, cu_k, p.kv_len, grads)
+
+
+@functools.lru_cache(maxsize=None)
+def _varlen_function():
+    """The torch.autograd.Function, made on first use (this module imports torch lazily)."""
+    import torch
+
+    class VarlenAttention(torch.autograd.Function):
+        """attention_varlen under autograd: the forward saves q, k, v, O and LSE (the LSE output is
+        not differentiable); the backward is ``attention_varlen_backward``."""
+
+        @staticmethod
+        def forward(ctx, q, k, v, name, cu_q, cu_k, max_q, max_k, causal, scale, softcap, window, backward):
+            launch, out, lse = prepare_varlen(name, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, True,
+                                              softcap=softcap, window_size=window)
+            launch()
+            ctx.save_for_backward(q, k, v, out, lse)
+            ctx.args = (cu_q, cu_k, max_q, max_k, causal, scale, backward, softcap, window)
+            ctx.mark_non_differentiable(lse)
+            return out, lse
+
+        @staticmethod
+        def backward(ctx, dout, _dlse):
+            q, k, v, out, lse = ctx.saved_tensors
+            cu_q, cu_k, max_q, max_k, causal, scale, backward, softcap, window = ctx.args
+            dq, dk, dv = attention_varlen_backward(q, k, v, out, lse, dout, cu_q, cu_k, max_q, max_k, causal, scale,
+                                                   backward, softcap=softcap, window_size=window)
+            return (dq, dk, dv) + (None,) * 10
+
+    return VarlenAttention
 
 
 def prepare_varlen(name: str, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
@@ -220,29 +339,18 @@ def prepare_varlen(name: str, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q:
     import torch
 
     from kernels import get_kernel
-    from kernels.contract import Problem, as_causal, as_flag, as_scale
+    from kernels.contract import as_flag
 
     from .api import compiled_for
     from .inputs import require_cuda, require_name
 
     require_name(name)
-    causal, return_lse = as_causal(causal), as_flag("return_lse", return_lse)
-    scale = None if softmax_scale is None else as_scale(softmax_scale)
-    lengths_q, lengths_k = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    window = as_window(window_size)
-    bounded = causal or window != (-1, -1)
-    for b, (n_q, n_k) in enumerate(zip(lengths_q, lengths_k)):
-        if n_q and (n_k == 0 or (bounded and n_q > n_k)):
-            raise UnsupportedProblem(f"sequence {b} has {n_q} queries and {n_k} keys: every query must see a key "
-                                     f"({'causal or windowed, aligned bottom-right, keys must not be fewer' if bounded else 'no keys'})")
+    return_lse = as_flag("return_lse", return_lse)
+    p, lengths_q, lengths_k = _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                              softmax_scale, softcap, window_size)
+    causal, window = p.causal, p.window
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        raise UnsupportedProblem("attention_varlen is forward-only: call it on tensors that do not require grad, or "
-                                 "under torch.no_grad()")
-    dtype = {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(q.dtype, str(q.dtype).replace("torch.", ""))
-    # the longest sequences, not the max_seqlen bounds (which may be loose): the configuration's lengths
-    p = Problem(len(lengths_q), q.shape[1], max(max(lengths_q), 1), q.shape[2], dtype=dtype, causal=causal,
-                softmax_scale=scale, seqlen_k=max(max(lengths_k), 1), nheads_kv=k.shape[1], softcap=as_softcap(softcap),
-                window=window, varlen=True)
+        raise UnsupportedProblem("prepare_varlen launches the forward alone: for gradients call attention_varlen")
     entry = get_kernel(name)
     entry.caps.check(p, want_lse=return_lse)
     for role, t in (("q", q), ("k", k), ("v", v)):

@@ -29,7 +29,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from . import k5, k9, sm90, tma_pipeline
 from .tiles import kv_window_tiles, query_window_tiles
-from .contract import LOG2_E, FakeShapes, Problem, cute_dtype, fake_stream, jit_compile, num_sms
+from .contract import LOG2_E, FakeShapes, Problem, UnsupportedProblem, cute_dtype, fake_stream, jit_compile, num_sms
 
 HEAD_DIMS = k9.HEAD_DIMS
 DEFAULT_CONFIG = k9.DEFAULT_CONFIG
@@ -51,8 +51,10 @@ FLAT_WIDTH = 256
 class K10Backward(k9.K9Backward):
     def __init__(self, head_dim: int, dtype, causal: bool, num_wg: int, tile_m: int, q_stages: int,
                  deterministic: bool = False, overlap: bool = False, dq_flat: bool = False,
-                 ds_stmatrix: bool = False, last_first: bool = False, window: tuple = None, softcap: float = 0.0):
+                 ds_stmatrix: bool = False, last_first: bool = False, window: tuple = None, softcap: float = 0.0,
+                 varlen: bool = False):
         super().__init__(head_dim, dtype, causal, num_wg, tile_m, q_stages)
+        self.varlen = varlen  # packed sequences: ``call_varlen``
         assert not (softcap and overlap), "the overlapped step has no registers left for the softcap's tanh'"
         self.window = window  # Problem.window, or None: tiles.query_window_tiles bounds the walk
         self.softcap = softcap
@@ -70,7 +72,26 @@ class K10Backward(k9.K9Backward):
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE2: cute.Tensor,
                  mD: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, softmax_scale: Float32,
                  stream, mdQsem: Optional[cute.Tensor] = None):
-        dt, tile_m, tile_n = self.dtype, self.tile_m, self.tile_n
+        grid = (cute.ceil_div(mK.shape[2], self.tile_n), mK.shape[1], mK.shape[0])
+        self.launch(mQ, mK, mV, mdO, mLSE2, mD, mdQaccum, mdK, mdV, softmax_scale, stream, mdQsem, None, grid)
+
+    @cute.jit
+    def call_varlen(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE2: cute.Tensor,
+                    mD: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
+                    softmax_scale: Float32, stream, mdQsem: Optional[cute.Tensor], mCuSeqlensQ: cute.Tensor,
+                    mCuSeqlensK: cute.Tensor, max_seqlen_k: Int32):
+        """Packed sequences: every tensor a (1, heads, total rows, ...) view, sequence b in rows
+        cu_seqlens[b]:cu_seqlens[b + 1]. One CTA per (key tile of the longest sequence, K/V head,
+        sequence); a CTA past its sequence's keys walks no query tile."""
+        grid = (cute.ceil_div(max_seqlen_k, self.tile_n), mK.shape[1], mCuSeqlensQ.shape[0] - 1)
+        self.launch(mQ, mK, mV, mdO, mLSE2, mD, mdQaccum, mdK, mdV, softmax_scale, stream, mdQsem,
+                    (mCuSeqlensQ, mCuSeqlensK), grid)
+
+    @cute.jit
+    def launch(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE2: cute.Tensor,
+               mD: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, softmax_scale: Float32,
+               stream, mdQsem: Optional[cute.Tensor], seqs: Optional[tuple], grid: tuple):
+        dt, tile_m = self.dtype, self.tile_m
         tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = self.tiled_mmas()
         sK_layout, sQ_layout, sdS_layout = self.smem_layouts()
         sdQ_layout = tma_pipeline.row_major(*self.dq_box)  # fp32, as the TMA reduce reads it
@@ -101,8 +122,7 @@ class K10Backward(k9.K9Backward):
             sLSE: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sRow_layout)], 128]
             sD: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sRow_layout)], 128]
 
-        grid = (cute.ceil_div(mK.shape[2], tile_n), mK.shape[1], mK.shape[0])
-        self.kernel(mQ_tma, mK_tma, mV_tma, mdO_tma, mdQ_tma, mLSE_tma, mD_tma, mLSE2.shape, mdK, mdV, mdQsem,
+        self.kernel(mQ_tma, mK_tma, mV_tma, mdO_tma, mdQ_tma, mLSE_tma, mD_tma, mLSE2.shape, mdK, mdV, mdQsem, seqs,
                     (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_dQ, tma_atom_LSE, tma_atom_D),
                     softmax_scale * LOG2_E, softmax_scale, (sK_layout, sQ_layout, sdS_layout, sdQ_layout, sRow_layout),
                     (tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq), SharedStorage).launch(grid=grid, block=[self.num_threads, 1, 1],
@@ -111,7 +131,7 @@ class K10Backward(k9.K9Backward):
     @cute.kernel
     def kernel(self, mQ_tma: cute.Tensor, mK_tma: cute.Tensor, mV_tma: cute.Tensor, mdO_tma: cute.Tensor,
                mdQ_tma: cute.Tensor, mLSE_tma: cute.Tensor, mD_tma: cute.Tensor, q_rows: tuple, mdK: cute.Tensor,
-               mdV: cute.Tensor, mdQsem: Optional[cute.Tensor], atoms: tuple, scale_log2: Float32,
+               mdV: cute.Tensor, mdQsem: Optional[cute.Tensor], seqs: Optional[tuple], atoms: tuple, scale_log2: Float32,
                softmax_scale: Float32, layouts: tuple, mmas: tuple, SharedStorage: cutlass.Constexpr):
         tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_dQ, tma_atom_LSE, tma_atom_D = atoms
         sK_layout, sQ_layout, sdS_layout, sdQ_layout, sRow_layout = layouts
@@ -119,6 +139,14 @@ class K10Backward(k9.K9Backward):
         n_block, kv_head, batch = cute.arch.block_idx()
         seqlen, seqlen_k = q_rows[2], mdK.shape[2]
         group = q_rows[1] // mdK.shape[1]
+        starts = None  # packed: where the sequence's queries and keys start, as TMA row offsets
+        if cutlass.const_expr(self.varlen):
+            mCuSeqlensQ, mCuSeqlensK = seqs
+            q0, k0 = mCuSeqlensQ[batch], mCuSeqlensK[batch]
+            seqlen, seqlen_k = mCuSeqlensQ[batch + 1] - q0, mCuSeqlensK[batch + 1] - k0
+            starts = ((q0, 0), (k0, 0))
+            mdK, mdV = k5.sequence_rows(mdK, k0, seqlen_k), k5.sequence_rows(mdV, k0, seqlen_k)
+            batch = Int32(0)  # of the packed (1, heads, total, ...) views
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
             tma_pipeline.prefetch_descriptors(*atoms)
@@ -148,64 +176,74 @@ class K10Backward(k9.K9Backward):
         if cutlass.const_expr(self.window is not None):  # possibly none: a key before every query's window
             m_first, m_end = query_window_tiles(n_block, seqlen, seqlen_k, tile_m, tile_n, self.causal, self.window)
             per_head = m_end - m_first
+        if cutlass.const_expr(self.varlen):  # a key tile past its sequence's keys: no walk (nothing stored)
+            per_head = cutlass.select_(n_block * tile_n < seqlen_k, cutlass.max(per_head, 0), Int32(0))
         walk = (kv_head * group, m_first, per_head)
         count = per_head * group
 
         if warp_idx < 4:  # the producer warpgroup
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
-                self.load(pipeline_kv, pipeline_qdo, walk, count, n_block, kv_head, batch,
+                self.load(pipeline_kv, pipeline_qdo, walk, count, n_block, kv_head, batch, starts,
                           (tma_atom_K, mK_tma, sK, tma_atom_V, mV_tma, sV),
                           (tma_atom_Q, mQ_tma, sQ, tma_atom_dO, mdO_tma, sdO, tma_atom_LSE, mLSE_tma, sLSE,
                            tma_atom_D, mD_tma, sD))
             elif warp_idx == 1:
-                self.write_dq(tma_atom_dQ, mdQ_tma, sdQ, walk, count, batch,
+                self.write_dq(tma_atom_dQ, mdQ_tma, sdQ, walk, count, batch, starts,
                               (mdQsem, n_block, q_rows[1], m_tiles, offset, cute.ceil_div(seqlen_k, tile_n)))
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
-            self.mma(pipeline_kv, pipeline_qdo, walk, count, n_block, kv_head, batch, (seqlen, offset),
+            self.mma(pipeline_kv, pipeline_qdo, walk, count, n_block, kv_head, batch, (seqlen, offset, seqlen_k),
                      (sK, sV, sQ, sdO, sdS, sdQ), mmas, sLSE, sD, mdK, mdV, scale_log2, softmax_scale)
 
     # ---- Producer warpgroup: warp 0 loads, warp 1 writes dQ ------------------------------------
 
     @cute.jit
     def load(self, pipeline_kv, pipeline_qdo, walk: tuple, count: Int32, n_block: Int32, kv_head: Int32,
-             batch: Int32, kv_sources: tuple, qdo_sources: tuple):
+             batch: Int32, starts: Optional[tuple], kv_sources: tuple, qdo_sources: tuple):
         tma_atom_K, mK_tma, sK, tma_atom_V, mV_tma, sV = kv_sources
         tile = (self.tile_n, self.head_dim)
-        tKsK, tKgK = tma_pipeline.partition_for_tma(tma_atom_K, mK_tma, sK, tile, kv_head, batch, (None, 0))
-        tVsV, tVgV = tma_pipeline.partition_for_tma(tma_atom_V, mV_tma, sV, tile, kv_head, batch, (None, 0))
+        keys = starts[1] if cutlass.const_expr(starts is not None) else None
+        tKsK, tKgK = tma_pipeline.partition_for_tma(tma_atom_K, mK_tma, sK, tile, kv_head, batch, (None, 0),
+                                                    offset=keys)
+        tVsV, tVgV = tma_pipeline.partition_for_tma(tma_atom_V, mV_tma, sV, tile, kv_head, batch, (None, 0),
+                                                    offset=keys)
         tma_pipeline.load_kv_stage(pipeline_kv, tma_pipeline.pipe_state(1, 0, producer=True), n_block,
                                    tma_atom_K, tKgK, tKsK, tma_atom_V, tVgV, tVsV)
         for t in cutlass.range(count, unroll=1):  # each waits until the consumers have released its stage
-            self.load_qdo(pipeline_qdo, t, walk, batch, qdo_sources)
+            self.load_qdo(pipeline_qdo, t, walk, batch, qdo_sources, starts)
         # No mbarrier arrive may land after the CTA has exited: wait for the last releases.
         pipeline_qdo.producer_tail(tma_pipeline.pipe_state(self.q_stages, count, producer=True))
 
     @cute.jit
-    def load_qdo(self, pipeline_qdo, t: Int32, walk: tuple, batch: Int32, sources: tuple):
+    def load_qdo(self, pipeline_qdo, t: Int32, walk: tuple, batch: Int32, sources: tuple, starts=None):
         """Producer: step t's Q and dO tiles and its rows' LSE2 and D, into stage t % q_stages, all
-        four completing one barrier."""
+        four completing one barrier (packed, ``starts``: from the sequence's first row)."""
         (tma_atom_Q, mQ_tma, sQ, tma_atom_dO, mdO_tma, sdO, tma_atom_LSE, mLSE_tma, sLSE, tma_atom_D, mD_tma,
          sD) = sources
         head, m_block = self.step_at(t, walk)
         tile = (self.tile_m, self.head_dim)
-        tQsQ, tQgQ = tma_pipeline.partition_for_tma(tma_atom_Q, mQ_tma, sQ, tile, head, batch, (None, 0))
-        tdOsdO, tdOgdO = tma_pipeline.partition_for_tma(tma_atom_dO, mdO_tma, sdO, tile, head, batch, (None, 0))
+        rows = starts[0] if cutlass.const_expr(starts is not None) else None
+        tQsQ, tQgQ = tma_pipeline.partition_for_tma(tma_atom_Q, mQ_tma, sQ, tile, head, batch, (None, 0), offset=rows)
+        tdOsdO, tdOgdO = tma_pipeline.partition_for_tma(tma_atom_dO, mdO_tma, sdO, tile, head, batch, (None, 0),
+                                                        offset=rows)
         state = tma_pipeline.pipe_state(self.q_stages, t, producer=True)
         pipeline_qdo.producer_acquire(state)
         barrier = pipeline_qdo.producer_get_barrier(state)
         cute.copy(tma_atom_Q, tQgQ[None, m_block], tQsQ[None, state.index], tma_bar_ptr=barrier)
         cute.copy(tma_atom_dO, tdOgdO[None, m_block], tdOsdO[None, state.index], tma_bar_ptr=barrier)
         for atom, m_tma, s_rows in ((tma_atom_LSE, mLSE_tma, sLSE), (tma_atom_D, mD_tma, sD)):
-            g_rows = cute.local_tile(m_tma[None, head, batch], (self.tile_m,), (None,))
+            g_rows = m_tma[None, head, batch]
+            if cutlass.const_expr(starts is not None):
+                g_rows = cute.domain_offset((rows[0],), g_rows)
+            g_rows = cute.local_tile(g_rows, (self.tile_m,), (None,))
             t_s, t_g = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s_rows, 0, 1),
                                              cute.group_modes(g_rows, 0, 1))
             cute.copy(atom, t_g[None, m_block], t_s[None, state.index], tma_bar_ptr=barrier)
 
     @cute.jit
     def write_dq(self, tma_atom_dQ: cute.CopyAtom, mdQ_tma: cute.Tensor, sdQ: cute.Tensor, walk: tuple,
-                 count: Int32, batch: Int32, order: tuple):
+                 count: Int32, batch: Int32, starts: Optional[tuple], order: tuple):
         """Each step's dQ share, once the MMA warps have written it to sdQ, added into the fp32
         accumulator by one TMA reduce-add; sdQ is handed back as soon as the TMA has read it.
         Deterministic (``order``: the semaphores, this CTA's key tile, heads, query tiles): a share
@@ -214,7 +252,8 @@ class K10Backward(k9.K9Backward):
         for t in cutlass.range(count, unroll=1):
             head, m_block = self.step_at(t, walk)
             tdQsdQ, tdQgdQ = tma_pipeline.partition_for_tma(tma_atom_dQ, mdQ_tma, sdQ, self.dq_box, head, batch,
-                                                            (None, 0))
+                                                            (None, 0), offset=starts[0] if cutlass.const_expr(
+                                                                starts is not None) else None)
             cute.arch.barrier(barrier_id=Barrier.DQ_FULL, number_of_threads=handoff)
             if cutlass.const_expr(self.deterministic):
                 self.wait_turn(order, head, m_block, batch)
@@ -271,7 +310,7 @@ class K10Backward(k9.K9Backward):
         TMA brought them with Q and dO): each column's pair is read once, as it is needed. With a
         softcap c the forward's score was c * t, t = tanh(S * scale / c): P = exp2(c * log2(e) * t
         - LSE2), and the chain rule through the cap multiplies dS by 1 - t^2."""
-        seqlen, offset = lens
+        seqlen, offset, seqlen_k = lens
         s_mn, dp_mn, c_mn = sm90.acc_mn_view(acc_S), sm90.acc_mn_view(acc_dP), sm90.acc_mn_view(tScS)
         if cutlass.const_expr(self.softcap > 0.0):
             cap_scale, scale_log2 = softmax_scale * (1.0 / self.softcap), Float32(self.softcap * LOG2_E)
@@ -282,7 +321,7 @@ class K10Backward(k9.K9Backward):
                 if cutlass.const_expr(self.softcap > 0.0):
                     score = sm90.tanh_approx(score * cap_scale)
                     slope = 1.0 - score * score
-                p = self.probability(score, lse2, (n_block, c_mn[r, c][0]), (q, offset), scale_log2)
+                p = self.probability(score, lse2, (n_block, c_mn[r, c][0], seqlen_k), (q, offset), scale_log2)
                 s_mn[r, c] = p
                 dp_mn[r, c] = p * (dp_mn[r, c] - dot) * (softmax_scale * slope if cutlass.const_expr(
                     self.softcap > 0.0) else softmax_scale)
@@ -319,12 +358,17 @@ class K10Backward(k9.K9Backward):
     @cute.jit
     def probability(self, score: Float32, lse2: Float32, key: tuple, query: tuple, scale_log2: Float32) -> Float32:
         """P = exp2(S * scale_log2 - LSE2) of one score; 0 where the query does not see the key
-        (``hidden``; ``key``: its key tile and its column there; ``query``: the query and the
-        diagonal's offset)."""
+        (``hidden``; ``key``: its key tile, its column there and the sequence's key count; ``query``:
+        the query and the diagonal's offset). Packed and not causal, also past the sequence's keys:
+        the last key tile holds the next sequence's first keys, not the TMA's zeros."""
         p = cute.math.exp2(score * scale_log2 - lse2, fastmath=True)
-        if cutlass.const_expr(self.causal or self.window is not None):
-            (n_block, column), (q, offset) = key, query
-            if self.hidden(n_block * self.tile_n + column, q + offset):
+        if cutlass.const_expr(self.causal or self.window is not None or self.varlen):
+            (n_block, column, seqlen_k), (q, offset) = key, query
+            index = n_block * self.tile_n + column
+            out = self.hidden(index, q + offset)
+            if cutlass.const_expr(self.varlen and not self.causal):
+                out = (index >= seqlen_k) if cutlass.const_expr(out is None) else out | (index >= seqlen_k)
+            if out:
                 p = Float32(0.0)
         return p
 
@@ -423,12 +467,13 @@ class K10Backward(k9.K9Backward):
     def probabilities(self, acc_S: cute.Tensor, tScS: cute.Tensor, sLSE: cute.Tensor, n_block: Int32,
                       m_block: Int32, lens: tuple, scale_log2: Float32):
         """``p_and_ds``'s first half: acc_S becomes P^T, column by column."""
-        seqlen, offset = lens
+        seqlen, offset, seqlen_k = lens
         s_mn, c_mn = sm90.acc_mn_view(acc_S), sm90.acc_mn_view(tScS)
         for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
             q, lse2, _ = self.column_rows(c_mn, c, m_block, seqlen, sLSE)
             for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
-                s_mn[r, c] = self.probability(s_mn[r, c], lse2, (n_block, c_mn[r, c][0]), (q, offset), scale_log2)
+                s_mn[r, c] = self.probability(s_mn[r, c], lse2, (n_block, c_mn[r, c][0], seqlen_k), (q, offset),
+                                              scale_log2)
 
     @cute.jit
     def score_grads(self, acc_P: cute.Tensor, acc_dP: cute.Tensor, tScS: cute.Tensor, sD: cute.Tensor,
@@ -525,9 +570,14 @@ def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = F
     from cutlass.cute.runtime import make_fake_tensor
 
     check(p)
+    if p.varlen and deterministic:
+        raise UnsupportedProblem("K10 (backward): packed sequences (varlen) have no deterministic mode yet (it would "
+                                 "need a dQ semaphore per (sequence, query tile)); call it without "
+                                 "torch.use_deterministic_algorithms(True)")
     cfg = k9.config(p, overrides)
     if p.softcap and cfg.get("overlap"):  # the overlapped step keeps no register for tanh's derivative
         cfg = cfg.with_(overlap=False)
+    dq_flat = dq_flat and not p.varlen  # flat shares are numbered by query tile; a packed tile starts at any row
     dt = cute_dtype(p.dtype)
     key_tiles = -(-p.kv_len // (sm90.WGMMA_M * cfg["num_wg"]))
     window = p.sliding_window
@@ -553,7 +603,10 @@ def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = F
                 x(dt, True), Float32(1.0), fake_stream())
         semaphores = make_fake_tensor(Int32, (cute.sym_int(),), stride=(1,), assumed_align=4) if deterministic else None
         kernel = K10Backward(p.head_dim, dt, p.causal, **cfg, deterministic=deterministic, dq_flat=dq_flat,
-                             last_first=last_first, **features)
+                             last_first=last_first, varlen=p.varlen, **features)
+        if p.varlen:  # cu_seqlens_q, cu_seqlens_k (int32, batch + 1) and the longest sequence's keys
+            cu = lambda: make_fake_tensor(Int32, (cute.sym_int(),), stride=(1,), assumed_align=4)  # noqa: E731
+            return kernel.call_varlen, args + (semaphores, cu(), cu(), Int32(1))
         return kernel, args + (semaphores,)
 
     def flat_post():
@@ -565,7 +618,7 @@ def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = F
     if dq_flat:
         post = jit_compile(("k10_flat_post", p.head_dim, p.dtype, tuple(sorted(cfg.items()))), flat_post, keep_ptx)
     key = ("k10", p.head_dim, p.dtype, p.causal, deterministic, last_first, dq_flat, tuple(sorted(cfg.items())),
-           *((tuple(sorted(features.items())),) if features else ()))
+           *((tuple(sorted(features.items())),) if features else ()), *(("varlen",) if p.varlen else ()))
     return pre, jit_compile(key, main, keep_ptx), post, cfg.with_(deterministic=deterministic, dq_flat=dq_flat,
                                                                   last_first=last_first)
 
@@ -587,3 +640,20 @@ def run_backward(compiled: tuple, q, k, v, o, lse, do, softmax_scale: float, gra
                            dtype=torch.float32)
         dq_accum = (flat.view(b, h, -1)[:, :, :n * d].view(b, h, n, d), flat)  # the pre-pass zeroes a part again
     return k9.run_backward((pre, main, post), q, k, v, o, lse, do, softmax_scale, grads, extra, dq_accum)
+
+
+def run_varlen_backward(compiled: tuple, q, k, v, o, lse, do, softmax_scale: float, cu_seqlens_q, cu_seqlens_k,
+                        max_seqlen_k: int, grads: tuple | None = None) -> tuple:
+    """``run_backward`` on packed sequences: q, o, do (total_q, heads, d), k, v (total_k, heads_kv,
+    d), lse (heads, total_q), cu_seqlens int32 on the GPU. The pre- and post-pass see one batch
+    entry of total_q rows (they work row by row); the main kernel each sequence's rows
+    (``call_varlen``). Returns (dq, dk, dv) in the packed layout."""
+    import torch
+
+    pre, main, post, cfg = compiled
+    packed = lambda t: t.unsqueeze(0).transpose(1, 2)  # noqa: E731  (total, heads, d) -> (1, heads, total, d)
+    dq, dk, dv = grads if grads is not None else (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
+    k9.run_backward((pre, main, post), *(packed(t) for t in (q, k, v, o)), lse.unsqueeze(0), packed(do),
+                    softmax_scale, tuple(packed(g) for g in (dq, dk, dv)),
+                    extra=(None, cu_seqlens_q, cu_seqlens_k, max_seqlen_k))
+    return dq, dk, dv

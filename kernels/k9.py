@@ -376,6 +376,8 @@ def check(p: Problem, stage: str = "K9", features: bool = False) -> None:
     """What the backward refuses; ``features``: whether the stage takes a window and a softcap."""
     if not features and (p.softcap or p.window != (-1, -1)):
         raise UnsupportedProblem(f"{stage} (backward): no sliding window or softcap (K10 takes them)")
+    if not features and p.varlen:
+        raise UnsupportedProblem(f"{stage} (backward): no packed sequences (varlen; K10 takes them)")
     if p.window != (-1, -1) and p.seqlen > p.kv_len:  # as the forward: the tile bounds assume keys >= queries
         raise UnsupportedProblem(f"{stage} (backward): a sliding window with more queries than keys (seqlen_q "
                                  f"{p.seqlen} > seqlen_k {p.kv_len}) is not supported")

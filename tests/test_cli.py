@@ -263,7 +263,9 @@ def test_backward_refuses_what_it_would_ignore_and_needs_a_gpu(capsys):
 
 
 def test_ref_check_refuses_two_grids_at_once_and_features_outside_theirs(capsys):
-    assert ref_check.main(["--varlen", "--backward"]) == 2
+    assert ref_check.main(["--decode", "--backward"]) == 2
+    assert "three grids" in capsys.readouterr().err
+    assert ref_check.main(["--varlen", "--decode"]) == 2
     assert "three grids" in capsys.readouterr().err
     assert ref_check.main(["--varlen", "--features"]) == 2
 

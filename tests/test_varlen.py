@@ -145,11 +145,45 @@ def test_a_packed_call_the_kernels_cannot_take_is_refused_by_name(name, kwargs, 
         varlen.attention_varlen(name, q, k, v, cu_q, cu_k, 5, max(lengths_k or [5]), **kwargs)
 
 
-def test_the_packed_call_is_forward_only():
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(backward="k9"), "backward='k9' takes no packed sequences"),
+    (dict(deterministic=True), "the packed backward has no deterministic mode yet"),
+    (dict(d=256), "head_dim 256 not supported"),
+])
+def test_a_packed_call_whose_backward_cannot_run_is_refused_before_the_forward(kwargs, match):
+    d = kwargs.pop("d", 64)
     q, k, v, cu_q, cu_k = (t.to(torch.bfloat16).requires_grad_() if t.is_floating_point() else t
-                           for t in _packed([5, 2, 5], d=64))
-    with pytest.raises(UnsupportedProblem, match="forward-only"):
-        varlen.attention_varlen("k6", q, k, v, cu_q, cu_k, 5, 5)
+                           for t in _packed([5, 2, 5], d=d))
+    deterministic = kwargs.pop("deterministic", False)
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        with pytest.raises(UnsupportedProblem, match=match):
+            varlen.attention_varlen("k6", q, k, v, cu_q, cu_k, 5, 5, **kwargs)
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def test_the_packed_backward_refuses_a_bad_lse_by_name():
+    q, k, v, cu_q, cu_k = (t.to(torch.bfloat16) if t.is_floating_point() else t for t in _packed([5, 2, 5], d=64))
+    with pytest.raises(UnsupportedProblem, match="lse must be a torch.float32 tensor of shape \\(4, 12\\)"):
+        varlen.attention_varlen_backward(q, k, v, q, torch.zeros(12, 4), q, cu_q, cu_k, 5, 5)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_k10_builds_a_packed_backward_that_starts_each_sequence_at_its_rows(causal):
+    from harness.inspect_ptx import count_instructions
+    from kernels.contract import Problem, compiled_ptx
+    from kernels.k10 import compile_backward
+
+    p = Problem(4, 8, 1000, 128, causal=causal, nheads_kv=2, varlen=True)
+    compiled = compile_backward(p, keep_ptx=True, overlap=True, dq_flat=True, ds_stmatrix=True)
+    assert not compiled[3]["dq_flat"]  # flat dQ tiles are numbered per query tile: a packed tile starts anywhere
+    ptx, plain = compiled_ptx(compiled[1]), compiled_ptx(compile_backward(p.with_(varlen=False), keep_ptx=True)[1])
+    counts = count_instructions(ptx)
+    assert counts["cp.async.bulk.tensor"] > 0 and re.search(r"cp\.reduce\.async\.bulk\.tensor[.a-z0-9:]*\.add", ptx)
+    assert counts["ld/st.local"] <= count_instructions(plain)["ld/st.local"] + 8  # a few spilled bytes at most
+    with pytest.raises(UnsupportedProblem, match="no deterministic mode yet"):
+        compile_backward(p, deterministic=True)
 
 
 @pytest.mark.parametrize("d,causal", [(128, False), (128, True)])  # K6 takes clusters and a TMA store here, rectangular
@@ -190,6 +224,36 @@ def test_the_packed_call_matches_the_float64_reference_sequence_by_sequence(d, c
                                     softcap=features.get("softcap", 0.0))
     c = compare(out, ref, lse, ref_lse, "bfloat16", lse_slack=features.get("softcap", 0.0) * 2.0 ** -11)
     assert not c.verdict, c.verdict
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("lengths,features", [([1000], {}), ([0, 17, 1, 300, 0, 1000, 128, 255], {}),
+                                              ([0, 17, 1, 300, 0, 1000, 128, 255], dict(softcap=5.0, window=(100, 0)))])
+def test_the_packed_backward_matches_float64_autograd_sequence_by_sequence(d, causal, lengths, features):
+    from harness.check import check_varlen_backward_case
+
+    lengths_k = [n + (64 if i % 2 else 0) for i, n in enumerate(lengths)]
+    row = check_varlen_backward_case("k10_fa3", lengths, lengths_k, 8, 2, d, causal, features.get("softcap", 0.0),
+                                     features.get("window", (-1, -1)))
+    assert row["ok"], row["reason"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_autograd_through_the_packed_call_gives_the_packed_backwards_gradients():
+    q, k, v, cu_q, cu_k = (t.to("cuda", torch.bfloat16) if t.is_floating_point() else t.cuda()
+                           for t in _packed([300, 0, 17, 1000], d=128))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = varlen.attention_varlen("k6", *leaves, cu_q, cu_k, 1000, 1000, causal=True)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    o, lse = varlen.attention_varlen("k6", q, k, v, cu_q, cu_k, 1000, 1000, causal=True, return_lse=True)
+    want = varlen.attention_varlen_backward(q, k, v, o, lse, dout, cu_q, cu_k, 1000, 1000, causal=True)
+    for leaf, g in zip(leaves, want):  # the same kernels on the same inputs: equal up to dQ's fp32 add order
+        assert torch.allclose(leaf.grad.float(), g.float(), atol=2e-2, rtol=0), float((leaf.grad - g).abs().max())
 
 
 def test_the_varlen_benchmark_packing_is_fixed_and_counts_only_real_work():
