@@ -576,7 +576,9 @@ def check_varlen_backward_case(stage: str, lengths_q: list, lengths_k: list, nhe
             if not all(bool((g[rows_k] == 0).all()) for g in grads[1:]):
                 reasons.append(f"sequence {b} (no queries): dk, dv not all 0")
             continue
-        seq = [t[rows].transpose(0, 1)[None] for t, rows in ((q, rows_q), (k, rows_k), (v, rows_k), (dout, rows_q))]
+        # contiguous (1, heads, n, d) copies: SDPA's 16-bit backward is the peer, as in check_backward
+        seq = [t[rows].transpose(0, 1)[None].contiguous() for t, rows in ((q, rows_q), (k, rows_k), (v, rows_k),
+                                                                          (dout, rows_q))]
         want = reference_grads(*seq, causal, scale, softcap, window)
         peer = (sdpa_grads(*seq, causal, scale, window) if not softcap
                 else capped_grads_16bit(*seq, causal, scale, softcap, window))
