@@ -298,7 +298,8 @@ def attention_varlen_backward(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_
     with torch.cuda.device(q.device):
         cu_q, cu_k = (t.to(q.device, non_blocking=True).contiguous() for t in (cu_seqlens_q, cu_seqlens_k))
         return module.run_varlen_backward(_COMPILED[key], q.detach(), k.detach(), v.detach(), out.detach(),
-                                          lse.detach().contiguous(), dout, p.scale, cu_q, cu_k, p.kv_len, grads)
+                                          lse.detach().contiguous(), dout, p.scale, cu_q, cu_k, p.seqlen, p.kv_len,
+                                          grads)
 
 
 @functools.lru_cache(maxsize=None)

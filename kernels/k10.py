@@ -28,7 +28,7 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from . import k5, k9, sm90, tma_pipeline
-from .tiles import kv_window_tiles, query_window_tiles
+from .tiles import ROW_ALIGN, kv_window_tiles, packed_row_start, query_window_tiles
 from .contract import LOG2_E, FakeShapes, Problem, UnsupportedProblem, cute_dtype, fake_stream, jit_compile, num_sms
 
 HEAD_DIMS = k9.HEAD_DIMS
@@ -139,12 +139,12 @@ class K10Backward(k9.K9Backward):
         n_block, kv_head, batch = cute.arch.block_idx()
         seqlen, seqlen_k = q_rows[2], mdK.shape[2]
         group = q_rows[1] // mdK.shape[1]
-        starts = None  # packed: where the sequence's queries and keys start, as TMA row offsets
+        starts = None  # packed: where the sequence's queries, keys and LSE2/D rows start (TMA offsets)
         if cutlass.const_expr(self.varlen):
             mCuSeqlensQ, mCuSeqlensK = seqs
             q0, k0 = mCuSeqlensQ[batch], mCuSeqlensK[batch]
             seqlen, seqlen_k = mCuSeqlensQ[batch + 1] - q0, mCuSeqlensK[batch + 1] - k0
-            starts = ((q0, 0), (k0, 0))
+            starts = ((q0, 0), (k0, 0), packed_row_start(q0, batch))
             mdK, mdV = k5.sequence_rows(mdK, k0, seqlen_k), k5.sequence_rows(mdV, k0, seqlen_k)
             batch = Int32(0)  # of the packed (1, heads, total, ...) views
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -234,8 +234,8 @@ class K10Backward(k9.K9Backward):
         cute.copy(tma_atom_dO, tdOgdO[None, m_block], tdOsdO[None, state.index], tma_bar_ptr=barrier)
         for atom, m_tma, s_rows in ((tma_atom_LSE, mLSE_tma, sLSE), (tma_atom_D, mD_tma, sD)):
             g_rows = m_tma[None, head, batch]
-            if cutlass.const_expr(starts is not None):
-                g_rows = cute.domain_offset((rows[0],), g_rows)
+            if cutlass.const_expr(starts is not None):  # the pre-pass's padded rows: 16-byte aligned starts
+                g_rows = cute.domain_offset((starts[2],), g_rows)
             g_rows = cute.local_tile(g_rows, (self.tile_m,), (None,))
             t_s, t_g = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s_rows, 0, 1),
                                              cute.group_modes(g_rows, 0, 1))
@@ -530,6 +530,29 @@ class K10Backward(k9.K9Backward):
             sm90.store_rows(rX, None, tiled_mma_dkv, tidx, mX, None, n_block, kv_head, batch, tile_n)
 
 
+class VarlenPrepass(k9.Prepass):
+    """K9's pre-pass on packed sequences: a CTA per (block of rows, head, sequence). Sequence b's
+    LSE2 and D land at ``tiles.packed_row_start`` of its first row: a TMA box of floats starts
+    only 16 bytes into its innermost dimension, and a packed sequence may start at any row."""
+
+    @cute.jit
+    def __call__(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mLSE2: cute.Tensor, mD: cute.Tensor,
+                 mdQaccum: cute.Tensor, mCuSeqlensQ: cute.Tensor, max_seqlen_q: Int32, stream):
+        grid = (cute.ceil_div(max_seqlen_q, self.WARPS), mO.shape[1], mCuSeqlensQ.shape[0] - 1)
+        self.kernel(mO, mdO, mLSE, mLSE2, mD, mdQaccum, mCuSeqlensQ).launch(grid=grid, block=[32 * self.WARPS, 1, 1],
+                                                                            stream=stream)
+
+    @cute.kernel
+    def kernel(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mLSE2: cute.Tensor, mD: cute.Tensor,
+               mdQaccum: cute.Tensor, mCuSeqlensQ: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        bx, head, seq = cute.arch.block_idx()
+        lane, r = tidx % 32, bx * self.WARPS + tidx // 32
+        q0 = mCuSeqlensQ[seq]
+        if r < mCuSeqlensQ[seq + 1] - q0:
+            self.row(mO, mdO, mLSE, mLSE2, mD, mdQaccum, Int32(0), head, q0 + r, packed_row_start(q0, seq) + r, lane)
+
+
 class FlatPostpass:
     """``dq_flat``'s post-pass: each query tile's fp32 shares, in the MMA threads' register order,
     narrowed to dQ[row, col], one thread per MMA thread (a CTA per query tile)."""
@@ -615,6 +638,13 @@ def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = F
         return FlatPostpass(p.head_dim, dt, cfg["num_wg"], cfg["tile_m"]), (accumulator(f, x), x(dt), fake_stream())
 
     pre, post = k9.compile_passes(p, keep_ptx)
+    if p.varlen:
+        def varlen_pre():
+            x, rows = k9.fake_tensors(p)
+            cu = make_fake_tensor(Int32, (cute.sym_int(),), stride=(1,), assumed_align=4)
+            return VarlenPrepass(), (x(dt), x(dt), rows(), rows(), rows(), x(Float32), cu, Int32(1), fake_stream())
+
+        pre = jit_compile(("k10_varlen_pre", p.head_dim, p.dtype), varlen_pre, keep_ptx)
     if dq_flat:
         post = jit_compile(("k10_flat_post", p.head_dim, p.dtype, tuple(sorted(cfg.items()))), flat_post, keep_ptx)
     key = ("k10", p.head_dim, p.dtype, p.causal, deterministic, last_first, dq_flat, tuple(sorted(cfg.items())),
@@ -643,17 +673,23 @@ def run_backward(compiled: tuple, q, k, v, o, lse, do, softmax_scale: float, gra
 
 
 def run_varlen_backward(compiled: tuple, q, k, v, o, lse, do, softmax_scale: float, cu_seqlens_q, cu_seqlens_k,
-                        max_seqlen_k: int, grads: tuple | None = None) -> tuple:
+                        max_seqlen_q: int, max_seqlen_k: int, grads: tuple | None = None) -> tuple:
     """``run_backward`` on packed sequences: q, o, do (total_q, heads, d), k, v (total_k, heads_kv,
-    d), lse (heads, total_q), cu_seqlens int32 on the GPU. The pre- and post-pass see one batch
-    entry of total_q rows (they work row by row); the main kernel each sequence's rows
-    (``call_varlen``). Returns (dq, dk, dv) in the packed layout."""
+    d), lse (heads, total_q), cu_seqlens int32 on the GPU, the longest sequences' lengths. The
+    kernels see (1, heads, total, d) views; LSE2 and D live in padded rows (``VarlenPrepass``),
+    dQ's accumulator and the post-pass at the packed rows. Returns (dq, dk, dv), packed."""
     import torch
 
     pre, main, post, cfg = compiled
     packed = lambda t: t.unsqueeze(0).transpose(1, 2)  # noqa: E731  (total, heads, d) -> (1, heads, total, d)
+    total, h, d = q.shape
+    rows = total + ROW_ALIGN * (cu_seqlens_q.shape[0] - 1)
+    lse2, dot = torch.empty(2, 1, h, rows + (-rows % ROW_ALIGN), device=q.device, dtype=torch.float32)
+    dq_accum = torch.empty(1, h, total, d, device=q.device, dtype=torch.float32)
     dq, dk, dv = grads if grads is not None else (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
-    k9.run_backward((pre, main, post), *(packed(t) for t in (q, k, v, o)), lse.unsqueeze(0), packed(do),
-                    softmax_scale, tuple(packed(g) for g in (dq, dk, dv)),
-                    extra=(None, cu_seqlens_q, cu_seqlens_k, max_seqlen_k))
+    do = packed(do).contiguous()
+    pre(packed(o), do, lse.unsqueeze(0), lse2, dot, dq_accum, cu_seqlens_q, max_seqlen_q)
+    main(packed(q), packed(k), packed(v), do, lse2, dot, dq_accum, packed(dk), packed(dv), softmax_scale, None,
+         cu_seqlens_q, cu_seqlens_k, max_seqlen_k)
+    post(dq_accum, packed(dq))
     return dq, dk, dv

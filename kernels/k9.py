@@ -332,15 +332,21 @@ class Prepass:
         bx, head, batch = cute.arch.block_idx()
         lane, q = tidx % 32, bx * self.WARPS + tidx // 32
         if q < mO.shape[2]:
-            dot = Float32(0.0)
-            for j in cutlass.range_constexpr(cute.size(mO, mode=[3]) // 32):
-                c = lane + 32 * j
-                dot += mO[batch, head, q, c].to(Float32) * mdO[batch, head, q, c].to(Float32)
-                mdQaccum[batch, head, q, c] = Float32(0.0)
-            dot = simt.butterfly_allreduce(dot, lambda a, b: a + b, 32)
-            if lane == 0:
-                mD[batch, head, q] = dot
-                mLSE2[batch, head, q] = mLSE[batch, head, q] * LOG2_E
+            self.row(mO, mdO, mLSE, mLSE2, mD, mdQaccum, batch, head, q, q, lane)
+
+    @cute.jit
+    def row(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mLSE2: cute.Tensor, mD: cute.Tensor,
+            mdQaccum: cute.Tensor, batch: Int32, head: Int32, q: Int32, out_row: Int32, lane: Int32):
+        """One warp's query row ``q``: D and LSE2 into row ``out_row`` of mD and mLSE2, dQ's row zeroed."""
+        dot = Float32(0.0)
+        for j in cutlass.range_constexpr(cute.size(mO, mode=[3]) // 32):
+            c = lane + 32 * j
+            dot += mO[batch, head, q, c].to(Float32) * mdO[batch, head, q, c].to(Float32)
+            mdQaccum[batch, head, q, c] = Float32(0.0)
+        dot = simt.butterfly_allreduce(dot, lambda a, b: a + b, 32)
+        if lane == 0:
+            mD[batch, head, out_row] = dot
+            mLSE2[batch, head, out_row] = mLSE[batch, head, q] * LOG2_E
 
 
 class Postpass:

@@ -84,3 +84,15 @@ def query_window_tiles(n_block, seqlen, seqlen_k, tile_m: int, tile_n: int, caus
     if left >= 0:  # first(i) <= n_block: the tile's first row starts at or before the key tile's last key
         hi = cutlass.min(hi, cutlass.max((n_block + 1) * tile_n - offset + left + tile_m - 1, 0) // tile_m)
     return lo, cutlass.max(hi, lo)
+
+
+# A TMA box may start only 16 bytes into its innermost dimension: a row of floats (K10's LSE2
+# and D of a packed sequence) then starts at a multiple of 4 elements.
+ROW_ALIGN = 4
+
+
+def packed_row_start(first_row, seq):
+    """Where packed sequence ``seq``, whose rows start at ``first_row``, starts in a padded row
+    buffer (K10's LSE2 and D): a multiple of ROW_ALIGN, past the previous sequence's rows; a
+    buffer of total + ROW_ALIGN * sequences rows holds them all. Python ints or Int32."""
+    return (first_row + seq * ROW_ALIGN) // ROW_ALIGN * ROW_ALIGN

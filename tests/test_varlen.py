@@ -300,3 +300,18 @@ def test_a_gpu_cu_seqlens_is_read_again_after_an_in_place_change():
     with torch.inference_mode():
         frozen = torch.tensor([0, 3, 12], dtype=torch.int32, device="cuda")
         assert varlen.check_varlen(q, q, q, frozen, frozen, 12, 12)[0] == [3, 9]
+
+
+def test_packed_row_starts_are_aligned_disjoint_and_fit_the_padded_buffer():
+    import random
+
+    from kernels.tiles import ROW_ALIGN, packed_row_start
+
+    rnd = random.Random(7)
+    for _ in range(300):
+        lengths = [rnd.choice((0, 1, rnd.randint(0, 9), rnd.randint(0, 300))) for _ in range(rnd.randint(1, 12))]
+        firsts = [sum(lengths[:b]) for b in range(len(lengths))]
+        spans = [(packed_row_start(f, b), packed_row_start(f, b) + n) for b, (f, n) in enumerate(zip(firsts, lengths))]
+        assert all(start % ROW_ALIGN == 0 for start, _ in spans)
+        assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:]))  # no two sequences share a row
+        assert spans[-1][1] <= sum(lengths) + ROW_ALIGN * len(lengths)
