@@ -238,58 +238,39 @@ def varlen_cases(quick: bool = False):
 BACKWARD_HEAD_DIMS = (64, 128)  # kernels.k9.HEAD_DIMS, without importing the kernels for --help
 
 
-def run_varlen_backward_grid(stages, quick: bool, out) -> tuple:
-    """The packed grid's cases through ``attention_varlen_backward`` (harness.check.check_varlen_backward_case)."""
-    from harness.check import check_varlen_backward_case
+def run_varlen_grid(names, quick: bool, out, backward: bool = False) -> tuple:
+    """The packed grid's cases through ``attention_varlen`` (harness.check.check_varlen_case), or
+    with ``backward`` through ``attention_varlen_backward`` (check_varlen_backward_case)."""
+    from harness.check import check_varlen_backward_case, check_varlen_case
 
     rows, failures = [], 0
     print("packed backward grid: each sequence's dq, dk, dv within twice the max error of a 16-bit backward of that "
-          "sequence (SDPA's; softcap: autograd of a 16-bit capped softmax) + 1e-3 of float64 autograd; NaN-poisoned")
-    for stage in stages:
-        for lengths_q, lengths_k, h, h_kv, d, causal, softcap, window, dtype, on_cpu in varlen_cases(quick):
-            if d not in BACKWARD_HEAD_DIMS:  # the packed grid's d = 256 has no backward here
-                continue
-            try:
-                row = check_varlen_backward_case(stage, lengths_q, lengths_k, h, h_kv, d, causal, softcap, window,
-                                                 dtype, on_cpu)
-            except Exception as e:  # a crash is a failure of this case
-                row = dict(kernel=stage, lengths_q=lengths_q, lengths_k=lengths_k, head_dim=d, causal=int(causal),
-                           softcap=softcap, window=list(window), dtype=dtype, backward=True, ok=False,
-                           status="crashed", reason=f"{type(e).__name__}: {e}"[:300])
-            rows.append(row)
-            failures += not row["ok"]
-            if out:
-                out.append(row)
-            errs = " ".join(f"{g} {row[g + '_max_abs']:.2e}/{row[g + '_sdpa_max_abs']:.2e}" for g in ("dq", "dk", "dv")
-                            if row.get(g + "_max_abs") is not None)
-            print(f"{stage} {dtype} d={d} causal={int(causal)} heads {h}/{h_kv} q {lengths_q} k {lengths_k}"
-                  f"{f' softcap={softcap}' if softcap else ''}{f' window={window}' if window != (-1, -1) else ''}  "
-                  f"{errs}  {'ok' if row['ok'] else 'FAIL ' + row['reason']}", flush=True)
-    return rows, failures
-
-
-def run_varlen_grid(names, quick: bool, out) -> tuple:
-    from harness.check import check_varlen_case
-
-    rows, failures = [], 0
-    print("packed grid (attention_varlen): O within twice the max error of SDPA's own 16-bit output, sequence by "
+          "sequence (SDPA's; softcap: autograd of a 16-bit capped softmax) + 1e-3 of float64 autograd; NaN-poisoned"
+          if backward else
+          "packed grid (attention_varlen): O within twice the max error of SDPA's own 16-bit output, sequence by "
           "sequence (softcap: the elementwise bound), of the float64 reference; LSE within 1e-4; outputs NaN-poisoned")
+    check = check_varlen_backward_case if backward else check_varlen_case
     for name in names:
         for lengths_q, lengths_k, h, h_kv, d, causal, softcap, window, dtype, on_cpu in varlen_cases(quick):
+            if backward and d not in BACKWARD_HEAD_DIMS:  # the packed grid's d = 256 has no backward here
+                continue
             try:
-                row = check_varlen_case(name, lengths_q, lengths_k, h, h_kv, d, causal, softcap, window, dtype, on_cpu)
+                row = check(name, lengths_q, lengths_k, h, h_kv, d, causal, softcap, window, dtype, on_cpu)
             except Exception as e:  # a crash is a failure of this case
                 row = dict(kernel=name, lengths_q=lengths_q, lengths_k=lengths_k, head_dim=d, causal=int(causal),
                            softcap=softcap, window=list(window), dtype=dtype, ok=False, status="crashed",
-                           max_abs=None, peer_max_abs=None, lse_max_abs=None, reason=f"{type(e).__name__}: {e}"[:300])
+                           max_abs=None, peer_max_abs=None, lse_max_abs=None, reason=f"{type(e).__name__}: {e}"[:300],
+                           **({"backward": True} if backward else {}))
             rows.append(row)
             failures += not row["ok"]
             if out:
                 out.append(row)
             case = f"{name} {dtype} d={d} causal={int(causal)} heads {h}/{h_kv} q {lengths_q} k {lengths_k}"
             case += (f" softcap {softcap:g}" if softcap else "") + (f" window {window}" if window != (-1, -1) else "")
-            print(f"{case[:110]:<110}{_e(row['max_abs'])}{_e(row['peer_max_abs'])}{_e(row['lse_max_abs'])}  "
-                  f"{'ok' if row['ok'] else 'FAIL ' + row['reason']}", flush=True)
+            errors = (" ".join(f"{g} {row[g + '_max_abs']:.2e}/{row[g + '_sdpa_max_abs']:.2e}"
+                               for g in ("dq", "dk", "dv") if row.get(g + "_max_abs") is not None) if backward
+                      else f"{_e(row['max_abs'])}{_e(row['peer_max_abs'])}{_e(row['lse_max_abs'])}")
+            print(f"{case[:110]:<110}{errors}  {'ok' if row['ok'] else 'FAIL ' + row['reason']}", flush=True)
     return rows, failures
 
 
@@ -392,8 +373,8 @@ def main(argv=None) -> int:
     out = results.open_result_file(args.out, results.command_line("ref_check.py", argv))
     print(f"device: {torch.cuda.get_device_name()}")
     if args.varlen and args.backward:
-        rows, failures = run_varlen_backward_grid(["k10_fa3"] if args.kernels in ([], ["all"]) else stages,
-                                                  args.quick, out)
+        rows, failures = run_varlen_grid(["k10_fa3"] if args.kernels in ([], ["all"]) else stages, args.quick, out,
+                                         backward=True)
     elif args.varlen:
         rows, failures = run_varlen_grid(["k6"] if args.kernels in ([], ["all"]) else args.kernels, args.quick, out)
     elif args.decode or args.backward:
