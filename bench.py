@@ -544,7 +544,7 @@ def main(argv=None) -> int:
         return 2
     if args.host_times:
         return host_times_main(args, argv)
-    if args.backward:
+    if args.backward and not args.varlen:
         return backward_main(args, argv)
     if args.varlen:
         from harness import varlen_bench
@@ -553,9 +553,9 @@ def main(argv=None) -> int:
                                    "no_peers"))
         if other:
             print(f"error: --varlen times its own packing (harness/varlen_bench.py); it takes --headdim, --causal, "
-                  f"--nheads and --out, not {', '.join(other)}", file=sys.stderr)
+                  f"--nheads, --backward and --out, not {', '.join(other)}", file=sys.stderr)
             return 2
-        return varlen_bench.main(args, argv)
+        return varlen_bench.backward_main(args, argv) if args.backward else varlen_bench.main(args, argv)
     try:
         names = resolve_kernels(args.kernels)
         flags = dict(seqlen=args.seqlen, headdim=args.headdim, causal=args.causal, batch=args.batch,

@@ -39,9 +39,20 @@ def rectangular_equivalent(name: str, lengths: list, heads: int, head_dim: int, 
     return ms
 
 
+def padded_batch(tensors, cu, lengths: list) -> list:
+    """Packed (total, heads, d) tensors as (batch, heads, longest, d) ones, zero-padded: what a
+    user without a varlen call runs."""
+    import torch
+
+    padded = [torch.zeros(len(lengths), max(lengths), *t.shape[1:], device=t.device, dtype=t.dtype) for t in tensors]
+    for b, (start, n) in enumerate(zip(cu.tolist()[:-1], lengths)):
+        for dst, src in zip(padded, tensors):
+            dst[b, :n] = src[start:start + n]
+    return [t.transpose(1, 2) for t in padded]
+
+
 def candidates(q, k, v, cu, lengths: list, causal: bool, scale: float, names) -> dict:
     """name -> zero-argument callable (or a reason string): ours, flash-attn-4's, cuDNN padded."""
-    import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -66,11 +77,7 @@ def candidates(q, k, v, cu, lengths: list, causal: bool, scale: float, names) ->
                                                       max_seqlen_k=most, softmax_scale=scale, causal=causal)
     except Exception as e:  # not installed, or not importable here
         calls["fa4"] = f"unavailable ({type(e).__name__}: {e})"[:120]
-    padded = [torch.zeros(len(lengths), most, *t.shape[1:], device=t.device, dtype=t.dtype) for t in (q, k, v)]
-    for b, (start, n) in enumerate(zip(cu.tolist()[:-1], lengths)):
-        for dst, src in zip(padded, (q, k, v)):
-            dst[b, :n] = src[start:start + n]
-    pq, pk, pv = (t.transpose(1, 2) for t in padded)  # (batch, heads, longest, d)
+    pq, pk, pv = padded_batch((q, k, v), cu, lengths)
     gqa = q.shape[1] != k.shape[1]
 
     def cudnn_padded():
@@ -131,6 +138,94 @@ def main(args, argv) -> int:
         row.update(call_ms=ms, call_tflops=tflops(flops, ms))
         print(f"{row['kernel']:<34}{ms:>10.3f} ms {row['call_tflops']:>8.1f} TFLOP/s  (each length as a "
               f"(tokens // n, {heads}, n, {d}) batch)", flush=True)
+        if out:
+            out.append(row)
+    if out:
+        print(f"wrote {out.close()}")
+    return 0
+
+
+def backward_candidates(q, k, v, dout, cu, lengths: list, causal: bool, scale: float, stages) -> dict:
+    """name -> zero-argument callable (or a reason string): one backward through autograd after one
+    forward, as a training step runs it; ours (K10's packed backward), flash-attn-4's varlen call's,
+    cuDNN's on the padded batch."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from .peers import tried_once
+    from .varlen import attention_varlen
+
+    most, calls = max(lengths), {}
+
+    def through_autograd(forward, inputs, grad):
+        leaves = [t.detach().clone().requires_grad_() for t in inputs]
+        out = forward(*leaves)
+        out = out[0] if isinstance(out, tuple) else out
+        return lambda: torch.autograd.grad(out, leaves, grad, retain_graph=True)
+
+    for stage in stages:
+        def ours(*x, stage=stage):
+            return attention_varlen("k6", *x, cu, cu, most, most, causal=causal, softmax_scale=scale, backward=stage)
+        try:
+            calls[stage] = through_autograd(ours, (q, k, v), dout)
+        except Exception as e:  # refused (a stage without the packed backward): a row that says so
+            calls[stage] = f"{type(e).__name__}: {e}"[:160]
+    try:
+        from flash_attn.cute import flash_attn_varlen_func
+
+        fa4 = through_autograd(lambda *x: flash_attn_varlen_func(*x, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=most,
+                                                                  max_seqlen_k=most, softmax_scale=scale,
+                                                                  causal=causal), (q, k, v), dout)
+        calls["fa4"] = fa4
+    except Exception as e:  # not installed, or not importable here
+        calls["fa4"] = f"unavailable ({type(e).__name__}: {e})"[:120]
+    pq, pk, pv, pdo = padded_batch((q, k, v, dout), cu, lengths)
+
+    def cudnn(*x):
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(*x, is_causal=causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+    try:
+        calls["sdpa-cudnn-padded"] = through_autograd(cudnn, (pq, pk, pv), pdo)
+    except Exception as e:  # cuDNN refusing the shape: a row that says so
+        calls["sdpa-cudnn-padded"] = f"{type(e).__name__}: {e}"[:160]
+    return tried_once(calls, width=160)
+
+
+def backward_main(args, argv) -> int:
+    """``bench.py --varlen --backward``: the packing's backward (2.5x the forward's real FLOPs)."""
+    import sys
+
+    import torch
+
+    from . import results
+    from .timing import burst_ms, tflops
+
+    stages = tuple(args.kernels) or ("k10_fa3",)
+    if not torch.cuda.is_available():
+        print("bench.py --varlen --backward needs a CUDA GPU", file=sys.stderr)
+        return 2
+    d, causal = args.headdim or 128, bool(args.causal)
+    heads = args.nheads or 16
+    lengths = document_lengths()
+    total = sum(lengths)
+    q, k, v, dout = (torch.randn(total, heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    flops = 2.5 * real_flops(lengths, heads, d, causal)
+    out = results.open_result_file(args.out, results.command_line("bench.py", argv))
+    print(f"== {torch.cuda.get_device_name()}: varlen backward, {len(lengths)} documents, {total} tokens, heads "
+          f"{heads}, d {d}, causal {int(causal)}; TFLOP/s on 2.5x the unpadded forward's work")
+    for name, fn in backward_candidates(q, k, v, dout, cu, lengths, causal, d ** -0.5, stages).items():
+        row = dict(kernel=name, documents=len(lengths), tokens=total, nheads=heads, head_dim=d, causal=int(causal),
+                   lengths=lengths, backward=True)
+        if callable(fn):
+            ms = burst_ms(fn)
+            row.update(status="ok", call_ms=ms, call_tflops=tflops(flops, ms))
+            print(f"{name:<34}{ms:>10.3f} ms {row['call_tflops']:>8.1f} TFLOP/s", flush=True)
+        else:
+            row.update(status=fn)
+            print(f"{name:<34}{fn}", flush=True)
         if out:
             out.append(row)
     if out:

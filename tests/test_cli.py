@@ -315,3 +315,11 @@ def test_decode_window_refuses_what_it_cannot_run(capsys):
     assert "only the window's row" in capsys.readouterr().err
     assert bench.main(["--decode", "--window", "x"]) == 2
     assert "LEFT,RIGHT" in capsys.readouterr().err
+
+
+def test_the_packed_backward_bench_takes_its_own_flags_only(capsys):
+    assert bench.main(["--varlen", "--backward", "--seqlen", "4096"]) == 2
+    assert "--backward and --out, not --seqlen" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert bench.main(["--varlen", "--backward"]) == 2
+        assert "needs a CUDA GPU" in capsys.readouterr().err
