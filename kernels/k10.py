@@ -587,6 +587,15 @@ def check(p: Problem) -> None:
     k9.check(p, "K10", features=True)
 
 
+def padded_row_tensor(batch, heads, rows):
+    """A fake (batch, heads, rows) float tensor whose rows start 16-byte aligned (LSE2 or D, as
+    k9.row_buffers lays them out): what a TMA box of them needs."""
+    from cutlass.cute.runtime import make_fake_tensor
+
+    return make_fake_tensor(Float32, (batch, heads, rows),
+                            stride=(cute.sym_int64(divisibility=4), cute.sym_int64(divisibility=4), 1), assumed_align=16)
+
+
 def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = False, dq_flat: bool = False,
                      **overrides) -> tuple:
     """(K9's pre-pass, K10's main kernel, the post-pass, the configuration) compiled for ``p``."""
@@ -619,9 +628,9 @@ def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = F
         f = FakeShapes()
         x, _ = k9.fake_tensors(p, f)
         # LSE2 and D rows start 16-byte aligned (k9.run_backward pads them): the TMA needs that
-        rows = lambda: make_fake_tensor(Float32, (f.batch, f.nheads, f.seqlen),  # noqa: E731
-                                        stride=(cute.sym_int64(divisibility=4), cute.sym_int64(divisibility=4), 1),
-                                        assumed_align=16)
+        # packed, the rows are the pre-pass's padded ones (packed_row_start): a length of their own
+        padded_rows = cute.sym_int() if p.varlen else f.seqlen
+        rows = lambda: padded_row_tensor(f.batch, f.nheads, padded_rows)  # noqa: E731
         args = (x(dt), x(dt, True), x(dt, True), x(dt), rows(), rows(), accumulator(f, x), x(dt, True),
                 x(dt, True), Float32(1.0), fake_stream())
         semaphores = make_fake_tensor(Int32, (cute.sym_int(),), stride=(1,), assumed_align=4) if deterministic else None
@@ -640,9 +649,13 @@ def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = F
     pre, post = k9.compile_passes(p, keep_ptx)
     if p.varlen:
         def varlen_pre():
-            x, rows = k9.fake_tensors(p)
+            f = FakeShapes()
+            x, rows = k9.fake_tensors(p, f)
+            padded_rows = cute.sym_int()
             cu = make_fake_tensor(Int32, (cute.sym_int(),), stride=(1,), assumed_align=4)
-            return VarlenPrepass(), (x(dt), x(dt), rows(), rows(), rows(), x(Float32), cu, Int32(1), fake_stream())
+            return VarlenPrepass(), (x(dt), x(dt), rows(), padded_row_tensor(f.batch, f.nheads, padded_rows),
+                                     padded_row_tensor(f.batch, f.nheads, padded_rows), x(Float32), cu, Int32(1),
+                                     fake_stream())
 
         pre = jit_compile(("k10_varlen_pre", p.head_dim, p.dtype), varlen_pre, keep_ptx)
     if dq_flat:
@@ -683,8 +696,7 @@ def run_varlen_backward(compiled: tuple, q, k, v, o, lse, do, softmax_scale: flo
     pre, main, post, cfg = compiled
     packed = lambda t: t.unsqueeze(0).transpose(1, 2)  # noqa: E731  (total, heads, d) -> (1, heads, total, d)
     total, h, d = q.shape
-    rows = total + ROW_ALIGN * (cu_seqlens_q.shape[0] - 1)
-    lse2, dot = torch.empty(2, 1, h, rows + (-rows % ROW_ALIGN), device=q.device, dtype=torch.float32)
+    lse2, dot = k9.row_buffers(1, h, total + ROW_ALIGN * (cu_seqlens_q.shape[0] - 1), q.device)
     dq_accum = torch.empty(1, h, total, d, device=q.device, dtype=torch.float32)
     dq, dk, dv = grads if grads is not None else (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
     do = packed(do).contiguous()
