@@ -107,23 +107,41 @@ def sdpa_grads(q, k, v, dout, causal: bool, scale: float, window=(-1, -1)) -> tu
 
 
 def capped_grads_16bit(q, k, v, dout, causal: bool, scale: float, softcap: float, window=(-1, -1)) -> tuple:
-    """(dq, dk, dv) of a 16-bit softcapped attention through autograd, as SDPA's would be if it had
-    a softcap: S from the 16-bit inputs (fp32 accumulation), the cap, mask and softmax in fp32, P
-    rounded to the inputs' dtype for PV. The error bar of a softcap case (``check_backward``)."""
+    """(dq, dk, dv) as a 16-bit FlashAttention computes them with a softcap c (SDPA has none): the
+    error bar of a softcap case. Forward as the kernels run it: S from the 16-bit inputs (fp32
+    accumulation), t = tanh(S * scale / c), P = exp(c * t - m) with m = c where the kernels take the
+    max as known (bf16, ``KNOWN_MAX_SOFTCAP``) and the row max otherwise, P rounded to 16 bits for
+    PV and normalized by its fp32 sum, O stored in 16 bits. Backward from that O, as a flash
+    backward does: D = rowsum(dO * O), dS = P (dO V^T - D) (1 - t^2) scale; every GEMM on 16-bit
+    operands with fp32 accumulation, dK and dV summed over a GQA group in fp32. (Autograd of the
+    16-bit forward would not see O's rounding: a query with one key gets D = dO V^T exactly there,
+    which a kernel whose known-max P is not 1 does not.)"""
     import torch
+
+    from kernels.sm90 import KNOWN_MAX_SOFTCAP
 
     from .varlen import keep_mask, with_causal
 
-    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    lq, lk, lv = leaves
-    group = q.shape[1] // k.shape[1]
-    kr, vr = (t.repeat_interleave(group, dim=1) for t in (lk, lv))
-    s = (lq @ kr.transpose(-1, -2)).float() * scale
-    s = softcap * torch.tanh(s / softcap)
+    dt, group = q.dtype, q.shape[1] // k.shape[1]
+    qf, dof = q.float(), dout.float()
+    kf, vf = (t.repeat_interleave(group, dim=1).float() for t in (k, v))
     keep = keep_mask(q.shape[2], k.shape[2], with_causal(tuple(window), causal), q.device)
-    s = s.masked_fill(~keep, -math.inf)
-    (torch.softmax(s, dim=-1).to(q.dtype) @ vr).backward(dout)
-    return tuple(t.grad for t in leaves)
+    t = torch.tanh(qf @ kf.transpose(-1, -2) * (scale / softcap))
+    s = (softcap * t).masked_fill(~keep, -math.inf)
+    if dt == torch.bfloat16 and softcap <= KNOWN_MAX_SOFTCAP:
+        m = torch.full_like(s[..., :1], softcap)
+    else:
+        m = s.amax(dim=-1, keepdim=True).clamp(min=-1e30)  # a row without keys: P = 0, not NaN
+    p = torch.exp(s - m)
+    row_sum = p.sum(dim=-1, keepdim=True)
+    out = ((p.to(dt).float() @ vf) / row_sum.clamp(min=1e-30)).to(dt)
+    p = p / row_sum.clamp(min=1e-30)  # exp(c * t - LSE)
+    d_row = (dof * out.float()).sum(dim=-1, keepdim=True)
+    ds = (p * (dof @ vf.transpose(-1, -2) - d_row) * (1.0 - t * t) * scale).to(dt).float()
+    dq = ds @ kf
+    dk, dv = ds.transpose(-1, -2) @ qf, p.to(dt).float().transpose(-1, -2) @ dof
+    dk, dv = (g.unflatten(1, (k.shape[1], group)).sum(dim=2) for g in (dk, dv))
+    return dq.to(dt), dk.to(dt), dv.to(dt)
 
 
 def cache_lengths(cache_seqlens, batch: int, s_cache: int) -> list:

@@ -131,6 +131,20 @@ def test_the_softcap_backwards_bar_fails_a_gradient_without_the_cap_or_its_slope
         assert not all(within_grad_bar(e, pe) for e, pe in zip(err(wrong), peer_err))
 
 
+def test_the_softcap_peer_carries_the_known_max_outputs_rounding_into_a_one_key_rows_gradient():
+    # One query, one key: the exact dq is 0 (a softmax of one score is 1 whatever the score). A
+    # flash backward gets D from the stored O; with the known-max softmax (bf16, c <= 40) P is not
+    # 1, its 16-bit rounding leaves O != V and dq != 0, which the peer must model (autograd of the
+    # 16-bit forward would not). Above 40 the max is the row's own and P = 1: dq is 0 up to fp32 sums.
+    from harness.reference import capped_grads_16bit, reference_grads
+
+    gen = torch.Generator().manual_seed(5)
+    q, k, v, dout = (torch.randn(1, 4, 1, 64, generator=gen).to(torch.bfloat16) for _ in range(4))
+    assert float(reference_grads(q, k, v, dout, False, 0.125, 5.0)[0].abs().max()) < 1e-12
+    assert float(capped_grads_16bit(q, k, v, dout, False, 0.125, 5.0)[0].float().abs().max()) > 1e-4
+    assert float(capped_grads_16bit(q, k, v, dout, False, 0.125, 50.0)[0].float().abs().max()) < 1e-6
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("backward", ["k10", "k10_fa3"])
