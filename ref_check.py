@@ -245,7 +245,7 @@ def run_varlen_grid(names, quick: bool, out, backward: bool = False) -> tuple:
 
     rows, failures = [], 0
     print("packed backward grid: each sequence's dq, dk, dv within twice the max error of a 16-bit backward of that "
-          "sequence (SDPA's; softcap: autograd of a 16-bit capped softmax) + 1e-3 of float64 autograd; NaN-poisoned"
+          "sequence (SDPA's; softcap: capped_grads_16bit's flash backward) + 1e-3 of float64 autograd; NaN-poisoned"
           if backward else
           "packed grid (attention_varlen): O within twice the max error of SDPA's own 16-bit output, sequence by "
           "sequence (softcap: the elementwise bound), of the float64 reference; LSE within 1e-4; outputs NaN-poisoned")

@@ -85,12 +85,13 @@ def backward_caps_table() -> str:
         body.append([f"`{stage}`", f"`{module}.py`" + (f" ({variant})" if variant else ""),
                      ", ".join(str(d) for d in (32, 64, 96, 128, 256) if takes(stage, head_dim=d)),
                      *("yes" if takes(stage, **kw) else "no" for kw in (dict(softcap=30.0), dict(window=(64, 0)))),
+                     "yes" if hasattr(stage_module(stage), "run_varlen_backward") else "no",
                      "yes" if stage in DETERMINISTIC else "no"])
-    # attention_varlen refuses inputs that require grad (harness/varlen.py): no stage has a packed backward
     return ("Backward stages (`attention(..., backward=...)`, `harness.attention_backward`), asked of each stage's "
-            "own check; none takes packed sequences (`attention_varlen` is forward-only):\n\n"
-            + markdown_table(["backward", "file", "head dims", "softcap", "sliding window", "deterministic mode"],
-                             body))
+            "own check; packed (varlen): the stage has a packed backward (`attention_varlen` through autograd, "
+            "`harness.attention_varlen_backward`):\n\n"
+            + markdown_table(["backward", "file", "head dims", "softcap", "sliding window", "packed (varlen)",
+                              "deterministic mode"], body))
 
 
 def sweep_rows(sweep):
@@ -604,6 +605,23 @@ def varlen_table(runs):
             f"call. {_from(sorted(runs, key=lambda f: f['rows'][0]['causal']))}.\n\n" + markdown_table(header, body))
 
 
+def varlen_backward_table(runs):
+    """docs/varlen.md: bench.py --varlen --backward, K10's packed backward beside flash-attn-4's
+    varlen backward and cuDNN's on the padded batch."""
+    by = varlen_cells(runs)
+    causals = list(by)
+    what = {0: "non-causal", 1: "causal"}
+    body = [[_varlen_label(name)] + [fmt(by[c].get(name, {}).get("call_tflops")) for c in causals]
+            + [_ratio(by[c].get(name, {}).get("call_tflops"), by[c].get("fa4", {}).get("call_tflops")) for c in causals]
+            for name in dict.fromkeys(k for rows in by.values() for k in rows)]
+    r0 = runs[0]["rows"][0]
+    header = (["backward"] + [f"TFLOP/s {what[c]}" for c in causals] + [f"× flash-attn-4, {what[c]}" for c in causals])
+    return (f"TFLOP/s of one backward of the packed batch above ({r0['documents']} documents, {r0['tokens']} tokens, "
+            f"{r0['nheads']} heads, d = {r0['head_dim']}, bf16; 2.5× the unpadded forward's FLOPs): each candidate "
+            "through autograd after one forward, burst-timed. "
+            f"{_from(sorted(runs, key=lambda f: f['rows'][0]['causal']))}.\n\n" + markdown_table(header, body))
+
+
 def _flops(r) -> float:
     from kernels.contract import Problem
 
@@ -752,7 +770,7 @@ def softcap_cost_table(run):
                              body))
 
 
-def issue35_targets(varlen, windows, rect, backward, softcap) -> str:
+def issue35_targets(varlen, windows, rect, backward, softcap, varlen_backward=()) -> str:
     """docs/varlen.md: issue 35's targets (public calls), each with what was measured and whether it
     is met; ``softcap``: the forward and backward (with, without) pairs, either may be None."""
     body = []
@@ -769,6 +787,13 @@ def issue35_targets(varlen, windows, rect, backward, softcap) -> str:
                  for c in by if "k6" in by[c] and peer in by[c]}
             target(f"packed call ≥ {bar:.2f}× {what}", [f"{name[c]} {x:.3f}×" for c, x in r.items()],
                    r and min(r.values()) >= bar)
+    if varlen_backward:
+        by = varlen_cells(varlen_backward)
+        name = {0: "non-causal", 1: "causal"}
+        r = {c: by[c]["k10_fa3"]["call_tflops"] / by[c]["fa4"]["call_tflops"]
+             for c in by if "k10_fa3" in by[c] and "fa4" in by[c]}
+        target("packed backward (`k10_fa3`) ≥ 1.00× flash-attn-4's varlen backward",
+               [f"{name[c]} {x:.3f}×" for c, x in r.items()], r and min(r.values()) >= 1.0)
     w1k = next((f for f in windows if f["rows"][0]["window"][0] == 1024), None)
     if w1k:
         rows, r0 = _ok_rows(w1k), w1k["rows"][0]
@@ -793,7 +818,7 @@ def issue35_targets(varlen, windows, rect, backward, softcap) -> str:
                 if k not in PEERS and cost["call_tflops"][2] is not None:
                     c = cost["call_tflops"][2]
                     target(f"softcap costs ≤ 10%, {what} (`{k}`)", [f"{100 * c:.1f}%"], c <= 0.10)
-    gpus = {gpu_short_name(f["meta"].get("device", "")) for f in varlen + windows + backward + [rect]
+    gpus = {gpu_short_name(f["meta"].get("device", "")) for f in varlen + list(varlen_backward) + windows + backward + [rect]
             + [f for pair in softcap if pair for f in pair] if f}
     return (f"On an {', '.join(sorted(gpus))}, the public calls, from the tables below:\n\n"
             + markdown_table(["issue 35's target", "measured", "met"], body))
@@ -1492,6 +1517,9 @@ def fill_varlen_page(refchecks) -> None:
     varlen = [f for f in (run("varlen-noncausal-*.json"), run("varlen-causal-*.json")) if f]
     if varlen:
         fill("varlen", "varlen", lambda: varlen_table(varlen))
+    varlen_backward = [f for f in (run(f"varlen-backward-c{c}-*.json") for c in (0, 1)) if f]
+    if varlen_backward:
+        fill("varlen", "varlen-backward", lambda: varlen_backward_table(varlen_backward))
     windows = [f for f in (run(f"window-{w}-*.json") for w in (1024, 4096)) if f]
     rect = run("window-same-flops-*.json")
     if windows:
@@ -1506,8 +1534,8 @@ def fill_varlen_page(refchecks) -> None:
     pairs = [pair if all(pair) else None for pair in pairs]
     if any(pairs):
         fill("varlen", "softcap", lambda: softcap_table(*pairs))
-    if varlen or windows or backward or any(pairs):
-        fill("varlen", "targets", lambda: issue35_targets(varlen, windows, rect, backward, pairs))
+    if varlen or varlen_backward or windows or backward or any(pairs):
+        fill("varlen", "targets", lambda: issue35_targets(varlen, windows, rect, backward, pairs, varlen_backward))
     cost = run("softcap-cost-*.json")
     if cost:
         fill("varlen", "softcap-cost", lambda: softcap_cost_table(cost))
