@@ -21,10 +21,12 @@ def real_flops(lengths: list, heads: int, head_dim: int, causal: bool) -> float:
     return 4.0 * heads * head_dim * sum(n * n - (n * n / 2 if causal else 0) for n in lengths)
 
 
-def rectangular_equivalent(name: str, lengths: list, heads: int, head_dim: int, causal: bool, timer) -> float:
+def rectangular_equivalent(name: str, lengths: list, heads: int, head_dim: int, causal: bool, timer,
+                           backward: str | None = None) -> float:
     """Milliseconds the rectangular call would take on this packing: each document's work at the
     speed ``attention`` reaches on a (total // n, heads, n, d) batch of its length n, the same
-    tokens as the packing (the issue's "same total tokens at the same lengths")."""
+    tokens as the packing (the issue's "same total tokens at the same lengths"). ``backward``: the
+    backward stage's autograd backward after one forward, timed instead of the forward."""
     import torch
 
     from .api import attention
@@ -32,8 +34,15 @@ def rectangular_equivalent(name: str, lengths: list, heads: int, head_dim: int, 
     total, ms = sum(lengths), 0.0
     for n in sorted(set(lengths)):
         batch = max(1, total // n)
-        q, k, v = (torch.randn(batch, heads, n, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        rect_ms = timer(lambda: attention(name, q, k, v, causal=causal))
+        q, k, v = (torch.randn(batch, heads, n, head_dim, device="cuda", dtype=torch.bfloat16,
+                               requires_grad=backward is not None) for _ in range(3))
+        if backward:
+            out = attention(name, q, k, v, causal=causal, backward=backward)
+            grad = torch.randn_like(out)
+            call = lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)  # noqa: E731
+        else:
+            call = lambda: attention(name, q, k, v, causal=causal)  # noqa: E731
+        rect_ms = timer(call)
         ms += rect_ms * real_flops([n] * lengths.count(n), heads, head_dim, causal) / real_flops([n] * batch, heads,
                                                                                                head_dim, causal)
     return ms
@@ -226,6 +235,15 @@ def backward_main(args, argv) -> int:
         else:
             row.update(status=fn)
             print(f"{name:<34}{fn}", flush=True)
+        if out:
+            out.append(row)
+    for stage in stages:  # what the same documents cost the rectangular backward, length by length
+        row = dict(kernel=f"{stage} rectangular", documents=len(lengths), tokens=total, nheads=heads, head_dim=d,
+                   causal=int(causal), lengths=lengths, backward=True, status="ok")
+        ms = rectangular_equivalent("k6", lengths, heads, d, causal, burst_ms, backward=stage)
+        row.update(call_ms=ms, call_tflops=tflops(flops, ms))
+        print(f"{row['kernel']:<34}{ms:>10.3f} ms {row['call_tflops']:>8.1f} TFLOP/s  (each length as a "
+              f"(tokens // n, {heads}, n, {d}) batch, through autograd)", flush=True)
         if out:
             out.append(row)
     if out:
