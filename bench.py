@@ -555,7 +555,7 @@ def main(argv=None) -> int:
             print(f"error: --varlen times its own packing (harness/varlen_bench.py); it takes --headdim, --causal, "
                   f"--nheads, --backward and --out, not {', '.join(other)}", file=sys.stderr)
             return 2
-        return varlen_bench.backward_main(args, argv) if args.backward else varlen_bench.main(args, argv)
+        return varlen_bench.main(args, argv)
     try:
         names = resolve_kernels(args.kernels)
         flags = dict(seqlen=args.seqlen, headdim=args.headdim, causal=args.causal, batch=args.batch,

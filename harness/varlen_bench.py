@@ -98,6 +98,8 @@ def candidates(q, k, v, cu, lengths: list, causal: bool, scale: float, names) ->
 
 
 def main(args, argv) -> int:
+    """``bench.py --varlen [--backward]``: the packing's forward, or its backward through autograd
+    (2.5x the forward's real FLOPs), beside the peers, then the rectangular call at its lengths."""
     import sys
 
     import torch
@@ -106,26 +108,31 @@ def main(args, argv) -> int:
     from .timing import burst_ms, tflops
     from .varlen import prepare_varlen
 
-    names = tuple(args.kernels) or ("k6",)
+    backward = bool(args.backward)
+    mode = "varlen backward" if backward else "varlen"
+    names = tuple(args.kernels) or (("k10_fa3",) if backward else ("k6",))
     if not torch.cuda.is_available():
-        print("bench.py --varlen needs a CUDA GPU", file=sys.stderr)
+        print(f"bench.py --varlen{' --backward' if backward else ''} needs a CUDA GPU", file=sys.stderr)
         return 2
-    d, causal = args.headdim or 128, bool(args.causal)
-    heads, heads_kv = args.nheads or 16, args.nheads or 16
+    d, causal, heads = args.headdim or 128, bool(args.causal), args.nheads or 16
     lengths = document_lengths()
-    total = sum(lengths)
-    q = torch.randn(total, heads, d, device="cuda", dtype=torch.bfloat16)
-    k, v = (torch.randn(total, heads_kv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    total, scale = sum(lengths), d ** -0.5
+    q, k, v, dout = (torch.randn(total, heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-    flops = real_flops(lengths, heads, d, causal)
+    flops = (2.5 if backward else 1.0) * real_flops(lengths, heads, d, causal)
     out = results.open_result_file(args.out, results.command_line("bench.py", argv))
-    print(f"== {torch.cuda.get_device_name()}: varlen, {len(lengths)} documents, {total} tokens (lengths {lengths}), "
-          f"heads {heads}, d {d}, causal {int(causal)}; TFLOP/s on the unpadded work")
-    kernels_alone = {name: prepare_varlen(name, q, k, v, cu, cu, max(lengths), max(lengths), causal, d ** -0.5)[0]
-                     for name in names}
-    for name, fn in candidates(q, k, v, cu, lengths, causal, d ** -0.5, names).items():
-        row = dict(kernel=name, documents=len(lengths), tokens=total, nheads=heads, head_dim=d, causal=int(causal),
-                   lengths=lengths)
+    print(f"== {torch.cuda.get_device_name()}: {mode}, {len(lengths)} documents, {total} tokens (lengths {lengths}), "
+          f"heads {heads}, d {d}, causal {int(causal)}; TFLOP/s on {'2.5x ' if backward else ''}the unpadded work")
+    if backward:
+        calls, kernels_alone = backward_candidates(q, k, v, dout, cu, lengths, causal, scale, names), {}
+    else:
+        kernels_alone = {name: prepare_varlen(name, q, k, v, cu, cu, max(lengths), max(lengths), causal, scale)[0]
+                         for name in names}
+        calls = candidates(q, k, v, cu, lengths, causal, scale, names)
+    case = dict(documents=len(lengths), tokens=total, nheads=heads, head_dim=d, causal=int(causal), lengths=lengths,
+                **({"backward": True} if backward else {}))
+    for name, fn in calls.items():
+        row = dict(kernel=name, **case)
         if callable(fn):
             ms = burst_ms(fn)
             row.update(status="ok", call_ms=ms, call_tflops=tflops(flops, ms))
@@ -141,12 +148,12 @@ def main(args, argv) -> int:
         if out:
             out.append(row)
     for name in names:  # what the same documents cost the rectangular call, length by length
-        row = dict(kernel=f"{name} rectangular", documents=len(lengths), tokens=total, nheads=heads, head_dim=d,
-                   causal=int(causal), lengths=lengths, status="ok")
-        ms = rectangular_equivalent(name, lengths, heads, d, causal, burst_ms)
+        row = dict(kernel=f"{name} rectangular", **case, status="ok")
+        ms = rectangular_equivalent("k6" if backward else name, lengths, heads, d, causal, burst_ms,
+                                    backward=name if backward else None)
         row.update(call_ms=ms, call_tflops=tflops(flops, ms))
         print(f"{row['kernel']:<34}{ms:>10.3f} ms {row['call_tflops']:>8.1f} TFLOP/s  (each length as a "
-              f"(tokens // n, {heads}, n, {d}) batch)", flush=True)
+              f"(tokens // n, {heads}, n, {d}) batch{', through autograd' if backward else ''})", flush=True)
         if out:
             out.append(row)
     if out:
@@ -200,52 +207,3 @@ def backward_candidates(q, k, v, dout, cu, lengths: list, causal: bool, scale: f
     except Exception as e:  # cuDNN refusing the shape: a row that says so
         calls["sdpa-cudnn-padded"] = f"{type(e).__name__}: {e}"[:160]
     return tried_once(calls, width=160)
-
-
-def backward_main(args, argv) -> int:
-    """``bench.py --varlen --backward``: the packing's backward (2.5x the forward's real FLOPs)."""
-    import sys
-
-    import torch
-
-    from . import results
-    from .timing import burst_ms, tflops
-
-    stages = tuple(args.kernels) or ("k10_fa3",)
-    if not torch.cuda.is_available():
-        print("bench.py --varlen --backward needs a CUDA GPU", file=sys.stderr)
-        return 2
-    d, causal = args.headdim or 128, bool(args.causal)
-    heads = args.nheads or 16
-    lengths = document_lengths()
-    total = sum(lengths)
-    q, k, v, dout = (torch.randn(total, heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-    flops = 2.5 * real_flops(lengths, heads, d, causal)
-    out = results.open_result_file(args.out, results.command_line("bench.py", argv))
-    print(f"== {torch.cuda.get_device_name()}: varlen backward, {len(lengths)} documents, {total} tokens, heads "
-          f"{heads}, d {d}, causal {int(causal)}; TFLOP/s on 2.5x the unpadded forward's work")
-    for name, fn in backward_candidates(q, k, v, dout, cu, lengths, causal, d ** -0.5, stages).items():
-        row = dict(kernel=name, documents=len(lengths), tokens=total, nheads=heads, head_dim=d, causal=int(causal),
-                   lengths=lengths, backward=True)
-        if callable(fn):
-            ms = burst_ms(fn)
-            row.update(status="ok", call_ms=ms, call_tflops=tflops(flops, ms))
-            print(f"{name:<34}{ms:>10.3f} ms {row['call_tflops']:>8.1f} TFLOP/s", flush=True)
-        else:
-            row.update(status=fn)
-            print(f"{name:<34}{fn}", flush=True)
-        if out:
-            out.append(row)
-    for stage in stages:  # what the same documents cost the rectangular backward, length by length
-        row = dict(kernel=f"{stage} rectangular", documents=len(lengths), tokens=total, nheads=heads, head_dim=d,
-                   causal=int(causal), lengths=lengths, backward=True, status="ok")
-        ms = rectangular_equivalent("k6", lengths, heads, d, causal, burst_ms, backward=stage)
-        row.update(call_ms=ms, call_tflops=tflops(flops, ms))
-        print(f"{row['kernel']:<34}{ms:>10.3f} ms {row['call_tflops']:>8.1f} TFLOP/s  (each length as a "
-              f"(tokens // n, {heads}, n, {d}) batch, through autograd)", flush=True)
-        if out:
-            out.append(row)
-    if out:
-        print(f"wrote {out.close()}")
-    return 0
