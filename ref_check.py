@@ -221,17 +221,19 @@ def varlen_cases(quick: bool = False):
     import random
 
     ragged = [0, 17, 1, 300, 0, 1000, 128, 255]
+    # keys outnumber queries in every second sequence; the first has 64 keys and no query (its dK
+    # and dV must come back 0)
+    keys = [64] + [n + 64 * (i % 2) for i, n in enumerate(ragged)][1:]
+    far = keys[:3] + [700] + keys[4:]  # window: 300 queries on the last of 700 keys leave key tiles unreached
     for d in (64, 128) if quick else (64, 128, 256):
         for causal in (False, True):
             rnd = random.Random(d * 2 + causal)
             drawn = [rnd.choice((0, rnd.randint(1, 64), rnd.randint(1, 3000))) for _ in range(10)]
-            packings = [([1000], None, 4, 4), (ragged, [n + 64 * (i % 2) for i, n in enumerate(ragged)], 8, 2),
-                        ([4097, 64, 3], None, 8, 2), (drawn, None, 6, 3)]
+            packings = [([1000], None, 4, 4), (ragged, keys, 8, 2), ([4097, 64, 3], None, 8, 2), (drawn, None, 6, 3)]
             for i, (lengths_q, lengths_k, h, h_kv) in enumerate(packings[:2] if quick else packings):
                 yield lengths_q, lengths_k or lengths_q, h, h_kv, d, causal, 0.0, (-1, -1), "bfloat16", i % 2 == 1
-            keys = [n + 64 * (i % 2) for i, n in enumerate(ragged)]
             yield ragged, keys, 8, 2, d, causal, 5.0, (-1, -1), "bfloat16", False
-            yield ragged, keys, 8, 2, d, causal, 0.0, (100, 0 if causal else 300), "bfloat16", False
+            yield ragged, far, 8, 2, d, causal, 0.0, (100, 0 if causal else 300), "bfloat16", False
     yield ragged, ragged, 4, 4, 64, True, 0.0, (-1, -1), "float16", False
 
 

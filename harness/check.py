@@ -155,7 +155,7 @@ def check_backward(p: Problem, forward: str = "k6", seed=None, magnitude: float 
 
     from .api import attention
     from .inputs import random_inputs
-    from .reference import capped_grads_16bit, reference_grads, sdpa_grads
+    from .reference import reference_grads
 
     q, k, v = (t * magnitude for t in random_inputs(p, seed=seed))
     dout = torch.randn_like(q)
@@ -164,21 +164,42 @@ def check_backward(p: Problem, forward: str = "k6", seed=None, magnitude: float 
     run_backward(compile_backward(p, **overrides), q, k, v, out, lse, dout, p.scale, grads)
     torch.cuda.synchronize()
     want = reference_grads(q, k, v, dout, p.causal, p.scale, p.softcap, p.window)
-    peer = (sdpa_grads(q, k, v, dout, p.causal, p.scale, p.window) if not p.softcap  # SDPA has no softcap:
-            else capped_grads_16bit(q, k, v, dout, p.causal, p.scale, p.softcap, p.window))
+    peer, bounds = grad_peer(q, k, v, dout, p.causal, p.scale, p.softcap, p.window)
     row, reasons = backward_case(p, magnitude, forward, backward), []
-    for name, got, ref, sdpa_grad in zip(("dq", "dk", "dv"), grads, want, peer):
+    for name, got, ref, sdpa_grad, bound in zip(("dq", "dk", "dv"), grads, want, peer, bounds):
         err = (got.double() - ref).abs().nan_to_num(float("inf"))
         max_abs, peer_max_abs = float(err.max()), float((sdpa_grad.double() - ref).abs().max())
         row.update({f"{name}_max_abs": max_abs, f"{name}_sdpa_max_abs": peer_max_abs})
-        if not within_grad_bar(max_abs, peer_max_abs):  # NaN fails too
-            reasons.append(f"{name} max_abs {max_abs:.3g} > {PEER_FACTOR:g} x the 16-bit peer's {peer_max_abs:.3g} + "
-                           f"{GRAD_FLOOR:g}")
+        if not within_grad_bar(beyond(err, bound), peer_max_abs):  # NaN fails too
+            reasons.append(grad_bar_reason(name, err, peer_max_abs, bound))
     return dict(row, ok=not reasons, reason="; ".join(reasons), status="ok" if not reasons else "failed")
+
+
+def grad_peer(q, k, v, dout, causal: bool, scale: float, softcap: float = 0.0, window=(-1, -1)) -> tuple:
+    """(the 16-bit peer's dq, dk, dv; per gradient, None or an elementwise bound each error may
+    use before the bar): SDPA's own backward, or with a softcap (SDPA has none)
+    ``capped_grads_16bit``'s flash backward with ``known_max_rounding_bound``'s dq and dk terms."""
+    from .reference import capped_grads_16bit, known_max_rounding_bound, sdpa_grads
+
+    if not softcap:
+        return sdpa_grads(q, k, v, dout, causal, scale, window), (None, None, None)
+    bound_dq, bound_dk = known_max_rounding_bound(q, k, v, dout, causal, scale, softcap, window)
+    return capped_grads_16bit(q, k, v, dout, causal, scale, softcap, window), (bound_dq, bound_dk, None)
+
+
+def beyond(err, bound) -> float:
+    """The largest error left once each element's ``bound`` (None: none) is taken off it."""
+    return float(err.max() if bound is None else (err - bound).max())
 
 
 def within_grad_bar(max_abs: float, peer_max_abs: float) -> bool:
     return max_abs <= PEER_FACTOR * peer_max_abs + GRAD_FLOOR
+
+
+def grad_bar_reason(name: str, err, peer_max_abs: float, bound=None) -> str:
+    over = (f"max_abs {float(err.max()):.3g}" if bound is None
+            else f"max_abs beyond the rounding bound {beyond(err, bound):.3g}")
+    return f"{name} {over} > {PEER_FACTOR:g} x the 16-bit peer's {peer_max_abs:.3g} + {GRAD_FLOOR:g}"
 
 
 def backward_case(p: Problem, magnitude: float, forward: str = "k6", backward: str = "k9") -> dict:
@@ -547,7 +568,7 @@ def check_varlen_backward_case(stage: str, lengths_q: list, lengths_k: list, nhe
     import torch
 
     from .inputs import torch_dtype
-    from .reference import capped_grads_16bit, reference_grads, sdpa_grads
+    from .reference import reference_grads
     from .varlen import attention_varlen, attention_varlen_backward
 
     gen = torch.Generator(device="cuda")
@@ -580,15 +601,13 @@ def check_varlen_backward_case(stage: str, lengths_q: list, lengths_k: list, nhe
         seq = [t[rows].transpose(0, 1)[None].contiguous() for t, rows in ((q, rows_q), (k, rows_k), (v, rows_k),
                                                                           (dout, rows_q))]
         want = reference_grads(*seq, causal, scale, softcap, window)
-        peer = (sdpa_grads(*seq, causal, scale, window) if not softcap
-                else capped_grads_16bit(*seq, causal, scale, softcap, window))
+        peer, bounds = grad_peer(*seq, causal, scale, softcap, window)
         got = [g[rows].transpose(0, 1)[None] for g, rows in zip(grads, (rows_q, rows_k, rows_k))]
-        for name, mine, ref, sdpa_grad in zip(("dq", "dk", "dv"), got, want, peer):
-            max_abs = float((mine.double() - ref).abs().nan_to_num(float("inf")).max())
-            peer_max_abs = float((sdpa_grad.double() - ref).abs().max())
-            if not within_grad_bar(max_abs, peer_max_abs):  # NaN fails too
-                reasons.append(f"sequence {b}: {name} max_abs {max_abs:.3g} > {PEER_FACTOR:g} x the 16-bit peer's "
-                               f"{peer_max_abs:.3g} + {GRAD_FLOOR:g}")
+        for name, mine, ref, sdpa_grad, bound in zip(("dq", "dk", "dv"), got, want, peer, bounds):
+            err = (mine.double() - ref).abs().nan_to_num(float("inf"))
+            max_abs, peer_max_abs = float(err.max()), float((sdpa_grad.double() - ref).abs().max())
+            if not within_grad_bar(beyond(err, bound), peer_max_abs):  # NaN fails too
+                reasons.append(f"sequence {b}: " + grad_bar_reason(name, err, peer_max_abs, bound))
             worst[f"{name}_max_abs"] = max(worst[f"{name}_max_abs"], max_abs)
             worst[f"{name}_sdpa_max_abs"] = max(worst[f"{name}_sdpa_max_abs"], peer_max_abs)
     return dict(row, **worst, ok=not reasons, reason="; ".join(reasons)[:300], status="ok" if not reasons else "failed")

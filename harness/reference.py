@@ -144,6 +144,35 @@ def capped_grads_16bit(q, k, v, dout, causal: bool, scale: float, softcap: float
     return dq.to(dt), dk.to(dt), dv.to(dt)
 
 
+def known_max_rounding_bound(q, k, v, dout, causal: bool, scale: float, softcap: float, window=(-1, -1)) -> tuple:
+    """(dq, dk) elementwise bounds on what a known-max forward's 16-bit P moves a flash backward's
+    gradients by through D = rowsum(dO * O), for ``capped_grads_16bit``'s bar. Where one key holds
+    a row's weight (a sequence of one query and one key: the exact dq is 0), the peer's O is V
+    exactly or within a rounding, and so is the kernel's, but the two roundings are independent
+    draws: each component of O may sit one 16-bit step (2^-7 of it in bf16, 2^-10 in fp16) from
+    the other's, and twice the peer's error alone is no bar. The bound takes that step on every
+    component, D_i moving by up to step * sum_c |dO_ic| (P |V|)_ic, scaled by the row's largest P
+    (where many keys share the weight, the roundings average out and the peer's error covers
+    them), then carries it through dS_ij = P_ij (dP_ij - D_i) (1 - t_ij^2) scale into dQ = dS K
+    and dK = dS^T Q."""
+    import torch
+
+    from .varlen import keep_mask, with_causal
+
+    step = 2.0 ** -7 if q.dtype == torch.bfloat16 else 2.0 ** -10
+    group = q.shape[1] // k.shape[1]
+    qd, dod = q.double(), dout.double()
+    kd, vd = (t.repeat_interleave(group, dim=1).double() for t in (k, v))
+    keep = keep_mask(q.shape[2], k.shape[2], with_causal(tuple(window), causal), q.device)
+    t = torch.tanh(qd @ kd.transpose(-1, -2) * (scale / softcap))
+    p = torch.softmax((softcap * t).masked_fill(~keep, -math.inf), dim=-1).nan_to_num(0.0)
+    moved = step * p.amax(dim=-1, keepdim=True) * (dod.abs() * (p @ vd.abs())).sum(dim=-1, keepdim=True)
+    w = moved * p * (1.0 - t * t) * scale  # a bound on |delta dS_ij|
+    dq = w @ kd.abs()
+    dk = (w.transpose(-1, -2) @ qd.abs()).unflatten(1, (k.shape[1], group)).sum(dim=2)
+    return dq, dk
+
+
 def cache_lengths(cache_seqlens, batch: int, s_cache: int) -> list:
     """Each sequence's length as a Python int in [0, s_cache] (the kernels clamp the same way):
     ``cache_seqlens`` None (all rows), an int, or a tensor (batch,)."""
