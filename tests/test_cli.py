@@ -323,3 +323,17 @@ def test_the_packed_backward_bench_takes_its_own_flags_only(capsys):
     if not torch.cuda.is_available():
         assert bench.main(["--varlen", "--backward"]) == 2
         assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_the_backward_ab_script_refuses_a_bad_configuration_or_a_taken_name(capsys):
+    ab = load_script("ab_backward")
+    with pytest.raises(SystemExit) as e:
+        ab.main(["--name", "k10_x", "--config", "{tile_m: 80}"])
+    assert e.value.code == 2 and "--config must be a JSON object of compile overrides" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        ab.main(["--name", "k10_x", "--config", "[]"])
+    assert "non-empty JSON object" in capsys.readouterr().err
+    assert ab.main(["--name", "k10_fa3", "--config", '{"tile_m": 80}']) == 2
+    assert "is a stage already" in capsys.readouterr().err
+    shapes = [(p.seqlen, p.kv_len, p.causal, p.softcap, p.window) for p in ab.checks(128)]
+    assert (1, 1, False, 0.0, (-1, -1)) in shapes and (1000, 4097, True, 0.0, (-1, -1)) in shapes and len(shapes) == 12
