@@ -98,29 +98,44 @@ def attention_backward(q, k, v, out, lse, dout, causal: bool = False, softmax_sc
     ``softcap`` and ``window_size`` as the forward took them (K10 only)."""
     stage = require_stage(backward)
     module = stage_module(stage)
-    check, compile_backward, run_backward = module.check, module.compile_backward, module.run_backward
+    check, run_backward = module.check, module.run_backward
 
     q, k, v, out, lse, dout = (t.detach() if isinstance(t, torch.Tensor) else t for t in (q, k, v, out, lse, dout))
     p = problem_from_tensors(q, k, v, causal, softmax_scale, as_softcap(softcap), as_window(window_size))
     check(p)
-    for name, t, shape, dtype in (("out", out, q.shape, q.dtype), ("dout", dout, q.shape, q.dtype),
-                                  ("lse", lse, q.shape[:3], torch.float32)):
-        if not isinstance(t, torch.Tensor) or t.shape != shape or t.dtype != dtype or t.device != q.device:
-            got = f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
-            raise UnsupportedProblem(f"{name} must be a {dtype} tensor of shape {tuple(shape)} on q's device "
-                                     f"({q.device}), got {got}")
+    require_tensors(q, [("out", out, q.shape, q.dtype), ("dout", dout, q.shape, q.dtype),
+                        ("lse", lse, q.shape[:3], torch.float32)])
     require_cuda(q, k, v)
     deterministic = torch.are_deterministic_algorithms_enabled()
     if deterministic:
         deterministic = check_deterministic(stage)
-    key = (stage, p.with_(softmax_scale=None), q.get_device(), deterministic)
+    compiled = compiled_backward(stage, p, q.get_device(), deterministic)
+    with torch.cuda.device(q.device):
+        return run_backward(compiled, q, k, v, out.contiguous(), lse.contiguous(), dout, p.scale)
+
+
+def require_tensors(q, wanted, contiguous: tuple = ()) -> None:
+    """Each (name, tensor, shape, dtype) of ``wanted`` a tensor of that shape and dtype on q's
+    device (and contiguous, the names in ``contiguous``), or an error naming it, before any launch."""
+    for name, t, shape, dtype in wanted:
+        whole = name in contiguous
+        if not isinstance(t, torch.Tensor) or t.shape != shape or t.dtype != dtype or t.device != q.device or (
+                whole and not t.is_contiguous()):
+            got = f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise UnsupportedProblem(f"{name} must be a {'contiguous ' if whole else ''}{dtype} tensor of shape "
+                                     f"{tuple(shape)} on q's device ({q.device}), got {got}")
+
+
+def compiled_backward(stage: str, p, device_index: int, deterministic: bool) -> tuple:
+    """``stage``'s compiled backward for ``p`` (deterministic or not), kept for the next call: the
+    newest 16 (a packing's lengths are in the key)."""
+    key = (stage, p.with_(softmax_scale=None), device_index, deterministic)
     if key not in _COMPILED:
         more = dict(deterministic=True) if deterministic else {}
-        _COMPILED[key] = compile_backward(p, **stage_overrides(stage), **more)
+        _COMPILED[key] = stage_module(stage).compile_backward(p, **stage_overrides(stage), **more)
         while len(_COMPILED) > 16:
             _COMPILED.popitem(last=False)
-    with torch.cuda.device(q.device):
-        return run_backward(_COMPILED[key], q, k, v, out.contiguous(), lse.contiguous(), dout, p.scale)
+    return _COMPILED[key]
 
 
 @torch.library.custom_op("fa3_cute::attention_backward", mutates_args=())

@@ -166,13 +166,23 @@ def check_backward(p: Problem, forward: str = "k6", seed=None, magnitude: float 
     want = reference_grads(q, k, v, dout, p.causal, p.scale, p.softcap, p.window)
     peer, bounds = grad_peer(q, k, v, dout, p.causal, p.scale, p.softcap, p.window)
     row, reasons = backward_case(p, magnitude, forward, backward), []
+    for name, max_abs, peer_max_abs, reason in grad_verdicts(grads, want, peer, bounds):
+        row.update({f"{name}_max_abs": max_abs, f"{name}_sdpa_max_abs": peer_max_abs})
+        reasons += [reason] if reason else []
+    return dict(row, ok=not reasons, reason="; ".join(reasons), status="ok" if not reasons else "failed")
+
+
+def grad_verdicts(grads, want, peer, bounds) -> list:
+    """Per gradient (dq, dk, dv): (name, max_abs against the float64 ``want``, the peer's, and the
+    reason it fails the bar, or None); NaN fails."""
+    verdicts = []
     for name, got, ref, sdpa_grad, bound in zip(("dq", "dk", "dv"), grads, want, peer, bounds):
         err = (got.double() - ref).abs().nan_to_num(float("inf"))
-        max_abs, peer_max_abs = float(err.max()), float((sdpa_grad.double() - ref).abs().max())
-        row.update({f"{name}_max_abs": max_abs, f"{name}_sdpa_max_abs": peer_max_abs})
-        if not within_grad_bar(beyond(err, bound), peer_max_abs):  # NaN fails too
-            reasons.append(grad_bar_reason(name, err, peer_max_abs, bound))
-    return dict(row, ok=not reasons, reason="; ".join(reasons), status="ok" if not reasons else "failed")
+        peer_max_abs = float((sdpa_grad.double() - ref).abs().max())
+        ok = within_grad_bar(beyond(err, bound), peer_max_abs)
+        verdicts.append((name, float(err.max()), peer_max_abs, None if ok else grad_bar_reason(name, err, peer_max_abs,
+                                                                                             bound)))
+    return verdicts
 
 
 def grad_peer(q, k, v, dout, causal: bool, scale: float, softcap: float = 0.0, window=(-1, -1)) -> tuple:
@@ -603,11 +613,8 @@ def check_varlen_backward_case(stage: str, lengths_q: list, lengths_k: list, nhe
         want = reference_grads(*seq, causal, scale, softcap, window)
         peer, bounds = grad_peer(*seq, causal, scale, softcap, window)
         got = [g[rows].transpose(0, 1)[None] for g, rows in zip(grads, (rows_q, rows_k, rows_k))]
-        for name, mine, ref, sdpa_grad, bound in zip(("dq", "dk", "dv"), got, want, peer, bounds):
-            err = (mine.double() - ref).abs().nan_to_num(float("inf"))
-            max_abs, peer_max_abs = float(err.max()), float((sdpa_grad.double() - ref).abs().max())
-            if not within_grad_bar(beyond(err, bound), peer_max_abs):  # NaN fails too
-                reasons.append(f"sequence {b}: " + grad_bar_reason(name, err, peer_max_abs, bound))
+        for name, max_abs, peer_max_abs, reason in grad_verdicts(got, want, peer, bounds):
+            reasons += [f"sequence {b}: {reason}"] if reason else []
             worst[f"{name}_max_abs"] = max(worst[f"{name}_max_abs"], max_abs)
             worst[f"{name}_sdpa_max_abs"] = max(worst[f"{name}_sdpa_max_abs"], peer_max_abs)
     return dict(row, **worst, ok=not reasons, reason="; ".join(reasons)[:300], status="ok" if not reasons else "failed")

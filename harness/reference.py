@@ -106,6 +106,22 @@ def sdpa_grads(q, k, v, dout, causal: bool, scale: float, window=(-1, -1)) -> tu
     return tuple(t.grad for t in leaves)
 
 
+def _capped_scores(q, k, v, dout, causal: bool, scale: float, softcap: float, window, dtype) -> tuple:
+    """q, k, v (K/V heads repeated over their query heads) and dout as ``dtype``, t = tanh(S *
+    scale / c) and the keep mask (causal bottom-right, the window): what a softcap's references
+    start from."""
+    import torch
+
+    from .varlen import keep_mask, with_causal
+
+    group = q.shape[1] // k.shape[1]
+    qx, dox = q.to(dtype), dout.to(dtype)
+    kx, vx = (t.repeat_interleave(group, dim=1).to(dtype) for t in (k, v))
+    keep = keep_mask(q.shape[2], k.shape[2], with_causal(tuple(window), causal), q.device)
+    t = torch.tanh(qx @ kx.transpose(-1, -2) * (scale / softcap))
+    return qx, kx, vx, dox, t, keep
+
+
 def capped_grads_16bit(q, k, v, dout, causal: bool, scale: float, softcap: float, window=(-1, -1)) -> tuple:
     """(dq, dk, dv) as a 16-bit FlashAttention computes them with a softcap c (SDPA has none): the
     error bar of a softcap case. Forward as the kernels run it: S from the 16-bit inputs (fp32
@@ -120,13 +136,8 @@ def capped_grads_16bit(q, k, v, dout, causal: bool, scale: float, softcap: float
 
     from kernels.sm90 import KNOWN_MAX_SOFTCAP
 
-    from .varlen import keep_mask, with_causal
-
     dt, group = q.dtype, q.shape[1] // k.shape[1]
-    qf, dof = q.float(), dout.float()
-    kf, vf = (t.repeat_interleave(group, dim=1).float() for t in (k, v))
-    keep = keep_mask(q.shape[2], k.shape[2], with_causal(tuple(window), causal), q.device)
-    t = torch.tanh(qf @ kf.transpose(-1, -2) * (scale / softcap))
+    qf, kf, vf, dof, t, keep = _capped_scores(q, k, v, dout, causal, scale, softcap, window, torch.float32)
     s = (softcap * t).masked_fill(~keep, -math.inf)
     if dt == torch.bfloat16 and softcap <= KNOWN_MAX_SOFTCAP:
         m = torch.full_like(s[..., :1], softcap)
@@ -157,14 +168,9 @@ def known_max_rounding_bound(q, k, v, dout, causal: bool, scale: float, softcap:
     and dK = dS^T Q."""
     import torch
 
-    from .varlen import keep_mask, with_causal
-
     step = 2.0 ** -7 if q.dtype == torch.bfloat16 else 2.0 ** -10
     group = q.shape[1] // k.shape[1]
-    qd, dod = q.double(), dout.double()
-    kd, vd = (t.repeat_interleave(group, dim=1).double() for t in (k, v))
-    keep = keep_mask(q.shape[2], k.shape[2], with_causal(tuple(window), causal), q.device)
-    t = torch.tanh(qd @ kd.transpose(-1, -2) * (scale / softcap))
+    qd, kd, vd, dod, t, keep = _capped_scores(q, k, v, dout, causal, scale, softcap, window, torch.float64)
     p = torch.softmax((softcap * t).masked_fill(~keep, -math.inf), dim=-1).nan_to_num(0.0)
     moved = step * p.amax(dim=-1, keepdim=True) * (dod.abs() * (p @ vd.abs())).sum(dim=-1, keepdim=True)
     w = moved * p * (1.0 - t * t) * scale  # a bound on |delta dS_ij|

@@ -275,7 +275,7 @@ def attention_varlen_backward(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_
     needs). K10's backward on each sequence's rows; ``grads``: three tensors to write into."""
     import torch
 
-    from .backward import _COMPILED, stage_module, stage_overrides
+    from .backward import compiled_backward, require_tensors, stage_module
     from .inputs import require_cuda
 
     stage, p = check_varlen_differentiable(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
@@ -286,31 +286,20 @@ def attention_varlen_backward(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_
         if not isinstance(grads, (tuple, list)) or len(grads) != 3:
             raise UnsupportedProblem(f"grads must be three tensors (dq, dk, dv), got {type(grads).__name__}")
         wanted += [(f"grads[{i}]", g, t.shape, t.dtype) for i, (g, t) in enumerate(zip(grads, (q, k, v)))]
-    for name, t, shape, dtype in wanted:
-        if not isinstance(t, torch.Tensor) or t.shape != shape or t.dtype != dtype or t.device != q.device or (
-                name.startswith("grads") and not t.is_contiguous()):
-            got = f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
-            raise UnsupportedProblem(f"{name} must be a {'contiguous ' if name.startswith('grads') else ''}{dtype} "
-                                     f"tensor of shape {tuple(shape)} on q's device ({q.device}), got {got}")
+    require_tensors(q, wanted, contiguous=("grads[0]", "grads[1]", "grads[2]"))
     require_cuda(q, k, v)
     if q.shape[0] == 0:  # no queries at all: nothing reaches any key
         dq, dk, dv = grads if grads is not None else (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
         dk.zero_(), dv.zero_()
         return dq, dk, dv
-    module = stage_module(stage)
-    key = (stage, p.with_(softmax_scale=None), q.get_device(), False)
-    if key not in _COMPILED:
-        _COMPILED[key] = module.compile_backward(p, **stage_overrides(stage))
-        while len(_COMPILED) > 16:  # a packing's lengths are in the key: keep the newest, as attention_backward does
-            _COMPILED.popitem(last=False)
+    compiled = compiled_backward(stage, p, q.get_device(), False)
     with torch.cuda.device(q.device):
         cu_q, cu_k = (t.to(q.device, non_blocking=True).contiguous() for t in (cu_seqlens_q, cu_seqlens_k))
         lse = lse.detach().contiguous()
         if lse.data_ptr() % 32:  # the pre-pass reads LSE as a 32-byte aligned tensor (a view may start anywhere)
             lse = lse.clone()
-        return module.run_varlen_backward(_COMPILED[key], q.detach(), k.detach(), v.detach(), out.detach(),
-                                          lse, dout, p.scale, cu_q, cu_k, p.seqlen, p.kv_len,
-                                          grads)
+        return stage_module(stage).run_varlen_backward(compiled, q.detach(), k.detach(), v.detach(), out.detach(),
+                                                       lse, dout, p.scale, cu_q, cu_k, p.seqlen, p.kv_len, grads)
 
 
 @functools.lru_cache(maxsize=None)

@@ -60,11 +60,21 @@ def padded_batch(tensors, cu, lengths: list) -> list:
     return [t.transpose(1, 2) for t in padded]
 
 
-def candidates(q, k, v, cu, lengths: list, causal: bool, scale: float, names) -> dict:
-    """name -> zero-argument callable (or a reason string): ours, flash-attn-4's, cuDNN padded."""
+def cudnn_sdpa(causal: bool, scale: float, gqa: bool):
+    """cuDNN's SDPA on padded (batch, heads, longest, d) tensors: the padding computed too, what a
+    user without a varlen call pays."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    def call(q, k, v):
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa)
+
+    return call
+
+
+def candidates(q, k, v, cu, lengths: list, causal: bool, scale: float, names) -> dict:
+    """name -> zero-argument callable (or a reason string): ours, flash-attn-4's, cuDNN padded."""
     from .peers import tried_once
     from .varlen import attention_varlen
 
@@ -86,14 +96,8 @@ def candidates(q, k, v, cu, lengths: list, causal: bool, scale: float, names) ->
                                                       max_seqlen_k=most, softmax_scale=scale, causal=causal)
     except Exception as e:  # not installed, or not importable here
         calls["fa4"] = f"unavailable ({type(e).__name__}: {e})"[:120]
-    pq, pk, pv = padded_batch((q, k, v), cu, lengths)
-    gqa = q.shape[1] != k.shape[1]
-
-    def cudnn_padded():
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):  # the padding computed too: what a user without varlen pays
-            return F.scaled_dot_product_attention(pq, pk, pv, is_causal=causal, scale=scale, enable_gqa=gqa)
-
-    calls["sdpa-cudnn-padded"] = cudnn_padded
+    padded, cudnn = padded_batch((q, k, v), cu, lengths), cudnn_sdpa(causal, scale, q.shape[1] != k.shape[1])
+    calls["sdpa-cudnn-padded"] = lambda: cudnn(*padded)
     return tried_once(calls, width=160)
 
 
@@ -166,8 +170,6 @@ def backward_candidates(q, k, v, dout, cu, lengths: list, causal: bool, scale: f
     forward, as a training step runs it; ours (K10's packed backward), flash-attn-4's varlen call's,
     cuDNN's on the padded batch."""
     import torch
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from .peers import tried_once
     from .varlen import attention_varlen
@@ -197,13 +199,9 @@ def backward_candidates(q, k, v, dout, cu, lengths: list, causal: bool, scale: f
     except Exception as e:  # not installed, or not importable here
         calls["fa4"] = f"unavailable ({type(e).__name__}: {e})"[:120]
     pq, pk, pv, pdo = padded_batch((q, k, v, dout), cu, lengths)
-
-    def cudnn(*x):
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            return F.scaled_dot_product_attention(*x, is_causal=causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
-
     try:
-        calls["sdpa-cudnn-padded"] = through_autograd(cudnn, (pq, pk, pv), pdo)
+        calls["sdpa-cudnn-padded"] = through_autograd(cudnn_sdpa(causal, scale, q.shape[1] != k.shape[1]),
+                                                      (pq, pk, pv), pdo)
     except Exception as e:  # cuDNN refusing the shape: a row that says so
         calls["sdpa-cudnn-padded"] = f"{type(e).__name__}: {e}"[:160]
     return tried_once(calls, width=160)

@@ -617,6 +617,9 @@ def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = F
     last_first = deterministic and arrive_last_first and key_tiles <= num_sms()  # K10Backward.wait_turn says why
     features = dict(({"window": window} if window else {}), **({"softcap": p.softcap} if p.softcap else {}))
 
+    def cu_seqlens():  # a fake cu_seqlens: int32, batch + 1
+        return make_fake_tensor(Int32, (cute.sym_int(),), stride=(1,), assumed_align=4)
+
     def accumulator(f, x):  # dQ's fp32 accumulator: (batch, heads, seqlen, d), or dq_flat's rows
         if not dq_flat:
             return x(Float32)
@@ -636,9 +639,8 @@ def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = F
         semaphores = make_fake_tensor(Int32, (cute.sym_int(),), stride=(1,), assumed_align=4) if deterministic else None
         kernel = K10Backward(p.head_dim, dt, p.causal, **cfg, deterministic=deterministic, dq_flat=dq_flat,
                              last_first=last_first, varlen=p.varlen, **features)
-        if p.varlen:  # cu_seqlens_q, cu_seqlens_k (int32, batch + 1) and the longest sequence's keys
-            cu = lambda: make_fake_tensor(Int32, (cute.sym_int(),), stride=(1,), assumed_align=4)  # noqa: E731
-            return kernel.call_varlen, args + (semaphores, cu(), cu(), Int32(1))
+        if p.varlen:  # cu_seqlens_q, cu_seqlens_k and the longest sequence's keys
+            return kernel.call_varlen, args + (semaphores, cu_seqlens(), cu_seqlens(), Int32(1))
         return kernel, args + (semaphores,)
 
     def flat_post():
@@ -652,10 +654,9 @@ def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = F
             f = FakeShapes()
             x, rows = k9.fake_tensors(p, f)
             padded_rows = cute.sym_int()
-            cu = make_fake_tensor(Int32, (cute.sym_int(),), stride=(1,), assumed_align=4)
             return VarlenPrepass(), (x(dt), x(dt), rows(), padded_row_tensor(f.batch, f.nheads, padded_rows),
-                                     padded_row_tensor(f.batch, f.nheads, padded_rows), x(Float32), cu, Int32(1),
-                                     fake_stream())
+                                     padded_row_tensor(f.batch, f.nheads, padded_rows), x(Float32), cu_seqlens(),
+                                     Int32(1), fake_stream())
 
         pre = jit_compile(("k10_varlen_pre", p.head_dim, p.dtype), varlen_pre, keep_ptx)
     if dq_flat:

@@ -539,6 +539,7 @@ def training_table(run):
 
 # docs/varlen.md: issue 35's runs (packed sequences, the sliding window, the softcap).
 VARLEN_PEERS = {"fa4": "*flash-attn-4 varlen*", "sdpa-cudnn-padded": "*cuDNN, padded to the longest*"}
+CAUSAL_NAMES = {0: "non-causal", 1: "causal"}
 PEER_NAMES = {"fa4": "flash-attn-4", "sdpa-cudnn": "cuDNN"}
 
 
@@ -588,7 +589,7 @@ def varlen_table(runs):
         if any(by[c].get(name, {}).get("kernel_tflops") for c in causals):
             lines.append((f"{_varlen_label(name)}, compiled launch alone",
                           {c: by[c].get(name, {}).get("kernel_tflops") for c in causals}))
-    what = {0: "non-causal", 1: "causal"}
+    what = CAUSAL_NAMES
     body = [[label] + [fmt(t[c]) for c in causals]
             + [_ratio(t[c], by[c].get(peer, {}).get("call_tflops")) for peer in ("fa4", "k6 rectangular")
                for c in causals] for label, t in lines]
@@ -610,7 +611,7 @@ def varlen_backward_table(runs):
     varlen backward and cuDNN's on the padded batch."""
     by = varlen_cells(runs)
     causals = list(by)
-    what = {0: "non-causal", 1: "causal"}
+    what = CAUSAL_NAMES
     rect = next((k for rows in by.values() for k in rows if k.endswith(" rectangular")), None)
     peers = ("fa4",) + ((rect,) if rect else ())
     body = [[_varlen_label(name)] + [fmt(by[c].get(name, {}).get("call_tflops")) for c in causals]
@@ -625,8 +626,7 @@ def varlen_backward_table(runs):
             "through autograd after one forward, burst-timed"
             + ("; rectangular: each length timed as a (tokens // n, heads, n, d) batch through `attention()` and "
                "autograd, weighted by that length's FLOPs. " if rect else ". ")
-            + 
-            f"{_from(sorted(runs, key=lambda f: f['rows'][0]['causal']))}.\n\n" + markdown_table(header, body))
+            + f"{_from(sorted(runs, key=lambda f: f['rows'][0]['causal']))}.\n\n" + markdown_table(header, body))
 
 
 def _flops(r) -> float:
@@ -785,27 +785,19 @@ def issue35_targets(varlen, windows, rect, backward, softcap, varlen_backward=()
     def target(what, values, met):
         body.append([what, ", ".join(values), "yes" if met else "**no**"])
 
-    if varlen:
-        by = varlen_cells(varlen)
-        name = {0: "non-causal", 1: "causal"}
-        for peer, bar, what in (("fa4", 1.0, "flash-attn-4's varlen call"),
-                                ("k6 rectangular", 0.95, "the rectangular call at the same lengths")):
-            r = {c: by[c]["k6"]["call_tflops"] / by[c][peer]["call_tflops"]
-                 for c in by if "k6" in by[c] and peer in by[c]}
-            target(f"packed call ≥ {bar:.2f}× {what}", [f"{name[c]} {x:.3f}×" for c, x in r.items()],
-                   r and min(r.values()) >= bar)
-    if varlen_backward:
-        by = varlen_cells(varlen_backward)
-        name = {0: "non-causal", 1: "causal"}
-        r = {c: by[c]["k10_fa3"]["call_tflops"] / by[c]["fa4"]["call_tflops"]
-             for c in by if "k10_fa3" in by[c] and "fa4" in by[c]}
-        target("packed backward (`k10_fa3`) ≥ 1.00× flash-attn-4's varlen backward",
-               [f"{name[c]} {x:.3f}×" for c, x in r.items()], r and min(r.values()) >= 1.0)
-        r = {c: by[c]["k10_fa3"]["call_tflops"] / by[c]["k10_fa3 rectangular"]["call_tflops"]
-             for c in by if "k10_fa3" in by[c] and "k10_fa3 rectangular" in by[c]}
-        if r:
-            target("packed backward ≥ 0.95× the rectangular backward at the same lengths",
-                   [f"{name[c]} {x:.3f}×" for c, x in r.items()], min(r.values()) >= 0.95)
+    name = CAUSAL_NAMES
+    for runs, ours, call, peers in (
+            (varlen, "k6", "packed call", (("fa4", 1.0, "flash-attn-4's varlen call"),
+                                           ("k6 rectangular", 0.95, "the rectangular call at the same lengths"))),
+            (varlen_backward, "k10_fa3", "packed backward (`k10_fa3`)",
+             (("fa4", 1.0, "flash-attn-4's varlen backward"),
+              ("k10_fa3 rectangular", 0.95, "the rectangular backward at the same lengths")))):
+        by = varlen_cells(runs) if runs else {}
+        for peer, bar, what in peers:
+            r = {c: by[c][ours]["call_tflops"] / by[c][peer]["call_tflops"] for c in by if ours in by[c] and peer in by[c]}
+            if r:
+                target(f"{call} ≥ {bar:.2f}× {what}", [f"{name[c]} {x:.3f}×" for c, x in r.items()],
+                       min(r.values()) >= bar)
     w1k = next((f for f in windows if f["rows"][0]["window"][0] == 1024), None)
     if w1k:
         rows, r0 = _ok_rows(w1k), w1k["rows"][0]
