@@ -196,6 +196,31 @@ def varlen_tiles(lengths_q: list, lengths_k: list, tile_m: int, causal: bool, wi
     return [(b, m) for _, b, m in work]
 
 
+def varlen_key_tiles(lengths_q: list, lengths_k: list, tile_m: int, tile_n: int, causal: bool,
+                     window: tuple = (-1, -1)) -> list:
+    """The backward's (sequence, key tile) pairs of a packing, heaviest first (the query tiles each
+    one walks, most first): every key tile of every sequence, those that walk nothing too (they
+    write dK = dV = 0). Sequences without keys have none."""
+    from kernels.tiles import query_window_tiles
+
+    work = []
+    for b, (n_q, n_k) in enumerate(zip(lengths_q, lengths_k)):
+        for n in range(-(-n_k // tile_n)):
+            lo, hi = query_window_tiles(n, n_q, n_k, tile_m, tile_n, causal, window)
+            work.append((hi - lo, b, n))
+    work.sort(key=lambda w: -w[0])
+    return [(b, n) for _, b, n in work]
+
+
+@functools.lru_cache(maxsize=64)
+def key_tile_table(lengths_q: tuple, lengths_k: tuple, tile_m: int, tile_n: int, causal: bool, window: tuple, device):
+    """``varlen_key_tiles`` as an int32 (pairs, 2) tensor on ``device``, kept as ``tile_table``'s."""
+    import torch
+
+    pairs = varlen_key_tiles(list(lengths_q), list(lengths_k), tile_m, tile_n, causal, window)
+    return torch.tensor(pairs, dtype=torch.int32).view(-1, 2).to(device)
+
+
 def attention_varlen(name: str, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
                      causal: bool = False, softmax_scale=None, return_lse: bool = False, *, softcap=None,
                      window_size=None, backward=None):
@@ -260,10 +285,10 @@ def check_varlen_differentiable(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_
     if torch.are_deterministic_algorithms_enabled():
         raise UnsupportedProblem("torch.use_deterministic_algorithms(True): the packed backward has no deterministic "
                                  "mode yet (its dQ shares add up in arrival order)")
-    p, _, _ = _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                              softcap, window_size)
+    p, lengths_q, lengths_k = _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                              softmax_scale, softcap, window_size)
     module.check(p)
-    return stage, p
+    return stage, p, lengths_q, lengths_k
 
 
 def attention_varlen_backward(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
@@ -278,8 +303,9 @@ def attention_varlen_backward(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_
     from .backward import compiled_backward, require_tensors, stage_module
     from .inputs import require_cuda
 
-    stage, p = check_varlen_differentiable(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                                           softmax_scale, softcap, window_size, backward)
+    stage, p, lengths_q, lengths_k = check_varlen_differentiable(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                                 max_seqlen_k, causal, softmax_scale, softcap,
+                                                                 window_size, backward)
     wanted = [("out", out, q.shape, q.dtype), ("dout", dout, q.shape, q.dtype),
               ("lse", lse, (q.shape[1], q.shape[0]), torch.float32)]
     if grads is not None:
@@ -298,8 +324,11 @@ def attention_varlen_backward(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_
         lse = lse.detach().contiguous()
         if lse.data_ptr() % 32:  # the pre-pass reads LSE as a 32-byte aligned tensor (a view may start anywhere)
             lse = lse.clone()
+        cfg = compiled[3]
+        tiles = key_tile_table(tuple(lengths_q), tuple(lengths_k), cfg["tile_m"], 64 * cfg["num_wg"], p.causal,
+                               p.window, q.device)
         return stage_module(stage).run_varlen_backward(compiled, q.detach(), k.detach(), v.detach(), out.detach(),
-                                                       lse, dout, p.scale, cu_q, cu_k, p.seqlen, p.kv_len, grads)
+                                                       lse, dout, p.scale, cu_q, cu_k, p.seqlen, tiles, grads)
 
 
 @functools.lru_cache(maxsize=None)

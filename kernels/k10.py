@@ -79,13 +79,15 @@ class K10Backward(k9.K9Backward):
     def call_varlen(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE2: cute.Tensor,
                     mD: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
                     softmax_scale: Float32, stream, mdQsem: Optional[cute.Tensor], mCuSeqlensQ: cute.Tensor,
-                    mCuSeqlensK: cute.Tensor, max_seqlen_k: Int32):
+                    mCuSeqlensK: cute.Tensor, mTiles: cute.Tensor):
         """Packed sequences: every tensor a (1, heads, total rows, ...) view, sequence b in rows
-        cu_seqlens[b]:cu_seqlens[b + 1]. One CTA per (key tile of the longest sequence, K/V head,
-        sequence); a CTA past its sequence's keys walks no query tile."""
-        grid = (cute.ceil_div(max_seqlen_k, self.tile_n), mK.shape[1], mCuSeqlensQ.shape[0] - 1)
+        cu_seqlens[b]:cu_seqlens[b + 1]. ``mTiles`` (pairs, 2): the (sequence, key tile) pairs
+        there are, heaviest walk first (``harness.varlen.varlen_key_tiles``); one CTA per pair and
+        K/V head, so no CTA is launched for a key tile past its sequence's keys, and the schedule
+        ends on short walks."""
+        grid = (mTiles.shape[0], mK.shape[1], 1)
         self.launch(mQ, mK, mV, mdO, mLSE2, mD, mdQaccum, mdK, mdV, softmax_scale, stream, mdQsem,
-                    (mCuSeqlensQ, mCuSeqlensK), grid)
+                    (mCuSeqlensQ, mCuSeqlensK, mTiles), grid)
 
     @cute.jit
     def launch(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE2: cute.Tensor,
@@ -140,8 +142,9 @@ class K10Backward(k9.K9Backward):
         seqlen, seqlen_k = q_rows[2], mdK.shape[2]
         group = q_rows[1] // mdK.shape[1]
         starts = None  # packed: where the sequence's queries, keys and LSE2/D rows start (TMA offsets)
-        if cutlass.const_expr(self.varlen):
-            mCuSeqlensQ, mCuSeqlensK = seqs
+        if cutlass.const_expr(self.varlen):  # block x: a (sequence, key tile) pair of the table
+            mCuSeqlensQ, mCuSeqlensK, mTiles = seqs
+            batch, n_block = mTiles[n_block, 0], mTiles[n_block, 1]
             q0, k0 = mCuSeqlensQ[batch], mCuSeqlensK[batch]
             seqlen, seqlen_k = mCuSeqlensQ[batch + 1] - q0, mCuSeqlensK[batch + 1] - k0
             starts = ((q0, 0), (k0, 0), packed_row_start(q0, batch))
@@ -176,8 +179,6 @@ class K10Backward(k9.K9Backward):
         if cutlass.const_expr(self.window is not None):  # possibly none: a key before every query's window
             m_first, m_end = query_window_tiles(n_block, seqlen, seqlen_k, tile_m, tile_n, self.causal, self.window)
             per_head = m_end - m_first
-        if cutlass.const_expr(self.varlen):  # a key tile past its sequence's keys: no walk (nothing stored)
-            per_head = cutlass.select_(n_block * tile_n < seqlen_k, cutlass.max(per_head, 0), Int32(0))
         walk = (kv_head * group, m_first, per_head)
         count = per_head * group
 
@@ -639,8 +640,9 @@ def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = F
         semaphores = make_fake_tensor(Int32, (cute.sym_int(),), stride=(1,), assumed_align=4) if deterministic else None
         kernel = K10Backward(p.head_dim, dt, p.causal, **cfg, deterministic=deterministic, dq_flat=dq_flat,
                              last_first=last_first, varlen=p.varlen, **features)
-        if p.varlen:  # cu_seqlens_q, cu_seqlens_k and the longest sequence's keys
-            return kernel.call_varlen, args + (semaphores, cu_seqlens(), cu_seqlens(), Int32(1))
+        if p.varlen:  # cu_seqlens_q, cu_seqlens_k and the (sequence, key tile) table
+            tiles = make_fake_tensor(Int32, (cute.sym_int(), 2), stride=(2, 1), assumed_align=4)
+            return kernel.call_varlen, args + (semaphores, cu_seqlens(), cu_seqlens(), tiles)
         return kernel, args + (semaphores,)
 
     def flat_post():
@@ -687,9 +689,10 @@ def run_backward(compiled: tuple, q, k, v, o, lse, do, softmax_scale: float, gra
 
 
 def run_varlen_backward(compiled: tuple, q, k, v, o, lse, do, softmax_scale: float, cu_seqlens_q, cu_seqlens_k,
-                        max_seqlen_q: int, max_seqlen_k: int, grads: tuple | None = None) -> tuple:
+                        max_seqlen_q: int, key_tiles, grads: tuple | None = None) -> tuple:
     """``run_backward`` on packed sequences: q, o, do (total_q, heads, d), k, v (total_k, heads_kv,
-    d), lse (heads, total_q), cu_seqlens int32 on the GPU, the longest sequences' lengths. The
+    d), lse (heads, total_q), cu_seqlens int32 on the GPU, the longest sequence's queries, the
+    (sequence, key tile) table (int32 (pairs, 2) on the GPU, ``call_varlen``). The
     kernels see (1, heads, total, d) views; LSE2 and D live in padded rows (``VarlenPrepass``),
     dQ's accumulator and the post-pass at the packed rows. Returns (dq, dk, dv), packed."""
     import torch
@@ -703,6 +706,6 @@ def run_varlen_backward(compiled: tuple, q, k, v, o, lse, do, softmax_scale: flo
     do = packed(do).contiguous()
     pre(packed(o), do, lse.unsqueeze(0), lse2, dot, dq_accum, cu_seqlens_q, max_seqlen_q)
     main(packed(q), packed(k), packed(v), do, lse2, dot, dq_accum, packed(dk), packed(dv), softmax_scale, None,
-         cu_seqlens_q, cu_seqlens_k, max_seqlen_k)
+         cu_seqlens_q, cu_seqlens_k, key_tiles)
     post(dq_accum, packed(dq))
     return dq, dk, dv

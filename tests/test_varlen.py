@@ -2,6 +2,7 @@
 and the float64 reference agreeing with SDPA and with a brute-force definition."""
 
 import math
+import random
 import re
 
 import pytest
@@ -130,6 +131,22 @@ def test_the_tile_list_has_every_sequences_tiles_heaviest_first():
     assert sorted(pairs) == [(1, 0), (1, 1), (1, 2), (2, 0), (3, 0)]  # none for the empty sequence
     assert pairs[0] == (3, 0)  # 128 queries on the last 128 of 1000 keys: the most keys to walk
     assert varlen.varlen_tiles([1000], [1000], 128, causal=False, window=(100, 0))[0][1] > 0  # window: equal-ish work
+
+
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (False, (100, 30)), (True, (200, -1))])
+def test_the_backwards_key_tile_list_has_every_key_tile_once_heaviest_walk_first(causal, window):
+    # K10's packed grid: one CTA per listed pair. A key tile left out would leave its dK/dV unwritten
+    # (also the ones no query reaches: they write zeros); the walk lengths are the kernel's own bounds.
+    from kernels.tiles import query_window_tiles
+
+    rnd = random.Random(7)
+    lengths_q = [rnd.choice((0, 1, 17, rnd.randint(1, 3000))) for _ in range(12)]
+    lengths_k = [n + (rnd.randint(0, 300) if causal or i % 2 else 0) for i, n in enumerate(lengths_q)]
+    pairs = varlen.varlen_key_tiles(lengths_q, lengths_k, 64, 128, causal, window)
+    assert sorted(pairs) == [(b, n) for b, nk in enumerate(lengths_k) for n in range(-(-nk // 128))]
+    walks = [(lambda lo_hi: lo_hi[1] - lo_hi[0])(query_window_tiles(n, lengths_q[b], lengths_k[b], 64, 128, causal,
+                                                                     window)) for b, n in pairs]
+    assert walks == sorted(walks, reverse=True) and walks[0] > 0
 
 
 @pytest.mark.parametrize("name,kwargs,match", [
