@@ -197,10 +197,12 @@ def varlen_tiles(lengths_q: list, lengths_k: list, tile_m: int, causal: bool, wi
 
 
 def varlen_key_tiles(lengths_q: list, lengths_k: list, tile_m: int, tile_n: int, causal: bool,
-                     window: tuple = (-1, -1)) -> list:
+                     window: tuple = (-1, -1), heaviest_first: bool = True) -> list:
     """The backward's (sequence, key tile) pairs of a packing, heaviest first (the query tiles each
     one walks, most first): every key tile of every sequence, those that walk nothing too (they
-    write dK = dV = 0). Sequences without keys have none."""
+    write dK = dV = 0). Sequences without keys have none. ``heaviest_first=False``: in (sequence,
+    key tile) order, as the deterministic mode needs (a CTA waits for the key tiles launched
+    before it, ``K10Backward.wait_turn``)."""
     from kernels.tiles import query_window_tiles
 
     work = []
@@ -208,16 +210,18 @@ def varlen_key_tiles(lengths_q: list, lengths_k: list, tile_m: int, tile_n: int,
         for n in range(-(-n_k // tile_n)):
             lo, hi = query_window_tiles(n, n_q, n_k, tile_m, tile_n, causal, window)
             work.append((hi - lo, b, n))
-    work.sort(key=lambda w: -w[0])
+    if heaviest_first:
+        work.sort(key=lambda w: -w[0])
     return [(b, n) for _, b, n in work]
 
 
 @functools.lru_cache(maxsize=64)
-def key_tile_table(lengths_q: tuple, lengths_k: tuple, tile_m: int, tile_n: int, causal: bool, window: tuple, device):
+def key_tile_table(lengths_q: tuple, lengths_k: tuple, tile_m: int, tile_n: int, causal: bool, window: tuple, device,
+                   heaviest_first: bool = True):
     """``varlen_key_tiles`` as an int32 (pairs, 2) tensor on ``device``, kept as ``tile_table``'s."""
     import torch
 
-    pairs = varlen_key_tiles(list(lengths_q), list(lengths_k), tile_m, tile_n, causal, window)
+    pairs = varlen_key_tiles(list(lengths_q), list(lengths_k), tile_m, tile_n, causal, window, heaviest_first)
     return torch.tensor(pairs, dtype=torch.int32).view(-1, 2).to(device)
 
 
@@ -273,8 +277,6 @@ def check_varlen_differentiable(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_
                                 softmax_scale=None, softcap=None, window_size=None, backward=None):
     """Before a packed forward whose inputs need gradients: refuse what the packed backward cannot
     do, naming the constraint, before anything is launched."""
-    import torch
-
     from .backward import require_stage, stage_module
 
     stage = require_stage(backward)
@@ -282,9 +284,6 @@ def check_varlen_differentiable(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_
     if not hasattr(module, "run_varlen_backward"):
         raise UnsupportedProblem(f"backward={stage!r} takes no packed sequences (varlen): K10's stages do "
                                  f"(backward=None or 'k10_fa3')")
-    if torch.are_deterministic_algorithms_enabled():
-        raise UnsupportedProblem("torch.use_deterministic_algorithms(True): the packed backward has no deterministic "
-                                 "mode yet (its dQ shares add up in arrival order)")
     p, lengths_q, lengths_k = _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                                               softmax_scale, softcap, window_size)
     module.check(p)
@@ -318,7 +317,8 @@ def attention_varlen_backward(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_
         dq, dk, dv = grads if grads is not None else (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
         dk.zero_(), dv.zero_()
         return dq, dk, dv
-    compiled = compiled_backward(stage, p, q.get_device(), False)
+    deterministic = torch.are_deterministic_algorithms_enabled()  # the packed stages are K10's: they have the mode
+    compiled = compiled_backward(stage, p, q.get_device(), deterministic)
     with torch.cuda.device(q.device):
         cu_q, cu_k = (t.to(q.device, non_blocking=True).contiguous() for t in (cu_seqlens_q, cu_seqlens_k))
         lse = lse.detach().contiguous()
@@ -326,7 +326,7 @@ def attention_varlen_backward(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_
             lse = lse.clone()
         cfg = compiled[3]
         tiles = key_tile_table(tuple(lengths_q), tuple(lengths_k), cfg["tile_m"], 64 * cfg["num_wg"], p.causal,
-                               p.window, q.device)
+                               p.window, q.device, heaviest_first=not deterministic)
         return stage_module(stage).run_varlen_backward(compiled, q.detach(), k.detach(), v.detach(), out.detach(),
                                                        lse, dout, p.scale, cu_q, cu_k, p.seqlen, tiles, grads)
 

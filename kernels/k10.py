@@ -28,8 +28,8 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from . import k5, k9, sm90, tma_pipeline
-from .tiles import ROW_ALIGN, kv_window_tiles, packed_row_start, query_window_tiles
-from .contract import LOG2_E, FakeShapes, Problem, UnsupportedProblem, cute_dtype, fake_stream, jit_compile, num_sms
+from .tiles import ROW_ALIGN, kv_window_tiles, packed_row_start, packed_tile_start, query_window_tiles
+from .contract import LOG2_E, FakeShapes, Problem, cute_dtype, fake_stream, jit_compile, num_sms
 
 HEAD_DIMS = k9.HEAD_DIMS
 DEFAULT_CONFIG = k9.DEFAULT_CONFIG
@@ -147,7 +147,7 @@ class K10Backward(k9.K9Backward):
             batch, n_block = mTiles[n_block, 0], mTiles[n_block, 1]
             q0, k0 = mCuSeqlensQ[batch], mCuSeqlensK[batch]
             seqlen, seqlen_k = mCuSeqlensQ[batch + 1] - q0, mCuSeqlensK[batch + 1] - k0
-            starts = ((q0, 0), (k0, 0), packed_row_start(q0, batch))
+            starts = ((q0, 0), (k0, 0), packed_row_start(q0, batch), packed_tile_start(q0, batch, tile_m))
             mdK, mdV = k5.sequence_rows(mdK, k0, seqlen_k), k5.sequence_rows(mdV, k0, seqlen_k)
             batch = Int32(0)  # of the packed (1, heads, total, ...) views
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -190,8 +190,10 @@ class K10Backward(k9.K9Backward):
                           (tma_atom_Q, mQ_tma, sQ, tma_atom_dO, mdO_tma, sdO, tma_atom_LSE, mLSE_tma, sLSE,
                            tma_atom_D, mD_tma, sD))
             elif warp_idx == 1:
-                self.write_dq(tma_atom_dQ, mdQ_tma, sdQ, walk, count, batch, starts,
-                              (mdQsem, n_block, q_rows[1], m_tiles, offset, cute.ceil_div(seqlen_k, tile_n)))
+                order = (mdQsem, n_block, q_rows[1], m_tiles, offset, cute.ceil_div(seqlen_k, tile_n))
+                if cutlass.const_expr(self.varlen):  # the sequence's first semaphore
+                    order = order + (starts[3],)
+                self.write_dq(tma_atom_dQ, mdQ_tma, sdQ, walk, count, batch, starts, order)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.mma(pipeline_kv, pipeline_qdo, walk, count, n_block, kv_head, batch, (seqlen, offset, seqlen_k),
@@ -277,8 +279,8 @@ class K10Backward(k9.K9Backward):
         costs no waiting, but waits for CTAs launched after this one, which is safe only when all
         of one (batch, K/V head)'s key tiles fit on the GPU at once (``last_first``, set by the
         host)."""
-        mdQsem, n_block, nheads, m_tiles, offset, n_tiles = order
-        lock = mdQsem.iterator + (batch * nheads + head) * m_tiles + m_block
+        mdQsem, n_block, nheads, m_tiles, offset, n_tiles = order[:6]
+        lock = self.semaphore(order, head, m_block, batch)
         turn_due = n_block
         if cutlass.const_expr(self.window is not None):  # the key tiles that see query tile i: [first, end)
             seqlen_k = n_tiles * self.tile_n  # only its tile count matters here
@@ -297,11 +299,19 @@ class K10Backward(k9.K9Backward):
 
     @cute.jit
     def pass_turn(self, order: tuple, head: Int32, m_block: Int32, batch: Int32):
-        mdQsem, n_block, nheads, m_tiles = order[:4]
         if cute.arch.lane_idx() == 0:
             cute.arch.fence_proxy("async.global")  # this share's adds before the release that announces them
-            cute.arch.red(mdQsem.iterator + (batch * nheads + head) * m_tiles + m_block, Int32(1), op="add",
-                          dtype=Int32, sem="release", scope="gpu")
+            cute.arch.red(self.semaphore(order, head, m_block, batch), Int32(1), op="add", dtype=Int32,
+                          sem="release", scope="gpu")
+
+    @cute.jit
+    def semaphore(self, order: tuple, head: Int32, m_block: Int32, batch: Int32):
+        """Query tile ``m_block``'s dQ semaphore: one per (batch, head, query tile), or packed, per
+        head a table of every sequence's tiles from the sequence's first (``packed_tile_start``)."""
+        mdQsem, nheads, m_tiles = order[0], order[2], order[3]
+        if cutlass.const_expr(self.varlen):
+            return mdQsem.iterator + head * (mdQsem.shape[0] // nheads) + order[6] + m_block
+        return mdQsem.iterator + (batch * nheads + head) * m_tiles + m_block
 
     @cute.jit
     def p_and_ds(self, acc_S: cute.Tensor, acc_dP: cute.Tensor, tScS: cute.Tensor, sLSE: cute.Tensor,
@@ -603,10 +613,6 @@ def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = F
     from cutlass.cute.runtime import make_fake_tensor
 
     check(p)
-    if p.varlen and deterministic:
-        raise UnsupportedProblem("K10 (backward): packed sequences (varlen) have no deterministic mode yet (it would "
-                                 "need a dQ semaphore per (sequence, query tile)); call it without "
-                                 "torch.use_deterministic_algorithms(True)")
     cfg = k9.config(p, overrides)
     if p.softcap and cfg.get("overlap"):  # the overlapped step keeps no register for tanh's derivative
         cfg = cfg.with_(overlap=False)
@@ -692,9 +698,11 @@ def run_varlen_backward(compiled: tuple, q, k, v, o, lse, do, softmax_scale: flo
                         max_seqlen_q: int, key_tiles, grads: tuple | None = None) -> tuple:
     """``run_backward`` on packed sequences: q, o, do (total_q, heads, d), k, v (total_k, heads_kv,
     d), lse (heads, total_q), cu_seqlens int32 on the GPU, the longest sequence's queries, the
-    (sequence, key tile) table (int32 (pairs, 2) on the GPU, ``call_varlen``). The
-    kernels see (1, heads, total, d) views; LSE2 and D live in padded rows (``VarlenPrepass``),
-    dQ's accumulator and the post-pass at the packed rows. Returns (dq, dk, dv), packed."""
+    (sequence, key tile) table (int32 (pairs, 2) on the GPU, ``call_varlen``; deterministic, in
+    (sequence, key tile) order). The kernels see (1, heads, total, d) views; LSE2 and D live in
+    padded rows (``VarlenPrepass``), dQ's accumulator and the post-pass at the packed rows;
+    deterministic, a zeroed semaphore per head and query tile (``packed_tile_start``). Returns
+    (dq, dk, dv), packed."""
     import torch
 
     pre, main, post, cfg = compiled
@@ -705,7 +713,10 @@ def run_varlen_backward(compiled: tuple, q, k, v, o, lse, do, softmax_scale: flo
     dq, dk, dv = grads if grads is not None else (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
     do = packed(do).contiguous()
     pre(packed(o), do, lse.unsqueeze(0), lse2, dot, dq_accum, cu_seqlens_q, max_seqlen_q)
-    main(packed(q), packed(k), packed(v), do, lse2, dot, dq_accum, packed(dk), packed(dv), softmax_scale, None,
+    seqs = cu_seqlens_q.shape[0] - 1
+    semaphores = (torch.zeros(h * (total // cfg["tile_m"] + seqs + 1), device=q.device, dtype=torch.int32)
+                  if cfg["deterministic"] else None)
+    main(packed(q), packed(k), packed(v), do, lse2, dot, dq_accum, packed(dk), packed(dv), softmax_scale, semaphores,
          cu_seqlens_q, cu_seqlens_k, key_tiles)
     post(dq_accum, packed(dq))
     return dq, dk, dv

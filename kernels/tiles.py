@@ -96,3 +96,12 @@ def packed_row_start(first_row, seq):
     buffer (K10's LSE2 and D): a multiple of ROW_ALIGN, past the previous sequence's rows; a
     buffer of total + ROW_ALIGN * sequences rows holds them all. Python ints or Int32."""
     return (first_row + seq * ROW_ALIGN) // ROW_ALIGN * ROW_ALIGN
+
+
+def packed_tile_start(first_row, seq, tile_m: int):
+    """Where packed sequence ``seq``, whose rows start at ``first_row``, numbers its query tiles
+    in a per-head table (K10's deterministic dQ semaphores): first_row // tile_m + seq. Its
+    ceil(n / tile_m) tiles end at or before the next sequence's start, since (a + n) // m >= a // m
+    + n // m and n // m + 1 >= ceil(n / m); a table of total_rows // tile_m + sequences + 1 per head
+    holds them all. Python ints or Int32."""
+    return first_row // tile_m + seq

@@ -147,6 +147,8 @@ def test_the_backwards_key_tile_list_has_every_key_tile_once_heaviest_walk_first
     walks = [(lambda lo_hi: lo_hi[1] - lo_hi[0])(query_window_tiles(n, lengths_q[b], lengths_k[b], 64, 128, causal,
                                                                      window)) for b, n in pairs]
     assert walks == sorted(walks, reverse=True) and walks[0] > 0
+    # the deterministic mode's order: a key tile's CTA waits only for ones launched before it
+    assert varlen.varlen_key_tiles(lengths_q, lengths_k, 64, 128, causal, window, heaviest_first=False) == sorted(pairs)
 
 
 @pytest.mark.parametrize("name,kwargs,match", [
@@ -164,7 +166,7 @@ def test_a_packed_call_the_kernels_cannot_take_is_refused_by_name(name, kwargs, 
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(backward="k9"), "backward='k9' takes no packed sequences"),
-    (dict(deterministic=True), "the packed backward has no deterministic mode yet"),
+    (dict(deterministic=True), "q must be a CUDA tensor"),  # the deterministic mode takes it: the device next
     (dict(d=256), "head_dim 256 not supported"),
 ])
 def test_a_packed_call_whose_backward_cannot_run_is_refused_before_the_forward(kwargs, match):
@@ -199,8 +201,26 @@ def test_k10_builds_a_packed_backward_that_starts_each_sequence_at_its_rows(caus
     counts = count_instructions(ptx)
     assert counts["cp.async.bulk.tensor"] > 0 and re.search(r"cp\.reduce\.async\.bulk\.tensor[.a-z0-9:]*\.add", ptx)
     assert counts["ld/st.local"] <= count_instructions(plain)["ld/st.local"] + 8  # a few spilled bytes at most
-    with pytest.raises(UnsupportedProblem, match="no deterministic mode yet"):
-        compile_backward(p, deterministic=True)
+    # deterministic: the dQ writer takes turns on a semaphore per head and packed query tile
+    det = compiled_ptx(compile_backward(p, keep_ptx=True, deterministic=True)[1])
+    assert "ld.acquire.gpu" in det and re.search(r"red\.release\.gpu(\.global)?\.add\.[su]32", det)
+    assert "ld.acquire.gpu" not in ptx
+
+
+def test_each_packed_sequence_numbers_its_query_tiles_apart_from_the_others():
+    # K10's deterministic semaphores: sequence b's tiles from packed_tile_start(first row, b), per head
+    # a table of total // tile_m + sequences + 1; two sequences sharing one would wait on each other
+    from kernels.tiles import packed_tile_start
+
+    rnd = random.Random(11)
+    for _ in range(300):
+        lengths = [rnd.choice((0, 1, rnd.randint(1, 300))) for _ in range(rnd.randint(1, 12))]
+        tile_m = rnd.choice((64, 128))
+        starts = [sum(lengths[:b]) for b in range(len(lengths))]
+        spans = [(packed_tile_start(r, b, tile_m), packed_tile_start(r, b, tile_m) + -(-n // tile_m))
+                 for b, (r, n) in enumerate(zip(starts, lengths))]
+        assert all(hi <= lo2 for (_, hi), (lo2, _) in zip(spans, spans[1:]))
+        assert spans[-1][1] <= sum(lengths) // tile_m + len(lengths) + 1
 
 
 @pytest.mark.parametrize("d,causal", [(128, False), (128, True)])  # K6 takes clusters and a TMA store here, rectangular
@@ -271,6 +291,29 @@ def test_autograd_through_the_packed_call_gives_the_packed_backwards_gradients()
     want = varlen.attention_varlen_backward(q, k, v, o, lse, dout, cu_q, cu_k, 1000, 1000, causal=True)
     for leaf, g in zip(leaves, want):  # the same kernels on the same inputs: equal up to dQ's fp32 add order
         assert torch.allclose(leaf.grad.float(), g.float(), atol=2e-2, rtol=0), float((leaf.grad - g).abs().max())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (True, (100, -1))])
+def test_the_deterministic_packed_backward_repeats_bit_for_bit_and_stays_correct(causal, window):
+    from harness.check import check_varlen_backward_case
+
+    lengths = [0, 17, 1, 300, 0, 1000, 128, 255]
+    q, k, v, cu_q, cu_k = (t.to("cuda", torch.bfloat16) if t.is_floating_point() else t.cuda()
+                           for t in _packed(lengths, d=128))
+    o, lse = varlen.attention_varlen("k6", q, k, v, cu_q, cu_k, 1000, 1000, causal=causal, window_size=window,
+                                     return_lse=True)
+    dout = torch.randn_like(o)
+    torch.use_deterministic_algorithms(True)
+    try:
+        runs = [varlen.attention_varlen_backward(q, k, v, o, lse, dout, cu_q, cu_k, 1000, 1000, causal=causal,
+                                                 window_size=window) for _ in range(3)]
+        row = check_varlen_backward_case("k10_fa3", lengths, lengths, 8, 2, 128, causal, window=window)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert all(torch.equal(a, b) for run in runs[1:] for a, b in zip(runs[0], run))
+    assert row["ok"], row["reason"]
 
 
 def test_the_varlen_benchmark_packing_is_fixed_and_counts_only_real_work():
