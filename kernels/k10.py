@@ -702,6 +702,9 @@ def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = F
     split_d = p.head_dim > 128  # K10BackwardSplitD: one 64-key tile per CTA, its own (sequential) step
     if split_d:
         cfg = cfg.with_(overlap=False)
+        if cfg["q_stages"] != 1 or cfg["num_wg"] != 2 or cfg["tile_m"] != 64:
+            raise UnsupportedProblem(f"K10 (backward) config {cfg}: at head_dim 256, two warpgroups, 64 queries a step "
+                                     "and one Q/dO stage (a second stage would need 272 KB of SMEM)")
     key_tiles = -(-p.kv_len // (sm90.WGMMA_M * (1 if split_d else cfg["num_wg"])))
     window = p.sliding_window
     arrive_last_first = p.causal or (window is not None and window[1] >= 0)  # key tiles start their walks in order

@@ -52,6 +52,8 @@ def test_k10_at_d256_splits_the_head_dim_over_the_warpgroups_with_p_and_ds_from_
         k9.check(p)  # K9 keeps its two head dims
     with pytest.raises(UnsupportedProblem, match="head_dim 256 are not built"):
         compile_backward(p.with_(varlen=True))
+    with pytest.raises(UnsupportedProblem, match="one Q/dO stage"):
+        compile_backward(p, q_stages=2)
 
 
 @pytest.mark.parametrize("causal", [False, True])
