@@ -188,12 +188,12 @@ def run_decode(quick: bool, out, features_only: bool = False) -> tuple:
     return rows, failures
 
 
-def backward_cases(seqlens, features: bool = False):
+def backward_cases(seqlens, features: bool = False, head_dims=(64, 128)):
     """K9's grid: d 64/128 x causal x seqlens, batch 2 x heads 3, bf16; fp16 once per causal mode;
     the forward grid's GQA heads and (seqlen_q, seqlen_k) pairs; inputs 8x larger once per head dim
     (larger scores, a sharper softmax); batch 8 x 1024 heads. ``features`` (K10): the forward grid's
-    softcaps and windows too."""
-    for d in (64, 128):
+    softcaps and windows too; ``head_dims``: the stage's (K10 adds 256)."""
+    for d in head_dims:
         for causal in (False, True):
             for n in seqlens:
                 yield Problem(2, 3, n, d, causal=causal), 1.0
@@ -282,8 +282,11 @@ def run_backward_grid(seqlens, out, stages, features_only: bool = False) -> tupl
           "SDPA's own 16-bit backward + 1e-3 of float64 autograd (harness/check.py check_backward), outputs NaN-poisoned")
     print(f"{'stage':<6}{'dtype':<10}{'b':>3}{'h':>6}{'seqlen':>7}{'d':>5}{'causal':>7}{'kv h/len':>11}{'x':>4}"
           f"{'dq_err':>11}{'sdpa':>11}{'dk_err':>11}{'sdpa':>11}{'dv_err':>11}{'sdpa':>11}  result")
+    from harness.backward import stage_module
+
     for stage in stages:
-        for p, magnitude in backward_cases(seqlens, features=BACKWARD_VARIANTS[stage][0] == "k10"):
+        k10 = BACKWARD_VARIANTS[stage][0] == "k10"
+        for p, magnitude in backward_cases(seqlens, features=k10, head_dims=stage_module(stage).HEAD_DIMS):
             if features_only and not has_feature(p):
                 continue
             row = backward_row(stage, p, magnitude)

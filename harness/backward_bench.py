@@ -14,7 +14,7 @@ K10 whenever K10 is, to measure what the fixed order costs.
 
 from __future__ import annotations
 
-# d = 256 too: no stage of ours takes it yet, and its rows say so beside the peers' times
+# d = 256 too: K10 takes it (K10BackwardSplitD), K9 does not, and its rows say so beside the peers' times
 SWEEP = dict(head_dims=(64, 128, 256), causals=(0, 1), seqlens=(1024, 4096, 16384))
 STAGES = ("k9", "k10")  # unless told; harness.backward.STAGES lists every stage and variant
 

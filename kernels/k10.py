@@ -15,6 +15,9 @@ New relative to K9 (same walk, same five GEMMs, same operand placement):
 * A deterministic mode: the key tiles' dQ shares of a query tile are added in a fixed order
   (a semaphore per query tile), so the fp32 sums, and the gradients, repeat bit for bit. Causal,
   the order is the one the shares arrive in (the last key tile first: it starts on the diagonal).
+* d = 256 (``K10BackwardSplitD``): dK and dV of 64 keys would need 256 registers a thread, so
+  the two MMA warpgroups share one 64-key tile and split the head dim of dK, dV and dQ; P^T
+  and dS^T meet in SMEM.
 """
 
 from __future__ import annotations
@@ -24,15 +27,18 @@ from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.tensor_utils import LayoutEnum
 
-from . import k5, k9, sm90, tma_pipeline
+from . import k4, k5, k9, sm90, tma_pipeline
 from .tiles import ROW_ALIGN, kv_window_tiles, packed_row_start, packed_tile_start, query_window_tiles
-from .contract import LOG2_E, FakeShapes, Problem, cute_dtype, fake_stream, jit_compile, num_sms
+from .contract import LOG2_E, FakeShapes, Problem, UnsupportedProblem, cute_dtype, fake_stream, jit_compile, num_sms
 
-HEAD_DIMS = k9.HEAD_DIMS
-DEFAULT_CONFIG = k9.DEFAULT_CONFIG
+HEAD_DIMS = (*k9.HEAD_DIMS, 256)
+# d = 256: one Q/dO stage, so that K, V, Q, dO, P^T, dS^T and the fp32 dQ share fit in 227 KB.
+DEFAULT_CONFIG = {**k9.DEFAULT_CONFIG, 256: dict(num_wg=2, tile_m=64, q_stages=1)}
 
 
 class Barrier(enum.IntEnum):
@@ -541,6 +547,81 @@ class K10Backward(k9.K9Backward):
             sm90.store_rows(rX, None, tiled_mma_dkv, tidx, mX, None, n_block, kv_head, batch, tile_n)
 
 
+class K10BackwardSplitD(K10Backward):
+    """d = 256. dK and dV of a 64-key tile hold 64 x 256 floats each: 256 registers a thread for
+    the two, more than a warpgroup has. So both MMA warpgroups own the same 64 keys and split the
+    head dim instead: warpgroup w accumulates dK[:, 128w:128w+128] and dV[:, 128w:128w+128] (64
+    + 64 registers), and computes dQ's same columns. S^T and dP^T still contract over all of d;
+    the warpgroups split their queries (32 each), so each computes P^T and dS^T of its queries in
+    fp32, as before. dV's and dK's GEMMs then need every query's P^T and dS^T: both go to SMEM
+    (``sdS`` holds the two tiles) and the GEMMs read them there (SS) instead of from registers."""
+
+    def __init__(self, head_dim: int, dtype, causal: bool, num_wg: int, tile_m: int, q_stages: int,
+                 overlap: bool = False, **kw):
+        assert num_wg == 2 and tile_m % (16 * num_wg) == 0, "two warpgroups, each a multiple of 16 queries"
+        super().__init__(head_dim, dtype, causal, num_wg, tile_m, q_stages, overlap=False, **kw)
+        self.tile_n = sm90.WGMMA_M  # one 64-key tile for both warpgroups
+
+    def tiled_mmas(self) -> tuple:
+        """S^T, dP^T (64 keys, tile_m) with the warpgroups side by side over the queries; dV, dK
+        (64 keys, d) with A (P^T, dS^T) from SMEM and the warpgroups side by side over d; dQ as
+        K9's (the warpgroups split d)."""
+        d, dt, wg = self.head_dim, self.dtype, self.num_wg
+        K_MAJOR, MN_MAJOR = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
+        tiled_mma_sdp = sm90_utils.make_trivial_tiled_mma(dt, dt, K_MAJOR, K_MAJOR, Float32, atom_layout_mnk=(1, wg, 1),
+                                                          tiler_mn=(self.tile_n, self.tile_m // wg))
+        tiled_mma_dkv = sm90_utils.make_trivial_tiled_mma(dt, dt, K_MAJOR, MN_MAJOR, Float32, atom_layout_mnk=(1, wg, 1),
+                                                          tiler_mn=(self.tile_n, d // wg))
+        return tiled_mma_sdp, tiled_mma_dkv, k9.dq_mma(dt, d, wg)
+
+    def smem_layouts(self) -> tuple:
+        """K9's, with ``sdS`` two tiles deep: dS^T in tile 0, P^T in tile 1."""
+        sK_layout, sQ_layout, _ = super().smem_layouts()
+        sdS_layout = sm90_utils.make_smem_layout_a(LayoutEnum.COL_MAJOR, (self.tile_m, self.head_dim, self.tile_n),
+                                                   self.dtype, 2)
+        return sK_layout, sQ_layout, sdS_layout
+
+    def dkv_operands_a(self, wg_dkv) -> tuple:
+        return None, None  # SMEM fragments: ``mma_partitions``
+
+    def mma_partitions(self, mmas: tuple, smem: tuple, wg_idx: Int32, tidx: Int32) -> tuple:
+        """K9's fragments, with dV's and dK's A operands read from the P^T and dS^T tiles in SMEM."""
+        tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = mmas
+        sK, sV, sQ, sdO, sdSP = smem
+        sdS, sP = sdSP[None, None, 0], sdSP[None, None, 1]
+        parts = list(super().mma_partitions(mmas, (sK, sV, sQ, sdO, sdS), wg_idx, tidx))
+        wg_dkv = tiled_mma_dkv.get_slice(wg_idx * sm90.THREADS_PER_WARPGROUP)
+        parts[8] = wg_dkv.make_fragment_A(wg_dkv.partition_A(k9.transpose_view(sP)))  # tdVrP
+        parts[9] = wg_dkv.make_fragment_A(wg_dkv.partition_A(k9.transpose_view(sdS)))  # tdKrdS
+        return tuple(parts)
+
+    @cute.jit
+    def mma_step(self, mmas: tuple, accs: tuple, operands: tuple, tScS: cute.Tensor, sdS: cute.Tensor, rows: tuple,
+                 n_block: Int32, m_block: Int32, lens: tuple, scale_log2: Float32, softmax_scale: Float32
+                 ) -> cute.Tensor:
+        """One query tile: S^T and dP^T of this warpgroup's queries, P^T and dS^T into SMEM, then
+        dV's, dK's and dQ's GEMMs over all queries (their columns of d), one wait for the three."""
+        tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = mmas
+        acc_S, acc_dP, acc_dK, acc_dV = accs
+        tSrK, tSrQ, tdPrV, tdPrdO, tdVrP, tdVrdO, tdKrdS, tdKrQ, tdQrdS, tdQrK = operands
+        stage = rows[2]
+        sm90.gemm(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage], zero_init=True, wg_wait=-1)
+        sm90.gemm(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True, wg_wait=0)
+        self.p_and_ds(acc_S, acc_dP, tScS, rows[0][None, stage], rows[1][None, stage], n_block, m_block, lens,
+                      scale_log2, softmax_scale)
+        # both warpgroups' previous GEMMs have retired (each waits at its step's end): the tiles are free
+        cute.arch.barrier(barrier_id=Barrier.MMA, number_of_threads=self.mma_threads)
+        self.store_dS(acc_S, tScS, sdS[None, None, 1], tiled_mma_sdp)
+        self.store_dS(acc_dP, tScS, sdS[None, None, 0], tiled_mma_sdp)
+        cute.arch.fence_view_async_shared()  # generic-proxy stores -> the WGMMAs' reads
+        cute.arch.barrier(barrier_id=Barrier.MMA, number_of_threads=self.mma_threads)  # every query's P^T and dS^T
+        sm90.gemm(tiled_mma_dkv, acc_dV, tdVrP, tdVrdO[None, None, None, stage], zero_init=False, wg_wait=-1)
+        sm90.gemm(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQ[None, None, None, stage], zero_init=False, wg_wait=-1)
+        acc_dQ = cute.make_rmem_tensor(tiled_mma_dq.partition_shape_C((self.tile_m, self.head_dim)), Float32)
+        sm90.gemm(tiled_mma_dq, acc_dQ, tdQrdS, tdQrK, zero_init=True, wg_wait=0)
+        return acc_dQ
+
+
 class VarlenPrepass(k9.Prepass):
     """K9's pre-pass on packed sequences: a CTA per (block of rows, head, sequence). Sequence b's
     LSE2 and D land at ``tiles.packed_row_start`` of its first row: a TMA box of floats starts
@@ -595,7 +676,14 @@ class FlatPostpass:
 
 
 def check(p: Problem) -> None:
-    k9.check(p, "K10", features=True)
+    k9.check(p, "K10", features=True, head_dims=HEAD_DIMS)
+    if p.head_dim == 256 and p.varlen:
+        raise UnsupportedProblem("K10 (backward): packed sequences (varlen) at head_dim 256 are not built yet "
+                                 "(supported: 64, 128)")
+
+
+def config(p: Problem, overrides: dict = None):
+    return k4.config(p, overrides, DEFAULT_CONFIG)
 
 
 def padded_row_tensor(batch, heads, rows):
@@ -613,12 +701,18 @@ def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = F
     from cutlass.cute.runtime import make_fake_tensor
 
     check(p)
-    cfg = k9.config(p, overrides)
+    cfg = config(p, overrides)
     if p.softcap and cfg.get("overlap"):  # the overlapped step keeps no register for tanh's derivative
         cfg = cfg.with_(overlap=False)
     dq_flat = dq_flat and not p.varlen  # flat shares are numbered by query tile; a packed tile starts at any row
     dt = cute_dtype(p.dtype)
-    key_tiles = -(-p.kv_len // (sm90.WGMMA_M * cfg["num_wg"]))
+    split_d = p.head_dim > 128  # K10BackwardSplitD: one 64-key tile per CTA, its own (sequential) step
+    if split_d:
+        cfg = cfg.with_(overlap=False)
+        if cfg["q_stages"] != 1 or cfg["num_wg"] != 2 or cfg["tile_m"] != 64:
+            raise UnsupportedProblem(f"K10 (backward) config {cfg}: at head_dim 256, two warpgroups, 64 queries a step "
+                                     "and one Q/dO stage (a second stage would need 272 KB of SMEM)")
+    key_tiles = -(-p.kv_len // (sm90.WGMMA_M * (1 if split_d else cfg["num_wg"])))
     window = p.sliding_window
     arrive_last_first = p.causal or (window is not None and window[1] >= 0)  # key tiles start their walks in order
     last_first = deterministic and arrive_last_first and key_tiles <= num_sms()  # K10Backward.wait_turn says why
@@ -644,8 +738,9 @@ def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = F
         args = (x(dt), x(dt, True), x(dt, True), x(dt), rows(), rows(), accumulator(f, x), x(dt, True),
                 x(dt, True), Float32(1.0), fake_stream())
         semaphores = make_fake_tensor(Int32, (cute.sym_int(),), stride=(1,), assumed_align=4) if deterministic else None
-        kernel = K10Backward(p.head_dim, dt, p.causal, **cfg, deterministic=deterministic, dq_flat=dq_flat,
-                             last_first=last_first, varlen=p.varlen, **features)
+        kernel = (K10BackwardSplitD if split_d else K10Backward)(p.head_dim, dt, p.causal, **cfg,
+                                                                 deterministic=deterministic, dq_flat=dq_flat,
+                                                                 last_first=last_first, varlen=p.varlen, **features)
         if p.varlen:  # cu_seqlens_q, cu_seqlens_k and the (sequence, key tile) table
             tiles = make_fake_tensor(Int32, (cute.sym_int(), 2), stride=(2, 1), assumed_align=4)
             return kernel.call_varlen, args + (semaphores, cu_seqlens(), cu_seqlens(), tiles)

@@ -151,8 +151,7 @@ class K9Backward:
         tdKrQ = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_view(sQ)))  # (.., stage)
         tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
         tdQrK = wg_dq.make_fragment_B(wg_dq.partition_B(transpose_view(sK)))[None, None, None, 0]
-        tdVrP = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((tile_n, tile_m)))
-        tdKrdS = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((tile_n, tile_m)))
+        tdVrP, tdKrdS = self.dkv_operands_a(wg_dkv)
         acc_dV = cute.make_rmem_tensor(tiled_mma_dkv.partition_shape_C((tile_n, d)), Float32)
         acc_dK = cute.make_rmem_tensor(tiled_mma_dkv.partition_shape_C((tile_n, d)), Float32)
         acc_dV.fill(0.0)
@@ -161,6 +160,12 @@ class K9Backward:
         tdQcdQ = tiled_mma_dq.get_slice(tidx).partition_C(cute.make_identity_tensor((tile_m, d)))
         return (tSrK, tdPrV, tSrQ, tdPrdO, tdVrdO, tdKrQ, tdQrdS, tdQrK, tdVrP, tdKrdS, acc_dV, acc_dK, tScS,
                 tdQcdQ)
+
+    def dkv_operands_a(self, wg_dkv) -> tuple:
+        """dV's and dK's A operands, P^T and dS^T: register fragments their fp32 tiles are
+        converted into (a stage whose GEMMs read them from SMEM partitions its own)."""
+        shape = wg_dkv.partition_shape_A((self.tile_n, self.tile_m))
+        return wg_dkv.make_fragment_A(shape), wg_dkv.make_fragment_A(shape)
 
     @cute.kernel
     def kernel(self, mQ_tma: cute.Tensor, mK_tma: cute.Tensor, mV_tma: cute.Tensor, mdO_tma: cute.Tensor,
@@ -378,7 +383,7 @@ def config(p: Problem, overrides: dict = None) -> Config:
     return k4.config(p, overrides, DEFAULT_CONFIG)
 
 
-def check(p: Problem, stage: str = "K9", features: bool = False) -> None:
+def check(p: Problem, stage: str = "K9", features: bool = False, head_dims: tuple = HEAD_DIMS) -> None:
     """What the backward refuses; ``features``: whether the stage takes a window and a softcap."""
     if not features and (p.softcap or p.window != (-1, -1)):
         raise UnsupportedProblem(f"{stage} (backward): no sliding window or softcap (K10 takes them)")
@@ -387,9 +392,9 @@ def check(p: Problem, stage: str = "K9", features: bool = False) -> None:
     if p.window != (-1, -1) and p.seqlen > p.kv_len:  # as the forward: the tile bounds assume keys >= queries
         raise UnsupportedProblem(f"{stage} (backward): a sliding window with more queries than keys (seqlen_q "
                                  f"{p.seqlen} > seqlen_k {p.kv_len}) is not supported")
-    if p.head_dim not in HEAD_DIMS:
+    if p.head_dim not in head_dims:
         raise UnsupportedProblem(f"{stage} (backward): head_dim {p.head_dim} not supported "
-                                 f"(supported: {list(HEAD_DIMS)})")
+                                 f"(supported: {list(head_dims)})")
     if p.dtype not in ("bfloat16", "float16"):
         raise UnsupportedProblem(f"{stage} (backward): dtype {p.dtype} not supported (bfloat16, float16)")
 

@@ -28,6 +28,35 @@ def test_k10_adds_dq_by_tma_reduce_from_a_warp_specialized_kernel(d):
 
 
 @pytest.mark.parametrize("causal", [False, True])
+def test_k10_at_d256_splits_the_head_dim_over_the_warpgroups_with_p_and_ds_from_smem(causal):
+    from kernels import k9
+    from kernels.contract import UnsupportedProblem
+    from kernels.k10 import compile_backward
+
+    p = Problem(2, 4, 1000, 256, causal=causal)
+    compiled = compile_backward(p, keep_ptx=True, overlap=True, dq_flat=True, ds_stmatrix=True)
+    ptx = compiled_ptx(compiled[1])
+    counts = count_instructions(ptx)
+    # a warpgroup's step: S^T and dP^T of its 32 queries over d (2 x 16), dV and dK of its 128
+    # columns over the tile's 64 queries (2 x 4), dQ's 128 columns over the 64 keys (4)
+    assert counts["wgmma.mma_async"] == 2 * 16 + 2 * 4 + 4 and counts["ld/st.local"] == 0
+    assert set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k16)", ptx)) == {"m64n32k16", "m64n128k16"}
+    # every A operand from SMEM (a descriptor after the accumulators), none from registers as at d = 128
+    assert not re.search(r"wgmma\.mma_async[^;]*\}\s*,\s*\{", ptx)
+    assert re.search(r"wgmma\.mma_async[^;]*\}\s*,\s*\{", compiled_ptx(compile_backward(p.with_(head_dim=128),
+                                                                                   keep_ptx=True)[1]))
+    assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+240;", ptx)
+    assert re.search(r"cp\.reduce\.async\.bulk\.tensor[.a-z0-9:]*\.add", ptx)
+    assert compiled[3]["q_stages"] == 1 and not compiled[3]["overlap"]  # its own step; one Q/dO stage fits
+    with pytest.raises(UnsupportedProblem, match="head_dim 256"):
+        k9.check(p)  # K9 keeps its two head dims
+    with pytest.raises(UnsupportedProblem, match="head_dim 256 are not built"):
+        compile_backward(p.with_(varlen=True))
+    with pytest.raises(UnsupportedProblem, match="one Q/dO stage"):
+        compile_backward(p, q_stages=2)
+
+
+@pytest.mark.parametrize("causal", [False, True])
 def test_k10s_deterministic_mode_takes_turns_on_a_semaphore_per_query_tile(causal):
     from kernels.k10 import compile_backward
 
@@ -87,7 +116,7 @@ def test_ds_leaves_by_stmatrix_in_the_variant():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", ["n1", "n17", "n1000", "gqa", "unequal"])
 def test_k10_gradients_match_float64_autograd(shape, causal, d):
@@ -103,7 +132,7 @@ def test_k10_gradients_match_float64_autograd(shape, causal, d):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("variant", ["k10_overlap", "k10_flat", "k10_stmatrix", "k10_fa3"])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("shape", ["n17", "n1000", "gqa"])
 def test_k10s_variants_match_float64_autograd(shape, d, variant):
     from harness.check import check_backward
