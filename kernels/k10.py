@@ -117,7 +117,9 @@ class K10Backward(k9.K9Backward):
         tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = self.tiled_mmas()
         sK_layout, sQ_layout, sdS_layout = self.smem_layouts()
         sdQ_layout = tma_pipeline.row_major(*self.dq_box)  # fp32, as the TMA reduce reads it
-        sRow_layout = cute.make_layout((tile_m, self.q_stages))  # LSE2 or D of each stage's query rows
+        # LSE2 or D of each stage's query rows; a stage starts 128-byte aligned, as a TMA box's
+        # destination must (tile_m 80 would put the second at 320 bytes)
+        sRow_layout = cute.make_layout((tile_m, self.q_stages), stride=(1, -(-tile_m // 32) * 32))
 
         (tma_atom_K, mK_tma), (tma_atom_V, mV_tma), (tma_atom_Q, mQ_tma), (tma_atom_dO, mdO_tma) = self.tma_loads(
             mK, mV, mQ, mdO, sK_layout, sQ_layout)
@@ -629,6 +631,9 @@ def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = F
                                  "need a dQ semaphore per (sequence, query tile)); call it without "
                                  "torch.use_deterministic_algorithms(True)")
     cfg = k9.config(p, overrides)
+    if cfg["tile_m"] % sm90.WGMMA_M and not cfg.get("dq_swapab"):
+        raise UnsupportedProblem(f"K10 (backward) config {cfg}: tile_m must be a multiple of 64 (dQ's GEMM takes the "
+                                 "queries as M, 64 rows a warpgroup), or a multiple of 16 with dq_swapab")
     if cfg.get("dq_swapab") and (p.head_dim != sm90.WGMMA_M * cfg["num_wg"] or dq_flat):
         raise UnsupportedProblem(f"K10 (backward) config {cfg}: dq_swapab splits d over the warpgroups, 64 rows "
                                  f"each (head_dim {sm90.WGMMA_M * cfg['num_wg']} here, not {p.head_dim}), and "

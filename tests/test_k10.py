@@ -42,6 +42,8 @@ def test_dq_swapab_lets_a_step_take_80_queries_at_d128():
     assert count_instructions(ptx)["ld/st.local"] <= 4
     with pytest.raises(UnsupportedProblem, match="dq_swapab splits d over the warpgroups"):
         compile_backward(p.with_(head_dim=64), dq_swapab=True, tile_m=80)
+    with pytest.raises(UnsupportedProblem, match="tile_m must be a multiple of 64"):
+        compile_backward(p, tile_m=80)
 
 
 @pytest.mark.parametrize("causal", [False, True])
