@@ -58,8 +58,14 @@ class K10Backward(k9.K9Backward):
     def __init__(self, head_dim: int, dtype, causal: bool, num_wg: int, tile_m: int, q_stages: int,
                  deterministic: bool = False, overlap: bool = False, dq_flat: bool = False,
                  ds_stmatrix: bool = False, last_first: bool = False, window: tuple = None, softcap: float = 0.0,
-                 varlen: bool = False):
+                 varlen: bool = False, dq_swapab: bool = False):
         super().__init__(head_dim, dtype, causal, num_wg, tile_m, q_stages)
+        # dq_swapab (FA3's dQ_swapAB): dQ^T = K^T . dS^T, the warpgroups split d (64 rows each), so
+        # that a step may take a tile_m that is not a multiple of 64 (FA3's 80 at d = 128)
+        self.dq_swapab = dq_swapab
+        if dq_swapab:
+            assert head_dim == sm90.WGMMA_M * num_wg and not dq_flat, "d split 64 rows a warpgroup, dQ at [row, col]"
+            self.dq_tile = (head_dim, tile_m)
         self.varlen = varlen  # packed sequences: ``call_varlen``
         assert not (softcap and overlap), "the overlapped step has no registers left for the softcap's tanh'"
         self.window = window  # Problem.window, or None: tiles.query_window_tiles bounds the walk
@@ -73,6 +79,21 @@ class K10Backward(k9.K9Backward):
         self.mma_threads = sm90.THREADS_PER_WARPGROUP * num_wg
         self.num_threads = self.mma_threads + sm90.THREADS_PER_WARPGROUP  # + the producer warpgroup
         self.producer_regs, self.consumer_regs = k5.REGISTERS[num_wg]
+
+    def tiled_mmas(self) -> tuple:
+        tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = super().tiled_mmas()
+        if self.dq_swapab:  # dQ^T (d, tile_m) = K^T (d, tile_n) . dS^T: A and B both read MN-major
+            mn = warpgroup.OperandMajorMode.MN
+            tiled_mma_dq = sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, mn, mn, Float32,
+                                                             atom_layout_mnk=(self.num_wg, 1, 1),
+                                                             tiler_mn=(sm90.WGMMA_M, self.tile_m))
+        return tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq
+
+    def dq_operands(self, wg_dq, sdS: cute.Tensor, sK: cute.Tensor) -> tuple:
+        if not self.dq_swapab:
+            return super().dq_operands(wg_dq, sdS, sK)
+        return (wg_dq.make_fragment_A(wg_dq.partition_A(k9.transpose_view(sK)))[None, None, None, 0],
+                wg_dq.make_fragment_B(wg_dq.partition_B(sdS)))
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE2: cute.Tensor,
@@ -103,7 +124,9 @@ class K10Backward(k9.K9Backward):
         tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = self.tiled_mmas()
         sK_layout, sQ_layout, sdS_layout = self.smem_layouts()
         sdQ_layout = tma_pipeline.row_major(*self.dq_box)  # fp32, as the TMA reduce reads it
-        sRow_layout = cute.make_layout((tile_m, self.q_stages))  # LSE2 or D of each stage's query rows
+        # LSE2 or D of each stage's query rows; a stage starts 128-byte aligned, as a TMA box's
+        # destination must (tile_m 80 would put the second at 320 bytes)
+        sRow_layout = cute.make_layout((tile_m, self.q_stages), stride=(1, -(-tile_m // 32) * 32))
 
         (tma_atom_K, mK_tma), (tma_atom_V, mV_tma), (tma_atom_Q, mQ_tma), (tma_atom_dO, mdO_tma) = self.tma_loads(
             mK, mV, mQ, mdO, sK_layout, sQ_layout)
@@ -416,7 +439,7 @@ class K10Backward(k9.K9Backward):
         # dV's and dK's GEMMs read P^T and dS^T from registers until they retire
         warpgroup.wait_group(0)
         cute.arch.barrier(barrier_id=Barrier.MMA, number_of_threads=self.mma_threads)
-        acc_dQ = cute.make_rmem_tensor(tiled_mma_dq.partition_shape_C((self.tile_m, self.head_dim)), Float32)
+        acc_dQ = cute.make_rmem_tensor(tiled_mma_dq.partition_shape_C(self.dq_tile), Float32)
         sm90.gemm(tiled_mma_dq, acc_dQ, tdQrdS, tdQrK, zero_init=True, wg_wait=0)
         return acc_dQ
 
@@ -445,7 +468,7 @@ class K10Backward(k9.K9Backward):
         sm90.convert_to(sm90.acc_as_operand_a(acc_dP), tdKrdS)
         sm90.gemm(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQ[None, None, None, stage], zero_init=False, wg_wait=-1)
         cute.arch.barrier(barrier_id=Barrier.MMA, number_of_threads=self.mma_threads)  # every dS^T stored
-        acc_dQ = cute.make_rmem_tensor(tiled_mma_dq.partition_shape_C((self.tile_m, self.head_dim)), Float32)
+        acc_dQ = cute.make_rmem_tensor(tiled_mma_dq.partition_shape_C(self.dq_tile), Float32)
         sm90.gemm(tiled_mma_dq, acc_dQ, tdQrdS, tdQrK, zero_init=True, wg_wait=0)  # dV's, dK's and dQ's
         return acc_dQ
 
@@ -471,7 +494,7 @@ class K10Backward(k9.K9Backward):
         stores, no bank conflicts); ``FlatPostpass`` reads that order back."""
         if cutlass.const_expr(not self.dq_flat):
             for i in cutlass.range_constexpr(cute.size(acc_dQ)):
-                row, col = tdQcdQ[i]
+                row, col = tdQcdQ[i] if cutlass.const_expr(not self.dq_swapab) else tdQcdQ[i][::-1]
                 sdQ[row, col] = acc_dQ[i]
         else:
             per_thread = cute.size(acc_dQ)
@@ -702,6 +725,13 @@ def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = F
 
     check(p)
     cfg = config(p, overrides)
+    if cfg["tile_m"] % sm90.WGMMA_M and not cfg.get("dq_swapab"):
+        raise UnsupportedProblem(f"K10 (backward) config {cfg}: tile_m must be a multiple of 64 (dQ's GEMM takes the "
+                                 "queries as M, 64 rows a warpgroup), or a multiple of 16 with dq_swapab")
+    if cfg.get("dq_swapab") and (p.head_dim != sm90.WGMMA_M * cfg["num_wg"] or dq_flat):
+        raise UnsupportedProblem(f"K10 (backward) config {cfg}: dq_swapab splits d over the warpgroups, 64 rows "
+                                 f"each (head_dim {sm90.WGMMA_M * cfg['num_wg']} here, not {p.head_dim}), and "
+                                 "stores dQ at [row, col] (not dq_flat)")
     if p.softcap and cfg.get("overlap"):  # the overlapped step keeps no register for tanh's derivative
         cfg = cfg.with_(overlap=False)
     dq_flat = dq_flat and not p.varlen  # flat shares are numbered by query tile; a packed tile starts at any row

@@ -72,6 +72,7 @@ class K9Backward:
         self.tile_n = sm90.WGMMA_M * num_wg  # keys of the CTA: warpgroup w owns [64w, 64w + 64)
         self.tile_m = tile_m  # query rows per step of the walk
         self.q_stages = q_stages
+        self.dq_tile = (tile_m, head_dim)  # dQ's accumulator tile, as its GEMM's (M, N)
         self.num_threads = sm90.THREADS_PER_WARPGROUP * num_wg
 
     @cute.jit
@@ -149,15 +150,14 @@ class K9Backward:
         tdPrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))  # (.., stage)
         tdVrdO = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_view(sdO)))  # (.., stage)
         tdKrQ = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_view(sQ)))  # (.., stage)
-        tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
-        tdQrK = wg_dq.make_fragment_B(wg_dq.partition_B(transpose_view(sK)))[None, None, None, 0]
+        tdQrdS, tdQrK = self.dq_operands(wg_dq, sdS, sK)
         tdVrP, tdKrdS = self.dkv_operands_a(wg_dkv)
         acc_dV = cute.make_rmem_tensor(tiled_mma_dkv.partition_shape_C((tile_n, d)), Float32)
         acc_dK = cute.make_rmem_tensor(tiled_mma_dkv.partition_shape_C((tile_n, d)), Float32)
         acc_dV.fill(0.0)
         acc_dK.fill(0.0)
         tScS = tiled_mma_sdp.get_slice(tidx).partition_C(cute.make_identity_tensor((tile_n, tile_m)))
-        tdQcdQ = tiled_mma_dq.get_slice(tidx).partition_C(cute.make_identity_tensor((tile_m, d)))
+        tdQcdQ = tiled_mma_dq.get_slice(tidx).partition_C(cute.make_identity_tensor(self.dq_tile))
         return (tSrK, tdPrV, tSrQ, tdPrdO, tdVrdO, tdKrQ, tdQrdS, tdQrK, tdVrP, tdKrdS, acc_dV, acc_dK, tScS,
                 tdQcdQ)
 
@@ -166,6 +166,11 @@ class K9Backward:
         converted into (a stage whose GEMMs read them from SMEM partitions its own)."""
         shape = wg_dkv.partition_shape_A((self.tile_n, self.tile_m))
         return wg_dkv.make_fragment_A(shape), wg_dkv.make_fragment_A(shape)
+
+    def dq_operands(self, wg_dq, sdS: cute.Tensor, sK: cute.Tensor) -> tuple:
+        """dQ's GEMM operands (A, B): dS, queries contiguous in sdS, and K, d contiguous in sK."""
+        return (wg_dq.make_fragment_A(wg_dq.partition_A(sdS)),
+                wg_dq.make_fragment_B(wg_dq.partition_B(transpose_view(sK)))[None, None, None, 0])
 
     @cute.kernel
     def kernel(self, mQ_tma: cute.Tensor, mK_tma: cute.Tensor, mV_tma: cute.Tensor, mdO_tma: cute.Tensor,

@@ -27,6 +27,25 @@ def test_k10_adds_dq_by_tma_reduce_from_a_warp_specialized_kernel(d):
     assert {("arrive", "2", "288"), ("sync", "2", "288"), ("arrive", "3", "288"), ("sync", "3", "288")} <= barriers
 
 
+def test_dq_swapab_lets_a_step_take_80_queries_at_d128():
+    # FA3's dQ_swapAB: dQ^T = K^T . dS^T, so dQ's M is d (64 rows a warpgroup) and the step's
+    # queries only need to be a multiple of 16 (FA3 takes 80 at d = 128, non-causal)
+    from kernels.contract import UnsupportedProblem
+    from kernels.k10 import compile_backward
+
+    p = Problem(2, 4, 1000, 128)
+    compiled = compile_backward(p, keep_ptx=True, overlap=True, ds_stmatrix=True, dq_swapab=True, tile_m=80)
+    ptx = compiled_ptx(compiled[1])
+    shapes = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k16)", ptx)
+    # S^T, dP^T: n80 over d (2 x 8); dV, dK: n128 over 80 queries (2 x 5); dQ^T: n80 over 128 keys (8)
+    assert len(shapes) == 2 * 8 + 2 * 5 + 8 and set(shapes) == {"m64n80k16", "m64n128k16"}
+    assert count_instructions(ptx)["ld/st.local"] <= 4
+    with pytest.raises(UnsupportedProblem, match="dq_swapab splits d over the warpgroups"):
+        compile_backward(p.with_(head_dim=64), dq_swapab=True, tile_m=80)
+    with pytest.raises(UnsupportedProblem, match="tile_m must be a multiple of 64"):
+        compile_backward(p, tile_m=80)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_k10_at_d256_splits_the_head_dim_over_the_warpgroups_with_p_and_ds_from_smem(causal):
     from kernels import k9
