@@ -276,7 +276,7 @@ def run_varlen_grid(names, quick: bool, out, backward: bool = False) -> tuple:
     return rows, failures
 
 
-def run_backward_grid(seqlens, out, stages, features_only: bool = False) -> tuple:
+def run_backward_grid(seqlens, out, stages, features_only: bool = False, head_dim: int = None) -> tuple:
     rows, failures = [], 0
     print(f"backward grid ({', '.join(stages)}; O and LSE from k6): dq, dk, dv each within twice the max error of "
           "SDPA's own 16-bit backward + 1e-3 of float64 autograd (harness/check.py check_backward), outputs NaN-poisoned")
@@ -287,7 +287,7 @@ def run_backward_grid(seqlens, out, stages, features_only: bool = False) -> tupl
     for stage in stages:
         k10 = BACKWARD_VARIANTS[stage][0] == "k10"
         for p, magnitude in backward_cases(seqlens, features=k10, head_dims=stage_module(stage).HEAD_DIMS):
-            if features_only and not has_feature(p):
+            if (features_only and not has_feature(p)) or head_dim not in (None, p.head_dim):
                 continue
             row = backward_row(stage, p, magnitude)
             rows.append(row)
@@ -342,6 +342,8 @@ def main(argv=None) -> int:
                     help="the packed-sequence grid (attention_varlen) of the kernels named (default k6)")
     ap.add_argument("--features", action="store_true",
                     help="only the cases with a softcap or a window (the grids' other cases unchanged)")
+    ap.add_argument("--headdim", type=int, default=None,
+                    help="only the cases at this head dim (the forward and --backward grids; e.g. K10's d = 256)")
     ap.add_argument("--config", type=json.loads, default=None,
                     help="compile_kernel keywords for every case, as JSON (e.g. '{\"tile_n\": 128}'): check a "
                          "configuration before timing it; cases it cannot run are failures")
@@ -358,6 +360,9 @@ def main(argv=None) -> int:
         return 2
     if args.features and args.varlen:
         print("error: --features picks cases of the forward, --backward and --decode grids", file=sys.stderr)
+        return 2
+    if args.headdim is not None and (args.decode or args.varlen):
+        print("error: --headdim picks cases of the forward and --backward grids", file=sys.stderr)
         return 2
     stages = list(MAIN_STAGES) if args.kernels in ([], ["all"]) else args.kernels
     unknown = [n for n in stages if n not in BACKWARD_STAGES]
@@ -384,7 +389,7 @@ def main(argv=None) -> int:
         rows, failures = run_varlen_grid(["k6"] if args.kernels in ([], ["all"]) else args.kernels, args.quick, out)
     elif args.decode or args.backward:
         rows, failures = (run_decode(args.quick, out, args.features) if args.decode
-                          else run_backward_grid(seqlens, out, stages, args.features))
+                          else run_backward_grid(seqlens, out, stages, args.features, args.headdim))
     if args.decode or args.backward or args.varlen:
         if out:
             out.close()
@@ -402,7 +407,7 @@ def main(argv=None) -> int:
             failures += 1
             continue
         for p in grid:
-            if args.features and not has_feature(p):
+            if (args.features and not has_feature(p)) or args.headdim not in (None, p.head_dim):
                 continue
             try:
                 res = check_kernel(name, p, config=args.config)

@@ -477,6 +477,8 @@ out.close()") || rc=1
     timeout 300 $py ref_check.py --decode --features --out "$dir/refcheck-decode-window-$gpu.json" > /dev/null || rc=1
     for case in "FMHA k6 --varlen --causal 1 --batch-heads 4" "FMHA k6 --causal 1 --window 100,0 --softcap 5" \
                 "K10Backward k6 --backward k10_fa3 --causal 1 --window 100,0 --softcap 5 --batch-heads 4" \
+                "K10Backward k6 --varlen --backward k10_fa3 --causal 1 --batch-heads 4 --nheads-kv 2" \
+                "K10Backward k6 --varlen --backward k10_fa3 --causal 1 --batch-heads 4 --nheads-kv 2 --deterministic" \
                 "FMHA decode --seqlen 4 --seqlen-k 3000 --batch-heads 32 --nheads-kv 8 --causal 1 --window 700,0"; do
       read -r kernel args <<< "$case"
       for tool in racecheck synccheck; do
@@ -496,15 +498,16 @@ out.close()") || rc=1
     timeout 400 $py -m pytest -m gpu -q tests/test_k9.py tests/test_k10.py tests/test_backward.py tests/test_training.py \
       2>&1 | tail -3 || rc=1
     timeout 200 $py -m harness.training --out "$dir/training-$gpu.json" || rc=1
-    for case in "k9 K9 False" "k10 K10 False" "k10_fa3 K10 False" "k10_fa3 K10 True"; do
-      read -r stage kernel det <<< "$case"  # det: under torch.use_deterministic_algorithms
+    for case in "k9 K9 False 128" "k10 K10 False 128" "k10_fa3 K10 False 128" "k10_fa3 K10 True 128" \
+                "k10_fa3 K10 False 256"; do
+      read -r stage kernel det d <<< "$case"  # det: under torch.use_deterministic_algorithms
       for tool in racecheck synccheck; do  # small shapes, the main kernel only
         timeout 200 compute-sanitizer --tool $tool --kernel-name kns=${kernel}Backward $py -c "import torch
 from harness import attention
 torch.use_deterministic_algorithms($det)
-q, k, v = (torch.randn(1, 2, 300, 128, device='cuda', dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+q, k, v = (torch.randn(1, 2, 300, $d, device='cuda', dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
 attention('k6', q, k, v, causal=True, backward='$stage').sum().backward()
-torch.cuda.synchronize(); print('$stage deterministic=$det $tool: ok')" 2>&1 | grep "SUMMARY\|: ok\|rror" || rc=1
+torch.cuda.synchronize(); print('$stage d=$d deterministic=$det $tool: ok')" 2>&1 | grep "SUMMARY\|: ok\|rror" || rc=1
       done
     done | tee "$dir/sanitizer-backward-$gpu.txt"
     timeout 540 $py bench.py --backward k9 k10 --sweep --out "$dir/backward-sweep-$gpu.json" || rc=1

@@ -44,14 +44,26 @@ def main(argv=None) -> int:
     ap.add_argument("--varlen", action="store_true",
                     help="attention_varlen on a ragged packing of --batch-heads heads: an empty, a one-row and "
                          "sequences that end inside tiles (harness.check.check_varlen_case)")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="under torch.use_deterministic_algorithms (warn only: the references' ops need not have it)")
     args = ap.parse_args(argv)
+    if args.deterministic:
+        import torch
+
+        torch.use_deterministic_algorithms(True, warn_only=True)
     window = as_window(parse_window(args.window)) if args.window else (-1, -1)
     if args.varlen:
-        from harness.check import check_varlen_case
+        from harness.check import check_varlen_backward_case, check_varlen_case
 
         lengths = [0, 1, 17, args.seqlen, 2 * args.seqlen + 5]
-        row = check_varlen_case(args.kernel, lengths, lengths, args.batch_heads, args.nheads_kv or args.batch_heads,
-                                args.headdim, bool(args.causal), args.softcap, window)
+        heads = (args.batch_heads, args.nheads_kv or args.batch_heads, args.headdim, bool(args.causal), args.softcap,
+                 window)
+        if args.backward:  # the packed backward (its forward is K6's)
+            row = check_varlen_backward_case(args.backward, lengths, lengths, *heads)
+            print(f"{args.backward} packed backward {lengths} causal={args.causal} softcap={args.softcap} "
+                  f"window={window}: {'ok' if row['ok'] else 'FAIL ' + row['reason']}")
+            return 0 if row["ok"] else 1
+        row = check_varlen_case(args.kernel, lengths, lengths, *heads)
         print(f"{args.kernel} varlen {lengths} softcap={args.softcap} window={window}: "
               f"{'ok' if row['ok'] else 'FAIL ' + row['reason']} (max_abs {row['max_abs']:.2e})")
         return 0 if row["ok"] else 1

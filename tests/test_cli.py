@@ -337,3 +337,13 @@ def test_the_backward_ab_script_refuses_a_bad_configuration_or_a_taken_name(caps
     assert "is a stage already" in capsys.readouterr().err
     shapes = [(p.seqlen, p.kv_len, p.causal, p.softcap, p.window) for p in ab.checks(128)]
     assert (1, 1, False, 0.0, (-1, -1)) in shapes and (1000, 4097, True, 0.0, (-1, -1)) in shapes and len(shapes) == 12
+
+
+def test_ref_check_headdim_picks_the_grids_cases(monkeypatch, capsys):
+    assert ref_check.main(["--decode", "--headdim", "64"]) == 2
+    assert "--headdim picks cases" in capsys.readouterr().err
+    seen = []
+    monkeypatch.setattr(ref_check, "backward_row",
+                        lambda stage, p, magnitude: seen.append(p.head_dim) or dict(ok=True, reason=""))
+    rows, failures = ref_check.run_backward_grid(ref_check.QUICK_SEQLENS, None, ["k10_fa3"], head_dim=256)
+    assert failures == 0 and len(rows) == len(seen) > 10 and set(seen) == {256}
