@@ -17,6 +17,7 @@ of the two holds its marker (``fill``). Result files of every schema version are
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import re
 import statistics
@@ -498,6 +499,17 @@ def backward_sweep_table(run):
                 f"{min(ratios[k]):.2f}×" if ratios[k] else "—", len(ratios[k])] for k in stages]
     return (head + "\n\n" + markdown_table(header, body) + "\n\nAgainst the faster peer of each cell:\n\n"
             + markdown_table(["backward", "geomean", "worst cell", "cells"], summary))
+
+
+def backward_ab_table(run):
+    """docs/k10.md: scripts/ab_backward.py, a K10 configuration's checks against float64 autograd,
+    then its timings beside k10_fa3's and the peers' (backward_sweep_table's layout)."""
+    checks = [r for r in run["rows"] if r.get("check")]
+    timed = dict(run, rows=[r for r in run["rows"] if not r.get("check")])
+    name = checks[0]["kernel"] if checks else "?"
+    config = json.dumps(checks[0].get("config")) if checks else ""
+    return (f"`{name}` = `{config}`: {sum(r['ok'] for r in checks)} of {len(checks)} checks against float64 autograd "
+            "passed before the timing. " + backward_sweep_table(timed))
 
 
 def refcheck_backward_table(runs):
@@ -1630,6 +1642,9 @@ def main(argv=None):
         joined = dict(meta=dict(newest(variants)["meta"], command=" ; ".join(f["meta"].get("command", "") for f in variants)),
                       rows=[r for f in variants for r in f["rows"]])
         fill("k10", "backward-variants", lambda: backward_sweep_table(joined))
+    abs_ = [f for f in finished("ab-*.json") if gpu_short_name(f["meta"].get("device", "")) == TARGET_GPU]
+    if abs_:  # scripts/ab_backward.py: a knob's checks, then its timings beside k10_fa3 and the peers
+        fill("k10", "backward-ab", lambda: "\n\n".join(backward_ab_table(f) for f in abs_))
     backward_checks = sorted(finished("refcheck-backward-*.json"), key=lambda f: f["meta"].get("date", ""), reverse=True)
     if backward_checks:
         for stem in ("k9", "k10"):

@@ -72,8 +72,9 @@ def test_deterministic_mode_refuses_k9_before_the_forward():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("kv_len", [1000, 1700])  # causal: the last key tile seeing a query tile moves
-def test_the_deterministic_backward_repeats_bit_for_bit_and_is_right(causal, kv_len):
-    q, k, v = _qkv((2, 8, 1000, 128), "cuda", grad=False, kv_heads=2, kv_len=kv_len)
+@pytest.mark.parametrize("d", [128, 256])  # 256: K10BackwardSplitD's own step
+def test_the_deterministic_backward_repeats_bit_for_bit_and_is_right(causal, kv_len, d):
+    q, k, v = _qkv((2, 8, 1000, d), "cuda", grad=False, kv_heads=2, kv_len=kv_len)
     dout = torch.randn_like(q)
     out, lse = attention("k6", q, k, v, causal=causal, return_lse=True)
     torch.use_deterministic_algorithms(True)
@@ -83,7 +84,7 @@ def test_the_deterministic_backward_repeats_bit_for_bit_and_is_right(causal, kv_
         torch.use_deterministic_algorithms(False)
     for run in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(run, runs[0]))
-    want = _reference(q, k, v, dout, causal, 128 ** -0.5)
+    want = _reference(q, k, v, dout, causal, d ** -0.5)
     for got, ref in zip(runs[0], want):
         assert torch.isfinite(got).all() and float((got.double() - ref).norm() / ref.norm()) < 2e-2
 
@@ -121,7 +122,7 @@ def test_attention_backward_through_autograd_matches_float64(name, backward, cau
     q, k, v = _qkv((2, 4, 300, 128), "cuda")
     dout = torch.randn_like(q)
     attention(name, q, k, v, causal=causal, backward=backward).backward(dout)
-    want = _reference(q, k, v, dout, causal, 128 ** -0.5)
+    want = _reference(q, k, v, dout, causal, d ** -0.5)
     for t, ref in zip((q, k, v), want):
         assert torch.isfinite(t.grad).all()
         assert float((t.grad.double() - ref).norm() / ref.norm()) < 2e-2
