@@ -122,7 +122,7 @@ def test_attention_backward_through_autograd_matches_float64(name, backward, cau
     q, k, v = _qkv((2, 4, 300, 128), "cuda")
     dout = torch.randn_like(q)
     attention(name, q, k, v, causal=causal, backward=backward).backward(dout)
-    want = _reference(q, k, v, dout, causal, d ** -0.5)
+    want = _reference(q, k, v, dout, causal, 128 ** -0.5)
     for t, ref in zip((q, k, v), want):
         assert torch.isfinite(t.grad).all()
         assert float((t.grad.double() - ref).norm() / ref.norm()) < 2e-2
