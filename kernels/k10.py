@@ -58,7 +58,7 @@ class K10Backward(k9.K9Backward):
     def __init__(self, head_dim: int, dtype, causal: bool, num_wg: int, tile_m: int, q_stages: int,
                  deterministic: bool = False, overlap: bool = False, dq_flat: bool = False,
                  ds_stmatrix: bool = False, last_first: bool = False, window: tuple = None, softcap: float = 0.0,
-                 varlen: bool = False, dq_swapab: bool = False):
+                 varlen: bool = False, dq_swapab: bool = False, mask_edges: bool = False):
         super().__init__(head_dim, dtype, causal, num_wg, tile_m, q_stages)
         # dq_swapab (FA3's dQ_swapAB): dQ^T = K^T . dS^T, the warpgroups split d (64 rows each), so
         # that a step may take a tile_m that is not a multiple of 64 (FA3's 80 at d = 128)
@@ -67,6 +67,9 @@ class K10Backward(k9.K9Backward):
             assert head_dim == sm90.WGMMA_M * num_wg and not dq_flat, "d split 64 rows a warpgroup, dQ at [row, col]"
             self.dq_tile = (head_dim, tile_m)
         self.varlen = varlen  # packed sequences: ``call_varlen``
+        # mask_edges (FA3's): only a step on an edge (the diagonal, a window's side, a sequence's
+        # end) runs the masks and the guards on LSE2 and D; the others take a copy without them
+        self.mask_edges = mask_edges
         assert not (softcap and overlap), "the overlapped step has no registers left for the softcap's tanh'"
         self.window = window  # Problem.window, or None: tiles.query_window_tiles bounds the walk
         self.softcap = softcap
@@ -345,7 +348,7 @@ class K10Backward(k9.K9Backward):
     @cute.jit
     def p_and_ds(self, acc_S: cute.Tensor, acc_dP: cute.Tensor, tScS: cute.Tensor, sLSE: cute.Tensor,
                  sD: cute.Tensor, n_block: Int32, m_block: Int32, lens: tuple, scale_log2: Float32,
-                 softmax_scale: Float32):
+                 softmax_scale: Float32, edge: bool = True):
         """K9's ``p_and_ds`` column by column, LSE2 and D from the stage's SMEM rows (the producer's
         TMA brought them with Q and dO): each column's pair is read once, as it is needed. With a
         softcap c the forward's score was c * t, t = tanh(S * scale / c): P = exp2(c * log2(e) * t
@@ -355,13 +358,13 @@ class K10Backward(k9.K9Backward):
         if cutlass.const_expr(self.softcap > 0.0):
             cap_scale, scale_log2 = softmax_scale * (1.0 / self.softcap), Float32(self.softcap * LOG2_E)
         for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
-            q, lse2, dot = self.column_rows(c_mn, c, m_block, seqlen, sLSE, sD)
+            q, lse2, dot = self.column_rows(c_mn, c, m_block, seqlen, sLSE, sD, edge)
             for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
                 score, slope = s_mn[r, c], Float32(1.0)
                 if cutlass.const_expr(self.softcap > 0.0):
                     score = sm90.tanh_approx(score * cap_scale)
                     slope = 1.0 - score * score
-                p = self.probability(score, lse2, (n_block, c_mn[r, c][0], seqlen_k), (q, offset), scale_log2)
+                p = self.probability(score, lse2, (n_block, c_mn[r, c][0], seqlen_k), (q, offset), scale_log2, edge)
                 s_mn[r, c] = p
                 dp_mn[r, c] = p * (dp_mn[r, c] - dot) * (softmax_scale * slope if cutlass.const_expr(
                     self.softcap > 0.0) else softmax_scale)
@@ -381,14 +384,19 @@ class K10Backward(k9.K9Backward):
         return out
 
     @cute.jit
-    def column_rows(self, c_mn: cute.Tensor, c: int, m_block: Int32, seqlen: Int32, sLSE: cute.Tensor, sD=None):
+    def column_rows(self, c_mn: cute.Tensor, c: int, m_block: Int32, seqlen: Int32, sLSE: cute.Tensor, sD=None,
+                    edge: bool = True):
         """(query, LSE2, D) of column ``c`` of the S^T tile: its query row's pair from the stage's
         SMEM rows (D only with ``sD``); past the sequence the TMA filled zeros, so LSE2 = +inf
-        there makes P 0."""
+        there makes P 0 (``edge``: a tile that may run past the sequence)."""
         row = c_mn[0, c][1]
         q = m_block * self.tile_m + row
         lse2, dot = Float32(float("inf")), Float32(0.0)
-        if q < seqlen:
+        if cutlass.const_expr(not edge):
+            lse2 = sLSE[row]
+            if cutlass.const_expr(sD is not None):
+                dot = sD[row]
+        elif q < seqlen:
             if cutlass.const_expr(sD is not None):
                 lse2, dot = sLSE[row], sD[row]
             else:
@@ -396,13 +404,14 @@ class K10Backward(k9.K9Backward):
         return q, lse2, dot
 
     @cute.jit
-    def probability(self, score: Float32, lse2: Float32, key: tuple, query: tuple, scale_log2: Float32) -> Float32:
+    def probability(self, score: Float32, lse2: Float32, key: tuple, query: tuple, scale_log2: Float32,
+                    edge: bool = True) -> Float32:
         """P = exp2(S * scale_log2 - LSE2) of one score; 0 where the query does not see the key
         (``hidden``; ``key``: its key tile, its column there and the sequence's key count; ``query``:
         the query and the diagonal's offset). Packed and not causal, also past the sequence's keys:
         the last key tile holds the next sequence's first keys, not the TMA's zeros."""
         p = cute.math.exp2(score * scale_log2 - lse2, fastmath=True)
-        if cutlass.const_expr(self.causal or self.window is not None or self.varlen):
+        if cutlass.const_expr(edge and (self.causal or self.window is not None or self.varlen)):
             (n_block, column, seqlen_k), (q, offset) = key, query
             index = n_block * self.tile_n + column
             out = self.hidden(index, q + offset)
@@ -412,21 +421,41 @@ class K10Backward(k9.K9Backward):
                 p = Float32(0.0)
         return p
 
+    @cute.jit
+    def on_edge(self, n_block: Int32, m_block: Int32, lens: tuple):
+        """Whether the (key tile, query tile) step may hold a pair ``probability`` masks or a row
+        ``column_rows`` guards: its query tile runs past the sequence, the diagonal or a window's
+        side crosses it, or (packed, not causal) its key tile runs past the sequence's keys."""
+        seqlen, offset, seqlen_k = lens
+        first_q, first_k = m_block * self.tile_m, n_block * self.tile_n
+        last_q, last_k = first_q + self.tile_m - 1, first_k + self.tile_n - 1
+        edge = last_q >= seqlen
+        left, right = self.window if cutlass.const_expr(self.window is not None) else (-1, -1)
+        if cutlass.const_expr(self.causal):
+            edge = edge | (last_k > first_q + offset)
+        if cutlass.const_expr(right >= 0 and not self.causal):
+            edge = edge | (last_k > first_q + offset + right)
+        if cutlass.const_expr(left >= 0):
+            edge = edge | (first_k < last_q + offset - left)
+        if cutlass.const_expr(self.varlen and not self.causal):
+            edge = edge | (last_k >= seqlen_k)
+        return edge
+
     # ---- MMA warpgroups: K9's step, with named barriers and dQ through sdQ --------------------
 
     @cute.jit
     def mma_step(self, mmas: tuple, accs: tuple, operands: tuple, tScS: cute.Tensor, sdS: cute.Tensor, rows: tuple,
-                 n_block: Int32, m_block: Int32, lens: tuple, scale_log2: Float32, softmax_scale: Float32
-                 ) -> cute.Tensor:
-        """One query tile's five GEMMs and their element-wise work; returns dQ's share."""
+                 n_block: Int32, m_block: Int32, lens: tuple, scale_log2: Float32, softmax_scale: Float32,
+                 edge: bool = True):
+        """One query tile's five GEMMs and their element-wise work; dQ's share into acc_dQ."""
         tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = mmas
-        acc_S, acc_dP, acc_dK, acc_dV = accs
+        acc_S, acc_dP, acc_dK, acc_dV, acc_dQ = accs
         tSrK, tSrQ, tdPrV, tdPrdO, tdVrP, tdVrdO, tdKrdS, tdKrQ, tdQrdS, tdQrK = operands
         stage = rows[2]
         sm90.gemm(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage], zero_init=True, wg_wait=-1)
         sm90.gemm(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True, wg_wait=0)
         self.p_and_ds(acc_S, acc_dP, tScS, rows[0][None, stage], rows[1][None, stage], n_block, m_block, lens,
-                      scale_log2, softmax_scale)
+                      scale_log2, softmax_scale, edge)
         # One fp32 tile at a time beside dK and dV (the MMA warps have 240 registers): P^T goes
         # to dV's GEMM, then dS^T to sdS and to dK's GEMM.
         sm90.convert_to(sm90.acc_as_operand_a(acc_S), tdVrP)
@@ -439,28 +468,26 @@ class K10Backward(k9.K9Backward):
         # dV's and dK's GEMMs read P^T and dS^T from registers until they retire
         warpgroup.wait_group(0)
         cute.arch.barrier(barrier_id=Barrier.MMA, number_of_threads=self.mma_threads)
-        acc_dQ = cute.make_rmem_tensor(tiled_mma_dq.partition_shape_C(self.dq_tile), Float32)
         sm90.gemm(tiled_mma_dq, acc_dQ, tdQrdS, tdQrK, zero_init=True, wg_wait=0)
-        return acc_dQ
 
     @cute.jit
     def mma_step_overlapped(self, mmas: tuple, accs: tuple, operands: tuple, tScS: cute.Tensor, sdS: cute.Tensor,
                             rows: tuple, n_block: Int32, m_block: Int32, lens: tuple, scale_log2: Float32,
-                            softmax_scale: Float32) -> cute.Tensor:
+                            softmax_scale: Float32, edge: bool = True):
         """``mma_step`` with less waiting (FA3's order): P is computed while dP's GEMM still runs
         (wait for S alone), and dQ's GEMM is issued behind dV's and dK's with one wait for all
         three. A variant until measured against ``mma_step``."""
         tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = mmas
-        acc_S, acc_dP, acc_dK, acc_dV = accs
+        acc_S, acc_dP, acc_dK, acc_dV, acc_dQ = accs
         tSrK, tSrQ, tdPrV, tdPrdO, tdVrP, tdVrdO, tdKrdS, tdKrQ, tdQrdS, tdQrK = operands
         stage = rows[2]
         sm90.gemm(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage], zero_init=True, wg_wait=-1)
         sm90.gemm(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True,
                   wg_wait=1)  # S done, dP runs on
-        self.probabilities(acc_S, tScS, rows[0][None, stage], n_block, m_block, lens, scale_log2)
+        self.probabilities(acc_S, tScS, rows[0][None, stage], n_block, m_block, lens, scale_log2, edge)
         sm90.convert_to(sm90.acc_as_operand_a(acc_S), tdVrP)
         warpgroup.wait_group(0)
-        self.score_grads(acc_S, acc_dP, tScS, rows[1][None, stage], m_block, lens[0], softmax_scale)
+        self.score_grads(acc_S, acc_dP, tScS, rows[1][None, stage], m_block, lens[0], softmax_scale, edge)
         sm90.gemm(tiled_mma_dkv, acc_dV, tdVrP, tdVrdO[None, None, None, stage], zero_init=False, wg_wait=-1)
         cute.arch.barrier(barrier_id=Barrier.MMA, number_of_threads=self.mma_threads)  # sdS free again
         self.store_dS(acc_dP, tScS, sdS, tiled_mma_sdp)
@@ -468,9 +495,7 @@ class K10Backward(k9.K9Backward):
         sm90.convert_to(sm90.acc_as_operand_a(acc_dP), tdKrdS)
         sm90.gemm(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQ[None, None, None, stage], zero_init=False, wg_wait=-1)
         cute.arch.barrier(barrier_id=Barrier.MMA, number_of_threads=self.mma_threads)  # every dS^T stored
-        acc_dQ = cute.make_rmem_tensor(tiled_mma_dq.partition_shape_C(self.dq_tile), Float32)
         sm90.gemm(tiled_mma_dq, acc_dQ, tdQrdS, tdQrK, zero_init=True, wg_wait=0)  # dV's, dK's and dQ's
-        return acc_dQ
 
     @cute.jit
     def store_dS(self, acc_dS: cute.Tensor, tScS: cute.Tensor, sdS: cute.Tensor, tiled_mma_sdp: cute.TiledMma):
@@ -505,25 +530,27 @@ class K10Backward(k9.K9Backward):
 
     @cute.jit
     def probabilities(self, acc_S: cute.Tensor, tScS: cute.Tensor, sLSE: cute.Tensor, n_block: Int32,
-                      m_block: Int32, lens: tuple, scale_log2: Float32):
+                      m_block: Int32, lens: tuple, scale_log2: Float32, edge: bool = True):
         """``p_and_ds``'s first half: acc_S becomes P^T, column by column."""
         seqlen, offset, seqlen_k = lens
         s_mn, c_mn = sm90.acc_mn_view(acc_S), sm90.acc_mn_view(tScS)
         for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
-            q, lse2, _ = self.column_rows(c_mn, c, m_block, seqlen, sLSE)
+            q, lse2, _ = self.column_rows(c_mn, c, m_block, seqlen, sLSE, None, edge)
             for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
                 s_mn[r, c] = self.probability(s_mn[r, c], lse2, (n_block, c_mn[r, c][0], seqlen_k), (q, offset),
-                                              scale_log2)
+                                              scale_log2, edge)
 
     @cute.jit
     def score_grads(self, acc_P: cute.Tensor, acc_dP: cute.Tensor, tScS: cute.Tensor, sD: cute.Tensor,
-                    m_block: Int32, seqlen: Int32, softmax_scale: Float32):
+                    m_block: Int32, seqlen: Int32, softmax_scale: Float32, edge: bool = True):
         """``p_and_ds``'s second half: acc_dP becomes dS^T * scale."""
         p_mn, dp_mn, c_mn = sm90.acc_mn_view(acc_P), sm90.acc_mn_view(acc_dP), sm90.acc_mn_view(tScS)
         for c in cutlass.range_constexpr(cute.size(p_mn, mode=[1])):
             row = c_mn[0, c][1]
             dot = Float32(0.0)
-            if m_block * self.tile_m + row < seqlen:
+            if cutlass.const_expr(not edge):
+                dot = sD[row]
+            elif m_block * self.tile_m + row < seqlen:
                 dot = sD[row]
             for r in cutlass.range_constexpr(cute.size(p_mn, mode=[0])):
                 dp_mn[r, c] = p_mn[r, c] * (dp_mn[r, c] - dot) * softmax_scale
@@ -549,14 +576,18 @@ class K10Backward(k9.K9Backward):
             pipeline_qdo.consumer_wait(qdo)
             acc_S = cute.make_rmem_tensor(tiled_mma_sdp.partition_shape_C((tile_n, tile_m)), Float32)
             acc_dP = cute.make_rmem_tensor(tiled_mma_sdp.partition_shape_C((tile_n, tile_m)), Float32)
+            acc_dQ = cute.make_rmem_tensor(tiled_mma_dq.partition_shape_C(self.dq_tile), Float32)
             operands = (tSrK, tSrQ, tdPrV, tdPrdO, tdVrP, tdVrdO, tdKrdS, tdKrQ, tdQrdS, tdQrK)
-            rows = (sLSE, sD, qdo.index)
-            if cutlass.const_expr(self.overlap):
-                acc_dQ = self.mma_step_overlapped(mmas, (acc_S, acc_dP, acc_dK, acc_dV), operands, tScS, sdS, rows,
-                                                  n_block, m_block, lens, scale_log2, softmax_scale)
+            step = self.mma_step_overlapped if cutlass.const_expr(self.overlap) else self.mma_step
+            args = (mmas, (acc_S, acc_dP, acc_dK, acc_dV, acc_dQ), operands, tScS, sdS, (sLSE, sD, qdo.index),
+                    n_block, m_block, lens, scale_log2, softmax_scale)
+            if cutlass.const_expr(self.mask_edges):
+                if self.on_edge(n_block, m_block, lens):
+                    step(*args)
+                else:
+                    step(*args, edge=False)
             else:
-                acc_dQ = self.mma_step(mmas, (acc_S, acc_dP, acc_dK, acc_dV), operands, tScS, sdS, rows, n_block,
-                                       m_block, lens, scale_log2, softmax_scale)
+                step(*args)
             pipeline_qdo.consumer_release(qdo)
             if t > 0:  # the writer's TMA has read the previous share
                 cute.arch.barrier(barrier_id=Barrier.DQ_EMPTY, number_of_threads=handoff)
@@ -620,18 +651,18 @@ class K10BackwardSplitD(K10Backward):
 
     @cute.jit
     def mma_step(self, mmas: tuple, accs: tuple, operands: tuple, tScS: cute.Tensor, sdS: cute.Tensor, rows: tuple,
-                 n_block: Int32, m_block: Int32, lens: tuple, scale_log2: Float32, softmax_scale: Float32
-                 ) -> cute.Tensor:
+                 n_block: Int32, m_block: Int32, lens: tuple, scale_log2: Float32, softmax_scale: Float32,
+                 edge: bool = True):
         """One query tile: S^T and dP^T of this warpgroup's queries, P^T and dS^T into SMEM, then
         dV's, dK's and dQ's GEMMs over all queries (their columns of d), one wait for the three."""
         tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = mmas
-        acc_S, acc_dP, acc_dK, acc_dV = accs
+        acc_S, acc_dP, acc_dK, acc_dV, acc_dQ = accs
         tSrK, tSrQ, tdPrV, tdPrdO, tdVrP, tdVrdO, tdKrdS, tdKrQ, tdQrdS, tdQrK = operands
         stage = rows[2]
         sm90.gemm(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage], zero_init=True, wg_wait=-1)
         sm90.gemm(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True, wg_wait=0)
         self.p_and_ds(acc_S, acc_dP, tScS, rows[0][None, stage], rows[1][None, stage], n_block, m_block, lens,
-                      scale_log2, softmax_scale)
+                      scale_log2, softmax_scale, edge)
         # both warpgroups' previous GEMMs have retired (each waits at its step's end): the tiles are free
         cute.arch.barrier(barrier_id=Barrier.MMA, number_of_threads=self.mma_threads)
         self.store_dS(acc_S, tScS, sdS[None, None, 1], tiled_mma_sdp)
@@ -640,9 +671,7 @@ class K10BackwardSplitD(K10Backward):
         cute.arch.barrier(barrier_id=Barrier.MMA, number_of_threads=self.mma_threads)  # every query's P^T and dS^T
         sm90.gemm(tiled_mma_dkv, acc_dV, tdVrP, tdVrdO[None, None, None, stage], zero_init=False, wg_wait=-1)
         sm90.gemm(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQ[None, None, None, stage], zero_init=False, wg_wait=-1)
-        acc_dQ = cute.make_rmem_tensor(tiled_mma_dq.partition_shape_C((self.tile_m, self.head_dim)), Float32)
         sm90.gemm(tiled_mma_dq, acc_dQ, tdQrdS, tdQrK, zero_init=True, wg_wait=0)
-        return acc_dQ
 
 
 class VarlenPrepass(k9.Prepass):

@@ -47,6 +47,21 @@ def test_dq_swapab_lets_a_step_take_80_queries_at_d128():
 
 
 @pytest.mark.parametrize("causal", [False, True])
+def test_mask_edges_gives_steps_off_every_edge_a_copy_without_masks_or_guards(causal):
+    from kernels.k10 import compile_backward
+
+    fa3 = dict(overlap=True, dq_flat=True, ds_stmatrix=True)
+    plain, edges = (compiled_ptx(compile_backward(Problem(2, 4, 1000, 128, causal=causal), keep_ptx=True,
+                                                  mask_edges=m, **fa3)[1]) for m in (False, True))
+    count = lambda ptx, pattern: len(re.findall(pattern, ptx))  # noqa: E731
+    # two copies of the step, the second with no causal compare or select and LSE2/D read in pairs, unguarded
+    assert count(edges, r"wgmma\.mma_async") == 2 * count(plain, r"wgmma\.mma_async")
+    assert count(edges, r"ex2\.approx") == 2 * count(plain, r"ex2\.approx")
+    assert count(edges, r"selp\.") == count(plain, r"selp\.") and count(edges, r"setp\.gt\.s32") == count(plain, r"setp\.gt\.s32")
+    assert count(plain, r"ld\.shared\.v2") == 0 < count(edges, r"ld\.shared\.v2")
+
+
+@pytest.mark.parametrize("causal", [False, True])
 def test_k10_at_d256_splits_the_head_dim_over_the_warpgroups_with_p_and_ds_from_smem(causal):
     from kernels import k9
     from kernels.contract import UnsupportedProblem
