@@ -444,18 +444,35 @@ class K10Backward(k9.K9Backward):
     # ---- MMA warpgroups: K9's step, with named barriers and dQ through sdQ --------------------
 
     @cute.jit
-    def mma_step(self, mmas: tuple, accs: tuple, operands: tuple, tScS: cute.Tensor, sdS: cute.Tensor, rows: tuple,
-                 n_block: Int32, m_block: Int32, lens: tuple, scale_log2: Float32, softmax_scale: Float32,
-                 edge: bool = True):
-        """One query tile's five GEMMs and their element-wise work; dQ's share into acc_dQ."""
-        tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = mmas
-        acc_S, acc_dP, acc_dK, acc_dV, acc_dQ = accs
-        tSrK, tSrQ, tdPrV, tdPrdO, tdVrP, tdVrdO, tdKrdS, tdKrQ, tdQrdS, tdQrK = operands
+    def scores_and_grads(self, tiled_mma_sdp: cute.TiledMma, accs: tuple, operands: tuple, tScS: cute.Tensor,
+                         rows: tuple, n_block: Int32, m_block: Int32, lens: tuple, scale_log2: Float32,
+                         softmax_scale: Float32, edge: bool):
+        """A step's start (both steps but the overlapped one): S^T and dP^T, waited for, then
+        ``p_and_ds`` on them."""
+        acc_S, acc_dP = accs[0], accs[1]
+        tSrK, tSrQ, tdPrV, tdPrdO = operands[:4]
         stage = rows[2]
         sm90.gemm(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage], zero_init=True, wg_wait=-1)
         sm90.gemm(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True, wg_wait=0)
         self.p_and_ds(acc_S, acc_dP, tScS, rows[0][None, stage], rows[1][None, stage], n_block, m_block, lens,
                       scale_log2, softmax_scale, edge)
+
+    @cute.jit
+    def mma_step(self, mmas: tuple, accs: tuple, operands: tuple, tScS: cute.Tensor, sdS: cute.Tensor, rows: tuple,
+                 n_block: Int32, m_block: Int32, lens: tuple, scale_log2: Float32, softmax_scale: Float32,
+                 edge: bool = True):
+        """One query tile's five GEMMs and their element-wise work; dQ's share into acc_dQ."""
+        self.scores_and_grads(mmas[0], accs, operands, tScS, rows, n_block, m_block, lens, scale_log2,
+                              softmax_scale, edge)
+        self.weight_grads(mmas, accs, operands[4:], tScS, sdS, rows[2])
+
+    @cute.jit
+    def weight_grads(self, mmas: tuple, accs: tuple, operands: tuple, tScS: cute.Tensor, sdS: cute.Tensor,
+                     stage: Int32):
+        """``mma_step``'s second half, from P^T and dS^T: dV's, dK's and dQ's GEMMs."""
+        tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = mmas
+        acc_S, acc_dP, acc_dK, acc_dV, acc_dQ = accs
+        tdVrP, tdVrdO, tdKrdS, tdKrQ, tdQrdS, tdQrK = operands
         # One fp32 tile at a time beside dK and dV (the MMA warps have 240 registers): P^T goes
         # to dV's GEMM, then dS^T to sdS and to dK's GEMM.
         sm90.convert_to(sm90.acc_as_operand_a(acc_S), tdVrP)
@@ -650,19 +667,13 @@ class K10BackwardSplitD(K10Backward):
         return tuple(parts)
 
     @cute.jit
-    def mma_step(self, mmas: tuple, accs: tuple, operands: tuple, tScS: cute.Tensor, sdS: cute.Tensor, rows: tuple,
-                 n_block: Int32, m_block: Int32, lens: tuple, scale_log2: Float32, softmax_scale: Float32,
-                 edge: bool = True):
-        """One query tile: S^T and dP^T of this warpgroup's queries, P^T and dS^T into SMEM, then
-        dV's, dK's and dQ's GEMMs over all queries (their columns of d), one wait for the three."""
+    def weight_grads(self, mmas: tuple, accs: tuple, operands: tuple, tScS: cute.Tensor, sdS: cute.Tensor,
+                     stage: Int32):
+        """After S^T and dP^T of this warpgroup's queries: P^T and dS^T into SMEM, then dV's, dK's
+        and dQ's GEMMs over all queries (their columns of d), one wait for the three."""
         tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = mmas
         acc_S, acc_dP, acc_dK, acc_dV, acc_dQ = accs
-        tSrK, tSrQ, tdPrV, tdPrdO, tdVrP, tdVrdO, tdKrdS, tdKrQ, tdQrdS, tdQrK = operands
-        stage = rows[2]
-        sm90.gemm(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage], zero_init=True, wg_wait=-1)
-        sm90.gemm(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True, wg_wait=0)
-        self.p_and_ds(acc_S, acc_dP, tScS, rows[0][None, stage], rows[1][None, stage], n_block, m_block, lens,
-                      scale_log2, softmax_scale, edge)
+        tdVrP, tdVrdO, tdKrdS, tdKrQ, tdQrdS, tdQrK = operands
         # both warpgroups' previous GEMMs have retired (each waits at its step's end): the tiles are free
         cute.arch.barrier(barrier_id=Barrier.MMA, number_of_threads=self.mma_threads)
         self.store_dS(acc_S, tScS, sdS[None, None, 1], tiled_mma_sdp)
