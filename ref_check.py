@@ -390,6 +390,10 @@ def main(argv=None) -> int:
     elif args.decode or args.backward:
         rows, failures = (run_decode(args.quick, out, args.features) if args.decode
                           else run_backward_grid(seqlens, out, stages, args.features, args.headdim))
+    if args.backward and args.headdim is not None and not rows:
+        print(f"error: no case of the backward grid has head_dim {args.headdim} for {', '.join(stages)}",
+              file=sys.stderr)
+        return 2
     if args.decode or args.backward or args.varlen:
         if out:
             out.close()
@@ -426,6 +430,9 @@ def main(argv=None) -> int:
                   f"{'ok' if row['ok'] else 'FAIL ' + row['reason']}", flush=True)
     if out:
         out.close()
+    if args.headdim is not None and not rows:
+        print(f"error: no case of the grid has head_dim {args.headdim} for {', '.join(names)}", file=sys.stderr)
+        return 2
     print(f"\n{len(rows) - failures}/{len(rows)} cases passed" + (f", {failures} FAILED" if failures else ""))
     return 1 if failures else 0
 

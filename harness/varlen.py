@@ -325,7 +325,7 @@ def attention_varlen_backward(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_
         if lse.data_ptr() % 32:  # the pre-pass reads LSE as a 32-byte aligned tensor (a view may start anywhere)
             lse = lse.clone()
         cfg = compiled[3]
-        tiles = key_tile_table(tuple(lengths_q), tuple(lengths_k), cfg["tile_m"], 64 * cfg["num_wg"], p.causal,
+        tiles = key_tile_table(tuple(lengths_q), tuple(lengths_k), cfg["tile_m"], cfg["tile_n"], p.causal,
                                p.window, q.device, heaviest_first=not deterministic)
         return stage_module(stage).run_varlen_backward(compiled, q.detach(), k.detach(), v.detach(), out.detach(),
                                                        lse, dout, p.scale, cu_q, cu_k, p.seqlen, tiles, grads)

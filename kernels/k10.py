@@ -765,6 +765,7 @@ def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = F
 
     check(p)
     cfg = config(p, overrides)
+    dq_flat = dq_flat and not p.varlen  # flat shares are numbered by query tile; a packed tile starts at any row
     if cfg["tile_m"] % sm90.WGMMA_M and not cfg.get("dq_swapab"):
         raise UnsupportedProblem(f"K10 (backward) config {cfg}: tile_m must be a multiple of 64 (dQ's GEMM takes the "
                                  "queries as M, 64 rows a warpgroup), or a multiple of 16 with dq_swapab")
@@ -774,7 +775,6 @@ def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = F
                                  "stores dQ at [row, col] (not dq_flat)")
     if p.softcap and cfg.get("overlap"):  # the overlapped step keeps no register for tanh's derivative
         cfg = cfg.with_(overlap=False)
-    dq_flat = dq_flat and not p.varlen  # flat shares are numbered by query tile; a packed tile starts at any row
     dt = cute_dtype(p.dtype)
     split_d = p.head_dim > 128  # K10BackwardSplitD: one 64-key tile per CTA, its own (sequential) step
     if split_d:
@@ -837,7 +837,8 @@ def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = F
     key = ("k10", p.head_dim, p.dtype, p.causal, deterministic, last_first, dq_flat, tuple(sorted(cfg.items())),
            *((tuple(sorted(features.items())),) if features else ()), *(("varlen",) if p.varlen else ()))
     return pre, jit_compile(key, main, keep_ptx), post, cfg.with_(deterministic=deterministic, dq_flat=dq_flat,
-                                                                  last_first=last_first)
+                                                                  last_first=last_first,
+                                                                  tile_n=sm90.WGMMA_M * (1 if split_d else cfg["num_wg"]))
 
 
 def run_backward(compiled: tuple, q, k, v, o, lse, do, softmax_scale: float, grads: tuple | None = None) -> tuple:

@@ -347,3 +347,4 @@ def test_ref_check_headdim_picks_the_grids_cases(monkeypatch, capsys):
                         lambda stage, p, magnitude: seen.append(p.head_dim) or dict(ok=True, reason=""))
     rows, failures = ref_check.run_backward_grid(ref_check.QUICK_SEQLENS, None, ["k10_fa3"], head_dim=256)
     assert failures == 0 and len(rows) == len(seen) > 10 and set(seen) == {256}
+    assert ref_check.run_backward_grid(ref_check.QUICK_SEQLENS, None, ["k9"], head_dim=256) == ([], 0)
