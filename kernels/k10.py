@@ -424,19 +424,17 @@ class K10Backward(k9.K9Backward):
     @cute.jit
     def on_edge(self, n_block: Int32, m_block: Int32, lens: tuple):
         """Whether the (key tile, query tile) step may hold a pair ``probability`` masks or a row
-        ``column_rows`` guards: its query tile runs past the sequence, the diagonal or a window's
-        side crosses it, or (packed, not causal) its key tile runs past the sequence's keys."""
+        ``column_rows`` guards: its query tile runs past the sequence, ``hidden`` hides one of the
+        tile's two corner pairs, or (packed, not causal) its key tile runs past the sequence's keys.
+        The corners suffice: a key past the diagonal (causal, a window's right side) is hidden first
+        at (last key, first query), a key before the window's left side at (first key, last query)."""
         seqlen, offset, seqlen_k = lens
         first_q, first_k = m_block * self.tile_m, n_block * self.tile_n
         last_q, last_k = first_q + self.tile_m - 1, first_k + self.tile_n - 1
         edge = last_q >= seqlen
-        left, right = self.window if cutlass.const_expr(self.window is not None) else (-1, -1)
-        if cutlass.const_expr(self.causal):
-            edge = edge | (last_k > first_q + offset)
-        if cutlass.const_expr(right >= 0 and not self.causal):
-            edge = edge | (last_k > first_q + offset + right)
-        if cutlass.const_expr(left >= 0):
-            edge = edge | (first_k < last_q + offset - left)
+        above, below = self.hidden(last_k, first_q + offset), self.hidden(first_k, last_q + offset)
+        if cutlass.const_expr(above is not None):  # None: no causal mask and no window
+            edge = edge | above | below
         if cutlass.const_expr(self.varlen and not self.causal):
             edge = edge | (last_k >= seqlen_k)
         return edge
@@ -777,12 +775,13 @@ def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = F
         cfg = cfg.with_(overlap=False)
     dt = cute_dtype(p.dtype)
     split_d = p.head_dim > 128  # K10BackwardSplitD: one 64-key tile per CTA, its own (sequential) step
+    tile_n = sm90.WGMMA_M * (1 if split_d else cfg["num_wg"])  # the CTA's keys
     if split_d:
         cfg = cfg.with_(overlap=False)
         if cfg["q_stages"] != 1 or cfg["num_wg"] != 2 or cfg["tile_m"] != 64:
             raise UnsupportedProblem(f"K10 (backward) config {cfg}: at head_dim 256, two warpgroups, 64 queries a step "
                                      "and one Q/dO stage (a second stage would need 272 KB of SMEM)")
-    key_tiles = -(-p.kv_len // (sm90.WGMMA_M * (1 if split_d else cfg["num_wg"])))
+    key_tiles = -(-p.kv_len // tile_n)
     window = p.sliding_window
     arrive_last_first = p.causal or (window is not None and window[1] >= 0)  # key tiles start their walks in order
     last_first = deterministic and arrive_last_first and key_tiles <= num_sms()  # K10Backward.wait_turn says why
@@ -837,8 +836,7 @@ def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = F
     key = ("k10", p.head_dim, p.dtype, p.causal, deterministic, last_first, dq_flat, tuple(sorted(cfg.items())),
            *((tuple(sorted(features.items())),) if features else ()), *(("varlen",) if p.varlen else ()))
     return pre, jit_compile(key, main, keep_ptx), post, cfg.with_(deterministic=deterministic, dq_flat=dq_flat,
-                                                                  last_first=last_first,
-                                                                  tile_n=sm90.WGMMA_M * (1 if split_d else cfg["num_wg"]))
+                                                                  last_first=last_first, tile_n=tile_n)
 
 
 def run_backward(compiled: tuple, q, k, v, o, lse, do, softmax_scale: float, grads: tuple | None = None) -> tuple:

@@ -601,13 +601,13 @@ def varlen_table(runs):
         if any(by[c].get(name, {}).get("kernel_tflops") for c in causals):
             lines.append((f"{_varlen_label(name)}, compiled launch alone",
                           {c: by[c].get(name, {}).get("kernel_tflops") for c in causals}))
-    what = CAUSAL_NAMES
     body = [[label] + [fmt(t[c]) for c in causals]
             + [_ratio(t[c], by[c].get(peer, {}).get("call_tflops")) for peer in ("fa4", "k6 rectangular")
                for c in causals] for label, t in lines]
     r0 = runs[0]["rows"][0]
-    header = (["candidate"] + [f"TFLOP/s {what[c]}" for c in causals]
-              + [f"× flash-attn-4, {what[c]}" for c in causals] + [f"× `k6` rectangular, {what[c]}" for c in causals])
+    header = (["candidate"] + [f"TFLOP/s {CAUSAL_NAMES[c]}" for c in causals]
+              + [f"× flash-attn-4, {CAUSAL_NAMES[c]}" for c in causals]
+              + [f"× `k6` rectangular, {CAUSAL_NAMES[c]}" for c in causals])
     return (f"TFLOP/s of a packed batch (flash-attn's layout): {r0['documents']} documents of {min(r0['lengths'])} to "
             f"{max(r0['lengths'])} tokens ({r0['tokens']} in all), {r0['nheads']} heads, d = {r0['head_dim']}, bf16; "
             "FLOPs count the unpadded work, so cuDNN's padding shows as lost speed. Every candidate is its call, "
@@ -623,7 +623,6 @@ def varlen_backward_table(runs):
     varlen backward and cuDNN's on the padded batch."""
     by = varlen_cells(runs)
     causals = list(by)
-    what = CAUSAL_NAMES
     rect = next((k for rows in by.values() for k in rows if k.endswith(" rectangular")), None)
     peers = ("fa4",) + ((rect,) if rect else ())
     body = [[_varlen_label(name)] + [fmt(by[c].get(name, {}).get("call_tflops")) for c in causals]
@@ -631,8 +630,9 @@ def varlen_backward_table(runs):
                for peer in peers for c in causals]
             for name in dict.fromkeys(k for rows in by.values() for k in rows)]
     r0 = runs[0]["rows"][0]
-    header = (["backward"] + [f"TFLOP/s {what[c]}" for c in causals] + [f"× flash-attn-4, {what[c]}" for c in causals]
-              + ([f"× {_varlen_label(rect)}, {what[c]}" for c in causals] if rect else []))
+    header = (["backward"] + [f"TFLOP/s {CAUSAL_NAMES[c]}" for c in causals]
+              + [f"× flash-attn-4, {CAUSAL_NAMES[c]}" for c in causals]
+              + ([f"× {_varlen_label(rect)}, {CAUSAL_NAMES[c]}" for c in causals] if rect else []))
     return (f"TFLOP/s of one backward of the packed batch above ({r0['documents']} documents, {r0['tokens']} tokens, "
             f"{r0['nheads']} heads, d = {r0['head_dim']}, bf16; 2.5× the unpadded forward's FLOPs): each candidate "
             "through autograd after one forward, burst-timed"
@@ -797,7 +797,6 @@ def issue35_targets(varlen, windows, rect, backward, softcap, varlen_backward=()
     def target(what, values, met):
         body.append([what, ", ".join(values), "yes" if met else "**no**"])
 
-    name = CAUSAL_NAMES
     for runs, ours, call, peers in (
             (varlen, "k6", "packed call", (("fa4", 1.0, "flash-attn-4's varlen call"),
                                            ("k6 rectangular", 0.95, "the rectangular call at the same lengths"))),
@@ -808,7 +807,7 @@ def issue35_targets(varlen, windows, rect, backward, softcap, varlen_backward=()
         for peer, bar, what in peers:
             r = {c: by[c][ours]["call_tflops"] / by[c][peer]["call_tflops"] for c in by if ours in by[c] and peer in by[c]}
             if r:
-                target(f"{call} ≥ {bar:.2f}× {what}", [f"{name[c]} {x:.3f}×" for c, x in r.items()],
+                target(f"{call} ≥ {bar:.2f}× {what}", [f"{CAUSAL_NAMES[c]} {x:.3f}×" for c, x in r.items()],
                        min(r.values()) >= bar)
     w1k = next((f for f in windows if f["rows"][0]["window"][0] == 1024), None)
     if w1k:
