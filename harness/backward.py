@@ -27,12 +27,13 @@ _COMPILED: "OrderedDict[tuple, tuple]" = OrderedDict()
 # name -> (kernel module, compile overrides): the stages, and variants of them still being measured
 VARIANTS = {"k9": ("k9", {}), "k10": ("k10", {}), "k10_overlap": ("k10", dict(overlap=True)),
             "k10_flat": ("k10", dict(dq_flat=True)), "k10_stmatrix": ("k10", dict(ds_stmatrix=True)),
-            "k10_fa3": ("k10", dict(overlap=True, dq_flat=True, ds_stmatrix=True))}
+            "k10_fa3": ("k10", dict(overlap=True, dq_flat=True, ds_stmatrix=True, mask_edges=True))}
 STAGES = tuple(VARIANTS)
 MAIN_STAGES = ("k9", "k10", "k10_fa3")  # what ref_check --backward and bench.py --backward run unless told
 DETERMINISTIC = tuple(name for name, (module, _) in VARIANTS.items() if module == "k10")  # with a deterministic mode
-# K10 with FA3's three changes: the fastest at d 64/128, causal or not, bar d128 causal where
-# k10_stmatrix leads by 4% (results/backward-variants-h100.json)
+# K10 with FA3's changes: the fastest at d 64/128, causal or not, bar d128 causal where
+# k10_stmatrix led by 4% (results/backward-variants-h100.json), and masks on edge steps only
+# (mask_edges: results/ab-k10-edges-*.json)
 DEFAULT = "k10_fa3"
 
 
