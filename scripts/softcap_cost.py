@@ -5,12 +5,15 @@
 A softcap adds one tanh per score, on the MUFU beside exp2's ex2. ``emulated_exp2=n`` (a knob of
 kernels/experiments.py) computes n of every 8 columns' exp2 on the FMA pipe instead. Each
 configuration is checked against the float32 reference (on the first batch entry) and then its
-compiled launch is timed (bf16, batch 16384/N, heads 2048/d).
+compiled launch is timed (bf16, batch 16384/N, heads 2048/d). ``--rounds R`` times every
+configuration of a workload R times, the order reversed each round, and keeps the median (each
+round's figure is in the row).
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from pathlib import Path
 
@@ -31,7 +34,12 @@ SOFTCAP, EMULATED = 30.0, (0, 2, 3, 4)
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", help="write the rows as JSON here, each as it is done")
+    ap.add_argument("--rounds", type=int, default=1, help="time each configuration this many times (median)")
+    ap.add_argument("--emulated", type=int, nargs="+", default=EMULATED, choices=range(9), metavar="N",
+                    help=f"the emulated_exp2 settings timed under the softcap (default {' '.join(map(str, EMULATED))})")
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
     import torch
 
     if not torch.cuda.is_available():
@@ -40,18 +48,26 @@ def main(argv=None) -> int:
     out = results.open_result_file(args.out, results.command_line("scripts/softcap_cost.py", argv))
     for d, causal, n in WORKLOADS:
         b, h = default_batch_heads(n, d)
-        for cap, emulated in [(0.0, 0)] + [(SOFTCAP, e) for e in EMULATED]:
+        runs = []  # (row, launch) per configuration, checked first
+        for cap, emulated in [(0.0, 0)] + [(SOFTCAP, e) for e in args.emulated]:
             p = Problem(b, h, n, d, causal=causal, softcap=cap)
             cfg = dict(emulated_exp2=emulated) if emulated else {}
             q, k, v, o, lse = launch_once("k6", p, config=cfg or None)
             ref, ref_lse = reference(q[:1], k[:1], v[:1], causal, p.scale, softcap=cap)
             verdict = compare(o[:1], ref, lse[:1], ref_lse, "bfloat16", lse_slack=cap * TANH_APPROX_REL).verdict
             compiled = get_kernel("k6").compile(p, **cfg)
-            ms = benchmark(lambda: get_kernel("k6").run(compiled, q, k, v, o, lse, p.scale))
             row = dict(kernel="k6", batch=b, nheads=h, seqlen=n, head_dim=d, causal=int(causal), softcap=cap,
-                       emulated_exp2=emulated, ok=not verdict, reason=verdict, ms=ms, tflops=tflops(p.flops, ms))
-            print(f"d={d} causal={int(causal)} N={n} softcap={cap:g} emulated_exp2={emulated}: {ms:.3f} ms "
-                  f"{row['tflops']:.1f} TFLOP/s {'ok' if row['ok'] else 'FAIL ' + verdict}", flush=True)
+                       emulated_exp2=emulated, ok=not verdict, reason=verdict, rounds_ms=[])
+            runs.append((row, p, lambda c=compiled, t=(q, k, v, o, lse), s=p.scale: get_kernel("k6").run(c, *t, s)))
+        for r in range(args.rounds):
+            for row, _, launch in runs[::-1] if r % 2 else runs:
+                row["rounds_ms"].append(benchmark(launch))
+        for row, p, _ in runs:
+            row.update(ms=statistics.median(row["rounds_ms"]))
+            row.update(tflops=tflops(p.flops, row["ms"]))
+            print(f"d={d} causal={int(causal)} N={n} softcap={row['softcap']:g} emulated_exp2={row['emulated_exp2']}: "
+                  f"{row['ms']:.3f} ms {row['tflops']:.1f} TFLOP/s "
+                  f"{'ok' if row['ok'] else 'FAIL ' + row['reason']}", flush=True)
             if out:
                 out.append(row)
     if out:
