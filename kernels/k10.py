@@ -287,8 +287,7 @@ class K10Backward(k9.K9Backward):
         for t in cutlass.range(count, unroll=1):
             head, m_block = self.step_at(t, walk)
             tdQsdQ, tdQgdQ = tma_pipeline.partition_for_tma(tma_atom_dQ, mdQ_tma, sdQ, self.dq_box, head, batch,
-                                                            (None, 0), offset=starts[0] if cutlass.const_expr(
-                                                                starts is not None) else None)
+                                                            (None, 0), offset=self.dq_offset(starts))
             cute.arch.barrier(barrier_id=Barrier.DQ_FULL, number_of_threads=handoff)
             if cutlass.const_expr(self.deterministic):
                 self.wait_turn(order, head, m_block, batch)
@@ -301,6 +300,13 @@ class K10Backward(k9.K9Backward):
                 cute.arch.cp_async_bulk_wait_group(0, read=False)  # landed in GMEM, not just read
                 self.pass_turn(order, head, m_block, batch)
         cute.arch.cp_async_bulk_wait_group(0, read=False)  # the last reduce has landed in GMEM
+
+    def dq_offset(self, starts: Optional[tuple]):
+        """Packed, where the sequence's dQ shares start in the accumulator: at its first row, or,
+        ``dq_flat``, at its first query tile's slot (``packed_tile_start``; a slot per tile)."""
+        if starts is None:
+            return None
+        return (starts[3] * self.dq_box[0], 0) if self.dq_flat else starts[0]
 
     @cute.jit
     def wait_turn(self, order: tuple, head: Int32, m_block: Int32, batch: Int32):
@@ -716,24 +722,41 @@ class FlatPostpass:
     @cute.jit
     def __call__(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, stream):
         grid = (cute.ceil_div(mdQ.shape[2], self.tile_m), mdQ.shape[1], mdQ.shape[0])
-        self.kernel(mdQaccum, mdQ, k9.dq_mma(self.dtype, self.head_dim, self.num_wg)).launch(
+        self.kernel(mdQaccum, mdQ, k9.dq_mma(self.dtype, self.head_dim, self.num_wg), None).launch(
+            grid=grid, block=[sm90.THREADS_PER_WARPGROUP * self.num_wg, 1, 1], stream=stream)
+
+    @cute.jit
+    def call_varlen(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, mCuSeqlensQ: cute.Tensor, max_tiles: Int32,
+                    stream):
+        """Packed: (1, heads, total, d) dQ, a CTA per (query tile, head, sequence) of the longest
+        sequence's ``max_tiles``; sequence b's tiles in the slots from ``packed_tile_start``."""
+        grid = (max_tiles, mdQ.shape[1], mCuSeqlensQ.shape[0] - 1)
+        self.kernel(mdQaccum, mdQ, k9.dq_mma(self.dtype, self.head_dim, self.num_wg), mCuSeqlensQ).launch(
             grid=grid, block=[sm90.THREADS_PER_WARPGROUP * self.num_wg, 1, 1], stream=stream)
 
     @cute.kernel
-    def kernel(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, tiled_mma_dq: cute.TiledMma):
+    def kernel(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, tiled_mma_dq: cute.TiledMma,
+               mCuSeqlensQ: Optional[cute.Tensor]):
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
-        tdQcdQ = tiled_mma_dq.get_slice(tidx).partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim)))
-        per_thread, threads = cute.size(tdQcdQ), sm90.THREADS_PER_WARPGROUP
-        rows = self.tile_m * self.head_dim // FLAT_WIDTH  # of the flat buffer, per query tile
-        tile = mdQaccum[batch, head, None, None]
-        base = m_block * rows * FLAT_WIDTH + (tidx // threads) * threads * per_thread + (tidx % threads) * 4
-        for i in cutlass.range_constexpr(per_thread):
-            flat = base + (i // 4) * 4 * threads + i % 4
-            row, col = tdQcdQ[i]
-            q = m_block * self.tile_m + row
-            if q < mdQ.shape[2]:
-                mdQ[batch, head, q, col] = tile[flat // FLAT_WIDTH, flat % FLAT_WIDTH].to(mdQ.element_type)
+        seqlen, slot, first = mdQ.shape[2], m_block, Int32(0)
+        if cutlass.const_expr(mCuSeqlensQ is not None):  # block z: the sequence
+            first = mCuSeqlensQ[batch]
+            seqlen, slot = mCuSeqlensQ[batch + 1] - first, packed_tile_start(first, batch, self.tile_m) + m_block
+            batch = Int32(0)
+        if m_block * self.tile_m < seqlen:  # packed: the longest sequence's tile count was launched
+            tdQcdQ = tiled_mma_dq.get_slice(tidx).partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim)))
+            per_thread, threads = cute.size(tdQcdQ), sm90.THREADS_PER_WARPGROUP
+            rows = self.tile_m * self.head_dim // FLAT_WIDTH  # of the flat buffer, per query tile
+            tile = mdQaccum[batch, head, None, None]
+            base = slot * rows * FLAT_WIDTH + (tidx // threads) * threads * per_thread + (tidx % threads) * 4
+            for i in cutlass.range_constexpr(per_thread):
+                flat = base + (i // 4) * 4 * threads + i % 4
+                row, col = tdQcdQ[i]
+                q = m_block * self.tile_m + row
+                if q < seqlen:
+                    mdQ[batch, head, first + q, col] = tile[flat // FLAT_WIDTH, flat % FLAT_WIDTH].to(
+                        mdQ.element_type)
 
 
 def check(p: Problem) -> None:
@@ -763,7 +786,6 @@ def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = F
 
     check(p)
     cfg = config(p, overrides)
-    dq_flat = dq_flat and not p.varlen  # flat shares are numbered by query tile; a packed tile starts at any row
     if cfg["tile_m"] % sm90.WGMMA_M and not cfg.get("dq_swapab"):
         raise UnsupportedProblem(f"K10 (backward) config {cfg}: tile_m must be a multiple of 64 (dQ's GEMM takes the "
                                  "queries as M, 64 rows a warpgroup), or a multiple of 16 with dq_swapab")
@@ -818,7 +840,10 @@ def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = F
     def flat_post():
         f = FakeShapes()
         x, _ = k9.fake_tensors(p, f)
-        return FlatPostpass(p.head_dim, dt, cfg["num_wg"], cfg["tile_m"]), (accumulator(f, x), x(dt), fake_stream())
+        post = FlatPostpass(p.head_dim, dt, cfg["num_wg"], cfg["tile_m"])
+        if p.varlen:
+            return post.call_varlen, (accumulator(f, x), x(dt), cu_seqlens(), Int32(1), fake_stream())
+        return post, (accumulator(f, x), x(dt), fake_stream())
 
     pre, post = k9.compile_passes(p, keep_ptx)
     if p.varlen:
@@ -832,7 +857,8 @@ def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = F
 
         pre = jit_compile(("k10_varlen_pre", p.head_dim, p.dtype), varlen_pre, keep_ptx)
     if dq_flat:
-        post = jit_compile(("k10_flat_post", p.head_dim, p.dtype, tuple(sorted(cfg.items()))), flat_post, keep_ptx)
+        post = jit_compile(("k10_flat_post", p.head_dim, p.dtype, tuple(sorted(cfg.items())), p.varlen), flat_post,
+                           keep_ptx)
     key = ("k10", p.head_dim, p.dtype, p.causal, deterministic, last_first, dq_flat, tuple(sorted(cfg.items())),
            *((tuple(sorted(features.items())),) if features else ()), *(("varlen",) if p.varlen else ()))
     return pre, jit_compile(key, main, keep_ptx), post, cfg.with_(deterministic=deterministic, dq_flat=dq_flat,
@@ -864,23 +890,31 @@ def run_varlen_backward(compiled: tuple, q, k, v, o, lse, do, softmax_scale: flo
     d), lse (heads, total_q), cu_seqlens int32 on the GPU, the longest sequence's queries, the
     (sequence, key tile) table (int32 (pairs, 2) on the GPU, ``call_varlen``; deterministic, in
     (sequence, key tile) order). The kernels see (1, heads, total, d) views; LSE2 and D live in
-    padded rows (``VarlenPrepass``), dQ's accumulator and the post-pass at the packed rows;
-    deterministic, a zeroed semaphore per head and query tile (``packed_tile_start``). Returns
+    padded rows (``VarlenPrepass``), dQ's accumulator and the post-pass at the packed rows, or,
+    ``dq_flat``, a slot of flat rows per head and query tile; deterministic, a zeroed semaphore per
+    head and query tile. Both per-tile tables are numbered by ``packed_tile_start``. Returns
     (dq, dk, dv), packed."""
     import torch
 
     pre, main, post, cfg = compiled
     packed = lambda t: t.unsqueeze(0).transpose(1, 2)  # noqa: E731  (total, heads, d) -> (1, heads, total, d)
     total, h, d = q.shape
-    lse2, dot = k9.row_buffers(1, h, total + ROW_ALIGN * (cu_seqlens_q.shape[0] - 1), q.device)
-    dq_accum = torch.empty(1, h, total, d, device=q.device, dtype=torch.float32)
+    seqs, tile_m = cu_seqlens_q.shape[0] - 1, cfg["tile_m"]
+    slots = total // tile_m + seqs + 1  # query tiles per head, every sequence's from packed_tile_start
+    lse2, dot = k9.row_buffers(1, h, total + ROW_ALIGN * seqs, q.device)
+    if cfg["dq_flat"]:  # zeroed here, every slot whole (a tile's share covers all its rows)
+        flat = torch.zeros(1, h, slots * tile_m * d // FLAT_WIDTH, FLAT_WIDTH, device=q.device, dtype=torch.float32)
+        dq_accum = flat.view(1, h, -1)[:, :, :total * d].view(1, h, total, d)  # the pre-pass zeroes a part again
+    else:
+        dq_accum = flat = torch.empty(1, h, total, d, device=q.device, dtype=torch.float32)
     dq, dk, dv = grads if grads is not None else (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
     do = packed(do).contiguous()
     pre(packed(o), do, lse.unsqueeze(0), lse2, dot, dq_accum, cu_seqlens_q, max_seqlen_q)
-    seqs = cu_seqlens_q.shape[0] - 1
-    semaphores = (torch.zeros(h * (total // cfg["tile_m"] + seqs + 1), device=q.device, dtype=torch.int32)
-                  if cfg["deterministic"] else None)
-    main(packed(q), packed(k), packed(v), do, lse2, dot, dq_accum, packed(dk), packed(dv), softmax_scale, semaphores,
+    semaphores = torch.zeros(h * slots, device=q.device, dtype=torch.int32) if cfg["deterministic"] else None
+    main(packed(q), packed(k), packed(v), do, lse2, dot, flat, packed(dk), packed(dv), softmax_scale, semaphores,
          cu_seqlens_q, cu_seqlens_k, key_tiles)
-    post(dq_accum, packed(dq))
+    if cfg["dq_flat"]:
+        post(flat, packed(dq), cu_seqlens_q, max(1, -(-max_seqlen_q // tile_m)))
+    else:
+        post(dq_accum, packed(dq))
     return dq, dk, dv

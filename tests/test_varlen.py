@@ -196,7 +196,8 @@ def test_k10_builds_a_packed_backward_that_starts_each_sequence_at_its_rows(caus
 
     p = Problem(4, 8, 1000, 128, causal=causal, nheads_kv=2, varlen=True)
     compiled = compile_backward(p, keep_ptx=True, overlap=True, dq_flat=True, ds_stmatrix=True)
-    assert not compiled[3]["dq_flat"]  # flat dQ tiles are numbered per query tile: a packed tile starts anywhere
+    # flat dQ shares: a slot per packed query tile (packed_tile_start), written in 16-byte stores
+    assert compiled[3]["dq_flat"] and len(re.findall(r"st\.shared\.v4\.[fb]32", compiled_ptx(compiled[1]))) == 8
     ptx, plain = compiled_ptx(compiled[1]), compiled_ptx(compile_backward(p.with_(varlen=False), keep_ptx=True)[1])
     counts = count_instructions(ptx)
     assert counts["cp.async.bulk.tensor"] > 0 and re.search(r"cp\.reduce\.async\.bulk\.tensor[.a-z0-9:]*\.add", ptx)
