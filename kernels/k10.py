@@ -535,7 +535,7 @@ class K10Backward(k9.K9Backward):
 
     @cute.jit
     def store_dq(self, acc_dQ: cute.Tensor, tdQcdQ: cute.Tensor, sdQ: cute.Tensor, tidx: Int32):
-        """This thread's dQ share into sdQ: at [row, col] (one 4-byte store each), or, ``dq_flat``,
+        """This thread's dQ share into sdQ: at [row, col] (column pairs, 8-byte stores), or, ``dq_flat``,
         in register order, 4 floats at a time with the warpgroup's threads side by side (16-byte
         stores, no bank conflicts); ``FlatPostpass`` reads that order back."""
         if cutlass.const_expr(not self.dq_flat):
