@@ -472,8 +472,8 @@ out.close()") || rc=1
     rc=0
     timeout 300 $py ref_check.py --varlen --out "$dir/refcheck-varlen-$gpu.json" > /dev/null || rc=1
     timeout 300 $py ref_check.py k6 --features --out "$dir/refcheck-k6-features-$gpu.json" > /dev/null || rc=1
-    timeout 600 $py ref_check.py --backward k10_fa3 --features --out "$dir/refcheck-backward-features-$gpu.json" \
-      > /dev/null || rc=1
+    # the backward's softcap and window cases are in `backward`'s per-head-dim grids of k10_fa3
+    timeout 400 $py ref_check.py --varlen --backward --out "$dir/refcheck-varlen-backward-$gpu.json" > /dev/null || rc=1
     timeout 300 $py ref_check.py --decode --features --out "$dir/refcheck-decode-window-$gpu.json" > /dev/null || rc=1
     for case in "FMHA k6 --varlen --causal 1 --batch-heads 4" "FMHA k6 --causal 1 --window 100,0 --softcap 5" \
                 "K10Backward k6 --backward k10_fa3 --causal 1 --window 100,0 --softcap 5 --batch-heads 4" \
@@ -493,9 +493,13 @@ out.close()") || rc=1
     # check, racecheck/synccheck, the sweep beside cuDNN and flash-attn-4 (about 20 minutes: on the
     # device tool, run its lines in parts)
     rc=0
-    # d = 256 adds about 57 cases a K10 stage (3.5 minutes for k10_fa3 on an H100); the whole grid is not yet timed
-    timeout 1800 $py ref_check.py --backward --out "$dir/refcheck-backward-$gpu.json" > "$dir/refcheck-backward-$gpu.log" \
-      || { echo "ref_check --backward failed or timed out (exit $?)"; rc=1; }
+    # the default backward one head dim a file (57-58 cases, 3.5-4.5 minutes each on an H100), then K9 and K10
+    for d in 64 128 256; do
+      timeout 600 $py ref_check.py --backward k10_fa3 --headdim $d --out "$dir/refcheck-backward-d$d-$gpu.json" \
+        > "$dir/refcheck-backward-d$d-$gpu.log" || { echo "ref_check --backward k10_fa3 --headdim $d failed"; rc=1; }
+    done
+    timeout 1800 $py ref_check.py --backward k9 k10 --out "$dir/refcheck-backward-$gpu.json" \
+      > "$dir/refcheck-backward-$gpu.log" || { echo "ref_check --backward k9 k10 failed or timed out (exit $?)"; rc=1; }
     timeout 400 $py -m pytest -m gpu -q tests/test_k9.py tests/test_k10.py tests/test_backward.py tests/test_training.py \
       2>&1 | tail -3 || rc=1
     timeout 200 $py -m harness.training --out "$dir/training-$gpu.json" || rc=1
