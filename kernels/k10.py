@@ -390,24 +390,24 @@ class K10Backward(k9.K9Backward):
         return out
 
     @cute.jit
-    def column_rows(self, c_mn: cute.Tensor, c: int, m_block: Int32, seqlen: Int32, sLSE: cute.Tensor, sD=None,
+    def column_rows(self, c_mn: cute.Tensor, c: int, m_block: Int32, seqlen: Int32, sLSE=None, sD=None,
                     edge: bool = True):
-        """(query, LSE2, D) of column ``c`` of the S^T tile: its query row's pair from the stage's
-        SMEM rows (D only with ``sD``); past the sequence the TMA filled zeros, so LSE2 = +inf
-        there makes P 0 (``edge``: a tile that may run past the sequence)."""
+        """(query, LSE2, D) of column ``c`` of the S^T tile: its query row's LSE2 (with ``sLSE``) and
+        D (with ``sD``) from the stage's SMEM rows; past the sequence the TMA filled zeros, so LSE2 =
+        +inf there makes P 0, and D is 0 (``edge``: a tile that may run past the sequence)."""
         row = c_mn[0, c][1]
         q = m_block * self.tile_m + row
         lse2, dot = Float32(float("inf")), Float32(0.0)
         if cutlass.const_expr(not edge):
-            lse2 = sLSE[row]
-            if cutlass.const_expr(sD is not None):
-                dot = sD[row]
+            lse2, dot = self.row_values(row, sLSE, sD, lse2, dot)
         elif q < seqlen:
-            if cutlass.const_expr(sD is not None):
-                lse2, dot = sLSE[row], sD[row]
-            else:
-                lse2 = sLSE[row]
+            lse2, dot = self.row_values(row, sLSE, sD, lse2, dot)
         return q, lse2, dot
+
+    @staticmethod
+    def row_values(row, sLSE, sD, lse2, dot) -> tuple:
+        """``column_rows``' reads: the row's LSE2 and D from the rows given, the defaults otherwise."""
+        return (lse2 if sLSE is None else sLSE[row]), (dot if sD is None else sD[row])
 
     @cute.jit
     def probability(self, score: Float32, lse2: Float32, key: tuple, query: tuple, scale_log2: Float32,
@@ -567,12 +567,7 @@ class K10Backward(k9.K9Backward):
         """``p_and_ds``'s second half: acc_dP becomes dS^T * scale."""
         p_mn, dp_mn, c_mn = sm90.acc_mn_view(acc_P), sm90.acc_mn_view(acc_dP), sm90.acc_mn_view(tScS)
         for c in cutlass.range_constexpr(cute.size(p_mn, mode=[1])):
-            row = c_mn[0, c][1]
-            dot = Float32(0.0)
-            if cutlass.const_expr(not edge):
-                dot = sD[row]
-            elif m_block * self.tile_m + row < seqlen:
-                dot = sD[row]
+            _, _, dot = self.column_rows(c_mn, c, m_block, seqlen, None, sD, edge)
             for r in cutlass.range_constexpr(cute.size(p_mn, mode=[0])):
                 dp_mn[r, c] = p_mn[r, c] * (dp_mn[r, c] - dot) * softmax_scale
 
