@@ -860,6 +860,16 @@ def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = F
                                                                   last_first=last_first, tile_n=tile_n)
 
 
+def flat_accumulator(batch: int, heads: int, rows: int, d: int, tiles: int, tile_m: int, device) -> tuple:
+    """``dq_flat``'s accumulator, zeroed, ``tiles`` query tiles' slots a head, each whole (a tile's
+    share covers all its rows): (a (batch, heads, rows, d) view of its start, which the pre-pass
+    zeroes again; the rows of FLAT_WIDTH floats the kernel and the post-pass take)."""
+    import torch
+
+    flat = torch.zeros(batch, heads, tiles * tile_m * d // FLAT_WIDTH, FLAT_WIDTH, device=device, dtype=torch.float32)
+    return flat.view(batch, heads, -1)[:, :, :rows * d].view(batch, heads, rows, d), flat
+
+
 def run_backward(compiled: tuple, q, k, v, o, lse, do, softmax_scale: float, grads: tuple | None = None) -> tuple:
     """K9's ``run_backward`` with K10's kernel; deterministic, a zeroed semaphore per query tile
     of each (batch, head) besides; ``dq_flat``, the accumulator as rows of FLAT_WIDTH floats,
@@ -873,9 +883,7 @@ def run_backward(compiled: tuple, q, k, v, o, lse, do, softmax_scale: float, gra
     if cfg["deterministic"]:
         extra = (torch.zeros(b * h * tiles, device=q.device, dtype=torch.int32),)
     if cfg["dq_flat"]:
-        flat = torch.zeros(b, h, tiles * cfg["tile_m"] * d // FLAT_WIDTH, FLAT_WIDTH, device=q.device,
-                           dtype=torch.float32)
-        dq_accum = (flat.view(b, h, -1)[:, :, :n * d].view(b, h, n, d), flat)  # the pre-pass zeroes a part again
+        dq_accum = flat_accumulator(b, h, n, d, tiles, cfg["tile_m"], q.device)
     return k9.run_backward((pre, main, post), q, k, v, o, lse, do, softmax_scale, grads, extra, dq_accum)
 
 
@@ -897,19 +905,18 @@ def run_varlen_backward(compiled: tuple, q, k, v, o, lse, do, softmax_scale: flo
     seqs, tile_m = cu_seqlens_q.shape[0] - 1, cfg["tile_m"]
     slots = total // tile_m + seqs + 1  # query tiles per head, every sequence's from packed_tile_start
     lse2, dot = k9.row_buffers(1, h, total + ROW_ALIGN * seqs, q.device)
-    if cfg["dq_flat"]:  # zeroed here, every slot whole (a tile's share covers all its rows)
-        flat = torch.zeros(1, h, slots * tile_m * d // FLAT_WIDTH, FLAT_WIDTH, device=q.device, dtype=torch.float32)
-        dq_accum = flat.view(1, h, -1)[:, :, :total * d].view(1, h, total, d)  # the pre-pass zeroes a part again
+    if cfg["dq_flat"]:
+        dq_accum, accum = flat_accumulator(1, h, total, d, slots, tile_m, q.device)
     else:
-        dq_accum = flat = torch.empty(1, h, total, d, device=q.device, dtype=torch.float32)
+        dq_accum = accum = torch.empty(1, h, total, d, device=q.device, dtype=torch.float32)
     dq, dk, dv = grads if grads is not None else (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
     do = packed(do).contiguous()
     pre(packed(o), do, lse.unsqueeze(0), lse2, dot, dq_accum, cu_seqlens_q, max_seqlen_q)
     semaphores = torch.zeros(h * slots, device=q.device, dtype=torch.int32) if cfg["deterministic"] else None
-    main(packed(q), packed(k), packed(v), do, lse2, dot, flat, packed(dk), packed(dv), softmax_scale, semaphores,
+    main(packed(q), packed(k), packed(v), do, lse2, dot, accum, packed(dk), packed(dv), softmax_scale, semaphores,
          cu_seqlens_q, cu_seqlens_k, key_tiles)
     if cfg["dq_flat"]:
-        post(flat, packed(dq), cu_seqlens_q, max(1, -(-max_seqlen_q // tile_m)))
+        post(accum, packed(dq), cu_seqlens_q, max(1, -(-max_seqlen_q // tile_m)))
     else:
-        post(dq_accum, packed(dq))
+        post(accum, packed(dq))
     return dq, dk, dv
