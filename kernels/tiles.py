@@ -100,8 +100,8 @@ def packed_row_start(first_row, seq):
 
 def packed_tile_start(first_row, seq, tile_m: int):
     """Where packed sequence ``seq``, whose rows start at ``first_row``, numbers its query tiles
-    in a per-head table (K10's deterministic dQ semaphores): first_row // tile_m + seq. Its
-    ceil(n / tile_m) tiles end at or before the next sequence's start, since (a + n) // m >= a // m
-    + n // m and n // m + 1 >= ceil(n / m); a table of total_rows // tile_m + sequences + 1 per head
-    holds them all. Python ints or Int32."""
+    in a per-head table (K10's deterministic dQ semaphores and its flat dQ slots): first_row //
+    tile_m + seq. Its ceil(n / tile_m) tiles end at or before the next sequence's start, since
+    (a + n) // m >= a // m + n // m and n // m + 1 >= ceil(n / m); a table of total_rows // tile_m
+    + sequences + 1 per head holds them all. Python ints or Int32."""
     return first_row // tile_m + seq

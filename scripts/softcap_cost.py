@@ -48,7 +48,7 @@ def main(argv=None) -> int:
     out = results.open_result_file(args.out, results.command_line("scripts/softcap_cost.py", argv))
     for d, causal, n in WORKLOADS:
         b, h = default_batch_heads(n, d)
-        runs = []  # (row, launch) per configuration, checked first
+        runs = []  # (row, problem, launch) per configuration, checked first
         for cap, emulated in [(0.0, 0)] + [(SOFTCAP, e) for e in args.emulated]:
             p = Problem(b, h, n, d, causal=causal, softcap=cap)
             cfg = dict(emulated_exp2=emulated) if emulated else {}
