@@ -756,9 +756,6 @@ class FlatPostpass:
 
 def check(p: Problem) -> None:
     k9.check(p, "K10", features=True, head_dims=HEAD_DIMS)
-    if p.head_dim == 256 and p.varlen:
-        raise UnsupportedProblem("K10 (backward): packed sequences (varlen) at head_dim 256 are not built yet "
-                                 "(supported: 64, 128)")
 
 
 def config(p: Problem, overrides: dict = None):
