@@ -188,6 +188,20 @@ def test_the_packed_backward_refuses_a_bad_lse_by_name():
 
 
 @pytest.mark.parametrize("causal", [False, True])
+def test_k10_builds_the_packed_backward_at_d256_from_64_key_tiles(causal):
+    from kernels.contract import Problem, compiled_ptx
+    from kernels.k10 import compile_backward
+    from harness.inspect_ptx import count_instructions
+
+    p = Problem(4, 8, 1000, 256, causal=causal, nheads_kv=2, varlen=True)
+    compiled = compile_backward(p, keep_ptx=True, overlap=True, dq_flat=True, ds_stmatrix=True, mask_edges=True)
+    assert compiled[3]["tile_n"] == 64 and compiled[3]["dq_flat"]  # K10BackwardSplitD's: the key-tile table's unit
+    counts = count_instructions(compiled_ptx(compiled[1]))
+    assert counts["ld/st.local"] == 0 and re.search(r"cp\.reduce\.async\.bulk\.tensor[.a-z0-9:]*\.add",
+                                                     compiled_ptx(compiled[1]))
+
+
+@pytest.mark.parametrize("causal", [False, True])
 def test_k10_builds_a_packed_backward_that_starts_each_sequence_at_its_rows(causal):
     from harness.inspect_ptx import count_instructions
     from kernels.contract import Problem, compiled_ptx
