@@ -58,7 +58,8 @@ class K10Backward(k9.K9Backward):
     def __init__(self, head_dim: int, dtype, causal: bool, num_wg: int, tile_m: int, q_stages: int,
                  deterministic: bool = False, overlap: bool = False, dq_flat: bool = False,
                  ds_stmatrix: bool = False, last_first: bool = False, window: tuple = None, softcap: float = 0.0,
-                 varlen: bool = False, dq_swapab: bool = False, mask_edges: bool = False):
+                 varlen: bool = False, dq_swapab: bool = False, mask_edges: bool = False,
+                 ds_free_once: bool = False):
         super().__init__(head_dim, dtype, causal, num_wg, tile_m, q_stages)
         # dq_swapab (FA3's dQ_swapAB): dQ^T = K^T . dS^T, the warpgroups split d (64 rows each), so
         # that a step may take a tile_m that is not a multiple of 64 (FA3's 80 at d = 128)
@@ -70,6 +71,10 @@ class K10Backward(k9.K9Backward):
         # mask_edges (FA3's): only a step on an edge (the diagonal, a window's side, a sequence's
         # end) runs the masks and the guards on LSE2 and D; the others take a copy without them
         self.mask_edges = mask_edges
+        # ds_free_once: the wait for sdS to be free (both warpgroups' dQ GEMMs of the step before
+        # done with it) only before step 1's store; later, DQ_EMPTY's sync at the end of the step
+        # before has already met both warpgroups after those GEMMs retired
+        self.ds_free_once = ds_free_once
         assert not (softcap and overlap), "the overlapped step has no registers left for the softcap's tanh'"
         self.window = window  # Problem.window, or None: tiles.query_window_tiles bounds the walk
         self.softcap = softcap
@@ -481,7 +486,7 @@ class K10Backward(k9.K9Backward):
         # to dV's GEMM, then dS^T to sdS and to dK's GEMM.
         sm90.convert_to(sm90.acc_as_operand_a(acc_S), tdVrP)
         sm90.gemm(tiled_mma_dkv, acc_dV, tdVrP, tdVrdO[None, None, None, stage], zero_init=False, wg_wait=-1)
-        cute.arch.barrier(barrier_id=Barrier.MMA, number_of_threads=self.mma_threads)  # sdS free again
+        self.wait_ds_free()
         self.store_dS(acc_dP, tScS, sdS, tiled_mma_sdp)
         cute.arch.fence_view_async_shared()
         sm90.convert_to(sm90.acc_as_operand_a(acc_dP), tdKrdS)
@@ -510,13 +515,20 @@ class K10Backward(k9.K9Backward):
         warpgroup.wait_group(0)
         self.score_grads(acc_S, acc_dP, tScS, rows[1][None, stage], m_block, lens[0], softmax_scale, edge)
         sm90.gemm(tiled_mma_dkv, acc_dV, tdVrP, tdVrdO[None, None, None, stage], zero_init=False, wg_wait=-1)
-        cute.arch.barrier(barrier_id=Barrier.MMA, number_of_threads=self.mma_threads)  # sdS free again
+        self.wait_ds_free()
         self.store_dS(acc_dP, tScS, sdS, tiled_mma_sdp)
         cute.arch.fence_view_async_shared()
         sm90.convert_to(sm90.acc_as_operand_a(acc_dP), tdKrdS)
         sm90.gemm(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQ[None, None, None, stage], zero_init=False, wg_wait=-1)
         cute.arch.barrier(barrier_id=Barrier.MMA, number_of_threads=self.mma_threads)  # every dS^T stored
         sm90.gemm(tiled_mma_dq, acc_dQ, tdQrdS, tdQrK, zero_init=True, wg_wait=0)  # dV's, dK's and dQ's
+
+    @cute.jit
+    def wait_ds_free(self):
+        """Before a step writes sdS: both warpgroups' dQ GEMMs of the step before are done with it
+        (``ds_free_once``: ``mma`` waits before step 1 only)."""
+        if cutlass.const_expr(not self.ds_free_once):
+            cute.arch.barrier(barrier_id=Barrier.MMA, number_of_threads=self.mma_threads)
 
     @cute.jit
     def store_dS(self, acc_dS: cute.Tensor, tScS: cute.Tensor, sdS: cute.Tensor, tiled_mma_sdp: cute.TiledMma):
@@ -595,6 +607,9 @@ class K10Backward(k9.K9Backward):
             acc_dQ = cute.make_rmem_tensor(tiled_mma_dq.partition_shape_C(self.dq_tile), Float32)
             operands = (tSrK, tSrQ, tdPrV, tdPrdO, tdVrP, tdVrdO, tdKrdS, tdKrQ, tdQrdS, tdQrK)
             step = self.mma_step_overlapped if cutlass.const_expr(self.overlap) else self.mma_step
+            if cutlass.const_expr(self.ds_free_once):
+                if t == 1:  # step 0 ended with no DQ_EMPTY sync
+                    cute.arch.barrier(barrier_id=Barrier.MMA, number_of_threads=self.mma_threads)
             args = (mmas, (acc_S, acc_dP, acc_dK, acc_dV, acc_dQ), operands, tScS, sdS, (sLSE, sD, qdo.index),
                     n_block, m_block, lens, scale_log2, softmax_scale)
             if cutlass.const_expr(self.mask_edges):
@@ -792,6 +807,9 @@ def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = F
     tile_n = sm90.WGMMA_M * (1 if split_d else cfg["num_wg"])  # the CTA's keys
     if split_d:
         cfg = cfg.with_(overlap=False)
+        if cfg.get("ds_free_once"):
+            raise UnsupportedProblem(f"K10 (backward) config {cfg}: ds_free_once is K10Backward's step; at head_dim "
+                                     "256 K10BackwardSplitD has its own (P^T and dS^T both in SMEM)")
         if cfg["q_stages"] != 1 or cfg["num_wg"] != 2 or cfg["tile_m"] != 64:
             raise UnsupportedProblem(f"K10 (backward) config {cfg}: at head_dim 256, two warpgroups, 64 queries a step "
                                      "and one Q/dO stage (a second stage would need 272 KB of SMEM)")

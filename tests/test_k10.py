@@ -27,6 +27,22 @@ def test_k10_adds_dq_by_tma_reduce_from_a_warp_specialized_kernel(d):
     assert {("arrive", "2", "288"), ("sync", "2", "288"), ("arrive", "3", "288"), ("sync", "3", "288")} <= barriers
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_ds_free_once_takes_the_sds_wait_off_the_steps(causal):
+    from kernels.contract import UnsupportedProblem
+    from kernels.k10 import compile_backward
+
+    fa3 = dict(overlap=True, dq_flat=True, ds_stmatrix=True, mask_edges=True)
+    p = Problem(2, 4, 1000, 128, causal=causal)
+    syncs = [len(re.findall(r"bar\.sync\s+1, 256;", compiled_ptx(compile_backward(p, keep_ptx=True, **fa3,
+                                                                                       ds_free_once=once)[1])))
+             for once in (False, True)]
+    # one per copy of the step (edge and not) gone, one before step 1 added
+    assert syncs[1] == syncs[0] - 1 and syncs[1] > 0, syncs
+    with pytest.raises(UnsupportedProblem, match="ds_free_once"):
+        compile_backward(p.with_(head_dim=256), ds_free_once=True)
+
+
 def test_dq_swapab_lets_a_step_take_80_queries_at_d128():
     # FA3's dQ_swapAB: dQ^T = K^T . dS^T, so dQ's M is d (64 rows a warpgroup) and the step's
     # queries only need to be a multiple of 16 (FA3 takes 80 at d = 128, non-causal)
