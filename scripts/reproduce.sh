@@ -479,6 +479,7 @@ out.close()") || rc=1
                 "K10Backward k6 --backward k10_fa3 --causal 1 --window 100,0 --softcap 5 --batch-heads 4" \
                 "K10Backward k6 --varlen --backward k10_fa3 --causal 1 --batch-heads 4 --nheads-kv 2" \
                 "K10Backward k6 --varlen --backward k10_fa3 --causal 1 --batch-heads 4 --nheads-kv 2 --deterministic" \
+                "K10Backward k6 --varlen --backward k10_fa3 --causal 1 --batch-heads 4 --nheads-kv 2 --headdim 256" \
                 "FMHA decode --seqlen 4 --seqlen-k 3000 --batch-heads 32 --nheads-kv 8 --causal 1 --window 700,0"; do
       read -r kernel args <<< "$case"
       for tool in racecheck synccheck; do
