@@ -702,12 +702,19 @@ class K10BackwardSplitD(K10Backward):
 class VarlenPrepass(k9.Prepass):
     """K9's pre-pass on packed sequences: a CTA per (block of rows, head, sequence). Sequence b's
     LSE2 and D land at ``tiles.packed_row_start`` of its first row: a TMA box of floats starts
-    only 16 bytes into its innermost dimension, and a packed sequence may start at any row."""
+    only 16 bytes into its innermost dimension, and a packed sequence may start at any row.
+    ``flat_tile_m``: dQ's accumulator is ``dq_flat``'s, each query tile's slot from
+    ``packed_tile_start``, zeroed whole (the last tile's rows past the sequence too: its share
+    spreads every row over the slot)."""
+
+    def __init__(self, flat_tile_m: int = 0):
+        self.flat_tile_m = flat_tile_m
 
     @cute.jit
     def __call__(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mLSE2: cute.Tensor, mD: cute.Tensor,
                  mdQaccum: cute.Tensor, mCuSeqlensQ: cute.Tensor, max_seqlen_q: Int32, stream):
-        grid = (cute.ceil_div(max_seqlen_q, self.WARPS), mO.shape[1], mCuSeqlensQ.shape[0] - 1)
+        rows = max_seqlen_q + (self.flat_tile_m - 1 if cutlass.const_expr(self.flat_tile_m) else 0)
+        grid = (cute.ceil_div(rows, self.WARPS), mO.shape[1], mCuSeqlensQ.shape[0] - 1)
         self.kernel(mO, mdO, mLSE, mLSE2, mD, mdQaccum, mCuSeqlensQ).launch(grid=grid, block=[32 * self.WARPS, 1, 1],
                                                                             stream=stream)
 
@@ -718,13 +725,26 @@ class VarlenPrepass(k9.Prepass):
         bx, head, seq = cute.arch.block_idx()
         lane, r = tidx % 32, bx * self.WARPS + tidx // 32
         q0 = mCuSeqlensQ[seq]
-        if r < mCuSeqlensQ[seq + 1] - q0:
-            self.row(mO, mdO, mLSE, mLSE2, mD, mdQaccum, Int32(0), head, q0 + r, packed_row_start(q0, seq) + r, lane)
+        length = mCuSeqlensQ[seq + 1] - q0
+        dq_row = q0 + r
+        if cutlass.const_expr(self.flat_tile_m):
+            dq_row = packed_tile_start(q0, seq, self.flat_tile_m) * self.flat_tile_m + r
+        if r < length:
+            self.row(mO, mdO, mLSE, mLSE2, mD, mdQaccum, Int32(0), head, q0 + r, packed_row_start(q0, seq) + r, lane,
+                     dq_row)
+        if cutlass.const_expr(self.flat_tile_m):
+            if r >= length and r < cute.ceil_div(length, self.flat_tile_m) * self.flat_tile_m:
+                for j in cutlass.range_constexpr(cute.size(mO, mode=[3]) // 32):
+                    mdQaccum[0, head, dq_row, lane + 32 * j] = Float32(0.0)
 
 
 class FlatPostpass:
-    """``dq_flat``'s post-pass: each query tile's fp32 shares, in the MMA threads' register order,
-    narrowed to dQ[row, col], one thread per MMA thread (a CTA per query tile)."""
+    """``dq_flat``'s post-pass, a CTA per query tile: its fp32 shares read back in the MMA threads'
+    register order (16-byte loads, the warpgroup's threads side by side, as ``store_dq`` wrote
+    them), narrowed into an SMEM tile at [row, col], then written out row by row, 16 bytes a
+    thread. Stored straight from the MMA order, each warp's store would touch 8 rows' 16 bytes."""
+
+    PAD = 8  # elements after each SMEM row: rows 16 bytes apart in the banks, so the MMA-order writes don't collide
 
     def __init__(self, head_dim: int, dtype, num_wg: int, tile_m: int):
         self.head_dim, self.dtype, self.num_wg, self.tile_m = head_dim, dtype, num_wg, tile_m
@@ -754,19 +774,35 @@ class FlatPostpass:
             first = mCuSeqlensQ[batch]
             seqlen, slot = mCuSeqlensQ[batch + 1] - first, packed_tile_start(first, batch, self.tile_m) + m_block
             batch = Int32(0)
+        sdQ = cutlass.utils.SmemAllocator().allocate_tensor(
+            self.dtype, cute.make_layout((self.tile_m, self.head_dim), stride=(self.head_dim + self.PAD, 1)),
+            byte_alignment=16)
         if m_block * self.tile_m < seqlen:  # packed: the longest sequence's tile count was launched
-            tdQcdQ = tiled_mma_dq.get_slice(tidx).partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim)))
-            per_thread, threads = cute.size(tdQcdQ), sm90.THREADS_PER_WARPGROUP
+            thr_mma = tiled_mma_dq.get_slice(tidx)
+            tdQsdQ = thr_mma.partition_C(sdQ)
+            per_thread, threads = cute.size(tdQsdQ), sm90.THREADS_PER_WARPGROUP
             rows = self.tile_m * self.head_dim // FLAT_WIDTH  # of the flat buffer, per query tile
             tile = mdQaccum[batch, head, None, None]
-            base = slot * rows * FLAT_WIDTH + (tidx // threads) * threads * per_thread + (tidx % threads) * 4
-            for i in cutlass.range_constexpr(per_thread):
-                flat = base + (i // 4) * 4 * threads + i % 4
-                row, col = tdQcdQ[i]
-                q = m_block * self.tile_m + row
+            base = cute.assume(slot * rows * FLAT_WIDTH + (tidx // threads) * threads * per_thread + (tidx % threads) * 4,
+                               divby=4)  # 16-byte loads
+            acc = cute.make_rmem_tensor(per_thread, Float32)
+            cute.autovec_copy(cute.make_tensor(tile.iterator + base, cute.make_layout((4, per_thread // 4),
+                                                                                      stride=(1, 4 * threads))),
+                              cute.make_tensor(acc.iterator, cute.make_layout((4, per_thread // 4))))
+            rdQ = cute.make_rmem_tensor_like(tdQsdQ, self.dtype)
+            rdQ.store(cute.make_tensor(acc.iterator, rdQ.layout).load().to(self.dtype))
+            cute.autovec_copy(rdQ, tdQsdQ)
+        cute.arch.barrier()
+        if m_block * self.tile_m < seqlen:
+            vec = 16 // (self.dtype.width // 8)  # elements in 16 bytes
+            per_row = self.head_dim // vec
+            nthreads = sm90.THREADS_PER_WARPGROUP * self.num_wg
+            for j in cutlass.range_constexpr(self.tile_m * per_row // nthreads):
+                r, c = (tidx + j * nthreads) // per_row, (tidx + j * nthreads) % per_row
+                q = m_block * self.tile_m + r
                 if q < seqlen:
-                    mdQ[batch, head, first + q, col] = tile[flat // FLAT_WIDTH, flat % FLAT_WIDTH].to(
-                        mdQ.element_type)
+                    cute.autovec_copy(cute.local_tile(sdQ[r, None], (vec,), (c,)),
+                                      cute.local_tile(mdQ[batch, head, first + q, None], (vec,), (c,)))
 
 
 def check(p: Problem) -> None:
@@ -861,11 +897,14 @@ def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = F
             f = FakeShapes()
             x, rows = k9.fake_tensors(p, f)
             padded_rows = cute.sym_int()
-            return VarlenPrepass(), (x(dt), x(dt), rows(), padded_row_tensor(f.batch, f.nheads, padded_rows),
-                                     padded_row_tensor(f.batch, f.nheads, padded_rows), x(Float32), cu_seqlens(),
-                                     Int32(1), fake_stream())
+            # dq_flat: the accumulator's rows are the slots' (tile_m each), not the packed rows
+            accum = k9.fake_tensors(p)[0](Float32) if dq_flat else x(Float32)
+            return VarlenPrepass(cfg["tile_m"] if dq_flat else 0), (
+                x(dt), x(dt), rows(), padded_row_tensor(f.batch, f.nheads, padded_rows),
+                padded_row_tensor(f.batch, f.nheads, padded_rows), accum, cu_seqlens(), Int32(1), fake_stream())
 
-        pre = jit_compile(("k10_varlen_pre", p.head_dim, p.dtype), varlen_pre, keep_ptx)
+        pre = jit_compile(("k10_varlen_pre", p.head_dim, p.dtype, cfg["tile_m"] if dq_flat else 0), varlen_pre,
+                          keep_ptx)
     if dq_flat:
         post = jit_compile(("k10_flat_post", p.head_dim, p.dtype, tuple(sorted(cfg.items())), p.varlen), flat_post,
                            keep_ptx)
@@ -875,13 +914,22 @@ def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = F
                                                                   last_first=last_first, tile_n=tile_n)
 
 
-def flat_accumulator(batch: int, heads: int, rows: int, d: int, tiles: int, tile_m: int, device) -> tuple:
-    """``dq_flat``'s accumulator, zeroed, ``tiles`` query tiles' slots a head, each whole (a tile's
-    share covers all its rows): (a (batch, heads, rows, d) view of its start, which the pre-pass
-    zeroes again; the rows of FLAT_WIDTH floats the kernel and the post-pass take)."""
+def flat_accumulator(batch: int, heads: int, rows: int, d: int, tiles: int, tile_m: int, device,
+                     prepass_zeroes: bool = True) -> tuple:
+    """``dq_flat``'s accumulator, ``tiles`` query tiles' slots a head, each whole (a tile's share
+    covers all its rows): (a (batch, heads, rows, d) view of its start, which the pre-pass zeroes;
+    the rows of FLAT_WIDTH floats the kernel and the post-pass take). Zeroed here: what lies past
+    the view, or, ``prepass_zeroes`` False (packed, where the slots don't follow the rows), all of
+    it. A fill of the whole buffer would cost as much again as the pre-pass's zeroing."""
     import torch
 
-    flat = torch.zeros(batch, heads, tiles * tile_m * d // FLAT_WIDTH, FLAT_WIDTH, device=device, dtype=torch.float32)
+    shape = (batch, heads, tiles * tile_m * d // FLAT_WIDTH, FLAT_WIDTH)
+    if not prepass_zeroes:
+        flat = torch.zeros(shape, device=device, dtype=torch.float32)
+    else:
+        flat = torch.empty(shape, device=device, dtype=torch.float32)
+        if rows * d < flat[0, 0].numel():
+            flat.view(batch, heads, -1)[:, :, rows * d:].zero_()
     return flat.view(batch, heads, -1)[:, :, :rows * d].view(batch, heads, rows, d), flat
 
 
@@ -921,7 +969,7 @@ def run_varlen_backward(compiled: tuple, q, k, v, o, lse, do, softmax_scale: flo
     slots = total // tile_m + seqs + 1  # query tiles per head, every sequence's from packed_tile_start
     lse2, dot = k9.row_buffers(1, h, total + ROW_ALIGN * seqs, q.device)
     if cfg["dq_flat"]:
-        dq_accum, accum = flat_accumulator(1, h, total, d, slots, tile_m, q.device)
+        dq_accum, accum = flat_accumulator(1, h, slots * tile_m, d, slots, tile_m, q.device)  # the pre-pass zeroes the slots
     else:
         dq_accum = accum = torch.empty(1, h, total, d, device=q.device, dtype=torch.float32)
     dq, dk, dv = grads if grads is not None else (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))

@@ -30,6 +30,8 @@ Scale: dS is stored already multiplied by softmax_scale, so dQ and dK come out s
 
 from __future__ import annotations
 
+from typing import Optional
+
 import math
 
 import cutlass
@@ -346,13 +348,18 @@ class Prepass:
 
     @cute.jit
     def row(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mLSE2: cute.Tensor, mD: cute.Tensor,
-            mdQaccum: cute.Tensor, batch: Int32, head: Int32, q: Int32, out_row: Int32, lane: Int32):
-        """One warp's query row ``q``: D and LSE2 into row ``out_row`` of mD and mLSE2, dQ's row zeroed."""
+            mdQaccum: cute.Tensor, batch: Int32, head: Int32, q: Int32, out_row: Int32, lane: Int32,
+            dq_row: Optional[Int32] = None):
+        """One warp's query row ``q``: D and LSE2 into row ``out_row`` of mD and mLSE2, dQ's row
+        (``dq_row`` of the accumulator where it lies elsewhere) zeroed."""
+        zero_row = q
+        if cutlass.const_expr(dq_row is not None):
+            zero_row = dq_row
         dot = Float32(0.0)
         for j in cutlass.range_constexpr(cute.size(mO, mode=[3]) // 32):
             c = lane + 32 * j
             dot += mO[batch, head, q, c].to(Float32) * mdO[batch, head, q, c].to(Float32)
-            mdQaccum[batch, head, q, c] = Float32(0.0)
+            mdQaccum[batch, head, zero_row, c] = Float32(0.0)
         dot = simt.butterfly_allreduce(dot, lambda a, b: a + b, 32)
         if lane == 0:
             mD[batch, head, out_row] = dot
