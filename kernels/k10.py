@@ -778,9 +778,8 @@ class FlatPostpass:
             self.dtype, cute.make_layout((self.tile_m, self.head_dim), stride=(self.head_dim + self.PAD, 1)),
             byte_alignment=16)
         if m_block * self.tile_m < seqlen:  # packed: the longest sequence's tile count was launched
-            thr_mma = tiled_mma_dq.get_slice(tidx)
-            tdQsdQ = thr_mma.partition_C(sdQ)
-            per_thread, threads = cute.size(tdQsdQ), sm90.THREADS_PER_WARPGROUP
+            tdQcdQ = tiled_mma_dq.get_slice(tidx).partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim)))
+            per_thread, threads = cute.size(tdQcdQ), sm90.THREADS_PER_WARPGROUP
             rows = self.tile_m * self.head_dim // FLAT_WIDTH  # of the flat buffer, per query tile
             tile = mdQaccum[batch, head, None, None]
             base = cute.assume(slot * rows * FLAT_WIDTH + (tidx // threads) * threads * per_thread + (tidx % threads) * 4,
@@ -789,9 +788,9 @@ class FlatPostpass:
             cute.autovec_copy(cute.make_tensor(tile.iterator + base, cute.make_layout((4, per_thread // 4),
                                                                                       stride=(1, 4 * threads))),
                               cute.make_tensor(acc.iterator, cute.make_layout((4, per_thread // 4))))
-            rdQ = cute.make_rmem_tensor_like(tdQsdQ, self.dtype)
-            rdQ.store(cute.make_tensor(acc.iterator, rdQ.layout).load().to(self.dtype))
-            cute.autovec_copy(rdQ, tdQsdQ)
+            for i in cutlass.range_constexpr(per_thread):  # acc[i]: the share of tdQcdQ[i], as store_dq wrote it
+                row, col = tdQcdQ[i]
+                sdQ[row, col] = acc[i].to(self.dtype)
         cute.arch.barrier()
         if m_block * self.tile_m < seqlen:
             vec = 16 // (self.dtype.width // 8)  # elements in 16 bytes
