@@ -954,6 +954,25 @@ def ncu_profile_table(f, workload: str, top: int = 3):
          "top stalls (warp cycles per issue)"], body)
 
 
+def backward_kernels_table(f):
+    """docs/k10.md: scripts/backward_kernels.py, each backward's device time per call split by the
+    role of its kernels (pre-pass, fill, main kernel, post-pass), cell by cell."""
+    roles = ("pre-pass", "fill", "main", "post-pass")
+    names = {"k10_fa3": "`k10_fa3`", "sdpa-cudnn": "cuDNN", "fa4": "flash-attn-4"}
+    calls = {}
+    for r in f["rows"]:
+        key = (r["head_dim"], r["causal"], r["seqlen"], r["candidate"])
+        calls.setdefault(key, dict.fromkeys(roles, 0.0))[r["role"]] += r["us"]
+    body = [[str(d), str(c), str(n), names.get(cand, cand), *(f"{t[x]:.0f}" if t[x] else "—" for x in roles),
+             f"{sum(t.values()):.0f}"] for (d, c, n, cand), t in calls.items()]
+    meta = f["meta"]
+    head = (f"`{meta.get('command', '')}`, {gpu_short_name(meta.get('device', ''))}, {meta.get('date', '')[:10]}, at "
+            f"{meta.get('commit', '')[:7]}: device µs per autograd backward (torch.profiler, mean of 20), bf16, batch "
+            "16384/N, heads 2048/d, each kernel under its role.")
+    return head + "\n\n" + markdown_table(["d", "causal", "N", "backward", "pre-pass", "fill", "main kernel",
+                                              "post-pass", "total"], body)
+
+
 def ncu_stalls_table(f, top: int = 8):
     """docs/k6.md: scripts/ncu_stalls.py, per kernel the SASS instructions where most warp-stall
     samples fell (share of all the kernel's samples, the leading reason)."""
@@ -1677,6 +1696,9 @@ def main(argv=None):
     compares = sorted(ROOT.glob("results/ncu-compare-*.txt"))
     if compares:
         fill("k6", "ncu-compare", lambda: "\n\n".join(ncu_compare_table(f) for f in compares))
+    kernels_run = newest(finished("backward-kernels-*.json"), TARGET_GPU)
+    if kernels_run:
+        fill("k10", "backward-kernels", lambda: backward_kernels_table(kernels_run))
     stalls = finished("ncu-stalls-*.json")
     if stalls:
         fill("k6", "ncu-stalls", lambda: "\n\n".join(ncu_stalls_table(f) for f in stalls))
