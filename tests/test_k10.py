@@ -152,6 +152,34 @@ def test_the_flat_dq_share_leaves_in_16_byte_stores(d):
     assert stores == [(0, share // 2), (share // 4, 0)], stores
 
 
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("varlen", [False, True])
+def test_the_flat_post_pass_reads_and_writes_16_bytes_a_thread(d, varlen):
+    from kernels.k10 import compile_backward
+
+    p = Problem(2, 4, 1000, d, causal=True, varlen=varlen)
+    ptx = compiled_ptx(compile_backward(p, keep_ptx=True, dq_flat=True)[2])
+    share = 64 * d // 256  # floats of a query tile per thread
+    count = lambda pattern: len(re.findall(pattern, ptx))  # noqa: E731
+    # the shares in register order, 4 floats a load; dQ out along its rows, 8 elements a store
+    assert count(r"ld\.global\.v4\.[fb]32") == share // 4 and count(r"st\.global\.v4\.b32") == share // 8
+    assert count(r"st\.global\.(?:b16|b32)") == 0 and count(r"ld\.global\.[fb]32") == 2 * varlen  # cu_seqlens
+
+
+def test_the_flat_accumulator_is_zeroed_past_the_rows_the_pre_pass_zeroes(monkeypatch):
+    from kernels.k10 import flat_accumulator
+
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(float("nan")))  # no lucky zeros
+    view, flat = flat_accumulator(2, 3, 100, 64, 2, 64, "cpu")  # 100 rows: two 64-row slots a head
+    assert view.shape == (2, 3, 100, 64) and flat.shape[-1] * flat.shape[-2] == 128 * 64
+    view.fill_(1.0)  # what the pre-pass zeroes lies under the view; the rest must be 0 already
+    heads = flat.view(2, 3, -1)
+    assert bool((heads[:, :, :100 * 64] == 1).all()) and bool((heads[:, :, 100 * 64:] == 0).all())
+    view, flat = flat_accumulator(1, 2, 128, 64, 2, 64, "cpu")  # whole slots: the view covers all of it
+    assert view.numel() == flat.numel()
+
 def test_ds_leaves_by_stmatrix_in_the_variant():
     from kernels.k10 import compile_backward
 
