@@ -968,7 +968,7 @@ def backward_kernels_table(f):
     meta = f["meta"]
     head = (f"`{meta.get('command', '')}`, {gpu_short_name(meta.get('device', ''))}, {meta.get('date', '')[:10]}, at "
             f"{meta.get('commit', '')[:7]}: device µs per autograd backward (torch.profiler, mean of 20), bf16, batch "
-            "16384/N, heads 2048/d, each kernel under its role.")
+            "16384/N, heads 2048/d, each kernel under its role." + (f" ({meta['note']})" if meta.get("note") else ""))
     return head + "\n\n" + markdown_table(["d", "causal", "N", "backward", "pre-pass", "fill", "main kernel",
                                               "post-pass", "total"], body)
 
