@@ -913,22 +913,17 @@ def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = F
                                                                   last_first=last_first, tile_n=tile_n)
 
 
-def flat_accumulator(batch: int, heads: int, rows: int, d: int, tiles: int, tile_m: int, device,
-                     prepass_zeroes: bool = True) -> tuple:
+def flat_accumulator(batch: int, heads: int, rows: int, d: int, tiles: int, tile_m: int, device) -> tuple:
     """``dq_flat``'s accumulator, ``tiles`` query tiles' slots a head, each whole (a tile's share
     covers all its rows): (a (batch, heads, rows, d) view of its start, which the pre-pass zeroes;
-    the rows of FLAT_WIDTH floats the kernel and the post-pass take). Zeroed here: what lies past
-    the view, or, ``prepass_zeroes`` False (packed, where the slots don't follow the rows), all of
-    it. A fill of the whole buffer would cost as much again as the pre-pass's zeroing."""
+    the rows of FLAT_WIDTH floats the kernel and the post-pass take). Only what lies past the view
+    is zeroed here: a fill of the whole buffer would cost as much again as the pre-pass's zeroing."""
     import torch
 
-    shape = (batch, heads, tiles * tile_m * d // FLAT_WIDTH, FLAT_WIDTH)
-    if not prepass_zeroes:
-        flat = torch.zeros(shape, device=device, dtype=torch.float32)
-    else:
-        flat = torch.empty(shape, device=device, dtype=torch.float32)
-        if rows * d < flat[0, 0].numel():
-            flat.view(batch, heads, -1)[:, :, rows * d:].zero_()
+    per_head = tiles * tile_m * d
+    flat = torch.empty(batch, heads, per_head // FLAT_WIDTH, FLAT_WIDTH, device=device, dtype=torch.float32)
+    if rows * d < per_head:
+        flat.view(batch, heads, -1)[:, :, rows * d:].zero_()
     return flat.view(batch, heads, -1)[:, :, :rows * d].view(batch, heads, rows, d), flat
 
 
