@@ -47,6 +47,9 @@ class Barrier(enum.IntEnum):
     MMA = 1  # the MMA warpgroups among themselves (sdS written / read)
     DQ_FULL = 2  # MMA warps -> dQ writer: sdQ holds this step's dQ share
     DQ_EMPTY = 3  # dQ writer -> MMA warps: the TMA has read sdQ
+    # early_dq: warpgroup w hands its half of sdQ over on its own pair, DQ_FULL + 2w and DQ_EMPTY + 2w
+    DQ_FULL_WG1 = 4
+    DQ_EMPTY_WG1 = 5
 
 
 # dq_flat: a dQ share leaves in the accumulator's own register order, as 256-float rows (one TMA
@@ -59,7 +62,7 @@ class K10Backward(k9.K9Backward):
                  deterministic: bool = False, overlap: bool = False, dq_flat: bool = False,
                  ds_stmatrix: bool = False, last_first: bool = False, window: tuple = None, softcap: float = 0.0,
                  varlen: bool = False, dq_swapab: bool = False, mask_edges: bool = False,
-                 ds_free_once: bool = False):
+                 ds_free_once: bool = False, early_dq: bool = False, dq_split_queries: bool = False):
         super().__init__(head_dim, dtype, causal, num_wg, tile_m, q_stages)
         # dq_swapab (FA3's dQ_swapAB): dQ^T = K^T . dS^T, the warpgroups split d (64 rows each), so
         # that a step may take a tile_m that is not a multiple of 64 (FA3's 80 at d = 128)
@@ -75,6 +78,15 @@ class K10Backward(k9.K9Backward):
         # done with it) only before step 1's store; later, DQ_EMPTY's sync at the end of the step
         # before has already met both warpgroups after those GEMMs retired
         self.ds_free_once = ds_free_once
+        # early_dq (flash-attn-4's sm90 step): sdS a buffer per Q/dO stage, so no step waits for it
+        # to be free; dQ's GEMM issued before dK's, its share stored while dK's runs, and each
+        # warpgroup hands its half of sdQ to the writer on its own barriers, not waiting for the other
+        self.early_dq = early_dq
+        # dq_split_queries (flash-attn-4's d = 64 layout, 128 queries a step): the warpgroups split
+        # dQ's queries, 64 each, so each issues m64n64 WGMMAs, not twice as many m64n32 ones
+        self.dq_split_queries = dq_split_queries
+        assert not dq_split_queries or (tile_m % (sm90.WGMMA_M * num_wg) == 0 and not dq_swapab)
+        assert not early_dq or (overlap and dq_flat and not ds_free_once), "the overlapped step, flat dQ shares"
         assert not (softcap and overlap), "the overlapped step has no registers left for the softcap's tanh'"
         self.window = window  # Problem.window, or None: tiles.query_window_tiles bounds the walk
         self.softcap = softcap
@@ -83,13 +95,16 @@ class K10Backward(k9.K9Backward):
         self.overlap = overlap  # variants, not yet measured: see mma_step_overlapped and store_dq
         self.dq_flat = dq_flat
         self.ds_stmatrix = ds_stmatrix
-        self.dq_box = (tile_m * head_dim // FLAT_WIDTH, FLAT_WIDTH) if dq_flat else (tile_m, head_dim)
+        self.dq_parts = num_wg if early_dq else 1  # TMA reduce-adds per share: one per warpgroup's half
+        self.dq_box = (tile_m * head_dim // FLAT_WIDTH // self.dq_parts, FLAT_WIDTH) if dq_flat else (tile_m, head_dim)
         self.mma_threads = sm90.THREADS_PER_WARPGROUP * num_wg
         self.num_threads = self.mma_threads + sm90.THREADS_PER_WARPGROUP  # + the producer warpgroup
         self.producer_regs, self.consumer_regs = k5.REGISTERS[num_wg]
 
     def tiled_mmas(self) -> tuple:
         tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = super().tiled_mmas()
+        if self.dq_split_queries:
+            tiled_mma_dq = k9.dq_mma(self.dtype, self.head_dim, self.num_wg, split_queries=True)
         if self.dq_swapab:  # dQ^T (d, tile_m) = K^T (d, tile_n) . dS^T: A and B both read MN-major
             mn = warpgroup.OperandMajorMode.MN
             tiled_mma_dq = sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, mn, mn, Float32,
@@ -102,6 +117,24 @@ class K10Backward(k9.K9Backward):
             return super().dq_operands(wg_dq, sdS, sK)
         return (wg_dq.make_fragment_A(wg_dq.partition_A(k9.transpose_view(sK)))[None, None, None, 0],
                 wg_dq.make_fragment_B(wg_dq.partition_B(sdS)))
+
+    def smem_layouts(self) -> tuple:
+        """K9's; ``early_dq``: sdS a tile per Q/dO stage."""
+        sK_layout, sQ_layout, sdS_layout = super().smem_layouts()
+        if self.early_dq:
+            sdS_layout = sm90_utils.make_smem_layout_a(LayoutEnum.COL_MAJOR, (self.tile_m, self.head_dim, self.tile_n),
+                                                       self.dtype, self.q_stages)
+        return sK_layout, sQ_layout, sdS_layout
+
+    def mma_partitions(self, mmas: tuple, smem: tuple, wg_idx: Int32, tidx: Int32) -> tuple:
+        """K9's; ``early_dq``: dQ's A operand (dS) with a trailing stage mode, as Q's and dO's."""
+        if not self.early_dq:
+            return super().mma_partitions(mmas, smem, wg_idx, tidx)
+        sK, sV, sQ, sdO, sdS = smem
+        parts = list(super().mma_partitions(mmas, (sK, sV, sQ, sdO, sdS[None, None, 0]), wg_idx, tidx))
+        wg_dq = mmas[2].get_slice(wg_idx * sm90.THREADS_PER_WARPGROUP)
+        parts[6] = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))  # tdQrdS (.., stage)
+        return tuple(parts)
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE2: cute.Tensor,
@@ -132,6 +165,8 @@ class K10Backward(k9.K9Backward):
         tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = self.tiled_mmas()
         sK_layout, sQ_layout, sdS_layout = self.smem_layouts()
         sdQ_layout = tma_pipeline.row_major(*self.dq_box)  # fp32, as the TMA reduce reads it
+        if cutlass.const_expr(self.early_dq):  # the same rows, a warpgroup's half a stage
+            sdQ_layout = tma_pipeline.row_major(*self.dq_box, self.dq_parts)
         # LSE2 or D of each stage's query rows; a stage starts 128-byte aligned, as a TMA box's
         # destination must (tile_m 80 would put the second at 320 bytes)
         sRow_layout = cute.make_layout((tile_m, self.q_stages), stride=(1, -(-tile_m // 32) * 32))
@@ -288,19 +323,23 @@ class K10Backward(k9.K9Backward):
         accumulator by one TMA reduce-add; sdQ is handed back as soon as the TMA has read it.
         Deterministic (``order``: the semaphores, this CTA's key tile, heads, query tiles): a share
         waits for its turn, then counts itself added once it has landed."""
-        handoff = self.mma_threads + cute.arch.WARP_SIZE
+        handoff = self.mma_threads // self.dq_parts + cute.arch.WARP_SIZE
         for t in cutlass.range(count, unroll=1):
             head, m_block = self.step_at(t, walk)
             tdQsdQ, tdQgdQ = tma_pipeline.partition_for_tma(tma_atom_dQ, mdQ_tma, sdQ, self.dq_box, head, batch,
                                                             (None, 0), offset=self.dq_offset(starts))
-            cute.arch.barrier(barrier_id=Barrier.DQ_FULL, number_of_threads=handoff)
-            if cutlass.const_expr(self.deterministic):
-                self.wait_turn(order, head, m_block, batch)
-            cute.copy(tma_atom_dQ, tdQsdQ, tdQgdQ[None, m_block])
-            cute.arch.cp_async_bulk_commit_group()
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
-            if t + 1 < count:  # the MMA warps wait for it before the next step's share only
-                cute.arch.barrier_arrive(barrier_id=Barrier.DQ_EMPTY, number_of_threads=handoff)
+            for w in cutlass.range_constexpr(self.dq_parts):  # early_dq: each warpgroup's half as it comes
+                cute.arch.barrier(barrier_id=Barrier.DQ_FULL + 2 * w, number_of_threads=handoff)
+                if cutlass.const_expr(self.deterministic and w == 0):
+                    self.wait_turn(order, head, m_block, batch)
+                if cutlass.const_expr(self.early_dq):
+                    cute.copy(tma_atom_dQ, tdQsdQ[None, w], tdQgdQ[None, m_block * self.dq_parts + w])
+                else:
+                    cute.copy(tma_atom_dQ, tdQsdQ, tdQgdQ[None, m_block])
+                cute.arch.cp_async_bulk_commit_group()
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+                if t + 1 < count:  # the MMA warps wait for it before the next step's share only
+                    cute.arch.barrier_arrive(barrier_id=Barrier.DQ_EMPTY + 2 * w, number_of_threads=handoff)
             if cutlass.const_expr(self.deterministic):
                 cute.arch.cp_async_bulk_wait_group(0, read=False)  # landed in GMEM, not just read
                 self.pass_turn(order, head, m_block, batch)
@@ -311,7 +350,7 @@ class K10Backward(k9.K9Backward):
         ``dq_flat``, at its first query tile's slot (``packed_tile_start``; a slot per tile)."""
         if starts is None:
             return None
-        return (starts[3] * self.dq_box[0], 0) if self.dq_flat else starts[0]
+        return (starts[3] * self.dq_box[0] * self.dq_parts, 0) if self.dq_flat else starts[0]
 
     @cute.jit
     def wait_turn(self, order: tuple, head: Int32, m_block: Int32, batch: Int32):
@@ -524,6 +563,40 @@ class K10Backward(k9.K9Backward):
         sm90.gemm(tiled_mma_dq, acc_dQ, tdQrdS, tdQrK, zero_init=True, wg_wait=0)  # dV's, dK's and dQ's
 
     @cute.jit
+    def mma_step_early(self, mmas: tuple, accs: tuple, operands: tuple, tScS: cute.Tensor, sdS: cute.Tensor,
+                       rows: tuple, n_block: Int32, m_block: Int32, lens: tuple, scale_log2: Float32,
+                       softmax_scale: Float32, edge: bool = True, dq: tuple = None):
+        """``mma_step_overlapped`` in flash-attn-4's order (``early_dq``): dS^T to this stage's sdS
+        (the step before wrote the other one), dQ's GEMM before dK's, and this warpgroup's dQ share
+        stored to sdQ while dK's GEMM runs. ``dq``: (step, tdQcdQ, sdQ, thread, warpgroup)."""
+        tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = mmas
+        acc_S, acc_dP, acc_dK, acc_dV, acc_dQ = accs
+        tSrK, tSrQ, tdPrV, tdPrdO, tdVrP, tdVrdO, tdKrdS, tdKrQ, tdQrdS, tdQrK = operands
+        t, tdQcdQ, sdQ, tidx, wg_idx = dq
+        stage = rows[2]
+        sm90.gemm(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage], zero_init=True, wg_wait=-1)
+        sm90.gemm(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True,
+                  wg_wait=1)  # S done, dP runs on
+        self.probabilities(acc_S, tScS, rows[0][None, stage], n_block, m_block, lens, scale_log2, edge)
+        sm90.convert_to(sm90.acc_as_operand_a(acc_S), tdVrP)
+        warpgroup.wait_group(0)
+        self.score_grads(acc_S, acc_dP, tScS, rows[1][None, stage], m_block, lens[0], softmax_scale, edge)
+        sm90.gemm(tiled_mma_dkv, acc_dV, tdVrP, tdVrdO[None, None, None, stage], zero_init=False, wg_wait=-1)
+        self.store_dS(acc_dP, tScS, sdS[None, None, stage], tiled_mma_sdp)
+        cute.arch.fence_view_async_shared()
+        sm90.convert_to(sm90.acc_as_operand_a(acc_dP), tdKrdS)
+        cute.arch.barrier(barrier_id=Barrier.MMA, number_of_threads=self.mma_threads)  # every dS^T stored
+        sm90.gemm(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, stage], tdQrK, zero_init=True, wg_wait=1)  # dV's done
+        sm90.gemm(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQ[None, None, None, stage], zero_init=False, wg_wait=1)  # dQ's
+        handoff = sm90.THREADS_PER_WARPGROUP + cute.arch.WARP_SIZE
+        if t > 0:  # the writer's TMA has read this warpgroup's previous share
+            cute.arch.barrier(barrier_id=Barrier.DQ_EMPTY + 2 * wg_idx, number_of_threads=handoff)
+        self.store_dq(acc_dQ, tdQcdQ, sdQ, tidx)
+        cute.arch.fence_view_async_shared()  # generic-proxy stores -> the TMA's reads
+        cute.arch.barrier_arrive(barrier_id=Barrier.DQ_FULL + 2 * wg_idx, number_of_threads=handoff)
+        warpgroup.wait_group(0)  # dK's GEMM reads dS^T from registers until it retires
+
+    @cute.jit
     def wait_ds_free(self):
         """Before a step writes sdS: both warpgroups' dQ GEMMs of the step before are done with it
         (``ds_free_once``: ``mma`` waits before step 1 only)."""
@@ -607,6 +680,9 @@ class K10Backward(k9.K9Backward):
             acc_dQ = cute.make_rmem_tensor(tiled_mma_dq.partition_shape_C(self.dq_tile), Float32)
             operands = (tSrK, tSrQ, tdPrV, tdPrdO, tdVrP, tdVrdO, tdKrdS, tdKrQ, tdQrdS, tdQrK)
             step = self.mma_step_overlapped if cutlass.const_expr(self.overlap) else self.mma_step
+            kw = {}
+            if cutlass.const_expr(self.early_dq):  # the step hands its dQ share over itself
+                step, kw = self.mma_step_early, dict(dq=(t, tdQcdQ, sdQ, tidx, wg_idx))
             if cutlass.const_expr(self.ds_free_once):
                 if t == 1:  # step 0 ended with no DQ_EMPTY sync
                     cute.arch.barrier(barrier_id=Barrier.MMA, number_of_threads=self.mma_threads)
@@ -614,17 +690,18 @@ class K10Backward(k9.K9Backward):
                     n_block, m_block, lens, scale_log2, softmax_scale)
             if cutlass.const_expr(self.mask_edges):
                 if self.on_edge(n_block, m_block, lens):
-                    step(*args)
+                    step(*args, **kw)
                 else:
-                    step(*args, edge=False)
+                    step(*args, edge=False, **kw)
             else:
-                step(*args)
+                step(*args, **kw)
             pipeline_qdo.consumer_release(qdo)
-            if t > 0:  # the writer's TMA has read the previous share
-                cute.arch.barrier(barrier_id=Barrier.DQ_EMPTY, number_of_threads=handoff)
-            self.store_dq(acc_dQ, tdQcdQ, sdQ, tidx)
-            cute.arch.fence_view_async_shared()  # generic-proxy stores -> the TMA's reads
-            cute.arch.barrier_arrive(barrier_id=Barrier.DQ_FULL, number_of_threads=handoff)
+            if cutlass.const_expr(not self.early_dq):
+                if t > 0:  # the writer's TMA has read the previous share
+                    cute.arch.barrier(barrier_id=Barrier.DQ_EMPTY, number_of_threads=handoff)
+                self.store_dq(acc_dQ, tdQcdQ, sdQ, tidx)
+                cute.arch.fence_view_async_shared()  # generic-proxy stores -> the TMA's reads
+                cute.arch.barrier_arrive(barrier_id=Barrier.DQ_FULL, number_of_threads=handoff)
 
         for acc, mX in ((acc_dK, mdK), (acc_dV, mdV)):
             rX = cute.make_rmem_tensor_like(acc, self.dtype)
@@ -746,13 +823,14 @@ class FlatPostpass:
 
     PAD = 8  # elements after each SMEM row: rows 16 bytes apart in the banks, so the MMA-order writes don't collide
 
-    def __init__(self, head_dim: int, dtype, num_wg: int, tile_m: int):
+    def __init__(self, head_dim: int, dtype, num_wg: int, tile_m: int, split_queries: bool = False):
         self.head_dim, self.dtype, self.num_wg, self.tile_m = head_dim, dtype, num_wg, tile_m
+        self.split_queries = split_queries  # the main kernel's dq_split_queries: its register order
 
     @cute.jit
     def __call__(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, stream):
         grid = (cute.ceil_div(mdQ.shape[2], self.tile_m), mdQ.shape[1], mdQ.shape[0])
-        self.kernel(mdQaccum, mdQ, k9.dq_mma(self.dtype, self.head_dim, self.num_wg), None).launch(
+        self.kernel(mdQaccum, mdQ, k9.dq_mma(self.dtype, self.head_dim, self.num_wg, self.split_queries), None).launch(
             grid=grid, block=[sm90.THREADS_PER_WARPGROUP * self.num_wg, 1, 1], stream=stream)
 
     @cute.jit
@@ -761,7 +839,8 @@ class FlatPostpass:
         """Packed: (1, heads, total, d) dQ, a CTA per (query tile, head, sequence) of the longest
         sequence's ``max_tiles``; sequence b's tiles in the slots from ``packed_tile_start``."""
         grid = (max_tiles, mdQ.shape[1], mCuSeqlensQ.shape[0] - 1)
-        self.kernel(mdQaccum, mdQ, k9.dq_mma(self.dtype, self.head_dim, self.num_wg), mCuSeqlensQ).launch(
+        self.kernel(mdQaccum, mdQ, k9.dq_mma(self.dtype, self.head_dim, self.num_wg, self.split_queries),
+                    mCuSeqlensQ).launch(
             grid=grid, block=[sm90.THREADS_PER_WARPGROUP * self.num_wg, 1, 1], stream=stream)
 
     @cute.kernel
@@ -835,19 +914,28 @@ def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = F
         raise UnsupportedProblem(f"K10 (backward) config {cfg}: dq_swapab splits d over the warpgroups, 64 rows "
                                  f"each (head_dim {sm90.WGMMA_M * cfg['num_wg']} here, not {p.head_dim}), and "
                                  "stores dQ at [row, col] (not dq_flat)")
-    if p.softcap and cfg.get("overlap"):  # the overlapped step keeps no register for tanh's derivative
-        cfg = cfg.with_(overlap=False)
+    if p.softcap and cfg.get("overlap"):  # the overlapped steps keep no register for tanh's derivative
+        cfg = cfg.with_(overlap=False, **({"early_dq": False} if cfg.get("early_dq") else {}))
     dt = cute_dtype(p.dtype)
     split_d = p.head_dim > 128  # K10BackwardSplitD: one 64-key tile per CTA, its own (sequential) step
     tile_n = sm90.WGMMA_M * (1 if split_d else cfg["num_wg"])  # the CTA's keys
     if split_d:
-        cfg = cfg.with_(overlap=False)
+        cfg = cfg.with_(overlap=False, **{k: False for k in ("early_dq", "dq_split_queries") if cfg.get(k)})
         if cfg.get("ds_free_once"):
             raise UnsupportedProblem(f"K10 (backward) config {cfg}: ds_free_once is K10Backward's step; at head_dim "
                                      "256 K10BackwardSplitD has its own (P^T and dS^T both in SMEM)")
         if cfg["q_stages"] != 1 or cfg["num_wg"] != 2 or cfg["tile_m"] != 64:
             raise UnsupportedProblem(f"K10 (backward) config {cfg}: at head_dim 256, two warpgroups, 64 queries a step "
                                      "and one Q/dO stage (a second stage would need 272 KB of SMEM)")
+    if cfg.get("early_dq") and not (cfg.get("overlap") and dq_flat and not cfg.get("ds_free_once")):
+        raise UnsupportedProblem(f"K10 (backward) config {cfg}: early_dq reorders the overlapped step (overlap) and "
+                                 "hands over flat dQ shares (dq_flat), with its own sdS per stage (no ds_free_once)")
+    if cfg.get("early_dq") and cfg["q_stages"] < 2:
+        raise UnsupportedProblem(f"K10 (backward) config {cfg}: early_dq keeps a dS tile per Q/dO stage, and needs "
+                                 "two: a step's dS must not overwrite the one the other warpgroup's dQ GEMM reads")
+    if cfg.get("dq_split_queries") and (cfg["tile_m"] % (sm90.WGMMA_M * cfg["num_wg"]) or cfg.get("dq_swapab")):
+        raise UnsupportedProblem(f"K10 (backward) config {cfg}: dq_split_queries gives each warpgroup 64 of the "
+                                 f"step's queries: tile_m a multiple of {sm90.WGMMA_M * cfg['num_wg']}, no dq_swapab")
     key_tiles = -(-p.kv_len // tile_n)
     window = p.sliding_window
     arrive_last_first = p.causal or (window is not None and window[1] >= 0)  # key tiles start their walks in order
@@ -885,7 +973,7 @@ def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = F
     def flat_post():
         f = FakeShapes()
         x, _ = k9.fake_tensors(p, f)
-        post = FlatPostpass(p.head_dim, dt, cfg["num_wg"], cfg["tile_m"])
+        post = FlatPostpass(p.head_dim, dt, cfg["num_wg"], cfg["tile_m"], bool(cfg.get("dq_split_queries")))
         if p.varlen:
             return post.call_varlen, (accumulator(f, x), x(dt), cu_seqlens(), Int32(1), fake_stream())
         return post, (accumulator(f, x), x(dt), fake_stream())

@@ -60,9 +60,12 @@ def transpose_view(s: cute.Tensor) -> cute.Tensor:
     return cute.make_tensor(s.iterator, cute.select(s.layout, mode=[1, 0, *range(2, cute.rank(s.layout))]))
 
 
-def dq_mma(dtype, head_dim: int, num_wg: int) -> cute.TiledMma:
+def dq_mma(dtype, head_dim: int, num_wg: int, split_queries: bool = False) -> cute.TiledMma:
     """dQ (tile_m, d) = dS (tile_m, tile_n) . K (tile_n, d): queries contiguous in sdS, d in sK; the
-    warpgroups split d."""
+    warpgroups split d (``split_queries``: the queries, 64 each)."""
+    if split_queries:
+        return sm90_utils.make_trivial_tiled_mma(dtype, dtype, OperandMajorMode.MN, OperandMajorMode.MN, Float32,
+                                                 atom_layout_mnk=(num_wg, 1, 1), tiler_mn=(64, head_dim))
     return sm90_utils.make_trivial_tiled_mma(dtype, dtype, OperandMajorMode.MN, OperandMajorMode.MN, Float32,
                                              atom_layout_mnk=(1, num_wg, 1), tiler_mn=(64, head_dim // num_wg))
 

@@ -1,8 +1,11 @@
-"""A/B of a K10 backward configuration against ``k10_fa3`` (the default), in one process.
+"""A/B of K10 backward configurations against ``k10_fa3`` (the default), in one process.
 
     python scripts/ab_backward.py --name k10_m80 --headdim 128 \
         --config '{"overlap": true, "ds_stmatrix": true, "dq_swapab": true, "tile_m": 80}' \
         --out results/ab-k10-m80-h100.json
+
+``--name``/``--config`` may be given more than once: each pair is checked, then all are timed
+in the same cells (one run of the default and the peers for all of them).
 
 The configuration (compile overrides of kernels/k10.py, registered as a backward stage for this
 run only: a knob measured stays apart from the stages until it wins) is first checked against
@@ -46,8 +49,9 @@ def checks(d: int):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--name", required=True, help="the stage name the configuration runs under (e.g. k10_m80)")
-    ap.add_argument("--config", required=True, type=config_arg, help="compile overrides as JSON")
+    ap.add_argument("--name", required=True, action="append",
+                    help="the stage name the configuration runs under (e.g. k10_m80); once per --config")
+    ap.add_argument("--config", required=True, type=config_arg, action="append", help="compile overrides as JSON")
     ap.add_argument("--headdim", type=int, default=128, choices=(64, 128, 256))
     ap.add_argument("--out", help="write the rows as JSON here, each as it is done")
     args = ap.parse_args(argv)
@@ -55,29 +59,35 @@ def main(argv=None) -> int:
 
     import harness.backward as hb
 
-    if args.name in hb.VARIANTS:
-        print(f"error: --name {args.name} is a stage already; name the configuration anew", file=sys.stderr)
+    if len(args.name) != len(args.config) or len(set(args.name)) != len(args.name):
+        print("error: give one distinct --name for each --config", file=sys.stderr)
+        return 2
+    taken = [name for name in args.name if name in hb.VARIANTS]
+    if taken:
+        print(f"error: --name {taken[0]} is a stage already; name the configuration anew", file=sys.stderr)
         return 2
     if not torch.cuda.is_available():
         print("No CUDA GPU is visible, so nothing can be checked or timed here.", file=sys.stderr)
         return 2
-    hb.VARIANTS[args.name] = ("k10", args.config)
+    configs = dict(zip(args.name, args.config))
+    hb.VARIANTS.update((name, ("k10", config)) for name, config in configs.items())
     hb.STAGES = tuple(hb.VARIANTS)
     from harness import backward_bench
     from harness.check import backward_case, check_backward
 
     out = results.open_result_file(args.out, results.command_line("scripts/ab_backward.py", argv))
     failed = 0
-    for p in checks(args.headdim):
-        try:
-            row = check_backward(p, backward=args.name)
-        except Exception as e:  # a crash fails the configuration
-            row = dict(backward_case(p, 1.0, backward=args.name), ok=False, reason=f"{type(e).__name__}: {e}"[:300])
-        failed += not row["ok"]
-        print(f"check {args.name} N={p.seqlen}/{p.kv_len} causal={int(p.causal)} softcap={p.softcap:g} "
-              f"window={p.window}: {'ok' if row['ok'] else 'FAIL ' + row['reason']}", flush=True)
-        if out:
-            out.append(dict(row, check=True, config=args.config))
+    for name, config in configs.items():
+        for p in checks(args.headdim):
+            try:
+                row = check_backward(p, backward=name)
+            except Exception as e:  # a crash fails the configuration
+                row = dict(backward_case(p, 1.0, backward=name), ok=False, reason=f"{type(e).__name__}: {e}"[:300])
+            failed += not row["ok"]
+            print(f"check {name} N={p.seqlen}/{p.kv_len} causal={int(p.causal)} softcap={p.softcap:g} "
+                  f"window={p.window}: {'ok' if row['ok'] else 'FAIL ' + row['reason']}", flush=True)
+            if out:
+                out.append(dict(row, check=True, config=config))
     if failed:
         print(f"{failed} checks failed: not timed", file=sys.stderr)
         return 1
@@ -85,10 +95,11 @@ def main(argv=None) -> int:
     def emit(row):
         print(backward_bench.format_row(row), flush=True)
         if out:
-            out.append(dict(row, config=args.config if row["kernel"] == args.name else None))
+            out.append(dict(row, config=configs.get(row["kernel"])))
 
+    order = ("k10_fa3", *configs)
     for i, (causal, n) in enumerate((c, n) for n in (1024, 4096, 16384) for c in (0, 1)):
-        stages = ("k10_fa3", args.name) if i % 2 == 0 else (args.name, "k10_fa3")
+        stages = order[i % len(order):] + order[:i % len(order)]  # who goes first rotates from cell to cell
         backward_bench.run(emit, (args.headdim,), (causal,), (n,), stages)
     if out:
         print(f"wrote {out.close()}")

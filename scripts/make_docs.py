@@ -511,10 +511,12 @@ def backward_ab_table(run):
     then its timings beside k10_fa3's and the peers' (backward_sweep_table's layout)."""
     checks = [r for r in run["rows"] if r.get("check")]
     timed = dict(run, rows=[r for r in run["rows"] if not r.get("check")])
-    name = checks[0]["kernel"] if checks else "?"
-    config = json.dumps(checks[0].get("config")) if checks else ""
-    return (f"`{name}` = `{config}`: {sum(r['ok'] for r in checks)} of {len(checks)} checks against float64 autograd "
-            "passed before the timing. " + backward_sweep_table(timed))
+    named = []
+    for name in dict.fromkeys(r["kernel"] for r in checks):  # one or more configurations a run
+        mine = [r for r in checks if r["kernel"] == name]
+        named.append(f"`{name}` = `{json.dumps(mine[0].get('config'))}`: {sum(r['ok'] for r in mine)} of {len(mine)} "
+                     "checks against float64 autograd passed before the timing.")
+    return " ".join(named or ["`?`: no checks in the run."]) + " " + backward_sweep_table(timed)
 
 
 def refcheck_backward_table(runs):
