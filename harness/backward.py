@@ -27,13 +27,15 @@ _COMPILED: "OrderedDict[tuple, tuple]" = OrderedDict()
 # name -> (kernel module, compile overrides): the stages, and variants of them still being measured
 VARIANTS = {"k9": ("k9", {}), "k10": ("k10", {}), "k10_overlap": ("k10", dict(overlap=True)),
             "k10_flat": ("k10", dict(dq_flat=True)), "k10_stmatrix": ("k10", dict(ds_stmatrix=True)),
-            "k10_fa3": ("k10", dict(overlap=True, dq_flat=True, ds_stmatrix=True, mask_edges=True))}
+            "k10_fa3": ("k10", dict(overlap=True, dq_flat=True, ds_stmatrix=True, mask_edges=True, early_dq=True,
+                                    by_head_dim={64: dict(tile_m=128, dq_split_queries=True)}))}
 STAGES = tuple(VARIANTS)
 MAIN_STAGES = ("k9", "k10", "k10_fa3")  # what ref_check --backward and bench.py --backward run unless told
 DETERMINISTIC = tuple(name for name, (module, _) in VARIANTS.items() if module == "k10")  # with a deterministic mode
 # K10 with FA3's changes: the fastest at d 64/128, causal or not, bar d128 causal where
 # k10_stmatrix led by 4% (results/backward-variants-h100.json), and masks on edge steps only
-# (mask_edges: results/ab-k10-edges-*.json)
+# (mask_edges: results/ab-k10-edges-*.json); flash-attn-4's step order and, at d = 64, its 128 x 128
+# tile (early_dq, dq_split_queries: results/ab-k10-early-*.json)
 DEFAULT = "k10_fa3"
 
 

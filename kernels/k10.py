@@ -888,6 +888,11 @@ def check(p: Problem) -> None:
 
 
 def config(p: Problem, overrides: dict = None):
+    """K4's rule over ``DEFAULT_CONFIG``; an override ``by_head_dim`` ({d: overrides}) adds its
+    entry for p.head_dim (a stage whose tile differs by head dim, as FA3's do)."""
+    overrides = dict(overrides or {})
+    per_d = overrides.pop("by_head_dim", None) or {}
+    overrides.update(per_d.get(p.head_dim, per_d.get(str(p.head_dim), {})))  # JSON keys are strings
     return k4.config(p, overrides, DEFAULT_CONFIG)
 
 
