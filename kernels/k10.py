@@ -86,7 +86,7 @@ class K10Backward(k9.K9Backward):
         # dQ's queries, 64 each, so each issues m64n64 WGMMAs, not twice as many m64n32 ones
         self.dq_split_queries = dq_split_queries
         assert not dq_split_queries or (tile_m % (sm90.WGMMA_M * num_wg) == 0 and not dq_swapab)
-        assert not early_dq or (overlap and dq_flat and not ds_free_once), "the overlapped step, flat dQ shares"
+        assert not early_dq or (dq_flat and not ds_free_once), "flat dQ shares, sdS per stage"
         assert not (softcap and overlap), "the overlapped step has no registers left for the softcap's tanh'"
         self.window = window  # Problem.window, or None: tiles.query_window_tiles bounds the walk
         self.softcap = softcap
@@ -566,21 +566,27 @@ class K10Backward(k9.K9Backward):
     def mma_step_early(self, mmas: tuple, accs: tuple, operands: tuple, tScS: cute.Tensor, sdS: cute.Tensor,
                        rows: tuple, n_block: Int32, m_block: Int32, lens: tuple, scale_log2: Float32,
                        softmax_scale: Float32, edge: bool = True, dq: tuple = None):
-        """``mma_step_overlapped`` in flash-attn-4's order (``early_dq``): dS^T to this stage's sdS
-        (the step before wrote the other one), dQ's GEMM before dK's, and this warpgroup's dQ share
-        stored to sdQ while dK's GEMM runs. ``dq``: (step, tdQcdQ, sdQ, thread, warpgroup)."""
+        """``mma_step_overlapped`` (or, without ``overlap``, ``mma_step``'s start) in flash-attn-4's
+        order (``early_dq``): dS^T to this stage's sdS (the step before wrote the other one), dQ's
+        GEMM before dK's, and this warpgroup's dQ share stored to sdQ while dK's GEMM runs. ``dq``:
+        (step, tdQcdQ, sdQ, thread, warpgroup)."""
         tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = mmas
         acc_S, acc_dP, acc_dK, acc_dV, acc_dQ = accs
         tSrK, tSrQ, tdPrV, tdPrdO, tdVrP, tdVrdO, tdKrdS, tdKrQ, tdQrdS, tdQrK = operands
         t, tdQcdQ, sdQ, tidx, wg_idx = dq
         stage = rows[2]
-        sm90.gemm(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage], zero_init=True, wg_wait=-1)
-        sm90.gemm(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True,
-                  wg_wait=1)  # S done, dP runs on
-        self.probabilities(acc_S, tScS, rows[0][None, stage], n_block, m_block, lens, scale_log2, edge)
-        sm90.convert_to(sm90.acc_as_operand_a(acc_S), tdVrP)
-        warpgroup.wait_group(0)
-        self.score_grads(acc_S, acc_dP, tScS, rows[1][None, stage], m_block, lens[0], softmax_scale, edge)
+        if cutlass.const_expr(self.overlap):
+            sm90.gemm(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage], zero_init=True, wg_wait=-1)
+            sm90.gemm(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True,
+                      wg_wait=1)  # S done, dP runs on
+            self.probabilities(acc_S, tScS, rows[0][None, stage], n_block, m_block, lens, scale_log2, edge)
+            sm90.convert_to(sm90.acc_as_operand_a(acc_S), tdVrP)
+            warpgroup.wait_group(0)
+            self.score_grads(acc_S, acc_dP, tScS, rows[1][None, stage], m_block, lens[0], softmax_scale, edge)
+        else:  # a softcap: tanh's slope is not kept past dP's wait, so both GEMMs first, as mma_step
+            self.scores_and_grads(tiled_mma_sdp, accs, operands, tScS, rows, n_block, m_block, lens, scale_log2,
+                                  softmax_scale, edge)
+            sm90.convert_to(sm90.acc_as_operand_a(acc_S), tdVrP)
         sm90.gemm(tiled_mma_dkv, acc_dV, tdVrP, tdVrdO[None, None, None, stage], zero_init=False, wg_wait=-1)
         self.store_dS(acc_dP, tScS, sdS[None, None, stage], tiled_mma_sdp)
         cute.arch.fence_view_async_shared()
@@ -919,8 +925,8 @@ def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = F
         raise UnsupportedProblem(f"K10 (backward) config {cfg}: dq_swapab splits d over the warpgroups, 64 rows "
                                  f"each (head_dim {sm90.WGMMA_M * cfg['num_wg']} here, not {p.head_dim}), and "
                                  "stores dQ at [row, col] (not dq_flat)")
-    if p.softcap and cfg.get("overlap"):  # the overlapped steps keep no register for tanh's derivative
-        cfg = cfg.with_(overlap=False, **({"early_dq": False} if cfg.get("early_dq") else {}))
+    if p.softcap and cfg.get("overlap"):  # the overlapped step keeps no register for tanh's derivative
+        cfg = cfg.with_(overlap=False)
     dt = cute_dtype(p.dtype)
     split_d = p.head_dim > 128  # K10BackwardSplitD: one 64-key tile per CTA, its own (sequential) step
     tile_n = sm90.WGMMA_M * (1 if split_d else cfg["num_wg"])  # the CTA's keys
@@ -932,9 +938,9 @@ def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = F
         if cfg["q_stages"] != 1 or cfg["num_wg"] != 2 or cfg["tile_m"] != 64:
             raise UnsupportedProblem(f"K10 (backward) config {cfg}: at head_dim 256, two warpgroups, 64 queries a step "
                                      "and one Q/dO stage (a second stage would need 272 KB of SMEM)")
-    if cfg.get("early_dq") and not (cfg.get("overlap") and dq_flat and not cfg.get("ds_free_once")):
-        raise UnsupportedProblem(f"K10 (backward) config {cfg}: early_dq reorders the overlapped step (overlap) and "
-                                 "hands over flat dQ shares (dq_flat), with its own sdS per stage (no ds_free_once)")
+    if cfg.get("early_dq") and not (dq_flat and not cfg.get("ds_free_once")):
+        raise UnsupportedProblem(f"K10 (backward) config {cfg}: early_dq hands over flat dQ shares (dq_flat) and "
+                                 "keeps its own sdS per stage (no ds_free_once)")
     if cfg.get("early_dq") and cfg["q_stages"] < 2:
         raise UnsupportedProblem(f"K10 (backward) config {cfg}: early_dq keeps a dS tile per Q/dO stage, and needs "
                                  "two: a step's dS must not overwrite the one the other warpgroup's dQ GEMM reads")
