@@ -335,6 +335,8 @@ def test_the_backward_ab_script_refuses_a_bad_configuration_or_a_taken_name(caps
     assert "non-empty JSON object" in capsys.readouterr().err
     assert ab.main(["--name", "k10_fa3", "--config", '{"tile_m": 80}']) == 2
     assert "is a stage already" in capsys.readouterr().err
+    assert ab.main(["--name", "k10_x", "--config", '{"tile_m": 80}', "--config", '{"tile_m": 64}']) == 2
+    assert "one distinct --name for each --config" in capsys.readouterr().err
     shapes = [(p.seqlen, p.kv_len, p.causal, p.softcap, p.window) for p in ab.checks(128)]
     assert (1, 1, False, 0.0, (-1, -1)) in shapes and (1000, 4097, True, 0.0, (-1, -1)) in shapes and len(shapes) == 12
 

@@ -139,6 +139,60 @@ def test_the_overlapped_step_waits_for_s_alone_before_p():
     assert waits[0] == ["0"] * 3 and sorted(waits[1]) == ["0", "0", "1"]
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_early_dq_hands_each_warpgroups_half_over_on_its_own_barriers(causal):
+    from kernels.k10 import compile_backward
+
+    fa3 = dict(overlap=True, dq_flat=True, ds_stmatrix=True, mask_edges=True)
+    p = Problem(2, 4, 1000, 128, causal=causal)
+    before, early = (compiled_ptx(compile_backward(p, keep_ptx=True, **fa3, early_dq=e)[1]) for e in (False, True))
+    count = lambda pattern, ptx: len(re.findall(pattern, ptx))  # noqa: E731
+    # the writer: a barrier pair per warpgroup (its 128 threads and the writer's 32), a reduce-add per half
+    writer = set(re.findall(r"bar\.(sync|arrive)\s+(\d+), 160;", early))
+    assert writer == {("sync", "2"), ("arrive", "3"), ("sync", "4"), ("arrive", "5")}, writer
+    assert count(r"bar\.\w+\s+\d+, 288;", early) == 0 < count(r"bar\.\w+\s+\d+, 288;", before)
+    reduces = r"cp\.reduce\.async\.bulk\.tensor"
+    assert count(reduces, early) == 2 * count(reduces, before) == 2
+    # sdS a tile per stage: no wait for it to be free, one MMA barrier a copy of the step (every dS^T stored)
+    assert count(r"bar\.sync\s+1, 256;", early) == count(r"bar\.sync\s+1, 256;", before) // 2 == 2
+    # dQ's GEMM (n64 over d / 2, 8 k-blocks of 16 keys) before dK's, waited for alone: wait_group 1 after dK's
+    assert count(r"wgmma\.wait_group\.sync\.aligned\s+1;", early) > count(r"wgmma\.wait_group\.sync\.aligned\s+1;",
+                                                                           before)
+
+
+def test_early_dq_and_dq_split_queries_refuse_what_they_cannot_run():
+    from kernels.contract import UnsupportedProblem
+    from kernels.k10 import compile_backward
+
+    p = Problem(2, 4, 1000, 64)
+    with pytest.raises(UnsupportedProblem, match="early_dq hands over flat dQ shares"):
+        compile_backward(p, early_dq=True)
+    with pytest.raises(UnsupportedProblem, match="early_dq keeps a dS tile per Q/dO stage"):
+        compile_backward(p, dq_flat=True, early_dq=True, q_stages=1)
+    with pytest.raises(UnsupportedProblem, match="dq_split_queries gives each warpgroup 64"):
+        compile_backward(p, dq_split_queries=True)  # 64 queries a step for two warpgroups
+    # d = 256 has its own step: both knobs are dropped there, as overlap is
+    cfg = compile_backward(p.with_(head_dim=256), dq_flat=True, overlap=True, early_dq=True)[3]
+    assert not cfg.get("early_dq") and not cfg.get("overlap")
+
+
+def test_the_default_backward_takes_flash_attn_4s_128_query_tile_at_d64_only():
+    from harness.backward import stage_overrides
+    from kernels.k10 import compile_backward, config
+
+    overrides = stage_overrides("k10_fa3")
+    cfg64, cfg128 = (config(Problem(2, 4, 1000, d), overrides) for d in (64, 128))
+    assert cfg64["tile_m"] == 128 and cfg64.get("dq_split_queries") and cfg64.get("early_dq")
+    assert cfg128["tile_m"] == 64 and not cfg128.get("dq_split_queries") and cfg128.get("early_dq")
+    compiled = compile_backward(Problem(2, 4, 1000, 64, causal=True), keep_ptx=True, **overrides)
+    shapes = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k16)", compiled_ptx(compiled[1]))
+    # per copy of the step: S^T, dP^T n128 over d = 64 (2 x 4); dV, dK n64 over 128 queries (2 x 8);
+    # dQ with the warpgroups side by side over the queries: n64 over 128 keys (8), no n32
+    assert len(shapes) == 2 * (2 * 4 + 2 * 8 + 8) and set(shapes) == {"m64n128k16", "m64n64k16"}
+    post = compiled_ptx(compiled[2])  # the post-pass reads the same register order: 128 x 64 / 256 floats
+    assert len(re.findall(r"ld\.global\.v4\.[fb]32", post)) == 128 * 64 // 256 // 4
+
+
 @pytest.mark.parametrize("d", [64, 128])
 def test_the_flat_dq_share_leaves_in_16_byte_stores(d):
     from kernels.k10 import compile_backward
