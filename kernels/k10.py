@@ -62,7 +62,8 @@ class K10Backward(k9.K9Backward):
                  deterministic: bool = False, overlap: bool = False, dq_flat: bool = False,
                  ds_stmatrix: bool = False, last_first: bool = False, window: tuple = None, softcap: float = 0.0,
                  varlen: bool = False, dq_swapab: bool = False, mask_edges: bool = False,
-                 ds_free_once: bool = False, early_dq: bool = False, dq_split_queries: bool = False):
+                 ds_free_once: bool = False, early_dq: bool = False, dq_split_queries: bool = False,
+                 tanh_under_dp: bool = False):
         super().__init__(head_dim, dtype, causal, num_wg, tile_m, q_stages)
         # dq_swapab (FA3's dQ_swapAB): dQ^T = K^T . dS^T, the warpgroups split d (64 rows each), so
         # that a step may take a tile_m that is not a multiple of 64 (FA3's 80 at d = 128)
@@ -85,6 +86,10 @@ class K10Backward(k9.K9Backward):
         # dq_split_queries (flash-attn-4's d = 64 layout, 128 queries a step): the warpgroups split
         # dQ's queries, 64 each, so each issues m64n64 WGMMAs, not twice as many m64n32 ones
         self.dq_split_queries = dq_split_queries
+        # tanh_under_dp: under a softcap, early_dq's step computes t = tanh(S * scale / c) while dP's
+        # GEMM runs (in S's registers), and P and dS from t after it, rather than all of it after
+        self.tanh_under_dp = tanh_under_dp and softcap > 0.0
+        assert not self.tanh_under_dp or (early_dq and not overlap), "early_dq's step, its start without overlap"
         assert not dq_split_queries or (tile_m % (sm90.WGMMA_M * num_wg) == 0 and not dq_swapab)
         assert not early_dq or (dq_flat and not ds_free_once), "flat dQ shares, sdS per stage"
         assert not (softcap and overlap), "the overlapped step has no registers left for the softcap's tanh'"
@@ -398,11 +403,12 @@ class K10Backward(k9.K9Backward):
     @cute.jit
     def p_and_ds(self, acc_S: cute.Tensor, acc_dP: cute.Tensor, tScS: cute.Tensor, sLSE: cute.Tensor,
                  sD: cute.Tensor, n_block: Int32, m_block: Int32, lens: tuple, scale_log2: Float32,
-                 softmax_scale: Float32, edge: bool = True):
+                 softmax_scale: Float32, edge: bool = True, capped: bool = False):
         """K9's ``p_and_ds`` column by column, LSE2 and D from the stage's SMEM rows (the producer's
         TMA brought them with Q and dO): each column's pair is read once, as it is needed. With a
         softcap c the forward's score was c * t, t = tanh(S * scale / c): P = exp2(c * log2(e) * t
-        - LSE2), and the chain rule through the cap multiplies dS by 1 - t^2."""
+        - LSE2), and the chain rule through the cap multiplies dS by 1 - t^2 (``capped``: acc_S
+        holds t already, ``cap_scores``)."""
         seqlen, offset, seqlen_k = lens
         s_mn, dp_mn, c_mn = sm90.acc_mn_view(acc_S), sm90.acc_mn_view(acc_dP), sm90.acc_mn_view(tScS)
         if cutlass.const_expr(self.softcap > 0.0):
@@ -412,12 +418,20 @@ class K10Backward(k9.K9Backward):
             for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
                 score, slope = s_mn[r, c], Float32(1.0)
                 if cutlass.const_expr(self.softcap > 0.0):
-                    score = sm90.tanh_approx(score * cap_scale)
+                    if cutlass.const_expr(not capped):
+                        score = sm90.tanh_approx(score * cap_scale)
                     slope = 1.0 - score * score
                 p = self.probability(score, lse2, (n_block, c_mn[r, c][0], seqlen_k), (q, offset), scale_log2, edge)
                 s_mn[r, c] = p
                 dp_mn[r, c] = p * (dp_mn[r, c] - dot) * (softmax_scale * slope if cutlass.const_expr(
                     self.softcap > 0.0) else softmax_scale)
+
+    @cute.jit
+    def cap_scores(self, acc_S: cute.Tensor, softmax_scale: Float32):
+        """In place, S^T -> t = tanh(S^T * scale / c): the softcap's tanh, alone (``tanh_under_dp``)."""
+        cap_scale = softmax_scale * (1.0 / self.softcap)
+        for i in cutlass.range_constexpr(cute.size(acc_S)):
+            acc_S[i] = sm90.tanh_approx(acc_S[i] * cap_scale)
 
     def hidden(self, key: Int32, diagonal: Int32):
         """Whether a query row whose diagonal key is ``diagonal`` (row + seqlen_k - seqlen) does
@@ -583,6 +597,14 @@ class K10Backward(k9.K9Backward):
             sm90.convert_to(sm90.acc_as_operand_a(acc_S), tdVrP)
             warpgroup.wait_group(0)
             self.score_grads(acc_S, acc_dP, tScS, rows[1][None, stage], m_block, lens[0], softmax_scale, edge)
+        elif cutlass.const_expr(self.tanh_under_dp):  # the cap's tanh while dP's GEMM runs, P after it
+            sm90.gemm(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage], zero_init=True, wg_wait=-1)
+            sm90.gemm(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True, wg_wait=1)
+            self.cap_scores(acc_S, softmax_scale)
+            warpgroup.wait_group(0)
+            self.p_and_ds(acc_S, acc_dP, tScS, rows[0][None, stage], rows[1][None, stage], n_block, m_block, lens,
+                          scale_log2, softmax_scale, edge, capped=True)
+            sm90.convert_to(sm90.acc_as_operand_a(acc_S), tdVrP)
         else:  # a softcap: tanh's slope is not kept past dP's wait, so both GEMMs first, as mma_step
             self.scores_and_grads(tiled_mma_sdp, accs, operands, tScS, rows, n_block, m_block, lens, scale_log2,
                                   softmax_scale, edge)
@@ -931,7 +953,8 @@ def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = F
     split_d = p.head_dim > 128  # K10BackwardSplitD: one 64-key tile per CTA, its own (sequential) step
     tile_n = sm90.WGMMA_M * (1 if split_d else cfg["num_wg"])  # the CTA's keys
     if split_d:
-        cfg = cfg.with_(overlap=False, **{k: False for k in ("early_dq", "dq_split_queries") if cfg.get(k)})
+        cfg = cfg.with_(overlap=False, **{k: False for k in ("early_dq", "dq_split_queries", "tanh_under_dp")
+                                          if cfg.get(k)})
         if cfg.get("ds_free_once"):
             raise UnsupportedProblem(f"K10 (backward) config {cfg}: ds_free_once is K10Backward's step; at head_dim "
                                      "256 K10BackwardSplitD has its own (P^T and dS^T both in SMEM)")
@@ -941,6 +964,8 @@ def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = F
     if cfg.get("early_dq") and not (dq_flat and not cfg.get("ds_free_once")):
         raise UnsupportedProblem(f"K10 (backward) config {cfg}: early_dq hands over flat dQ shares (dq_flat) and "
                                  "keeps its own sdS per stage (no ds_free_once)")
+    if cfg.get("tanh_under_dp") and not cfg.get("early_dq"):
+        raise UnsupportedProblem(f"K10 (backward) config {cfg}: tanh_under_dp is early_dq's step under a softcap")
     if cfg.get("early_dq") and cfg["q_stages"] < 2:
         raise UnsupportedProblem(f"K10 (backward) config {cfg}: early_dq keeps a dS tile per Q/dO stage, and needs "
                                  "two: a step's dS must not overwrite the one the other warpgroup's dQ GEMM reads")

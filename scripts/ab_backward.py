@@ -10,7 +10,8 @@ in the same cells (one run of the default and the peers for all of them).
 The configuration (compile overrides of kernels/k10.py, registered as a backward stage for this
 run only: a knob measured stays apart from the stages until it wins) is first checked against
 float64 autograd (``harness.check.check_backward``) on N 1, 17, 1000 and 4097, causal and not,
-GQA, keys outnumbering queries, a softcap and a window. Then it and ``k10_fa3`` are timed
+GQA, keys outnumbering queries, a softcap and a window (``--softcap c``: every check and every
+timed cell capped at c). Then it and ``k10_fa3`` are timed
 through autograd beside cuDNN and flash-attn-4 on causal 0/1 x N 1k/4k/16k (batch 16384/N,
 heads 2048/d), their order alternating from cell to cell. Rows are written as they come.
 """
@@ -37,14 +38,16 @@ def config_arg(text: str) -> dict:
     return cfg
 
 
-def checks(d: int):
+def checks(d: int, softcap: float = 0.0):
+    """The 12 shapes; with ``softcap``, every one of them capped (what a softcap's knob changes)."""
     from kernels.contract import Problem
 
-    yield from (Problem(2, 3, n, d, causal=c) for n in (1, 17, 1000, 4097) for c in (False, True))
-    yield Problem(2, 8, 1000, d, causal=True, nheads_kv=2)
-    yield Problem(2, 4, 1000, d, causal=True, seqlen_k=4097, nheads_kv=2)
-    yield Problem(2, 8, 1000, d, causal=True, nheads_kv=2, softcap=5.0)
-    yield Problem(2, 4, 1000, d, causal=True, window=(100, -1))
+    cap = dict(softcap=softcap) if softcap else {}
+    yield from (Problem(2, 3, n, d, causal=c, **cap) for n in (1, 17, 1000, 4097) for c in (False, True))
+    yield Problem(2, 8, 1000, d, causal=True, nheads_kv=2, **cap)
+    yield Problem(2, 4, 1000, d, causal=True, seqlen_k=4097, nheads_kv=2, **cap)
+    yield Problem(2, 8, 1000, d, causal=True, nheads_kv=2, softcap=softcap or 5.0)
+    yield Problem(2, 4, 1000, d, causal=True, window=(100, -1), **cap)
 
 
 def main(argv=None) -> int:
@@ -53,6 +56,8 @@ def main(argv=None) -> int:
                     help="the stage name the configuration runs under (e.g. k10_m80); once per --config")
     ap.add_argument("--config", required=True, type=config_arg, action="append", help="compile overrides as JSON")
     ap.add_argument("--headdim", type=int, default=128, choices=(64, 128, 256))
+    ap.add_argument("--softcap", type=float, default=0.0,
+                    help="cap every check and every timed cell at this softcap (cuDNN has none: not timed)")
     ap.add_argument("--out", help="write the rows as JSON here, each as it is done")
     args = ap.parse_args(argv)
     import torch
@@ -78,7 +83,7 @@ def main(argv=None) -> int:
     out = results.open_result_file(args.out, results.command_line("scripts/ab_backward.py", argv))
     failed = 0
     for name, config in configs.items():
-        for p in checks(args.headdim):
+        for p in checks(args.headdim, args.softcap):
             try:
                 row = check_backward(p, backward=name)
             except Exception as e:  # a crash fails the configuration
@@ -100,7 +105,7 @@ def main(argv=None) -> int:
     order = ("k10_fa3", *configs)
     for i, (causal, n) in enumerate((c, n) for n in (1024, 4096, 16384) for c in (0, 1)):
         stages = order[i % len(order):] + order[:i % len(order)]  # who goes first rotates from cell to cell
-        backward_bench.run(emit, (args.headdim,), (causal,), (n,), stages)
+        backward_bench.run(emit, (args.headdim,), (causal,), (n,), stages, softcap=args.softcap)
     if out:
         print(f"wrote {out.close()}")
     return 0
