@@ -493,8 +493,10 @@ def backward_sweep_table(run):
         line += [f"{row[last]['call_tflops'] / best:.2f}×" if last in row and best else "—"]
         body.append(line)
     meta = run["meta"]
+    caps = sorted({r["softcap"] for r in run["rows"] if r.get("softcap")})
+    capped = f", softcap {', '.join(f'{c:g}' for c in caps)} (cuDNN has none)" if caps else ""
     head = (f"TFLOP/s of one backward (10·B·H·N²·d FLOPs, halved for causal) on an "
-            f"{gpu_short_name(meta.get('device', ''))}, bf16, batch = 16384/N, heads = 2048/d: every candidate "
+            f"{gpu_short_name(meta.get('device', ''))}, bf16{capped}, batch = 16384/N, heads = 2048/d: every candidate "
             "through autograd after one forward, back to back (burst-timed, as a training step runs it); "
             "\"launches\": our three kernels alone between CUDA events. "
             f"`{meta.get('command', '')}`, {meta.get('date', '')[:10]}.")
