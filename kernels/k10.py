@@ -63,7 +63,7 @@ class K10Backward(k9.K9Backward):
                  ds_stmatrix: bool = False, last_first: bool = False, window: tuple = None, softcap: float = 0.0,
                  varlen: bool = False, dq_swapab: bool = False, mask_edges: bool = False,
                  ds_free_once: bool = False, early_dq: bool = False, dq_split_queries: bool = False,
-                 tanh_under_dp: bool = False):
+                 tanh_under_dp: bool = False, step_counter: bool = False, plain_first: bool = False):
         super().__init__(head_dim, dtype, causal, num_wg, tile_m, q_stages)
         # dq_swapab (FA3's dQ_swapAB): dQ^T = K^T . dS^T, the warpgroups split d (64 rows each), so
         # that a step may take a tile_m that is not a multiple of 64 (FA3's 80 at d = 128)
@@ -89,6 +89,13 @@ class K10Backward(k9.K9Backward):
         # tanh_under_dp: under a softcap, early_dq's step computes t = tanh(S * scale / c) while dP's
         # GEMM runs (in S's registers), and P and dS from t after it, rather than all of it after
         self.tanh_under_dp = tanh_under_dp and softcap > 0.0
+        # step_counter: each loop (loads, dQ writer, MMA) keeps its step's (head, query tile) and
+        # advances it, rather than dividing the step index by the walk's length (``step_at``)
+        self.step_counter = step_counter
+        # plain_first: with mask_edges, the copy of the step without masks comes first in program
+        # order (ptxas gave the first copy cheaper WGMMA descriptor arithmetic: 452 SASS a warp a
+        # step against 530, d = 128)
+        self.plain_first = plain_first
         assert not self.tanh_under_dp or (early_dq and not overlap), "early_dq's step, its start without overlap"
         assert not dq_split_queries or (tile_m % (sm90.WGMMA_M * num_wg) == 0 and not dq_swapab)
         assert not early_dq or (dq_flat and not ds_free_once), "flat dQ shares, sdS per stage"
@@ -290,18 +297,28 @@ class K10Backward(k9.K9Backward):
                                                     offset=keys)
         tma_pipeline.load_kv_stage(pipeline_kv, tma_pipeline.pipe_state(1, 0, producer=True), n_block,
                                    tma_atom_K, tKgK, tKsK, tma_atom_V, tVgV, tVsV)
+        if cutlass.const_expr(self.step_counter):  # step 0's (head, query tile)
+            at_head, at_m = walk[0], Int32(walk[1])
         for t in cutlass.range(count, unroll=1):  # each waits until the consumers have released its stage
-            self.load_qdo(pipeline_qdo, t, walk, batch, qdo_sources, starts)
+            if cutlass.const_expr(self.step_counter):
+                self.load_qdo(pipeline_qdo, t, walk, batch, qdo_sources, starts, at=(at_head, at_m))
+                at_head, at_m = self.next_step(at_head, at_m, walk)
+            else:
+                self.load_qdo(pipeline_qdo, t, walk, batch, qdo_sources, starts)
         # No mbarrier arrive may land after the CTA has exited: wait for the last releases.
         pipeline_qdo.producer_tail(tma_pipeline.pipe_state(self.q_stages, count, producer=True))
 
     @cute.jit
-    def load_qdo(self, pipeline_qdo, t: Int32, walk: tuple, batch: Int32, sources: tuple, starts=None):
+    def load_qdo(self, pipeline_qdo, t: Int32, walk: tuple, batch: Int32, sources: tuple, starts=None, at=None):
         """Producer: step t's Q and dO tiles and its rows' LSE2 and D, into stage t % q_stages, all
-        four completing one barrier (packed, ``starts``: from the sequence's first row)."""
+        four completing one barrier (packed, ``starts``: from the sequence's first row; ``at``: the
+        step's (head, query tile), when the caller counts them)."""
         (tma_atom_Q, mQ_tma, sQ, tma_atom_dO, mdO_tma, sdO, tma_atom_LSE, mLSE_tma, sLSE, tma_atom_D, mD_tma,
          sD) = sources
-        head, m_block = self.step_at(t, walk)
+        if cutlass.const_expr(at is None):
+            head, m_block = self.step_at(t, walk)
+        else:
+            head, m_block = at
         tile = (self.tile_m, self.head_dim)
         rows = starts[0] if cutlass.const_expr(starts is not None) else None
         tQsQ, tQgQ = tma_pipeline.partition_for_tma(tma_atom_Q, mQ_tma, sQ, tile, head, batch, (None, 0), offset=rows)
@@ -329,8 +346,13 @@ class K10Backward(k9.K9Backward):
         Deterministic (``order``: the semaphores, this CTA's key tile, heads, query tiles): a share
         waits for its turn, then counts itself added once it has landed."""
         handoff = self.mma_threads // self.dq_parts + cute.arch.WARP_SIZE
+        if cutlass.const_expr(self.step_counter):  # step 0's (head, query tile)
+            at_head, at_m = walk[0], Int32(walk[1])
         for t in cutlass.range(count, unroll=1):
-            head, m_block = self.step_at(t, walk)
+            if cutlass.const_expr(self.step_counter):
+                head, m_block = at_head, at_m
+            else:
+                head, m_block = self.step_at(t, walk)
             tdQsdQ, tdQgdQ = tma_pipeline.partition_for_tma(tma_atom_dQ, mdQ_tma, sdQ, self.dq_box, head, batch,
                                                             (None, 0), offset=self.dq_offset(starts))
             for w in cutlass.range_constexpr(self.dq_parts):  # early_dq: each warpgroup's half as it comes
@@ -348,6 +370,8 @@ class K10Backward(k9.K9Backward):
             if cutlass.const_expr(self.deterministic):
                 cute.arch.cp_async_bulk_wait_group(0, read=False)  # landed in GMEM, not just read
                 self.pass_turn(order, head, m_block, batch)
+            if cutlass.const_expr(self.step_counter):
+                at_head, at_m = self.next_step(at_head, at_m, walk)
         cute.arch.cp_async_bulk_wait_group(0, read=False)  # the last reduce has landed in GMEM
 
     def dq_offset(self, starts: Optional[tuple]):
@@ -356,6 +380,15 @@ class K10Backward(k9.K9Backward):
         if starts is None:
             return None
         return (starts[3] * self.dq_box[0] * self.dq_parts, 0) if self.dq_flat else starts[0]
+
+    @cute.jit
+    def next_step(self, head: Int32, m_block: Int32, walk: tuple) -> tuple:
+        """(head, query tile) of the step after (head, m_block) in the walk (``step_counter``):
+        the next tile, or the next head's first."""
+        m_block = m_block + 1
+        if m_block == walk[1] + walk[2]:
+            head, m_block = head + 1, Int32(walk[1])
+        return head, m_block
 
     @cute.jit
     def wait_turn(self, order: tuple, head: Int32, m_block: Int32, batch: Int32):
@@ -699,8 +732,13 @@ class K10Backward(k9.K9Backward):
          tdQcdQ) = self.mma_partitions(mmas, (sK, sV, sQ, sdO, sdS), wg_idx, tidx)
 
         pipeline_kv.consumer_wait(tma_pipeline.pipe_state(1, 0, producer=False))
+        if cutlass.const_expr(self.step_counter):  # step 0's (head, query tile)
+            at_head, at_m = walk[0], Int32(walk[1])
         for t in cutlass.range(count, unroll=1):
-            head, m_block = self.step_at(t, walk)
+            if cutlass.const_expr(self.step_counter):
+                head, m_block = at_head, at_m
+            else:
+                head, m_block = self.step_at(t, walk)
             qdo = tma_pipeline.pipe_state(stages, t, producer=False)
             pipeline_qdo.consumer_wait(qdo)
             acc_S = cute.make_rmem_tensor(tiled_mma_sdp.partition_shape_C((tile_n, tile_m)), Float32)
@@ -716,7 +754,12 @@ class K10Backward(k9.K9Backward):
                     cute.arch.barrier(barrier_id=Barrier.MMA, number_of_threads=self.mma_threads)
             args = (mmas, (acc_S, acc_dP, acc_dK, acc_dV, acc_dQ), operands, tScS, sdS, (sLSE, sD, qdo.index),
                     n_block, m_block, lens, scale_log2, softmax_scale)
-            if cutlass.const_expr(self.mask_edges):
+            if cutlass.const_expr(self.mask_edges and self.plain_first):
+                if cutlass.not_(self.on_edge(n_block, m_block, lens)):
+                    step(*args, edge=False, **kw)
+                else:
+                    step(*args, **kw)
+            elif cutlass.const_expr(self.mask_edges):
                 if self.on_edge(n_block, m_block, lens):
                     step(*args, **kw)
                 else:
@@ -730,6 +773,8 @@ class K10Backward(k9.K9Backward):
                 self.store_dq(acc_dQ, tdQcdQ, sdQ, tidx)
                 cute.arch.fence_view_async_shared()  # generic-proxy stores -> the TMA's reads
                 cute.arch.barrier_arrive(barrier_id=Barrier.DQ_FULL, number_of_threads=handoff)
+            if cutlass.const_expr(self.step_counter):
+                at_head, at_m = self.next_step(at_head, at_m, walk)
 
         for acc, mX in ((acc_dK, mdK), (acc_dV, mdV)):
             rX = cute.make_rmem_tensor_like(acc, self.dtype)

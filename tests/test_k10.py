@@ -193,6 +193,26 @@ def test_the_default_backward_takes_flash_attn_4s_128_query_tile_at_d64_only():
     assert len(re.findall(r"ld\.global\.v4\.[fb]32", post)) == 128 * 64 // 256 // 4
 
 
+def test_step_counter_and_plain_first_change_how_the_step_is_found_and_laid_out_not_what_it_does():
+    import collections
+
+    from harness.backward import stage_overrides
+    from kernels.k10 import compile_backward
+
+    p = Problem(2, 4, 1000, 128, causal=True)
+    ptx = {name: compiled_ptx(compile_backward(p, keep_ptx=True, **stage_overrides("k10_fa3"), **extra)[1])
+           for name, extra in (("base", {}), ("counter", dict(step_counter=True)), ("plain", dict(plain_first=True)))}
+    ops = {name: collections.Counter(re.findall(r"^\s+(?:@!?%p\d+\s+)?([a-z]+(?:\.[a-z0-9]+)*)", x, re.M))
+           for name, x in ptx.items()}
+    # step_at divides the step index by the walk's length in each of the three loops; the counter does not
+    assert ops["base"]["rem.s32"] >= 2 and ops["counter"]["rem.s32"] == 0
+    assert ops["counter"]["div.s32"] < ops["base"]["div.s32"]
+    # plain_first only swaps the two copies of the step: the same instructions in another order, but
+    # for the edge test's predicates (negated: its compares and and/or flip)
+    same = lambda c: {k: v for k, v in c.items() if not k.startswith("setp") and not k.endswith(".pred")}  # noqa: E731
+    assert same(ops["plain"]) == same(ops["base"]) and ptx["plain"] != ptx["base"]
+
+
 @pytest.mark.parametrize("d", [64, 128])
 def test_the_flat_dq_share_leaves_in_16_byte_stores(d):
     from kernels.k10 import compile_backward
