@@ -593,13 +593,8 @@ class K10Backward(k9.K9Backward):
         acc_S, acc_dP, acc_dK, acc_dV, acc_dQ = accs
         tSrK, tSrQ, tdPrV, tdPrdO, tdVrP, tdVrdO, tdKrdS, tdKrQ, tdQrdS, tdQrK = operands
         stage = rows[2]
-        sm90.gemm(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage], zero_init=True, wg_wait=-1)
-        sm90.gemm(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True,
-                  wg_wait=1)  # S done, dP runs on
-        self.probabilities(acc_S, tScS, rows[0][None, stage], n_block, m_block, lens, scale_log2, edge)
-        sm90.convert_to(sm90.acc_as_operand_a(acc_S), tdVrP)
-        warpgroup.wait_group(0)
-        self.score_grads(acc_S, acc_dP, tScS, rows[1][None, stage], m_block, lens[0], softmax_scale, edge)
+        self.overlapped_start(tiled_mma_sdp, accs, operands, tScS, rows, n_block, m_block, lens, scale_log2,
+                              softmax_scale, edge)
         sm90.gemm(tiled_mma_dkv, acc_dV, tdVrP, tdVrdO[None, None, None, stage], zero_init=False, wg_wait=-1)
         self.wait_ds_free()
         self.store_dS(acc_dP, tScS, sdS, tiled_mma_sdp)
@@ -608,6 +603,23 @@ class K10Backward(k9.K9Backward):
         sm90.gemm(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQ[None, None, None, stage], zero_init=False, wg_wait=-1)
         cute.arch.barrier(barrier_id=Barrier.MMA, number_of_threads=self.mma_threads)  # every dS^T stored
         sm90.gemm(tiled_mma_dq, acc_dQ, tdQrdS, tdQrK, zero_init=True, wg_wait=0)  # dV's, dK's and dQ's
+
+    @cute.jit
+    def overlapped_start(self, tiled_mma_sdp: cute.TiledMma, accs: tuple, operands: tuple, tScS: cute.Tensor,
+                         rows: tuple, n_block: Int32, m_block: Int32, lens: tuple, scale_log2: Float32,
+                         softmax_scale: Float32, edge: bool):
+        """The overlapped steps' start: S^T and dP^T issued, P^T computed (and converted to dV's
+        operand) while dP^T's GEMM still runs, then dS^T."""
+        acc_S, acc_dP = accs[0], accs[1]
+        tSrK, tSrQ, tdPrV, tdPrdO, tdVrP = operands[:5]
+        stage = rows[2]
+        sm90.gemm(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage], zero_init=True, wg_wait=-1)
+        sm90.gemm(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True,
+                  wg_wait=1)  # S done, dP runs on
+        self.probabilities(acc_S, tScS, rows[0][None, stage], n_block, m_block, lens, scale_log2, edge)
+        sm90.convert_to(sm90.acc_as_operand_a(acc_S), tdVrP)
+        warpgroup.wait_group(0)
+        self.score_grads(acc_S, acc_dP, tScS, rows[1][None, stage], m_block, lens[0], softmax_scale, edge)
 
     @cute.jit
     def mma_step_early(self, mmas: tuple, accs: tuple, operands: tuple, tScS: cute.Tensor, sdS: cute.Tensor,
@@ -623,13 +635,8 @@ class K10Backward(k9.K9Backward):
         t, tdQcdQ, sdQ, tidx, wg_idx = dq
         stage = rows[2]
         if cutlass.const_expr(self.overlap):
-            sm90.gemm(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage], zero_init=True, wg_wait=-1)
-            sm90.gemm(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True,
-                      wg_wait=1)  # S done, dP runs on
-            self.probabilities(acc_S, tScS, rows[0][None, stage], n_block, m_block, lens, scale_log2, edge)
-            sm90.convert_to(sm90.acc_as_operand_a(acc_S), tdVrP)
-            warpgroup.wait_group(0)
-            self.score_grads(acc_S, acc_dP, tScS, rows[1][None, stage], m_block, lens[0], softmax_scale, edge)
+            self.overlapped_start(tiled_mma_sdp, accs, operands, tScS, rows, n_block, m_block, lens, scale_log2,
+                                  softmax_scale, edge)
         elif cutlass.const_expr(self.tanh_under_dp):  # the cap's tanh while dP's GEMM runs, P after it
             sm90.gemm(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage], zero_init=True, wg_wait=-1)
             sm90.gemm(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True, wg_wait=1)
