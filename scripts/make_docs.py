@@ -81,7 +81,10 @@ def backward_caps_table() -> str:
 
     body = []
     for stage in STAGES:
-        variant = ", ".join(f"{k}={v}" for k, v in stage_overrides(stage).items())
+        overrides = dict(stage_overrides(stage))
+        per_d = overrides.pop("by_head_dim", {})
+        variant = ", ".join([f"{k}={v}" for k, v in overrides.items()]
+                            + [f"at d = {d}: " + ", ".join(f"{k}={v}" for k, v in o.items()) for d, o in per_d.items()])
         module = stage_module(stage).__name__.replace(".", "/")
         body.append([f"`{stage}`", f"`{module}.py`" + (f" ({variant})" if variant else ""),
                      ", ".join(str(d) for d in (32, 64, 96, 128, 256) if takes(stage, head_dim=d)),
