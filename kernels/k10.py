@@ -63,7 +63,8 @@ class K10Backward(k9.K9Backward):
                  ds_stmatrix: bool = False, last_first: bool = False, window: tuple = None, softcap: float = 0.0,
                  varlen: bool = False, dq_swapab: bool = False, mask_edges: bool = False,
                  ds_free_once: bool = False, early_dq: bool = False, dq_split_queries: bool = False,
-                 tanh_under_dp: bool = False, step_counter: bool = False, plain_first: bool = False):
+                 tanh_under_dp: bool = False, step_counter: bool = False, plain_first: bool = False,
+                 dkv_tma_store: bool = False):
         super().__init__(head_dim, dtype, causal, num_wg, tile_m, q_stages)
         # dq_swapab (FA3's dQ_swapAB): dQ^T = K^T . dS^T, the warpgroups split d (64 rows each), so
         # that a step may take a tile_m that is not a multiple of 64 (FA3's 80 at d = 128)
@@ -96,6 +97,11 @@ class K10Backward(k9.K9Backward):
         # order (ptxas gave the first copy cheaper WGMMA descriptor arithmetic: 452 SASS a warp a
         # step against 530, d = 128)
         self.plain_first = plain_first
+        # dkv_tma_store (FA3's epilogue): dK and dV leave through sK and sV and a TMA store each,
+        # rather than as 4-byte stores whose warp spans 8 rows (rectangular calls only: a packed
+        # sequence's box would run into the next sequence's rows)
+        self.dkv_tma_store = dkv_tma_store
+        assert not (dkv_tma_store and varlen), "packed: dK and dV by rows"
         assert not self.tanh_under_dp or (early_dq and not overlap), "early_dq's step, its start without overlap"
         assert not dq_split_queries or (tile_m % (sm90.WGMMA_M * num_wg) == 0 and not dq_swapab)
         assert not early_dq or (dq_flat and not ds_free_once), "flat dQ shares, sdS per stage"
@@ -208,8 +214,14 @@ class K10Backward(k9.K9Backward):
             sLSE: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sRow_layout)], 128]
             sD: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sRow_layout)], 128]
 
+        dkv_atoms = None  # dkv_tma_store: (atom, TMA view) of dK and dV, boxes of sK's layout
+        if cutlass.const_expr(self.dkv_tma_store):
+            dkv_atoms = tuple(cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), tma_pipeline.seq_major_view(m),
+                                                          tma_pipeline.stage_layout(sK_layout),
+                                                          (self.tile_n, self.head_dim)) for m in (mdK, mdV))
+
         self.kernel(mQ_tma, mK_tma, mV_tma, mdO_tma, mdQ_tma, mLSE_tma, mD_tma, mLSE2.shape, mdK, mdV, mdQsem, seqs,
-                    (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_dQ, tma_atom_LSE, tma_atom_D),
+                    dkv_atoms, (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_dQ, tma_atom_LSE, tma_atom_D),
                     softmax_scale * LOG2_E, softmax_scale, (sK_layout, sQ_layout, sdS_layout, sdQ_layout, sRow_layout),
                     (tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq), SharedStorage).launch(grid=grid, block=[self.num_threads, 1, 1],
                                           smem=SharedStorage.size_in_bytes(), stream=stream, min_blocks_per_mp=1)
@@ -217,8 +229,9 @@ class K10Backward(k9.K9Backward):
     @cute.kernel
     def kernel(self, mQ_tma: cute.Tensor, mK_tma: cute.Tensor, mV_tma: cute.Tensor, mdO_tma: cute.Tensor,
                mdQ_tma: cute.Tensor, mLSE_tma: cute.Tensor, mD_tma: cute.Tensor, q_rows: tuple, mdK: cute.Tensor,
-               mdV: cute.Tensor, mdQsem: Optional[cute.Tensor], seqs: Optional[tuple], atoms: tuple, scale_log2: Float32,
-               softmax_scale: Float32, layouts: tuple, mmas: tuple, SharedStorage: cutlass.Constexpr):
+               mdV: cute.Tensor, mdQsem: Optional[cute.Tensor], seqs: Optional[tuple], dkv_atoms: Optional[tuple],
+               atoms: tuple, scale_log2: Float32, softmax_scale: Float32, layouts: tuple, mmas: tuple,
+               SharedStorage: cutlass.Constexpr):
         tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_dQ, tma_atom_LSE, tma_atom_D = atoms
         sK_layout, sQ_layout, sdS_layout, sdQ_layout, sRow_layout = layouts
         tile_m, tile_n, stages = self.tile_m, self.tile_n, self.q_stages
@@ -281,7 +294,7 @@ class K10Backward(k9.K9Backward):
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.mma(pipeline_kv, pipeline_qdo, walk, count, n_block, kv_head, batch, (seqlen, offset, seqlen_k),
-                     (sK, sV, sQ, sdO, sdS, sdQ), mmas, sLSE, sD, mdK, mdV, scale_log2, softmax_scale)
+                     (sK, sV, sQ, sdO, sdS, sdQ), mmas, sLSE, sD, mdK, mdV, scale_log2, softmax_scale, dkv_atoms)
 
     # ---- Producer warpgroup: warp 0 loads, warp 1 writes dQ ------------------------------------
 
@@ -727,7 +740,8 @@ class K10Backward(k9.K9Backward):
     @cute.jit
     def mma(self, pipeline_kv, pipeline_qdo, walk: tuple, count: Int32, n_block: Int32, kv_head: Int32,
             batch: Int32, lens: tuple, smem: tuple, mmas: tuple, sLSE: cute.Tensor, sD: cute.Tensor,
-            mdK: cute.Tensor, mdV: cute.Tensor, scale_log2: Float32, softmax_scale: Float32):
+            mdK: cute.Tensor, mdV: cute.Tensor, scale_log2: Float32, softmax_scale: Float32,
+            dkv_atoms: Optional[tuple] = None):
         sK, sV, sQ, sdO, sdS, sdQ = smem
         tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = mmas
         tile_m, tile_n, stages = self.tile_m, self.tile_n, self.q_stages
@@ -783,10 +797,36 @@ class K10Backward(k9.K9Backward):
             if cutlass.const_expr(self.step_counter):
                 at_head, at_m = self.next_step(at_head, at_m, walk)
 
-        for acc, mX in ((acc_dK, mdK), (acc_dV, mdV)):
+        if cutlass.const_expr(self.dkv_tma_store):
+            self.store_dkv_tma((acc_dK, acc_dV), (sK, sV), tiled_mma_dkv, tidx, dkv_atoms, n_block, kv_head, batch)
+        else:
+            for acc, mX in ((acc_dK, mdK), (acc_dV, mdV)):
+                rX = cute.make_rmem_tensor_like(acc, self.dtype)
+                sm90.convert_to(acc, rX)
+                sm90.store_rows(rX, None, tiled_mma_dkv, tidx, mX, None, n_block, kv_head, batch, tile_n)
+
+    @cute.jit
+    def store_dkv_tma(self, accs: tuple, smem: tuple, tiled_mma_dkv: cute.TiledMma, tidx: Int32, dkv_atoms: tuple,
+                      n_block: Int32, kv_head: Int32, batch: Int32):
+        """``dkv_tma_store``: dK and dV narrowed into sK and sV by ``stmatrix``, then one TMA store
+        each (K5's O epilogue), which clips the rows past the keys. sK and sV are free once both
+        warpgroups are past their last step: each step waits for its GEMMs to retire."""
+        cute.arch.barrier(barrier_id=Barrier.MMA, number_of_threads=self.mma_threads)
+        store_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+        thr_store = cute.make_tiled_copy_C(store_atom, tiled_mma_dkv).get_slice(tidx)
+        for acc, sX in zip(accs, smem):
             rX = cute.make_rmem_tensor_like(acc, self.dtype)
             sm90.convert_to(acc, rX)
-            sm90.store_rows(rX, None, tiled_mma_dkv, tidx, mX, None, n_block, kv_head, batch, tile_n)
+            cute.copy(store_atom, thr_store.retile(rX), thr_store.partition_D(sX[None, None, 0]))
+        cute.arch.fence_view_async_shared()  # generic-proxy stores -> the TMA's reads
+        cute.arch.barrier(barrier_id=Barrier.MMA, number_of_threads=self.mma_threads)
+        if cute.arch.make_warp_uniform(tidx // cute.arch.WARP_SIZE) == 0:
+            for (atom, m_tma), sX in zip(dkv_atoms, smem):
+                tXsX, tXgX = tma_pipeline.partition_for_tma(atom, m_tma, sX, (self.tile_n, self.head_dim), kv_head,
+                                                            batch, (None, 0))
+                cute.copy(atom, tXsX[None, 0], tXgX[None, n_block])
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)  # sK and sV read before the CTA exits
 
 
 class K10BackwardSplitD(K10Backward):
@@ -1005,8 +1045,8 @@ def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = F
     split_d = p.head_dim > 128  # K10BackwardSplitD: one 64-key tile per CTA, its own (sequential) step
     tile_n = sm90.WGMMA_M * (1 if split_d else cfg["num_wg"])  # the CTA's keys
     if split_d:
-        cfg = cfg.with_(overlap=False, **{k: False for k in ("early_dq", "dq_split_queries", "tanh_under_dp")
-                                          if cfg.get(k)})
+        cfg = cfg.with_(overlap=False, **{k: False for k in ("early_dq", "dq_split_queries", "tanh_under_dp",
+                                                             "dkv_tma_store") if cfg.get(k)})
         if cfg.get("ds_free_once"):
             raise UnsupportedProblem(f"K10 (backward) config {cfg}: ds_free_once is K10Backward's step; at head_dim "
                                      "256 K10BackwardSplitD has its own (P^T and dS^T both in SMEM)")
@@ -1024,6 +1064,8 @@ def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = F
     if cfg.get("dq_split_queries") and (cfg["tile_m"] % (sm90.WGMMA_M * cfg["num_wg"]) or cfg.get("dq_swapab")):
         raise UnsupportedProblem(f"K10 (backward) config {cfg}: dq_split_queries gives each warpgroup 64 of the "
                                  f"step's queries: tile_m a multiple of {sm90.WGMMA_M * cfg['num_wg']}, no dq_swapab")
+    if p.varlen and cfg.get("dkv_tma_store"):  # a box at a packed sequence's last key tile would run into the next
+        cfg = cfg.with_(dkv_tma_store=False)
     key_tiles = -(-p.kv_len // tile_n)
     window = p.sliding_window
     arrive_last_first = p.causal or (window is not None and window[1] >= 0)  # key tiles start their walks in order

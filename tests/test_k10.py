@@ -214,6 +214,24 @@ def test_step_counter_and_plain_first_change_how_the_step_is_found_and_laid_out_
 
 
 @pytest.mark.parametrize("d", [64, 128])
+def test_dkv_tma_store_sends_dk_and_dv_through_smem_by_tma_not_by_4_byte_stores(d):
+    from harness.backward import stage_overrides
+    from kernels.k10 import compile_backward
+
+    p = Problem(2, 4, 1000, d, causal=True, seqlen_k=3000, nheads_kv=2)
+    rows, tma = (compiled_ptx(compile_backward(p, keep_ptx=True, **dict(stage_overrides("k10_fa3"),
+                                                                         dkv_tma_store=on))[1]) for on in (False, True))
+    count = lambda pattern, ptx: len(re.findall(pattern, ptx))  # noqa: E731
+    bulk_store = r"cp\.async\.bulk\.tensor\.\dd\.global\.shared"
+    assert count(r"st\.global", rows) > 0 == count(bulk_store, rows)
+    assert count(r"st\.global", tma) == 0 < count(bulk_store, tma)
+    # dK and dV of 128 keys x d over 256 MMA threads, 8 elements a thread per stmatrix.x4
+    assert count(r"stmatrix", tma) - count(r"stmatrix", rows) == 2 * 128 * d // 256 // 8
+    for q in (p.with_(varlen=True), p.with_(head_dim=256)):  # packed boxes would cross sequences; d = 256 its own
+        assert not compile_backward(q, **dict(stage_overrides("k10_fa3"), dkv_tma_store=True))[3].get("dkv_tma_store")
+
+
+@pytest.mark.parametrize("d", [64, 128])
 def test_the_flat_dq_share_leaves_in_16_byte_stores(d):
     from kernels.k10 import compile_backward
 
