@@ -104,7 +104,8 @@ class K10Backward(k9.K9Backward):
         assert not (dkv_tma_store and varlen), "packed: dK and dV by rows"
         assert not self.tanh_under_dp or (early_dq and not overlap), "early_dq's step, its start without overlap"
         assert not dq_split_queries or (tile_m % (sm90.WGMMA_M * num_wg) == 0 and not dq_swapab)
-        assert not early_dq or (dq_flat and not ds_free_once), "flat dQ shares, sdS per stage"
+        assert not early_dq or (dq_flat and not ds_free_once and q_stages >= 2 and num_wg == 2), (
+            "flat dQ shares, an sdS tile per stage (two at least), a barrier pair per warpgroup (Barrier names two)")
         assert not (softcap and overlap), "the overlapped step has no registers left for the softcap's tanh'"
         self.window = window  # Problem.window, or None: tiles.query_window_tiles bounds the walk
         self.softcap = softcap
@@ -114,6 +115,7 @@ class K10Backward(k9.K9Backward):
         self.dq_flat = dq_flat
         self.ds_stmatrix = ds_stmatrix
         self.dq_parts = num_wg if early_dq else 1  # TMA reduce-adds per share: one per warpgroup's half
+        assert not dq_flat or tile_m * head_dim % (FLAT_WIDTH * self.dq_parts) == 0, "whole flat rows a part"
         self.dq_box = (tile_m * head_dim // FLAT_WIDTH // self.dq_parts, FLAT_WIDTH) if dq_flat else (tile_m, head_dim)
         self.mma_threads = sm90.THREADS_PER_WARPGROUP * num_wg
         self.num_threads = self.mma_threads + sm90.THREADS_PER_WARPGROUP  # + the producer warpgroup
