@@ -586,16 +586,26 @@ class K10Backward(k9.K9Backward):
         # One fp32 tile at a time beside dK and dV (the MMA warps have 240 registers): P^T goes
         # to dV's GEMM, then dS^T to sdS and to dK's GEMM.
         sm90.convert_to(sm90.acc_as_operand_a(acc_S), tdVrP)
+        self.dv_then_dk(mmas, accs, operands, tScS, sdS, stage)
+        # dV's and dK's GEMMs read P^T and dS^T from registers until they retire
+        warpgroup.wait_group(0)
+        cute.arch.barrier(barrier_id=Barrier.MMA, number_of_threads=self.mma_threads)
+        sm90.gemm(tiled_mma_dq, acc_dQ, tdQrdS, tdQrK, zero_init=True, wg_wait=0)
+
+    @cute.jit
+    def dv_then_dk(self, mmas: tuple, accs: tuple, operands: tuple, tScS: cute.Tensor, sdS: cute.Tensor,
+                   stage: Int32):
+        """From P^T (already dV's operand) and dS^T: dV's GEMM issued, dS^T to sdS once it is free,
+        then to dK's GEMM (both left running)."""
+        tiled_mma_sdp, tiled_mma_dkv = mmas[0], mmas[1]
+        acc_dP, acc_dK, acc_dV = accs[1], accs[2], accs[3]
+        tdVrP, tdVrdO, tdKrdS, tdKrQ = operands[:4]
         sm90.gemm(tiled_mma_dkv, acc_dV, tdVrP, tdVrdO[None, None, None, stage], zero_init=False, wg_wait=-1)
         self.wait_ds_free()
         self.store_dS(acc_dP, tScS, sdS, tiled_mma_sdp)
         cute.arch.fence_view_async_shared()
         sm90.convert_to(sm90.acc_as_operand_a(acc_dP), tdKrdS)
         sm90.gemm(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQ[None, None, None, stage], zero_init=False, wg_wait=-1)
-        # dV's and dK's GEMMs read P^T and dS^T from registers until they retire
-        warpgroup.wait_group(0)
-        cute.arch.barrier(barrier_id=Barrier.MMA, number_of_threads=self.mma_threads)
-        sm90.gemm(tiled_mma_dq, acc_dQ, tdQrdS, tdQrK, zero_init=True, wg_wait=0)
 
     @cute.jit
     def mma_step_overlapped(self, mmas: tuple, accs: tuple, operands: tuple, tScS: cute.Tensor, sdS: cute.Tensor,
@@ -610,12 +620,7 @@ class K10Backward(k9.K9Backward):
         stage = rows[2]
         self.overlapped_start(tiled_mma_sdp, accs, operands, tScS, rows, n_block, m_block, lens, scale_log2,
                               softmax_scale, edge)
-        sm90.gemm(tiled_mma_dkv, acc_dV, tdVrP, tdVrdO[None, None, None, stage], zero_init=False, wg_wait=-1)
-        self.wait_ds_free()
-        self.store_dS(acc_dP, tScS, sdS, tiled_mma_sdp)
-        cute.arch.fence_view_async_shared()
-        sm90.convert_to(sm90.acc_as_operand_a(acc_dP), tdKrdS)
-        sm90.gemm(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQ[None, None, None, stage], zero_init=False, wg_wait=-1)
+        self.dv_then_dk(mmas, accs, operands[4:], tScS, sdS, stage)
         cute.arch.barrier(barrier_id=Barrier.MMA, number_of_threads=self.mma_threads)  # every dS^T stored
         sm90.gemm(tiled_mma_dq, acc_dQ, tdQrdS, tdQrK, zero_init=True, wg_wait=0)  # dV's, dK's and dQ's
 
