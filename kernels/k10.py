@@ -676,13 +676,21 @@ class K10Backward(k9.K9Backward):
         cute.arch.barrier(barrier_id=Barrier.MMA, number_of_threads=self.mma_threads)  # every dS^T stored
         sm90.gemm(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, stage], tdQrK, zero_init=True, wg_wait=1)  # dV's done
         sm90.gemm(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQ[None, None, None, stage], zero_init=False, wg_wait=1)  # dQ's
-        handoff = sm90.THREADS_PER_WARPGROUP + cute.arch.WARP_SIZE
-        if t > 0:  # the writer's TMA has read this warpgroup's previous share
-            cute.arch.barrier(barrier_id=Barrier.DQ_EMPTY + 2 * wg_idx, number_of_threads=handoff)
+        self.hand_over_dq(acc_dQ, tdQcdQ, sdQ, tidx, t, 2 * wg_idx, sm90.THREADS_PER_WARPGROUP)  # its own pair
+        warpgroup.wait_group(0)  # dK's GEMM reads dS^T from registers until it retires
+
+    @cute.jit
+    def hand_over_dq(self, acc_dQ: cute.Tensor, tdQcdQ: cute.Tensor, sdQ: cute.Tensor, tidx: Int32, t: Int32,
+                     pair, threads: cutlass.Constexpr[int]):
+        """Step t's dQ share into sdQ and over to the writer on the barriers DQ_FULL + ``pair`` and
+        DQ_EMPTY + ``pair``, shared by ``threads`` MMA threads and the writer warp: wait until its
+        TMA has read the share before (none before step 0), store, fence for the async proxy, arrive."""
+        handoff = threads + cute.arch.WARP_SIZE
+        if t > 0:
+            cute.arch.barrier(barrier_id=Barrier.DQ_EMPTY + pair, number_of_threads=handoff)
         self.store_dq(acc_dQ, tdQcdQ, sdQ, tidx)
         cute.arch.fence_view_async_shared()  # generic-proxy stores -> the TMA's reads
-        cute.arch.barrier_arrive(barrier_id=Barrier.DQ_FULL + 2 * wg_idx, number_of_threads=handoff)
-        warpgroup.wait_group(0)  # dK's GEMM reads dS^T from registers until it retires
+        cute.arch.barrier_arrive(barrier_id=Barrier.DQ_FULL + pair, number_of_threads=handoff)
 
     @cute.jit
     def wait_ds_free(self):
@@ -754,7 +762,6 @@ class K10Backward(k9.K9Backward):
         tile_m, tile_n, stages = self.tile_m, self.tile_n, self.q_stages
         tidx = cute.arch.thread_idx()[0] - sm90.THREADS_PER_WARPGROUP  # among the MMA threads
         wg_idx = cute.arch.make_warp_uniform(tidx // sm90.THREADS_PER_WARPGROUP)
-        handoff = self.mma_threads + cute.arch.WARP_SIZE
 
         (tSrK, tdPrV, tSrQ, tdPrdO, tdVrdO, tdKrQ, tdQrdS, tdQrK, tdVrP, tdKrdS, acc_dV, acc_dK, tScS,
          tdQcdQ) = self.mma_partitions(mmas, (sK, sV, sQ, sdO, sdS), wg_idx, tidx)
@@ -795,12 +802,8 @@ class K10Backward(k9.K9Backward):
             else:
                 step(*args, **kw)
             pipeline_qdo.consumer_release(qdo)
-            if cutlass.const_expr(not self.early_dq):
-                if t > 0:  # the writer's TMA has read the previous share
-                    cute.arch.barrier(barrier_id=Barrier.DQ_EMPTY, number_of_threads=handoff)
-                self.store_dq(acc_dQ, tdQcdQ, sdQ, tidx)
-                cute.arch.fence_view_async_shared()  # generic-proxy stores -> the TMA's reads
-                cute.arch.barrier_arrive(barrier_id=Barrier.DQ_FULL, number_of_threads=handoff)
+            if cutlass.const_expr(not self.early_dq):  # both warpgroups' shares on one pair
+                self.hand_over_dq(acc_dQ, tdQcdQ, sdQ, tidx, t, 0, self.mma_threads)
             if cutlass.const_expr(self.step_counter):
                 at_head, at_m = self.next_step(at_head, at_m, walk)
 
