@@ -200,7 +200,8 @@ def test_step_counter_and_plain_first_change_how_the_step_is_found_and_laid_out_
     from kernels.k10 import compile_backward
 
     p = Problem(2, 4, 1000, 128, causal=True)
-    ptx = {name: compiled_ptx(compile_backward(p, keep_ptx=True, **stage_overrides("k10_fa3"), **extra)[1])
+    base = dict(stage_overrides("k10_fa3"), step_counter=False, plain_first=False)
+    ptx = {name: compiled_ptx(compile_backward(p, keep_ptx=True, **dict(base, **extra))[1])
            for name, extra in (("base", {}), ("counter", dict(step_counter=True)), ("plain", dict(plain_first=True)))}
     ops = {name: collections.Counter(re.findall(r"^\s+(?:@!?%p\d+\s+)?([a-z]+(?:\.[a-z0-9]+)*)", x, re.M))
            for name, x in ptx.items()}

@@ -193,3 +193,27 @@ def test_the_public_call_takes_the_softcap_eagerly_and_compiled():
     assert (lse - want_lse).abs().max() < 1e-3
     plain = attention("k6", q, k, v, causal=True)  # the same signature without the cap: its own launch
     assert (plain.float() - want).abs().max() > 5e-2
+
+
+def test_k10_fa3_takes_the_softcaps_tanh_while_dps_gemm_runs():
+    from harness.backward import stage_overrides
+    from kernels.contract import compiled_ptx
+    from kernels.k10 import compile_backward
+
+    p = Problem(2, 8, 1000, 128, causal=True, softcap=5.0)
+
+    def tanhs_under_a_gemm(**knobs):  # (tanh count, those between a wait for all GEMMs but one and the last)
+        ptx = compiled_ptx(compile_backward(p, keep_ptx=True, **dict(stage_overrides("k10_fa3"), **knobs))[1])
+        running, total, hidden = False, 0, 0
+        for line in ptx.splitlines():
+            if re.search(r"wgmma\.wait_group\.sync\.aligned\s+1;", line):
+                running = True  # S^T's GEMM done, dP^T's still running
+            elif re.search(r"wgmma\.wait_group\.sync\.aligned\s+0;", line):
+                running = False
+            if "tanh.approx.f32" in line:
+                total, hidden = total + 1, hidden + running
+        return total, hidden
+
+    sequential, under_dp = tanhs_under_a_gemm(tanh_under_dp=False), tanhs_under_a_gemm()
+    assert sequential[0] == under_dp[0] > 0  # the same tanhs (one a score), elsewhere
+    assert sequential[1] == 0 and under_dp[1] == under_dp[0]
