@@ -504,16 +504,20 @@ out.close()") || rc=1
     timeout 400 $py -m pytest -m gpu -q tests/test_k9.py tests/test_k10.py tests/test_backward.py tests/test_training.py \
       2>&1 | tail -3 || rc=1
     timeout 200 $py -m harness.training --out "$dir/training-$gpu.json" || rc=1
-    for case in "k9 K9 False 128" "k10 K10 False 128" "k10_fa3 K10 False 128" "k10_fa3 K10 True 128" \
-                "k10_fa3 K10 False 256"; do
-      read -r stage kernel det d <<< "$case"  # det: under torch.use_deterministic_algorithms
+    for case in "k9 K9 False 128 300 True" "k10 K10 False 128 300 True" "k10_fa3 K10 False 256 300 True" \
+                "k10_fa3 K10 False 64 300 True" "k10_fa3 K10 True 64 300 True" "k10_fa3 K10 False 128 300 True" \
+                "k10_fa3 K10 True 128 300 True" "k10_fa3 K10 False 128 300 True softcap=5.0" \
+                "k10_fa3 K10 False 64 700 False window_size=(150,90)"; do
+      # det: under torch.use_deterministic_algorithms; the rest: head dim, length, causal, a feature
+      read -r stage kernel det d n causal extra <<< "$case"
       for tool in racecheck synccheck; do  # small shapes, the main kernel only
         timeout 200 compute-sanitizer --tool $tool --kernel-name kns=${kernel}Backward $py -c "import torch
 from harness import attention
 torch.use_deterministic_algorithms($det)
-q, k, v = (torch.randn(1, 2, 300, $d, device='cuda', dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-attention('k6', q, k, v, causal=True, backward='$stage').sum().backward()
-torch.cuda.synchronize(); print('$stage d=$d deterministic=$det $tool: ok')" 2>&1 | grep "SUMMARY\|: ok\|rror" || rc=1
+q, k, v = (torch.randn(1, 2, $n, $d, device='cuda', dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+attention('k6', q, k, v, causal=$causal, backward='$stage', ${extra:-softcap=None}).sum().backward()
+torch.cuda.synchronize(); print('$stage d=$d n=$n causal=$causal deterministic=$det $extra $tool: ok')" 2>&1 \
+          | grep "SUMMARY\|: ok\|rror" || rc=1
       done
     done | tee "$dir/sanitizer-backward-$gpu.txt"
     timeout 540 $py bench.py --backward k9 k10 --sweep --out "$dir/backward-sweep-$gpu.json" || rc=1
