@@ -300,7 +300,7 @@ def attention_varlen_backward(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_
     import torch
 
     from .backward import compiled_backward, require_tensors, stage_module
-    from .inputs import require_cuda
+    from .inputs import require_cuda, require_rows
 
     stage, p, lengths_q, lengths_k = check_varlen_differentiable(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                                  max_seqlen_k, causal, softmax_scale, softcap,
@@ -312,6 +312,8 @@ def attention_varlen_backward(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_
             raise UnsupportedProblem(f"grads must be three tensors (dq, dk, dv), got {type(grads).__name__}")
         wanted += [(f"grads[{i}]", g, t.shape, t.dtype) for i, (g, t) in enumerate(zip(grads, (q, k, v)))]
     require_tensors(q, wanted, contiguous=("grads[0]", "grads[1]", "grads[2]"))
+    for i, g in enumerate(grads or ()):  # the kernels store dQ, dK and dV in 16-byte pieces and by TMA
+        require_rows(f"grads[{i}]", g)
     require_cuda(q, k, v)
     if q.shape[0] == 0:  # no queries at all: nothing reaches any key
         dq, dk, dv = grads if grads is not None else (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))

@@ -64,7 +64,7 @@ class K10Backward(k9.K9Backward):
                  varlen: bool = False, dq_swapab: bool = False, mask_edges: bool = False,
                  ds_free_once: bool = False, early_dq: bool = False, dq_split_queries: bool = False,
                  tanh_under_dp: bool = False, step_counter: bool = False, plain_first: bool = False,
-                 dkv_tma_store: bool = False):
+                 dkv_tma_store: bool = False, dkv_tma_packed: bool = False):
         super().__init__(head_dim, dtype, causal, num_wg, tile_m, q_stages)
         # dq_swapab (FA3's dQ_swapAB): dQ^T = K^T . dS^T, the warpgroups split d (64 rows each), so
         # that a step may take a tile_m that is not a multiple of 64 (FA3's 80 at d = 128)
@@ -101,7 +101,11 @@ class K10Backward(k9.K9Backward):
         # rather than as 4-byte stores whose warp spans 8 rows (rectangular calls only: a packed
         # sequence's box would run into the next sequence's rows)
         self.dkv_tma_store = dkv_tma_store
-        assert not (dkv_tma_store and varlen), "packed: dK and dV by rows"
+        # dkv_tma_packed: packed too, a sequence's whole key tiles by TMA at its rows, its last,
+        # partial one (whose box would reach the next sequence) by rows
+        self.dkv_tma_packed = dkv_tma_packed and varlen
+        assert not (dkv_tma_store and varlen and not dkv_tma_packed), "packed: dK and dV by rows"
+        assert not dkv_tma_packed or dkv_tma_store, "dkv_tma_packed is dkv_tma_store's, on packed sequences"
         assert not self.tanh_under_dp or (early_dq and not overlap), "early_dq's step, its start without overlap"
         assert not dq_split_queries or (tile_m % (sm90.WGMMA_M * num_wg) == 0 and not dq_swapab)
         assert not early_dq or (dq_flat and not ds_free_once and q_stages >= 2 and num_wg == 2), (
@@ -296,7 +300,8 @@ class K10Backward(k9.K9Backward):
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.mma(pipeline_kv, pipeline_qdo, walk, count, n_block, kv_head, batch, (seqlen, offset, seqlen_k),
-                     (sK, sV, sQ, sdO, sdS, sdQ), mmas, sLSE, sD, mdK, mdV, scale_log2, softmax_scale, dkv_atoms)
+                     (sK, sV, sQ, sdO, sdS, sdQ), mmas, sLSE, sD, mdK, mdV, scale_log2, softmax_scale, dkv_atoms,
+                     starts[1] if cutlass.const_expr(self.dkv_tma_packed) else None)
 
     # ---- Producer warpgroup: warp 0 loads, warp 1 writes dQ ------------------------------------
 
@@ -756,7 +761,9 @@ class K10Backward(k9.K9Backward):
     def mma(self, pipeline_kv, pipeline_qdo, walk: tuple, count: Int32, n_block: Int32, kv_head: Int32,
             batch: Int32, lens: tuple, smem: tuple, mmas: tuple, sLSE: cute.Tensor, sD: cute.Tensor,
             mdK: cute.Tensor, mdV: cute.Tensor, scale_log2: Float32, softmax_scale: Float32,
-            dkv_atoms: Optional[tuple] = None):
+            dkv_atoms: Optional[tuple] = None, keys: Optional[tuple] = None):
+        """The MMA warpgroups: the walk, then dK and dV out (``keys``, ``dkv_tma_packed``: the
+        sequence's first key row, as a TMA coordinate)."""
         sK, sV, sQ, sdO, sdS, sdQ = smem
         tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = mmas
         tile_m, tile_n, stages = self.tile_m, self.tile_n, self.q_stages
@@ -807,20 +814,33 @@ class K10Backward(k9.K9Backward):
             if cutlass.const_expr(self.step_counter):
                 at_head, at_m = self.next_step(at_head, at_m, walk)
 
-        if cutlass.const_expr(self.dkv_tma_store):
-            self.store_dkv_tma((acc_dK, acc_dV), (sK, sV), tiled_mma_dkv, tidx, dkv_atoms, n_block, kv_head, batch)
+        accs = (acc_dK, acc_dV)
+        if cutlass.const_expr(self.dkv_tma_packed):  # a box must stay inside the sequence's rows
+            if (n_block + 1) * tile_n <= lens[2]:
+                self.store_dkv_tma(accs, (sK, sV), tiled_mma_dkv, tidx, dkv_atoms, n_block, kv_head, batch, keys)
+            else:
+                self.store_dkv_rows(accs, (mdK, mdV), tiled_mma_dkv, tidx, n_block, kv_head, batch)
+        elif cutlass.const_expr(self.dkv_tma_store):
+            self.store_dkv_tma(accs, (sK, sV), tiled_mma_dkv, tidx, dkv_atoms, n_block, kv_head, batch)
         else:
-            for acc, mX in ((acc_dK, mdK), (acc_dV, mdV)):
-                rX = cute.make_rmem_tensor_like(acc, self.dtype)
-                sm90.convert_to(acc, rX)
-                sm90.store_rows(rX, None, tiled_mma_dkv, tidx, mX, None, n_block, kv_head, batch, tile_n)
+            self.store_dkv_rows(accs, (mdK, mdV), tiled_mma_dkv, tidx, n_block, kv_head, batch)
+
+    @cute.jit
+    def store_dkv_rows(self, accs: tuple, outs: tuple, tiled_mma_dkv: cute.TiledMma, tidx: Int32, n_block: Int32,
+                       kv_head: Int32, batch: Int32):
+        """dK and dV narrowed in registers and stored from the accumulator layout, row-guarded."""
+        for acc, mX in zip(accs, outs):
+            rX = cute.make_rmem_tensor_like(acc, self.dtype)
+            sm90.convert_to(acc, rX)
+            sm90.store_rows(rX, None, tiled_mma_dkv, tidx, mX, None, n_block, kv_head, batch, self.tile_n)
 
     @cute.jit
     def store_dkv_tma(self, accs: tuple, smem: tuple, tiled_mma_dkv: cute.TiledMma, tidx: Int32, dkv_atoms: tuple,
-                      n_block: Int32, kv_head: Int32, batch: Int32):
+                      n_block: Int32, kv_head: Int32, batch: Int32, keys: Optional[tuple] = None):
         """``dkv_tma_store``: dK and dV narrowed into sK and sV by ``stmatrix``, then one TMA store
-        each (K5's O epilogue), which clips the rows past the keys. sK and sV are free once both
-        warpgroups are past their last step: each step waits for its GEMMs to retire."""
+        each (K5's O epilogue), which clips the rows past the keys (packed, ``keys``: boxes from the
+        sequence's first key row). sK and sV are free once both warpgroups are past their last
+        step: each step waits for its GEMMs to retire."""
         cute.arch.barrier(barrier_id=Barrier.MMA, number_of_threads=self.mma_threads)
         store_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
         thr_store = cute.make_tiled_copy_C(store_atom, tiled_mma_dkv).get_slice(tidx)
@@ -833,7 +853,7 @@ class K10Backward(k9.K9Backward):
         if cute.arch.make_warp_uniform(tidx // cute.arch.WARP_SIZE) == 0:
             for (atom, m_tma), sX in zip(dkv_atoms, smem):
                 tXsX, tXgX = tma_pipeline.partition_for_tma(atom, m_tma, sX, (self.tile_n, self.head_dim), kv_head,
-                                                            batch, (None, 0))
+                                                            batch, (None, 0), offset=keys)
                 cute.copy(atom, tXsX[None, 0], tXgX[None, n_block])
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # sK and sV read before the CTA exits
@@ -1056,7 +1076,7 @@ def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = F
     tile_n = sm90.WGMMA_M * (1 if split_d else cfg["num_wg"])  # the CTA's keys
     if split_d:
         cfg = cfg.with_(overlap=False, **{k: False for k in ("early_dq", "dq_split_queries", "tanh_under_dp",
-                                                             "dkv_tma_store") if cfg.get(k)})
+                                                             "dkv_tma_store", "dkv_tma_packed") if cfg.get(k)})
         if cfg.get("ds_free_once"):
             raise UnsupportedProblem(f"K10 (backward) config {cfg}: ds_free_once is K10Backward's step; at head_dim "
                                      "256 K10BackwardSplitD has its own (P^T and dS^T both in SMEM)")
@@ -1074,8 +1094,13 @@ def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = F
     if cfg.get("dq_split_queries") and (cfg["tile_m"] % (sm90.WGMMA_M * cfg["num_wg"]) or cfg.get("dq_swapab")):
         raise UnsupportedProblem(f"K10 (backward) config {cfg}: dq_split_queries gives each warpgroup 64 of the "
                                  f"step's queries: tile_m a multiple of {sm90.WGMMA_M * cfg['num_wg']}, no dq_swapab")
-    if p.varlen and cfg.get("dkv_tma_store"):  # a box at a packed sequence's last key tile would run into the next
-        cfg = cfg.with_(dkv_tma_store=False)
+    if cfg.get("dkv_tma_packed") and not cfg.get("dkv_tma_store"):
+        raise UnsupportedProblem(f"K10 (backward) config {cfg}: dkv_tma_packed takes dkv_tma_store's TMA stores to "
+                                 "packed sequences: set both")
+    if p.varlen and cfg.get("dkv_tma_store") and not cfg.get("dkv_tma_packed"):
+        cfg = cfg.with_(dkv_tma_store=False)  # a box at a packed sequence's last key tile would run into the next
+    if not p.varlen and cfg.get("dkv_tma_packed"):
+        cfg = cfg.with_(dkv_tma_packed=False)  # the same kernel as without it
     key_tiles = -(-p.kv_len // tile_n)
     window = p.sliding_window
     arrive_last_first = p.causal or (window is not None and window[1] >= 0)  # key tiles start their walks in order

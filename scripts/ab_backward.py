@@ -14,6 +14,11 @@ GQA, keys outnumbering queries, a softcap and a window (``--softcap c``: every c
 timed cell capped at c). Then it and ``k10_fa3`` are timed
 through autograd beside cuDNN and flash-attn-4 on causal 0/1 x N 1k/4k/16k (batch 16384/N,
 heads 2048/d), their order alternating from cell to cell. Rows are written as they come.
+
+``--varlen``: packed sequences instead. The checks are packings at ``--headdim``
+(``harness.check.check_varlen_backward_case``: empty, one-row, ragged and tile-multiple
+sequences, GQA, keys outnumbering queries, a softcap, a window), and the timing is
+``bench.py --varlen --backward``'s packing, causal and not, beside flash-attn-4's varlen backward.
 """
 
 from __future__ import annotations
@@ -58,12 +63,18 @@ def main(argv=None) -> int:
     ap.add_argument("--headdim", type=int, default=128, choices=(64, 128, 256))
     ap.add_argument("--softcap", type=float, default=0.0,
                     help="cap every check and every timed cell at this softcap (cuDNN has none: not timed)")
+    ap.add_argument("--varlen", action="store_true",
+                    help="packed sequences: packed checks, then bench.py --varlen --backward's packing")
     ap.add_argument("--out", help="write the rows as JSON here, each as it is done")
     args = ap.parse_args(argv)
     import torch
 
     import harness.backward as hb
 
+    if args.varlen and args.softcap:
+        print("error: --varlen times the packing uncapped (its checks take a softcap case of their own)",
+              file=sys.stderr)
+        return 2
     if len(args.name) != len(args.config) or len(set(args.name)) != len(args.name):
         print("error: give one distinct --name for each --config", file=sys.stderr)
         return 2
@@ -81,6 +92,8 @@ def main(argv=None) -> int:
     from harness.check import backward_case, check_backward
 
     out = results.open_result_file(args.out, results.command_line("scripts/ab_backward.py", argv))
+    if args.varlen:
+        return packed(args.headdim, configs, out)
     failed = 0
     for name, config in configs.items():
         for p in checks(args.headdim, args.softcap):
@@ -106,6 +119,72 @@ def main(argv=None) -> int:
     for i, (causal, n) in enumerate((c, n) for n in (1024, 4096, 16384) for c in (0, 1)):
         stages = order[i % len(order):] + order[:i % len(order)]  # who goes first rotates from cell to cell
         backward_bench.run(emit, (args.headdim,), (causal,), (n,), stages, softcap=args.softcap)
+    if out:
+        print(f"wrote {out.close()}")
+    return 0
+
+
+def packed_checks():
+    """(lengths_q, lengths_k, heads, heads_kv, causal, softcap, window): sequences of 0 and 1 rows,
+    ragged ones, whole key tiles (128, 256) beside a partial last one, keys outnumbering queries."""
+    ragged = [0, 17, 1, 300, 0, 1000, 128, 255]
+    keys = [64] + [n + 64 * (i % 2) for i, n in enumerate(ragged)][1:]
+    tiles = [256, 128, 4097, 0, 640, 129]
+    for causal in (False, True):
+        yield [1000], [1000], 4, 4, causal, 0.0, (-1, -1)
+        yield ragged, keys, 8, 2, causal, 0.0, (-1, -1)
+        yield tiles, tiles, 8, 2, causal, 0.0, (-1, -1)
+        yield ragged, keys, 8, 2, causal, 5.0, (-1, -1)
+        yield tiles, tiles, 4, 4, causal, 0.0, (100, 0 if causal else 300)
+
+
+def packed(d: int, configs: dict, out) -> int:
+    """``--varlen``: the packed checks of every configuration, then the packing's backward of each
+    and of ``k10_fa3`` beside flash-attn-4's, causal 0 and 1, the order rotating."""
+    import torch
+
+    from harness.check import check_varlen_backward_case
+    from harness.timing import burst_ms, tflops
+    from harness.varlen_bench import backward_candidates, document_lengths, real_flops
+
+    failed = 0
+    for name, config in configs.items():
+        for lengths_q, lengths_k, h, h_kv, causal, softcap, window in packed_checks():
+            try:
+                row = check_varlen_backward_case(name, lengths_q, lengths_k, h, h_kv, d, causal, softcap, window)
+            except Exception as e:  # a crash fails the configuration
+                row = dict(kernel=name, ok=False, reason=f"{type(e).__name__}: {e}"[:300])
+            failed += not row["ok"]
+            print(f"check {name} packed {lengths_q} causal={int(causal)} softcap={softcap:g} window={window}: "
+                  f"{'ok' if row['ok'] else 'FAIL ' + row['reason']}", flush=True)
+            if out:
+                out.append(dict(row, check=True, config=config))
+    if failed:
+        print(f"{failed} checks failed: not timed", file=sys.stderr)
+        return 1
+    heads, lengths = 16, document_lengths()
+    total, scale = sum(lengths), d ** -0.5
+    q, k, v, dout = (torch.randn(total, heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    order = ("k10_fa3", *configs)
+    for causal in (0, 1):
+        flops = 2.5 * real_flops(lengths, heads, d, bool(causal))
+        calls = backward_candidates(q, k, v, dout, cu, lengths, bool(causal), scale, order)
+        calls.pop("sdpa-cudnn-padded", None)  # 10x behind: bench.py --varlen --backward has it
+        names = order[causal % len(order):] + order[:causal % len(order)] + ("fa4",)
+        for name in names:
+            row = dict(kernel=name, documents=len(lengths), tokens=total, nheads=heads, head_dim=d, causal=causal,
+                       backward=True, config=configs.get(name))
+            fn = calls[name]
+            if callable(fn):
+                ms = burst_ms(fn)
+                row.update(status="ok", call_ms=ms, call_tflops=tflops(flops, ms))
+                print(f"packed causal={causal} {name:<16}{ms:9.3f} ms {row['call_tflops']:8.1f} TFLOP/s", flush=True)
+            else:
+                row.update(status=fn)
+                print(f"packed causal={causal} {name:<16}{fn}", flush=True)
+            if out:
+                out.append(row)
     if out:
         print(f"wrote {out.close()}")
     return 0

@@ -233,6 +233,30 @@ def test_dkv_tma_store_sends_dk_and_dv_through_smem_by_tma_not_by_4_byte_stores(
 
 
 @pytest.mark.parametrize("d", [64, 128])
+def test_dkv_tma_packed_stores_whole_key_tiles_by_tma_and_a_sequences_last_by_rows(d):
+    from harness.backward import stage_overrides
+    from kernels.contract import UnsupportedProblem
+    from kernels.k10 import compile_backward
+
+    p = Problem(2, 4, 1000, d, causal=True, nheads_kv=2, varlen=True)
+    rows, both = (compile_backward(p, keep_ptx=True, **dict(stage_overrides("k10_fa3"), dkv_tma_packed=on))
+                  for on in (False, True))
+    assert not rows[3].get("dkv_tma_store") and both[3].get("dkv_tma_store") and both[3].get("dkv_tma_packed")
+    count = lambda pattern, compiled: len(re.findall(pattern, compiled_ptx(compiled[1])))  # noqa: E731
+    bulk_store = r"cp\.async\.bulk\.tensor\.\dd\.global\.shared"
+    # a runtime choice per CTA: the TMA stores beside the row stores, which stay for the partial tile
+    assert count(bulk_store, rows) == 0 < count(bulk_store, both)
+    assert count(r"st\.global", both) == count(r"st\.global", rows) > 0
+    assert count(r"stmatrix", both) - count(r"stmatrix", rows) == 2 * 128 * d // 256 // 8
+    # rectangular calls have the TMA stores already: the knob changes nothing there
+    q = p.with_(varlen=False)
+    assert compiled_ptx(compile_backward(q, keep_ptx=True, **dict(stage_overrides("k10_fa3"), dkv_tma_packed=True))[1]) \
+        == compiled_ptx(compile_backward(q, keep_ptx=True, **stage_overrides("k10_fa3"))[1])
+    with pytest.raises(UnsupportedProblem, match="dkv_tma_packed takes dkv_tma_store's TMA stores"):
+        compile_backward(p, **dict(stage_overrides("k10_fa3"), dkv_tma_store=False, dkv_tma_packed=True))
+
+
+@pytest.mark.parametrize("d", [64, 128])
 def test_the_flat_dq_share_leaves_in_16_byte_stores(d):
     from kernels.k10 import compile_backward
 

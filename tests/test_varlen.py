@@ -187,6 +187,15 @@ def test_the_packed_backward_refuses_a_bad_lse_by_name():
         varlen.attention_varlen_backward(q, k, v, q, torch.zeros(12, 4), q, cu_q, cu_k, 5, 5)
 
 
+def test_the_packed_backward_refuses_grads_it_cannot_store_by_tma():
+    q, k, v, cu_q, cu_k = (t.to(torch.bfloat16) if t.is_floating_point() else t for t in _packed([5, 2, 5], d=64))
+    lse = torch.zeros(q.shape[1], q.shape[0])
+    shifted = torch.empty(k.numel() + 1, dtype=k.dtype)[1:].view(k.shape)  # contiguous, 2 bytes off 16
+    with pytest.raises(UnsupportedProblem, match="grads\\[1\\] must be 16-byte aligned"):
+        varlen.attention_varlen_backward(q, k, v, q, lse, q, cu_q, cu_k, 5, 5,
+                                         grads=(torch.empty_like(q), shifted, torch.empty_like(v)))
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_k10_builds_the_packed_backward_at_d256_from_64_key_tiles(causal):
     from kernels.contract import Problem, compiled_ptx
