@@ -64,7 +64,8 @@ class K10Backward(k9.K9Backward):
                  varlen: bool = False, dq_swapab: bool = False, mask_edges: bool = False,
                  ds_free_once: bool = False, early_dq: bool = False, dq_split_queries: bool = False,
                  tanh_under_dp: bool = False, step_counter: bool = False, plain_first: bool = False,
-                 dkv_tma_store: bool = False, dkv_tma_packed: bool = False):
+                 dkv_tma_store: bool = False, dkv_tma_packed: bool = False, select_rows: bool = False,
+                 pin_descriptors: bool = False):
         super().__init__(head_dim, dtype, causal, num_wg, tile_m, q_stages)
         # dq_swapab (FA3's dQ_swapAB): dQ^T = K^T . dS^T, the warpgroups split d (64 rows each), so
         # that a step may take a tile_m that is not a multiple of 64 (FA3's 80 at d = 128)
@@ -97,6 +98,13 @@ class K10Backward(k9.K9Backward):
         # order (ptxas gave the first copy cheaper WGMMA descriptor arithmetic: 452 SASS a warp a
         # step against 530, d = 128)
         self.plain_first = plain_first
+        # select_rows: the edge step reads every column's LSE2 and D and sets the defaults past the
+        # sequence after, rather than reading under the guard: a guarded read rebuilt its SMEM
+        # address under its own predicate (4 instructions a read, 32 reads a step at d = 128)
+        self.select_rows = select_rows
+        # pin_descriptors: the staged SMEM operands (Q, dO, and early_dq's dS) as K5's
+        # sm90.StagedOperand, a descriptor built once and advanced by the stage, in both copies
+        self.pin_descriptors = pin_descriptors
         # dkv_tma_store (FA3's epilogue): dK and dV leave through sK and sV and a TMA store each,
         # rather than as 4-byte stores whose warp spans 8 rows (rectangular calls only: a packed
         # sequence's box would run into the next sequence's rows)
@@ -511,6 +519,10 @@ class K10Backward(k9.K9Backward):
         lse2, dot = Float32(float("inf")), Float32(0.0)
         if cutlass.const_expr(not edge):
             lse2, dot = self.row_values(row, sLSE, sD, lse2, dot)
+        elif cutlass.const_expr(self.select_rows):  # the stage's rows are all there to read
+            lse2, dot = self.row_values(row, sLSE, sD, lse2, dot)
+            if q >= seqlen:
+                lse2, dot = Float32(float("inf")), Float32(0.0)
         elif q < seqlen:
             lse2, dot = self.row_values(row, sLSE, sD, lse2, dot)
         return q, lse2, dot
@@ -772,6 +784,10 @@ class K10Backward(k9.K9Backward):
 
         (tSrK, tdPrV, tSrQ, tdPrdO, tdVrdO, tdKrQ, tdQrdS, tdQrK, tdVrP, tdKrdS, acc_dV, acc_dK, tScS,
          tdQcdQ) = self.mma_partitions(mmas, (sK, sV, sQ, sdO, sdS), wg_idx, tidx)
+        if cutlass.const_expr(self.pin_descriptors):
+            tSrQ, tdPrdO, tdVrdO, tdKrQ = (sm90.StagedOperand(x) for x in (tSrQ, tdPrdO, tdVrdO, tdKrQ))
+            if cutlass.const_expr(self.early_dq):
+                tdQrdS = sm90.StagedOperand(tdQrdS)
 
         pipeline_kv.consumer_wait(tma_pipeline.pipe_state(1, 0, producer=False))
         if cutlass.const_expr(self.step_counter):  # step 0's (head, query tile)

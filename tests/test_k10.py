@@ -232,6 +232,36 @@ def test_dkv_tma_store_sends_dk_and_dv_through_smem_by_tma_not_by_4_byte_stores(
         assert not compile_backward(q, **dict(stage_overrides("k10_fa3"), dkv_tma_store=True))[3].get("dkv_tma_store")
 
 
+def test_select_rows_reads_the_edge_steps_lse2_and_d_unguarded_then_selects():
+    from harness.backward import stage_overrides
+    from kernels.k10 import compile_backward
+
+    p = Problem(2, 4, 1000, 128, causal=True)
+    guarded, selected = (compiled_ptx(compile_backward(p, keep_ptx=True, **dict(stage_overrides("k10_fa3"),
+                                                                                 select_rows=on))[1])
+                         for on in (False, True))
+    count = lambda pattern, ptx: len(re.findall(pattern, ptx))  # noqa: E731
+    # the edge copy's reads, LSE2 in P's pass and D in dS's, one a column of the thread's 16 (64
+    # queries over 4 threads of a quad row): a branch around each read before, a select after it now
+    columns = 64 // 4
+    assert count(r"\bbra", guarded) - count(r"\bbra", selected) == 2 * columns
+    assert count(r"selp\.(?:f32|b32)", selected) - count(r"selp\.(?:f32|b32)", guarded) == 2 * columns
+
+
+def test_pin_descriptors_builds_each_staged_operands_descriptor_once():
+    from harness.backward import stage_overrides
+    from kernels.k10 import compile_backward
+
+    p = Problem(2, 4, 1000, 128, causal=True)
+    pinned = lambda ptx: re.findall(r"// begin inline asm\s*\n\s*mov\.b64[^\n]*\n\s*// end inline asm", ptx)  # noqa: E731
+    base, pin = (compiled_ptx(compile_backward(p, keep_ptx=True, **dict(stage_overrides("k10_fa3"),
+                                                                        pin_descriptors=on))[1]) for on in (False, True))
+    # Q and dO for S^T and dP^T, dO and Q again for dV and dK, and early_dq's staged dS for dQ
+    assert len(pinned(base)) == 0 and len(pinned(pin)) == 5
+    wgmma = r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16"
+    assert re.findall(wgmma, base) == re.findall(wgmma, pin)  # the same GEMMs
+
+
 @pytest.mark.parametrize("d", [64, 128])
 def test_dkv_tma_packed_stores_whole_key_tiles_by_tma_and_a_sequences_last_by_rows(d):
     from harness.backward import stage_overrides
