@@ -21,6 +21,29 @@ def real_flops(lengths: list, heads: int, head_dim: int, causal: bool) -> float:
     return 4.0 * heads * head_dim * sum(n * n - (n * n / 2 if causal else 0) for n in lengths)
 
 
+def packing(head_dim: int, heads: int) -> tuple:
+    """The documents' lengths and fresh bf16 q, k, v, dout (total, heads, d) on the GPU, with
+    cu_seqlens (int32)."""
+    import torch
+
+    lengths = document_lengths()
+    q, k, v, dout = (torch.randn(sum(lengths), heads, head_dim, device="cuda", dtype=torch.bfloat16)
+                     for _ in range(4))
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    return lengths, (q, k, v, dout), cu
+
+
+def timed(row: dict, fn, flops: float) -> dict:
+    """``row`` with the burst-timed call of ``fn`` (status ok, call_ms, call_tflops), or, where
+    ``fn`` is a reason string (a refused or missing candidate), that reason as its status."""
+    from .timing import burst_ms, tflops
+
+    if not callable(fn):
+        return dict(row, status=fn)
+    ms = burst_ms(fn)
+    return dict(row, status="ok", call_ms=ms, call_tflops=tflops(flops, ms))
+
+
 def rectangular_equivalent(name: str, lengths: list, heads: int, head_dim: int, causal: bool, timer,
                            backward: str | None = None) -> float:
     """Milliseconds the rectangular call would take on this packing: each document's work at the
@@ -119,10 +142,8 @@ def main(args, argv) -> int:
         print(f"bench.py --varlen{' --backward' if backward else ''} needs a CUDA GPU", file=sys.stderr)
         return 2
     d, causal, heads = args.headdim or 128, bool(args.causal), args.nheads or 16
-    lengths = document_lengths()
+    lengths, (q, k, v, dout), cu = packing(d, heads)
     total, scale = sum(lengths), d ** -0.5
-    q, k, v, dout = (torch.randn(total, heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     flops = (2.5 if backward else 1.0) * real_flops(lengths, heads, d, causal)
     out = results.open_result_file(args.out, results.command_line("bench.py", argv))
     print(f"== {torch.cuda.get_device_name()}: {mode}, {len(lengths)} documents, {total} tokens (lengths {lengths}), "
@@ -136,18 +157,15 @@ def main(args, argv) -> int:
     case = dict(documents=len(lengths), tokens=total, nheads=heads, head_dim=d, causal=int(causal), lengths=lengths,
                 **({"backward": True} if backward else {}))
     for name, fn in calls.items():
-        row = dict(kernel=name, **case)
-        if callable(fn):
-            ms = burst_ms(fn)
-            row.update(status="ok", call_ms=ms, call_tflops=tflops(flops, ms))
+        row = timed(dict(kernel=name, **case), fn, flops)
+        if row["status"] == "ok":
             alone = ""
             if name in kernels_alone:  # the compiled launch with its tile table made: what the host adds
                 row.update(kernel_ms=burst_ms(kernels_alone[name]))
                 row.update(kernel_tflops=tflops(flops, row["kernel_ms"]))
                 alone = f"   kernel alone {row['kernel_ms']:.3f} ms {row['kernel_tflops']:.1f} TFLOP/s"
-            print(f"{name:<34}{ms:>10.3f} ms {row['call_tflops']:>8.1f} TFLOP/s{alone}", flush=True)
+            print(f"{name:<34}{row['call_ms']:>10.3f} ms {row['call_tflops']:>8.1f} TFLOP/s{alone}", flush=True)
         else:
-            row.update(status=fn)
             print(f"{name:<34}{fn}", flush=True)
         if out:
             out.append(row)

@@ -94,20 +94,15 @@ def main(argv=None) -> int:
     out = results.open_result_file(args.out, results.command_line("scripts/ab_backward.py", argv))
     if args.varlen:
         return packed(args.headdim, configs, out)
-    failed = 0
-    for name, config in configs.items():
-        for p in checks(args.headdim, args.softcap):
-            try:
-                row = check_backward(p, backward=name)
-            except Exception as e:  # a crash fails the configuration
-                row = dict(backward_case(p, 1.0, backward=name), ok=False, reason=f"{type(e).__name__}: {e}"[:300])
-            failed += not row["ok"]
-            print(f"check {name} N={p.seqlen}/{p.kv_len} causal={int(p.causal)} softcap={p.softcap:g} "
-                  f"window={p.window}: {'ok' if row['ok'] else 'FAIL ' + row['reason']}", flush=True)
-            if out:
-                out.append(dict(row, check=True, config=config))
-    if failed:
-        print(f"{failed} checks failed: not timed", file=sys.stderr)
+    def check(name, p):
+        try:
+            return check_backward(p, backward=name)
+        except Exception as e:  # a crash fails the configuration
+            return dict(backward_case(p, 1.0, backward=name), ok=False, reason=f"{type(e).__name__}: {e}"[:300])
+
+    cases = list(checks(args.headdim, args.softcap))
+    if not all_pass(configs, cases, check, out, lambda p: f"N={p.seqlen}/{p.kv_len} causal={int(p.causal)} "
+                                                         f"softcap={p.softcap:g} window={p.window}"):
         return 1
 
     def emit(row):
@@ -122,6 +117,22 @@ def main(argv=None) -> int:
     if out:
         print(f"wrote {out.close()}")
     return 0
+
+
+def all_pass(configs: dict, cases: list, check, out, label) -> bool:
+    """Each configuration's checks (``check(name, case)`` -> a result row), printed and written as
+    they come; whether every one passed (a failure: nothing is timed)."""
+    failed = 0
+    for name, config in configs.items():
+        for case in cases:
+            row = check(name, case)
+            failed += not row["ok"]
+            print(f"check {name} {label(case)}: {'ok' if row['ok'] else 'FAIL ' + row['reason']}", flush=True)
+            if out:
+                out.append(dict(row, check=True, config=config))
+    if failed:
+        print(f"{failed} checks failed: not timed", file=sys.stderr)
+    return not failed
 
 
 def packed_checks():
@@ -141,31 +152,21 @@ def packed_checks():
 def packed(d: int, configs: dict, out) -> int:
     """``--varlen``: the packed checks of every configuration, then the packing's backward of each
     and of ``k10_fa3`` beside flash-attn-4's, causal 0 and 1, the order rotating."""
-    import torch
-
     from harness.check import check_varlen_backward_case
-    from harness.timing import burst_ms, tflops
-    from harness.varlen_bench import backward_candidates, document_lengths, real_flops
+    from harness.varlen_bench import backward_candidates, packing, real_flops, timed
 
-    failed = 0
-    for name, config in configs.items():
-        for lengths_q, lengths_k, h, h_kv, causal, softcap, window in packed_checks():
-            try:
-                row = check_varlen_backward_case(name, lengths_q, lengths_k, h, h_kv, d, causal, softcap, window)
-            except Exception as e:  # a crash fails the configuration
-                row = dict(kernel=name, ok=False, reason=f"{type(e).__name__}: {e}"[:300])
-            failed += not row["ok"]
-            print(f"check {name} packed {lengths_q} causal={int(causal)} softcap={softcap:g} window={window}: "
-                  f"{'ok' if row['ok'] else 'FAIL ' + row['reason']}", flush=True)
-            if out:
-                out.append(dict(row, check=True, config=config))
-    if failed:
-        print(f"{failed} checks failed: not timed", file=sys.stderr)
+    def check(name, case):
+        try:
+            return check_varlen_backward_case(name, *case[:4], d, *case[4:])
+        except Exception as e:  # a crash fails the configuration
+            return dict(kernel=name, ok=False, reason=f"{type(e).__name__}: {e}"[:300])
+
+    if not all_pass(configs, list(packed_checks()), check, out,
+                    lambda c: f"packed {c[0]} causal={int(c[4])} softcap={c[5]:g} window={c[6]}"):
         return 1
-    heads, lengths = 16, document_lengths()
+    heads = 16
+    lengths, (q, k, v, dout), cu = packing(d, heads)
     total, scale = sum(lengths), d ** -0.5
-    q, k, v, dout = (torch.randn(total, heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     order = ("k10_fa3", *configs)
     for causal in (0, 1):
         flops = 2.5 * real_flops(lengths, heads, d, bool(causal))
@@ -173,16 +174,10 @@ def packed(d: int, configs: dict, out) -> int:
         calls.pop("sdpa-cudnn-padded", None)  # 10x behind: bench.py --varlen --backward has it
         names = order[causal % len(order):] + order[:causal % len(order)] + ("fa4",)
         for name in names:
-            row = dict(kernel=name, documents=len(lengths), tokens=total, nheads=heads, head_dim=d, causal=causal,
-                       backward=True, config=configs.get(name))
-            fn = calls[name]
-            if callable(fn):
-                ms = burst_ms(fn)
-                row.update(status="ok", call_ms=ms, call_tflops=tflops(flops, ms))
-                print(f"packed causal={causal} {name:<16}{ms:9.3f} ms {row['call_tflops']:8.1f} TFLOP/s", flush=True)
-            else:
-                row.update(status=fn)
-                print(f"packed causal={causal} {name:<16}{fn}", flush=True)
+            row = timed(dict(kernel=name, documents=len(lengths), tokens=total, nheads=heads, head_dim=d,
+                             causal=causal, backward=True, config=configs.get(name)), calls[name], flops)
+            took = f"{row['call_ms']:9.3f} ms {row['call_tflops']:8.1f} TFLOP/s" if row["status"] == "ok" else row["status"]
+            print(f"packed causal={causal} {name:<16}{took}", flush=True)
             if out:
                 out.append(row)
     if out:

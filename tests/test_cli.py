@@ -339,6 +339,11 @@ def test_the_backward_ab_script_refuses_a_bad_configuration_or_a_taken_name(caps
     assert "one distinct --name for each --config" in capsys.readouterr().err
     shapes = [(p.seqlen, p.kv_len, p.causal, p.softcap, p.window) for p in ab.checks(128)]
     assert (1, 1, False, 0.0, (-1, -1)) in shapes and (1000, 4097, True, 0.0, (-1, -1)) in shapes and len(shapes) == 12
+    assert ab.main(["--varlen", "--softcap", "5", "--name", "k10_x", "--config", '{"tile_m": 80}']) == 2
+    assert "--varlen times the packing uncapped" in capsys.readouterr().err
+    packed = list(ab.packed_checks())  # empty, one-row, whole 128-key tiles and a partial one; both masks
+    lengths = {n for case in packed for n in case[0]}
+    assert {0, 1, 128, 256, 4097} <= lengths and {c[4] for c in packed} == {False, True} and len(packed) == 10
 
 
 def test_ref_check_headdim_picks_the_grids_cases(monkeypatch, capsys):
