@@ -65,7 +65,7 @@ class K10Backward(k9.K9Backward):
                  ds_free_once: bool = False, early_dq: bool = False, dq_split_queries: bool = False,
                  tanh_under_dp: bool = False, step_counter: bool = False, plain_first: bool = False,
                  dkv_tma_store: bool = False, dkv_tma_packed: bool = False, select_rows: bool = False,
-                 pin_descriptors: bool = False):
+                 pin_descriptors: bool = False, unguarded_rows: bool = False):
         super().__init__(head_dim, dtype, causal, num_wg, tile_m, q_stages)
         # dq_swapab (FA3's dQ_swapAB): dQ^T = K^T . dS^T, the warpgroups split d (64 rows each), so
         # that a step may take a tile_m that is not a multiple of 64 (FA3's 80 at d = 128)
@@ -105,6 +105,11 @@ class K10Backward(k9.K9Backward):
         # pin_descriptors: the staged SMEM operands (Q, dO, and early_dq's dS) as K5's
         # sm90.StagedOperand, a descriptor built once and advanced by the stage, in both copies
         self.pin_descriptors = pin_descriptors
+        # unguarded_rows (rectangular calls): no guard on the query rows past the sequence. The TMA
+        # fills them with zeros (Q, dO, LSE2 and D alike), so P = 1 and dP = 0 there: dV gains
+        # P^T dO = 0, dK gains dS^T Q = 0, and their dQ rows are never stored. A step is then an
+        # edge only for the masks. Packed, those rows are the next sequence's: guarded still
+        self.unguarded_rows = unguarded_rows and not varlen
         # dkv_tma_store (FA3's epilogue): dK and dV leave through sK and sV and a TMA store each,
         # rather than as 4-byte stores whose warp spans 8 rows (rectangular calls only: a packed
         # sequence's box would run into the next sequence's rows)
@@ -517,7 +522,7 @@ class K10Backward(k9.K9Backward):
         row = c_mn[0, c][1]
         q = m_block * self.tile_m + row
         lse2, dot = Float32(float("inf")), Float32(0.0)
-        if cutlass.const_expr(not edge):
+        if cutlass.const_expr(not edge or self.unguarded_rows):
             lse2, dot = self.row_values(row, sLSE, sD, lse2, dot)
         elif cutlass.const_expr(self.select_rows):  # the stage's rows are all there to read
             lse2, dot = self.row_values(row, sLSE, sD, lse2, dot)
@@ -562,7 +567,9 @@ class K10Backward(k9.K9Backward):
         last_q, last_k = first_q + self.tile_m - 1, first_k + self.tile_n - 1
         edge = last_q >= seqlen
         above, below = self.hidden(last_k, first_q + offset), self.hidden(first_k, last_q + offset)
-        if cutlass.const_expr(above is not None):  # None: no causal mask and no window
+        if cutlass.const_expr(self.unguarded_rows and above is not None):  # only the masks make an edge
+            edge = above | below
+        elif cutlass.const_expr(above is not None):  # None: no causal mask and no window
             edge = edge | above | below
         if cutlass.const_expr(self.varlen and not self.causal):
             edge = edge | (last_k >= seqlen_k)
@@ -812,7 +819,9 @@ class K10Backward(k9.K9Backward):
                     cute.arch.barrier(barrier_id=Barrier.MMA, number_of_threads=self.mma_threads)
             args = (mmas, (acc_S, acc_dP, acc_dK, acc_dV, acc_dQ), operands, tScS, sdS, (sLSE, sD, qdo.index),
                     n_block, m_block, lens, scale_log2, softmax_scale)
-            if cutlass.const_expr(self.mask_edges and self.plain_first):
+            if cutlass.const_expr(self.unguarded_rows and not self.causal and self.window is None):
+                step(*args, edge=False, **kw)  # nothing to mask and no row to guard: no edge
+            elif cutlass.const_expr(self.mask_edges and self.plain_first):
                 if cutlass.not_(self.on_edge(n_block, m_block, lens)):
                     step(*args, edge=False, **kw)
                 else:
@@ -1117,6 +1126,8 @@ def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = F
         cfg = cfg.with_(dkv_tma_store=False)  # a box at a packed sequence's last key tile would run into the next
     if not p.varlen and cfg.get("dkv_tma_packed"):
         cfg = cfg.with_(dkv_tma_packed=False)  # the same kernel as without it
+    if p.varlen and cfg.get("unguarded_rows"):
+        cfg = cfg.with_(unguarded_rows=False)  # a tile's rows past a sequence are the next one's
     key_tiles = -(-p.kv_len // tile_n)
     window = p.sliding_window
     arrive_last_first = p.causal or (window is not None and window[1] >= 0)  # key tiles start their walks in order

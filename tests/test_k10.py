@@ -248,6 +248,29 @@ def test_select_rows_reads_the_edge_steps_lse2_and_d_unguarded_then_selects():
     assert count(r"selp\.(?:f32|b32)", selected) - count(r"selp\.(?:f32|b32)", guarded) == 2 * columns
 
 
+def test_unguarded_rows_leaves_the_rows_past_the_sequence_to_the_tmas_zeros():
+    from harness.backward import stage_overrides
+    from kernels.k10 import compile_backward
+
+    count = lambda pattern, compiled: len(re.findall(pattern, compiled_ptx(compiled[1])))  # noqa: E731
+
+    def builds(p):
+        return tuple(compile_backward(p, keep_ptx=True, **dict(stage_overrides("k10_fa3"), unguarded_rows=on))
+                     for on in (False, True))
+
+    wgmma = r"wgmma\.mma_async"
+    # non-causal, 1000 queries: the last query tile was an edge for its rows alone; now one copy of the step
+    guarded, unguarded = builds(Problem(2, 4, 1000, 128))
+    assert count(wgmma, unguarded) * 2 == count(wgmma, guarded)
+    # causal: the edge copy (the diagonal) keeps its masks but reads LSE2 and D unguarded, 16 columns each
+    guarded, unguarded = builds(Problem(2, 4, 1000, 128, causal=True))
+    assert count(wgmma, unguarded) == count(wgmma, guarded)
+    assert count(r"\bbra", guarded) - count(r"\bbra", unguarded) == 2 * 64 // 4
+    # packed, a tile's rows past its sequence are the next sequence's: the knob is dropped
+    guarded, unguarded = builds(Problem(2, 4, 1000, 128, causal=True, varlen=True, nheads_kv=2))
+    assert not unguarded[3].get("unguarded_rows") and compiled_ptx(unguarded[1]) == compiled_ptx(guarded[1])
+
+
 def test_pin_descriptors_builds_each_staged_operands_descriptor_once():
     from harness.backward import stage_overrides
     from kernels.k10 import compile_backward
