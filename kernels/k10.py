@@ -71,7 +71,7 @@ class K10Backward(k9.K9Backward):
         # that a step may take a tile_m that is not a multiple of 64 (FA3's 80 at d = 128)
         self.dq_swapab = dq_swapab
         if dq_swapab:
-            assert head_dim == sm90.WGMMA_M * num_wg and not dq_flat, "d split 64 rows a warpgroup, dQ at [row, col]"
+            assert head_dim == sm90.WGMMA_M * num_wg, "d split 64 rows a warpgroup"
             self.dq_tile = (head_dim, tile_m)
         self.varlen = varlen  # packed sequences: ``call_varlen``
         # mask_edges (FA3's): only a step on an edge (the diagonal, a window's side, a sequence's
@@ -142,11 +142,8 @@ class K10Backward(k9.K9Backward):
         tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = super().tiled_mmas()
         if self.dq_split_queries:
             tiled_mma_dq = k9.dq_mma(self.dtype, self.head_dim, self.num_wg, split_queries=True)
-        if self.dq_swapab:  # dQ^T (d, tile_m) = K^T (d, tile_n) . dS^T: A and B both read MN-major
-            mn = warpgroup.OperandMajorMode.MN
-            tiled_mma_dq = sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, mn, mn, Float32,
-                                                             atom_layout_mnk=(self.num_wg, 1, 1),
-                                                             tiler_mn=(sm90.WGMMA_M, self.tile_m))
+        if self.dq_swapab:
+            tiled_mma_dq = swapped_dq_mma(self.dtype, self.num_wg, self.tile_m)
         return tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq
 
     def dq_operands(self, wg_dq, sdS: cute.Tensor, sK: cute.Tensor) -> tuple:
@@ -170,7 +167,10 @@ class K10Backward(k9.K9Backward):
         sK, sV, sQ, sdO, sdS = smem
         parts = list(super().mma_partitions(mmas, (sK, sV, sQ, sdO, sdS[None, None, 0]), wg_idx, tidx))
         wg_dq = mmas[2].get_slice(wg_idx * sm90.THREADS_PER_WARPGROUP)
-        parts[6] = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))  # tdQrdS (.., stage)
+        if self.dq_swapab:  # dQ^T = K^T . dS^T: dS^T is the B operand (tdQrK's place), staged
+            parts[7] = wg_dq.make_fragment_B(wg_dq.partition_B(sdS))
+        else:
+            parts[6] = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))  # tdQrdS (.., stage)
         return tuple(parts)
 
     @cute.jit
@@ -698,7 +698,11 @@ class K10Backward(k9.K9Backward):
         cute.arch.fence_view_async_shared()
         sm90.convert_to(sm90.acc_as_operand_a(acc_dP), tdKrdS)
         cute.arch.barrier(barrier_id=Barrier.MMA, number_of_threads=self.mma_threads)  # every dS^T stored
-        sm90.gemm(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, stage], tdQrK, zero_init=True, wg_wait=1)  # dV's done
+        if cutlass.const_expr(self.dq_swapab):  # its operands in (A, B) order: this stage's dS^T is B
+            dq_a, dq_b = tdQrdS, tdQrK[None, None, None, stage]
+        else:
+            dq_a, dq_b = tdQrdS[None, None, None, stage], tdQrK
+        sm90.gemm(tiled_mma_dq, acc_dQ, dq_a, dq_b, zero_init=True, wg_wait=1)  # dV's done
         sm90.gemm(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQ[None, None, None, stage], zero_init=False, wg_wait=1)  # dQ's
         self.hand_over_dq(acc_dQ, tdQcdQ, sdQ, tidx, t, 2 * wg_idx, sm90.THREADS_PER_WARPGROUP)  # its own pair
         warpgroup.wait_group(0)  # dK's GEMM reads dS^T from registers until it retires
@@ -793,7 +797,9 @@ class K10Backward(k9.K9Backward):
          tdQcdQ) = self.mma_partitions(mmas, (sK, sV, sQ, sdO, sdS), wg_idx, tidx)
         if cutlass.const_expr(self.pin_descriptors):
             tSrQ, tdPrdO, tdVrdO, tdKrQ = (sm90.StagedOperand(x) for x in (tSrQ, tdPrdO, tdVrdO, tdKrQ))
-            if cutlass.const_expr(self.early_dq):
+            if cutlass.const_expr(self.early_dq and self.dq_swapab):  # the staged dS^T, as dQ^T's B
+                tdQrK = sm90.StagedOperand(tdQrK)
+            elif cutlass.const_expr(self.early_dq):
                 tdQrdS = sm90.StagedOperand(tdQrdS)
 
         pipeline_kv.consumer_wait(tma_pipeline.pipe_state(1, 0, producer=False))
@@ -990,6 +996,14 @@ class VarlenPrepass(k9.Prepass):
                     mdQaccum[0, head, dq_row, lane + 32 * j] = Float32(0.0)
 
 
+def swapped_dq_mma(dtype, num_wg: int, tile_m: int) -> cute.TiledMma:
+    """``dq_swapab``'s dQ GEMM: dQ^T (d, tile_m) = K^T (d, tile_n) . dS^T, A and B both read
+    MN-major, the warpgroups 64 rows of d each."""
+    mn = warpgroup.OperandMajorMode.MN
+    return sm90_utils.make_trivial_tiled_mma(dtype, dtype, mn, mn, Float32, atom_layout_mnk=(num_wg, 1, 1),
+                                             tiler_mn=(sm90.WGMMA_M, tile_m))
+
+
 class FlatPostpass:
     """``dq_flat``'s post-pass, a CTA per query tile: its fp32 shares read back in the MMA threads'
     register order (16-byte loads, the warpgroup's threads side by side, as ``store_dq`` wrote
@@ -998,14 +1012,21 @@ class FlatPostpass:
 
     PAD = 8  # elements after each SMEM row: rows 16 bytes apart in the banks, so the MMA-order writes don't collide
 
-    def __init__(self, head_dim: int, dtype, num_wg: int, tile_m: int, split_queries: bool = False):
+    def __init__(self, head_dim: int, dtype, num_wg: int, tile_m: int, split_queries: bool = False,
+                 swapab: bool = False):
         self.head_dim, self.dtype, self.num_wg, self.tile_m = head_dim, dtype, num_wg, tile_m
         self.split_queries = split_queries  # the main kernel's dq_split_queries: its register order
+        self.swapab = swapab  # its dq_swapab: shares of dQ^T, (d, tile_m) in that GEMM's register order
+
+    def dq_mma(self) -> cute.TiledMma:
+        if self.swapab:
+            return swapped_dq_mma(self.dtype, self.num_wg, self.tile_m)
+        return k9.dq_mma(self.dtype, self.head_dim, self.num_wg, self.split_queries)
 
     @cute.jit
     def __call__(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, stream):
         grid = (cute.ceil_div(mdQ.shape[2], self.tile_m), mdQ.shape[1], mdQ.shape[0])
-        self.kernel(mdQaccum, mdQ, k9.dq_mma(self.dtype, self.head_dim, self.num_wg, self.split_queries), None).launch(
+        self.kernel(mdQaccum, mdQ, self.dq_mma(), None).launch(
             grid=grid, block=[sm90.THREADS_PER_WARPGROUP * self.num_wg, 1, 1], stream=stream)
 
     @cute.jit
@@ -1014,8 +1035,7 @@ class FlatPostpass:
         """Packed: (1, heads, total, d) dQ, a CTA per (query tile, head, sequence) of the longest
         sequence's ``max_tiles``; sequence b's tiles in the slots from ``packed_tile_start``."""
         grid = (max_tiles, mdQ.shape[1], mCuSeqlensQ.shape[0] - 1)
-        self.kernel(mdQaccum, mdQ, k9.dq_mma(self.dtype, self.head_dim, self.num_wg, self.split_queries),
-                    mCuSeqlensQ).launch(
+        self.kernel(mdQaccum, mdQ, self.dq_mma(), mCuSeqlensQ).launch(
             grid=grid, block=[sm90.THREADS_PER_WARPGROUP * self.num_wg, 1, 1], stream=stream)
 
     @cute.kernel
@@ -1032,7 +1052,8 @@ class FlatPostpass:
             self.dtype, cute.make_layout((self.tile_m, self.head_dim), stride=(self.head_dim + self.PAD, 1)),
             byte_alignment=16)
         if m_block * self.tile_m < seqlen:  # packed: the longest sequence's tile count was launched
-            tdQcdQ = tiled_mma_dq.get_slice(tidx).partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim)))
+            shape = (self.head_dim, self.tile_m) if cutlass.const_expr(self.swapab) else (self.tile_m, self.head_dim)
+            tdQcdQ = tiled_mma_dq.get_slice(tidx).partition_C(cute.make_identity_tensor(shape))
             per_thread, threads = cute.size(tdQcdQ), sm90.THREADS_PER_WARPGROUP
             rows = self.tile_m * self.head_dim // FLAT_WIDTH  # of the flat buffer, per query tile
             tile = mdQaccum[batch, head, None, None]
@@ -1043,7 +1064,7 @@ class FlatPostpass:
                                                                                       stride=(1, 4 * threads))),
                               cute.make_tensor(acc.iterator, cute.make_layout((4, per_thread // 4))))
             for i in cutlass.range_constexpr(per_thread):  # acc[i]: the share of tdQcdQ[i], as store_dq wrote it
-                row, col = tdQcdQ[i]
+                row, col = tdQcdQ[i] if cutlass.const_expr(not self.swapab) else tdQcdQ[i][::-1]
                 sdQ[row, col] = acc[i].to(self.dtype)
         cute.arch.barrier()
         if m_block * self.tile_m < seqlen:
@@ -1090,10 +1111,9 @@ def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = F
     if cfg["tile_m"] % sm90.WGMMA_M and not cfg.get("dq_swapab"):
         raise UnsupportedProblem(f"K10 (backward) config {cfg}: tile_m must be a multiple of 64 (dQ's GEMM takes the "
                                  "queries as M, 64 rows a warpgroup), or a multiple of 16 with dq_swapab")
-    if cfg.get("dq_swapab") and (p.head_dim != sm90.WGMMA_M * cfg["num_wg"] or dq_flat):
+    if cfg.get("dq_swapab") and p.head_dim != sm90.WGMMA_M * cfg["num_wg"]:
         raise UnsupportedProblem(f"K10 (backward) config {cfg}: dq_swapab splits d over the warpgroups, 64 rows "
-                                 f"each (head_dim {sm90.WGMMA_M * cfg['num_wg']} here, not {p.head_dim}), and "
-                                 "stores dQ at [row, col] (not dq_flat)")
+                                 f"each (head_dim {sm90.WGMMA_M * cfg['num_wg']} here, not {p.head_dim})")
     if p.softcap and cfg.get("overlap"):  # the overlapped step keeps no register for tanh's derivative
         cfg = cfg.with_(overlap=False)
     dt = cute_dtype(p.dtype)
@@ -1165,7 +1185,8 @@ def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = F
     def flat_post():
         f = FakeShapes()
         x, _ = k9.fake_tensors(p, f)
-        post = FlatPostpass(p.head_dim, dt, cfg["num_wg"], cfg["tile_m"], bool(cfg.get("dq_split_queries")))
+        post = FlatPostpass(p.head_dim, dt, cfg["num_wg"], cfg["tile_m"], bool(cfg.get("dq_split_queries")),
+                            bool(cfg.get("dq_swapab")))
         if p.varlen:
             return post.call_varlen, (accumulator(f, x), x(dt), cu_seqlens(), Int32(1), fake_stream())
         return post, (accumulator(f, x), x(dt), fake_stream())

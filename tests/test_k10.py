@@ -62,6 +62,26 @@ def test_dq_swapab_lets_a_step_take_80_queries_at_d128():
         compile_backward(p, tile_m=80)
 
 
+def test_dq_swapab_takes_the_flat_dq_shares_and_early_dq_at_80_queries():
+    # flash-attn-4's d = 128 non-causal tile, on k10_fa3's step: dQ^T's shares go out in its own
+    # register order (flat) and the post-pass reads them back with the same swapped tiled MMA
+    from harness.backward import stage_overrides
+    from kernels.k10 import compile_backward
+
+    p = Problem(2, 4, 1000, 128, causal=True)
+    compiled = compile_backward(p, keep_ptx=True, **dict(stage_overrides("k10_fa3"), tile_m=80, dq_swapab=True))
+    cfg = compiled[3]
+    assert cfg["tile_m"] == 80 and cfg["dq_swapab"] and cfg["dq_flat"] and cfg["early_dq"]
+    ptx = compiled_ptx(compiled[1])
+    shapes = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k16)", ptx)
+    # per copy of the step (mask_edges: two): S^T, dP^T and dQ^T n80 (3 x 8), dV and dK n128 over 80 queries (2 x 5)
+    assert shapes.count("m64n80k16") == 2 * 3 * 8 and shapes.count("m64n128k16") == 2 * 2 * 5
+    # each warpgroup's flat half: 64 rows of d x 80 queries = 20 rows of 256 floats, a reduce-add each
+    assert len(re.findall(r"cp\.reduce\.async\.bulk\.tensor", ptx)) == 2
+    post = compiled_ptx(compiled[2])  # 80 x 128 floats over 256 threads, 16 bytes a load
+    assert len(re.findall(r"ld\.global\.v4\.[fb]32", post)) == 80 * 128 // 256 // 4
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_mask_edges_gives_steps_off_every_edge_a_copy_without_masks_or_guards(causal):
     from kernels.k10 import compile_backward
