@@ -49,16 +49,31 @@ def ptxas_report(ptx: str, arch: str = "sm_90a") -> list:
     return [row for module in split_modules(ptx) for row in _ptxas_module(module, arch)]
 
 
-def _ptxas_module(ptx: str, arch: str) -> list:
+def wgmma_serialized(ptx: str, arch: str = "sm_90a"):
+    """Whether ptxas serializes some module's WGMMAs (its C7512 "insufficient register resources":
+    each waits for the one before), or None without ptxas."""
+    runs = [_ptxas_run(module, arch) for module in split_modules(ptx)]
+    return None if None in runs else any("C7512" in out for out, _ in runs)
+
+
+def _ptxas_run(ptx: str, arch: str):
+    """(ptxas -v's output, its exit code) for one module, or None without ptxas."""
     ptxas = shutil.which("ptxas") or next((str(p) for p in Path("/usr/local").glob("cuda*/bin/ptxas")), None)
     if not ptxas:
-        return []
+        return None
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "k.ptx"
         src.write_text(ptx)
         proc = subprocess.run([ptxas, "--gpu-name", arch, "-v", str(src), "-o", str(Path(tmp) / "k.cubin")],
                               capture_output=True, text=True)
-    out, rows, current = proc.stderr + proc.stdout, [], None
+    return proc.stderr + proc.stdout, proc.returncode
+
+
+def _ptxas_module(ptx: str, arch: str) -> list:
+    run = _ptxas_run(ptx, arch)
+    if run is None:
+        return []
+    (out, returncode), rows, current = run, [], None
     for line in out.splitlines():
         m = re.search(r"Compiling entry function '(\w+)'", line)
         if m:
@@ -72,6 +87,6 @@ def _ptxas_module(ptx: str, arch: str) -> list:
             rows[-1][1] = int(m.group(1))
             s = re.search(r"(\d+) bytes smem", line)
             rows[-1][2] = int(s.group(1)) if s else 0
-    if proc.returncode != 0 and not rows:
-        return [("ptxas failed", None, None, proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "")]
+    if returncode != 0 and not rows:
+        return [("ptxas failed", None, None, out.strip().splitlines()[-1] if out.strip() else "")]
     return [tuple(r) for r in rows]

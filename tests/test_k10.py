@@ -62,6 +62,23 @@ def test_dq_swapab_lets_a_step_take_80_queries_at_d128():
         compile_backward(p, tile_m=80)
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_ptxas_keeps_the_default_steps_wgmmas_in_flight(d):
+    # ptxas serializes WGMMAs (each waits for the one before, its C7512) when the accumulators do
+    # not fit the registers; the default must not come near that
+    from harness.backward import stage_overrides
+    from harness.inspect_ptx import wgmma_serialized
+    from kernels.k10 import compile_backward
+
+    for causal in (False, True):
+        ptx = compiled_ptx(compile_backward(Problem(2, 4, 1000, d, causal=causal), keep_ptx=True,
+                                            **stage_overrides("k10_fa3"))[1])
+        serialized = wgmma_serialized(ptx)
+        if serialized is None:
+            pytest.skip("no ptxas on PATH")
+        assert not serialized, (d, causal)
+
+
 def test_dq_swapab_takes_the_flat_dq_shares_and_early_dq_at_80_queries():
     # flash-attn-4's d = 128 non-causal tile, on k10_fa3's step: dQ^T's shares go out in its own
     # register order (flat) and the post-pass reads them back with the same swapped tiled MMA
@@ -80,6 +97,16 @@ def test_dq_swapab_takes_the_flat_dq_shares_and_early_dq_at_80_queries():
     assert len(re.findall(r"cp\.reduce\.async\.bulk\.tensor", ptx)) == 2
     post = compiled_ptx(compiled[2])  # 80 x 128 floats over 256 threads, 16 bytes a load
     assert len(re.findall(r"ld\.global\.v4\.[fb]32", post)) == 80 * 128 // 256 // 4
+    # 80 queries hold 248 floats of accumulators a thread: the overlapped start (S^T and dP^T both in
+    # flight) makes ptxas serialize the WGMMAs; the sequential one with pinned descriptors does not
+    from harness.inspect_ptx import wgmma_serialized
+
+    lean = dict(stage_overrides("k10_fa3"), tile_m=80, dq_swapab=True, overlap=False, pin_descriptors=True,
+                unguarded_rows=True)
+    verdicts = (wgmma_serialized(ptx), wgmma_serialized(compiled_ptx(compile_backward(p, keep_ptx=True, **lean)[1])))
+    if None in verdicts:
+        pytest.skip("no ptxas on PATH")
+    assert verdicts == (True, False)
 
 
 @pytest.mark.parametrize("causal", [False, True])
