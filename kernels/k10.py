@@ -108,15 +108,18 @@ class K10Backward(k9.K9Backward):
         # unguarded_rows (rectangular calls): no guard on the query rows past the sequence. The TMA
         # fills them with zeros (Q, dO, LSE2 and D alike), so P = 1 and dP = 0 there: dV gains
         # P^T dO = 0, dK gains dS^T Q = 0, and their dQ rows are never stored. A step is then an
-        # edge only for the masks. Packed, those rows are the next sequence's: guarded still
-        self.unguarded_rows = unguarded_rows and not varlen
+        # edge only for the masks. Packed, those rows are the next sequence's (compile_backward drops it)
+        self.unguarded_rows = unguarded_rows
+        assert not (unguarded_rows and varlen), "packed: a tile's rows past a sequence are the next one's"
         # dkv_tma_store (FA3's epilogue): dK and dV leave through sK and sV and a TMA store each,
         # rather than as 4-byte stores whose warp spans 8 rows (rectangular calls only: a packed
         # sequence's box would run into the next sequence's rows)
         self.dkv_tma_store = dkv_tma_store
         # dkv_tma_packed: packed too, a sequence's whole key tiles by TMA at its rows, its last,
-        # partial one (whose box would reach the next sequence) by rows
-        self.dkv_tma_packed = dkv_tma_packed and varlen
+        # partial one (whose box would reach the next sequence) by rows (compile_backward drops it
+        # for rectangular calls, where dkv_tma_store alone is the same kernel)
+        self.dkv_tma_packed = dkv_tma_packed
+        assert not dkv_tma_packed or varlen, "dkv_tma_packed: packed sequences only"
         assert not (dkv_tma_store and varlen and not dkv_tma_packed), "packed: dK and dV by rows"
         assert not dkv_tma_packed or dkv_tma_store, "dkv_tma_packed is dkv_tma_store's, on packed sequences"
         assert not self.tanh_under_dp or (early_dq and not overlap), "early_dq's step, its start without overlap"
@@ -578,16 +581,22 @@ class K10Backward(k9.K9Backward):
     # ---- MMA warpgroups: K9's step, with named barriers and dQ through sdQ --------------------
 
     @cute.jit
+    def issue_s_and_dp(self, tiled_mma_sdp: cute.TiledMma, accs: tuple, operands: tuple, stage: Int32,
+                       running: cutlass.Constexpr[int]):
+        """S^T's GEMM, then dP^T's, issued; the wait leaves ``running`` of them (the last) in flight."""
+        tSrK, tSrQ, tdPrV, tdPrdO = operands[:4]
+        sm90.gemm(tiled_mma_sdp, accs[0], tSrK, tSrQ[None, None, None, stage], zero_init=True, wg_wait=-1)
+        sm90.gemm(tiled_mma_sdp, accs[1], tdPrV, tdPrdO[None, None, None, stage], zero_init=True, wg_wait=running)
+
+    @cute.jit
     def scores_and_grads(self, tiled_mma_sdp: cute.TiledMma, accs: tuple, operands: tuple, tScS: cute.Tensor,
                          rows: tuple, n_block: Int32, m_block: Int32, lens: tuple, scale_log2: Float32,
                          softmax_scale: Float32, edge: bool):
         """A step's start (both steps but the overlapped one): S^T and dP^T, waited for, then
         ``p_and_ds`` on them."""
         acc_S, acc_dP = accs[0], accs[1]
-        tSrK, tSrQ, tdPrV, tdPrdO = operands[:4]
         stage = rows[2]
-        sm90.gemm(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage], zero_init=True, wg_wait=-1)
-        sm90.gemm(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True, wg_wait=0)
+        self.issue_s_and_dp(tiled_mma_sdp, accs, operands, stage, 0)
         self.p_and_ds(acc_S, acc_dP, tScS, rows[0][None, stage], rows[1][None, stage], n_block, m_block, lens,
                       scale_log2, softmax_scale, edge)
 
@@ -654,12 +663,9 @@ class K10Backward(k9.K9Backward):
                          softmax_scale: Float32, edge: bool):
         """The overlapped steps' start: S^T and dP^T issued, P^T computed (and converted to dV's
         operand) while dP^T's GEMM still runs, then dS^T."""
-        acc_S, acc_dP = accs[0], accs[1]
-        tSrK, tSrQ, tdPrV, tdPrdO, tdVrP = operands[:5]
+        acc_S, acc_dP, tdVrP = accs[0], accs[1], operands[4]
         stage = rows[2]
-        sm90.gemm(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage], zero_init=True, wg_wait=-1)
-        sm90.gemm(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True,
-                  wg_wait=1)  # S done, dP runs on
+        self.issue_s_and_dp(tiled_mma_sdp, accs, operands, stage, 1)  # S done, dP runs on
         self.probabilities(acc_S, tScS, rows[0][None, stage], n_block, m_block, lens, scale_log2, edge)
         sm90.convert_to(sm90.acc_as_operand_a(acc_S), tdVrP)
         warpgroup.wait_group(0)
@@ -682,8 +688,7 @@ class K10Backward(k9.K9Backward):
             self.overlapped_start(tiled_mma_sdp, accs, operands, tScS, rows, n_block, m_block, lens, scale_log2,
                                   softmax_scale, edge)
         elif cutlass.const_expr(self.tanh_under_dp):  # the cap's tanh while dP's GEMM runs, P after it
-            sm90.gemm(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage], zero_init=True, wg_wait=-1)
-            sm90.gemm(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True, wg_wait=1)
+            self.issue_s_and_dp(tiled_mma_sdp, accs, operands, stage, 1)
             self.cap_scores(acc_S, softmax_scale)
             warpgroup.wait_group(0)
             self.p_and_ds(acc_S, acc_dP, tScS, rows[0][None, stage], rows[1][None, stage], n_block, m_block, lens,
