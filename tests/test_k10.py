@@ -231,6 +231,8 @@ def test_the_default_backward_takes_flash_attn_4s_128_query_tile_at_d64_only():
     cfg64, cfg128 = (config(Problem(2, 4, 1000, d), overrides) for d in (64, 128))
     assert cfg64["tile_m"] == 128 and cfg64.get("dq_split_queries") and cfg64.get("early_dq")
     assert cfg128["tile_m"] == 64 and not cfg128.get("dq_split_queries") and cfg128.get("early_dq")
+    # and, at d = 64 only, no guard on rows past the sequence (results/ab-k10-edge-d64-h100.json)
+    assert cfg64.get("unguarded_rows") and cfg64.get("pin_descriptors") and not cfg128.get("unguarded_rows")
     compiled = compile_backward(Problem(2, 4, 1000, 64, causal=True), keep_ptx=True, **overrides)
     shapes = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k16)", compiled_ptx(compiled[1]))
     # per copy of the step: S^T, dP^T n128 over d = 64 (2 x 4); dV, dK n64 over 128 queries (2 x 8);
