@@ -653,6 +653,33 @@ def varlen_backward_table(runs):
             + f"{_from(sorted(runs, key=lambda f: f['rows'][0]['causal']))}.\n\n" + markdown_table(header, body))
 
 
+def packed_ab_table(run):
+    """docs/varlen.md: scripts/ab_backward.py --varlen, each configuration's packed checks, then its
+    packed backward beside k10_fa3's and flash-attn-4's in the same run."""
+    checks = [r for r in run["rows"] if r.get("check") is not None or "lengths_q" in r]
+    timed = [r for r in run["rows"] if "documents" in r and r.get("status") == "ok"]
+    by = {}
+    for r in timed:
+        by.setdefault(r["causal"], {})[r["kernel"]] = r
+    causals = sorted(by)
+    named = []
+    for name in dict.fromkeys(r["kernel"] for r in checks):
+        mine = [r for r in checks if r["kernel"] == name]
+        named.append(f"`{name}` = `{json.dumps(next(r.get('config') for r in timed if r['kernel'] == name))}`: "
+                     f"{sum(bool(r['ok']) for r in mine)} of {len(mine)} packed checks passed before the timing.")
+    body = [[_varlen_label(name)] + [fmt(by[c].get(name, {}).get("call_tflops")) for c in causals]
+            + [_ratio(by[c].get(name, {}).get("call_tflops"), by[c].get(peer, {}).get("call_tflops"))
+               for peer in ("k10_fa3", "fa4") for c in causals]
+            for name in dict.fromkeys(r["kernel"] for r in timed)]
+    header = (["backward"] + [f"TFLOP/s {CAUSAL_NAMES[c]}" for c in causals]
+              + [f"× `k10_fa3`, {CAUSAL_NAMES[c]}" for c in causals]
+              + [f"× flash-attn-4, {CAUSAL_NAMES[c]}" for c in causals])
+    r0 = timed[0]
+    return (" ".join(named) + f" TFLOP/s of one packed backward ({r0['documents']} documents, {r0['tokens']} tokens, "
+            f"{r0['nheads']} heads, d = {r0['head_dim']}, bf16) through autograd, burst-timed, one run. "
+            f"{_from([run])}.\n\n" + markdown_table(header, body))
+
+
 def _flops(r) -> float:
     from kernels.contract import Problem
 
@@ -1587,6 +1614,9 @@ def fill_varlen_page(refchecks) -> None:
         fill("varlen", "softcap", lambda: softcap_table(*pairs))
     if varlen or varlen_backward or windows or backward or any(pairs):
         fill("varlen", "targets", lambda: issue35_targets(varlen, windows, rect, backward, pairs, varlen_backward))
+    packed_ab = run("ab-k10-packed-*.json")
+    if packed_ab:
+        fill("varlen", "packed-backward-ab", lambda: packed_ab_table(packed_ab))
     cost = run("softcap-cost-*.json")
     if cost:
         fill("varlen", "softcap-cost", lambda: softcap_cost_table(cost))
@@ -1677,7 +1707,8 @@ def main(argv=None):
         joined = dict(meta=dict(newest(variants)["meta"], command=" ; ".join(f["meta"].get("command", "") for f in variants)),
                       rows=[r for f in variants for r in f["rows"]])
         fill("k10", "backward-variants", lambda: backward_sweep_table(joined))
-    abs_ = [f for f in finished("ab-*.json") if gpu_short_name(f["meta"].get("device", "")) == TARGET_GPU]
+    abs_ = [f for f in finished("ab-*.json") if gpu_short_name(f["meta"].get("device", "")) == TARGET_GPU
+            and not any("documents" in r for r in f["rows"])]  # packed ones: docs/varlen.md
     if abs_:  # scripts/ab_backward.py: a knob's checks, then its timings beside k10_fa3 and the peers
         fill("k10", "backward-ab", lambda: "\n\n".join(backward_ab_table(f) for f in abs_))
     backward_checks = sorted(finished("refcheck-backward-*.json"), key=lambda f: f["meta"].get("date", ""), reverse=True)

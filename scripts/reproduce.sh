@@ -505,7 +505,8 @@ out.close()") || rc=1
       2>&1 | tail -3 || rc=1
     timeout 200 $py -m harness.training --out "$dir/training-$gpu.json" || rc=1
     for case in "k9 K9 False 128 300 True" "k10 K10 False 128 300 True" "k10_fa3 K10 False 256 300 True" \
-                "k10_fa3 K10 False 64 300 True" "k10_fa3 K10 True 64 300 True" "k10_fa3 K10 False 128 300 True" \
+                "k10_fa3 K10 False 64 300 True" "k10_fa3 K10 True 64 300 True" "k10_fa3 K10 False 64 300 False" \
+                "k10_fa3 K10 False 128 300 True" \
                 "k10_fa3 K10 True 128 300 True" "k10_fa3 K10 False 128 300 True softcap=5.0" \
                 "k10_fa3 K10 False 64 700 False window_size=(150,90)"; do
       # det: under torch.use_deterministic_algorithms; the rest: head dim, length, causal, a feature
