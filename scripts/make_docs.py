@@ -1008,7 +1008,7 @@ def backward_kernels_table(f):
 
 
 def ncu_stalls_table(f, top: int = 8):
-    """docs/k6.md: scripts/ncu_stalls.py, per kernel the SASS instructions where most warp-stall
+    """docs/k6.md, docs/k10.md (--backward): scripts/ncu_stalls.py, per kernel the SASS instructions where most warp-stall
     samples fell (share of all the kernel's samples, the leading reason)."""
     r0 = f["rows"][0]
     head = (f"`{f['meta'].get('command', '')}`, {gpu_short_name(f['meta'].get('device', ''))}, "
@@ -1738,8 +1738,10 @@ def main(argv=None):
     if kernels_run:
         fill("k10", "backward-kernels", lambda: backward_kernels_table(kernels_run))
     stalls = finished("ncu-stalls-*.json")
-    if stalls:
-        fill("k6", "ncu-stalls", lambda: "\n\n".join(ncu_stalls_table(f) for f in stalls))
+    for stem, backward in (("k6", False), ("k10", True)):  # scripts/ncu_stalls.py [--backward]
+        mine = [f for f in stalls if bool(f["rows"][0].get("backward")) == backward]
+        if mine:
+            fill(stem, "ncu-stalls", lambda mine=mine: "\n\n".join(ncu_stalls_table(f) for f in mine))
     sass = finished("sass-loops*.json")
     if sass:
         fill("k6", "sass-loops", lambda: sass_loops_table(sass))

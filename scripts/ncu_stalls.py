@@ -3,7 +3,8 @@
     python scripts/ncu_stalls.py --seqlen 16384 --headdim 128 --causal 0 --out results/ncu-stalls-d128-n16k-h100.json
 
 Runs ``ncu`` (on PATH, GPU machine) on one launch of k6 and one of flash-attn-4 for the same
-workload as bench.py, with the SourceCounters section (PC sampling), prints the SASS page as CSV,
+workload as bench.py (``--backward``: the main kernels of K10's default backward and of
+flash-attn-4's, in bench.py --backward's autograd backward), with the SourceCounters section (PC sampling), prints the SASS page as CSV,
 and sums the samples per instruction. The summary per kernel: total samples, samples per stall
 reason, and the instructions with the most samples (address, opcode, samples, the top reasons),
 so that e.g. a named-barrier wait shows which ``BAR.SYNC`` it is. Rows go to --out as they are made.
@@ -23,13 +24,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from harness import results  # noqa: E402
 
 KERNELS = {"k6": "FMHA", "fa4": "FlashAttentionForwardSm90"}
+BACKWARD_KERNELS = {"k10_fa3": "K10Backward", "fa4": "FlashAttentionBackwardSm90"}
 
 
-def profile(regex: str, seqlen: int, d: int, causal: int, raw_dir: str | None) -> str:
+def profile(regex: str, seqlen: int, d: int, causal: int, raw_dir: str | None, backward: bool = False) -> str:
     """The SASS source page of one launch, as ncu's CSV text."""
+    workload = ["--backward", "k10_fa3"] if backward else ["k6"]
     cmd = ["ncu", "--clock-control", "none", "--section", "SourceCounters", "--section", "WarpStateStats",
            "--kernel-name", f"regex:{regex}", "--launch-count", "1", "--page", "source", "--print-source", "sass",
-           "--csv", sys.executable, "bench.py", "k6", "--seqlen", str(seqlen), "--headdim", str(d),
+           "--csv", sys.executable, "bench.py", *workload, "--seqlen", str(seqlen), "--headdim", str(d),
            "--causal", str(causal)]
     text = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent).stdout
     if raw_dir:
@@ -73,16 +76,21 @@ def main(argv=None) -> int:
     ap.add_argument("--seqlen", type=int, default=16384)
     ap.add_argument("--headdim", type=int, default=128)
     ap.add_argument("--causal", type=int, default=0, choices=(0, 1))
-    ap.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=list(KERNELS))
+    ap.add_argument("--backward", action="store_true", help="the backward's main kernels (k10_fa3, fa4)")
+    ap.add_argument("--kernels", nargs="+", choices=sorted(set(KERNELS) | set(BACKWARD_KERNELS)),
+                    help="default: both of the pass's")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--raw-dir", help="keep ncu's CSV pages here")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     out = results.open_result_file(args.out, results.command_line("scripts/ncu_stalls.py", argv))
-    for name in args.kernels:
-        s = summarize(name, parse(profile(KERNELS[name], args.seqlen, args.headdim, args.causal, args.raw_dir)),
-                      args.top)
-        s.update(head_dim=args.headdim, seqlen=args.seqlen, causal=args.causal)
+    names = BACKWARD_KERNELS if args.backward else KERNELS
+    for name in args.kernels or list(names):
+        if name not in names:
+            ap.error(f"--kernels {name}: not one of {list(names)}{' with --backward' if args.backward else ''}")
+        text = profile(names[name], args.seqlen, args.headdim, args.causal, args.raw_dir, args.backward)
+        s = summarize(name, parse(text), args.top)
+        s.update(head_dim=args.headdim, seqlen=args.seqlen, causal=args.causal, backward=args.backward)
         if out:
             out.append(s)
         print(f"== {name}: {s['samples']:.0f} samples; by reason: "
