@@ -65,7 +65,7 @@ class K10Backward(k9.K9Backward):
                  ds_free_once: bool = False, early_dq: bool = False, dq_split_queries: bool = False,
                  tanh_under_dp: bool = False, step_counter: bool = False, plain_first: bool = False,
                  dkv_tma_store: bool = False, dkv_tma_packed: bool = False, select_rows: bool = False,
-                 pin_descriptors: bool = False, unguarded_rows: bool = False):
+                 pin_descriptors: bool = False, unguarded_rows: bool = False, rows_ahead: bool = False):
         super().__init__(head_dim, dtype, causal, num_wg, tile_m, q_stages)
         # dq_swapab (FA3's dQ_swapAB): dQ^T = K^T . dS^T, the warpgroups split d (64 rows each), so
         # that a step may take a tile_m that is not a multiple of 64 (FA3's 80 at d = 128)
@@ -110,6 +110,10 @@ class K10Backward(k9.K9Backward):
         # P^T dO = 0, dK gains dS^T Q = 0, and their dQ rows are never stored. A step is then an
         # edge only for the masks. Packed, those rows are the next sequence's (compile_backward drops it)
         self.unguarded_rows = unguarded_rows
+        # rows_ahead (flash-attn-4's order): the overlapped start reads its columns' LSE2 between
+        # the S^T and dP^T issues and their D before dP^T's wait, so neither SMEM read waits after
+        # a GEMM's wait (a step whose reads need no guard: a plain step, or unguarded_rows)
+        self.rows_ahead = rows_ahead
         assert not (unguarded_rows and varlen), "packed: a tile's rows past a sequence are the next one's"
         # dkv_tma_store (FA3's epilogue): dK and dV leave through sK and sV and a TMA store each,
         # rather than as 4-byte stores whose warp spans 8 rows (rectangular calls only: a packed
@@ -582,11 +586,25 @@ class K10Backward(k9.K9Backward):
 
     @cute.jit
     def issue_s_and_dp(self, tiled_mma_sdp: cute.TiledMma, accs: tuple, operands: tuple, stage: Int32,
-                       running: cutlass.Constexpr[int]):
-        """S^T's GEMM, then dP^T's, issued; the wait leaves ``running`` of them (the last) in flight."""
+                       running: cutlass.Constexpr[int], ahead: tuple = None):
+        """S^T's GEMM, then dP^T's, issued; the wait leaves ``running`` of them (the last) in flight.
+        ``ahead`` ((tScS, the stage's LSE2 row)): the columns' LSE2 read between the two issues, returned."""
         tSrK, tSrQ, tdPrV, tdPrdO = operands[:4]
         sm90.gemm(tiled_mma_sdp, accs[0], tSrK, tSrQ[None, None, None, stage], zero_init=True, wg_wait=-1)
+        lse2 = None
+        if cutlass.const_expr(ahead is not None):
+            lse2 = self.columns_of(*ahead)
         sm90.gemm(tiled_mma_sdp, accs[1], tdPrV, tdPrdO[None, None, None, stage], zero_init=True, wg_wait=running)
+        return lse2
+
+    @cute.jit
+    def columns_of(self, tScS: cute.Tensor, sRow: cute.Tensor) -> cute.Tensor:
+        """The value of each of this thread's S^T columns in ``sRow`` (the stage's LSE2 or D), unguarded."""
+        c_mn = sm90.acc_mn_view(tScS)
+        out = cute.make_rmem_tensor(cute.size(c_mn, mode=[1]), Float32)
+        for c in cutlass.range_constexpr(cute.size(c_mn, mode=[1])):
+            out[c] = sRow[c_mn[0, c][1]]
+        return out
 
     @cute.jit
     def scores_and_grads(self, tiled_mma_sdp: cute.TiledMma, accs: tuple, operands: tuple, tScS: cute.Tensor,
@@ -665,11 +683,16 @@ class K10Backward(k9.K9Backward):
         operand) while dP^T's GEMM still runs, then dS^T."""
         acc_S, acc_dP, tdVrP = accs[0], accs[1], operands[4]
         stage = rows[2]
-        self.issue_s_and_dp(tiled_mma_sdp, accs, operands, stage, 1)  # S done, dP runs on
-        self.probabilities(acc_S, tScS, rows[0][None, stage], n_block, m_block, lens, scale_log2, edge)
+        ahead = self.rows_ahead and (not edge or self.unguarded_rows)
+        lse2 = self.issue_s_and_dp(tiled_mma_sdp, accs, operands, stage, 1,  # S done, dP runs on
+                                   (tScS, rows[0][None, stage]) if cutlass.const_expr(ahead) else None)
+        self.probabilities(acc_S, tScS, rows[0][None, stage], n_block, m_block, lens, scale_log2, edge, lse2)
         sm90.convert_to(sm90.acc_as_operand_a(acc_S), tdVrP)
+        dot = None
+        if cutlass.const_expr(ahead):
+            dot = self.columns_of(tScS, rows[1][None, stage])
         warpgroup.wait_group(0)
-        self.score_grads(acc_S, acc_dP, tScS, rows[1][None, stage], m_block, lens[0], softmax_scale, edge)
+        self.score_grads(acc_S, acc_dP, tScS, rows[1][None, stage], m_block, lens[0], softmax_scale, edge, dot)
 
     @cute.jit
     def mma_step_early(self, mmas: tuple, accs: tuple, operands: tuple, tScS: cute.Tensor, sdS: cute.Tensor,
@@ -765,23 +788,30 @@ class K10Backward(k9.K9Backward):
 
     @cute.jit
     def probabilities(self, acc_S: cute.Tensor, tScS: cute.Tensor, sLSE: cute.Tensor, n_block: Int32,
-                      m_block: Int32, lens: tuple, scale_log2: Float32, edge: bool = True):
-        """``p_and_ds``'s first half: acc_S becomes P^T, column by column."""
+                      m_block: Int32, lens: tuple, scale_log2: Float32, edge: bool = True, lse2_ahead=None):
+        """``p_and_ds``'s first half: acc_S becomes P^T, column by column (``lse2_ahead``: the
+        columns' LSE2, read already)."""
         seqlen, offset, seqlen_k = lens
         s_mn, c_mn = sm90.acc_mn_view(acc_S), sm90.acc_mn_view(tScS)
         for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
-            q, lse2, _ = self.column_rows(c_mn, c, m_block, seqlen, sLSE, None, edge)
+            q, lse2, _ = self.column_rows(c_mn, c, m_block, seqlen, None if cutlass.const_expr(
+                lse2_ahead is not None) else sLSE, None, edge)
+            if cutlass.const_expr(lse2_ahead is not None):
+                lse2 = lse2_ahead[c]
             for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
                 s_mn[r, c] = self.probability(s_mn[r, c], lse2, (n_block, c_mn[r, c][0], seqlen_k), (q, offset),
                                               scale_log2, edge)
 
     @cute.jit
     def score_grads(self, acc_P: cute.Tensor, acc_dP: cute.Tensor, tScS: cute.Tensor, sD: cute.Tensor,
-                    m_block: Int32, seqlen: Int32, softmax_scale: Float32, edge: bool = True):
-        """``p_and_ds``'s second half: acc_dP becomes dS^T * scale."""
+                    m_block: Int32, seqlen: Int32, softmax_scale: Float32, edge: bool = True, dot_ahead=None):
+        """``p_and_ds``'s second half: acc_dP becomes dS^T * scale (``dot_ahead``: the columns' D, read already)."""
         p_mn, dp_mn, c_mn = sm90.acc_mn_view(acc_P), sm90.acc_mn_view(acc_dP), sm90.acc_mn_view(tScS)
         for c in cutlass.range_constexpr(cute.size(p_mn, mode=[1])):
-            _, _, dot = self.column_rows(c_mn, c, m_block, seqlen, None, sD, edge)
+            if cutlass.const_expr(dot_ahead is not None):
+                dot = dot_ahead[c]
+            else:
+                _, _, dot = self.column_rows(c_mn, c, m_block, seqlen, None, sD, edge)
             for r in cutlass.range_constexpr(cute.size(p_mn, mode=[0])):
                 dp_mn[r, c] = p_mn[r, c] * (dp_mn[r, c] - dot) * softmax_scale
 
