@@ -527,6 +527,11 @@ torch.cuda.synchronize(); print('$stage d=$d n=$n causal=$causal deterministic=$
       timeout 120 $py bench.py --backward k10 k10_overlap k10_flat k10_stmatrix k10_fa3 --seqlen 4096 --headdim $d \
         --causal $c --out "$dir/backward-variants-d$d-c$c-$gpu.json" || rc=1
     done; done
+    # docs/k10.md's Profiling: the main kernels' counters, then where their warps wait
+    timeout 240 $py scripts/ncu_profile.py --jobs bwd-k10_fa3 bwd-fa4 bwd-sdpa-cudnn bwd-k10 bwd-k9 \
+      --out "$dir/ncu-profile-backward-$gpu.json" || rc=1
+    timeout 220 $py scripts/ncu_stalls.py --backward --seqlen 16384 --headdim 128 --causal 0 \
+      --out "$dir/ncu-stalls-backward-d128-n16k-$gpu.json" || rc=1
     exit $rc
     ;;
   *) echo "usage: $0 check|perf|headline|ws|decode|fp8check|fp8|final|call|backward [dir]" >&2; exit 2 ;;

@@ -436,3 +436,18 @@ def test_k10s_variants_match_float64_autograd(shape, d, variant):
              gqa=Problem(2, 8, 1000, d, nheads_kv=2, causal=True))[shape]
     row = check_backward(p, backward=variant)
     assert row["ok"], row
+
+
+def test_rows_ahead_reads_lse2_between_the_s_and_dp_issues():
+    from harness.backward import stage_overrides
+    from kernels.k10 import compile_backward
+
+    p = Problem(2, 4, 1024, 128)
+    ptx = {on: compiled_ptx(compile_backward(p, keep_ptx=True, **dict(stage_overrides("k10_fa3"), rows_ahead=on))[1])
+           for on in (False, True)}
+    # the plain step comes first (plain_first): from S^T's commit to the wait that leaves dP^T running
+    first = {on: re.search(r"wgmma\.commit_group\.sync\.aligned;(.*?)wgmma\.wait_group\.sync\.aligned\s+1;", text,
+                           re.S).group(1) for on, text in ptx.items()}
+    columns = 64 // 4  # a thread's columns of the 64 x 64 S^T tile, two a 64-bit read
+    assert len(re.findall(r"ld\.shared", first[True])) == columns // 2
+    assert not re.findall(r"ld\.shared", first[False])
