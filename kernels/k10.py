@@ -34,7 +34,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from . import k4, k5, k9, sm90, tma_pipeline
 from .tiles import ROW_ALIGN, kv_window_tiles, packed_row_start, packed_tile_start, query_window_tiles
-from .contract import LOG2_E, FakeShapes, Problem, UnsupportedProblem, cute_dtype, fake_stream, jit_compile, num_sms
+from .contract import LOG2_E, SMEM_CAPACITY, FakeShapes, Problem, UnsupportedProblem, cute_dtype, fake_stream, jit_compile, num_sms
 
 HEAD_DIMS = (*k9.HEAD_DIMS, 256)
 # d = 256: one Q/dO stage, so that K, V, Q, dO, P^T, dS^T and the fp32 dQ share fit in 227 KB.
@@ -50,6 +50,11 @@ class Barrier(enum.IntEnum):
     # early_dq: warpgroup w hands its half of sdQ over on its own pair, DQ_FULL + 2w and DQ_EMPTY + 2w
     DQ_FULL_WG1 = 4
     DQ_EMPTY_WG1 = 5
+    # dq_stages = 2: sdQ's second stage on its own pairs, DQ_FULL + 2w + 4 and DQ_EMPTY + 2w + 4
+    DQ_FULL_STAGE1 = 6
+    DQ_EMPTY_STAGE1 = 7
+    DQ_FULL_WG1_STAGE1 = 8
+    DQ_EMPTY_WG1_STAGE1 = 9
 
 
 # dq_flat: a dQ share leaves in the accumulator's own register order, as 256-float rows (one TMA
@@ -65,7 +70,8 @@ class K10Backward(k9.K9Backward):
                  ds_free_once: bool = False, early_dq: bool = False, dq_split_queries: bool = False,
                  tanh_under_dp: bool = False, step_counter: bool = False, plain_first: bool = False,
                  dkv_tma_store: bool = False, dkv_tma_packed: bool = False, select_rows: bool = False,
-                 pin_descriptors: bool = False, unguarded_rows: bool = False, rows_ahead: bool = False):
+                 pin_descriptors: bool = False, unguarded_rows: bool = False, rows_ahead: bool = False,
+                 dq_stages: int = 1):
         super().__init__(head_dim, dtype, causal, num_wg, tile_m, q_stages)
         # dq_swapab (FA3's dQ_swapAB): dQ^T = K^T . dS^T, the warpgroups split d (64 rows each), so
         # that a step may take a tile_m that is not a multiple of 64 (FA3's 80 at d = 128)
@@ -114,6 +120,11 @@ class K10Backward(k9.K9Backward):
         # the S^T and dP^T issues and their D before dP^T's wait, so neither SMEM read waits after
         # a GEMM's wait (a step whose reads need no guard: a plain step, or unguarded_rows)
         self.rows_ahead = rows_ahead
+        # dq_stages = 2 (early_dq): sdQ twice, step t's shares in stage t % 2, so a warpgroup storing
+        # its share waits for the writer's TMA to have read the share of two steps before, not of
+        # the step before (32 KB more SMEM at d 64/128)
+        self.dq_stages = dq_stages
+        assert dq_stages in (1, 2) and (dq_stages == 1 or early_dq), "a second sdQ stage is early_dq's"
         assert not (unguarded_rows and varlen), "packed: a tile's rows past a sequence are the next one's"
         # dkv_tma_store (FA3's epilogue): dK and dV leave through sK and sV and a TMA store each,
         # rather than as 4-byte stores whose warp spans 8 rows (rectangular calls only: a packed
@@ -209,8 +220,8 @@ class K10Backward(k9.K9Backward):
         tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = self.tiled_mmas()
         sK_layout, sQ_layout, sdS_layout = self.smem_layouts()
         sdQ_layout = tma_pipeline.row_major(*self.dq_box)  # fp32, as the TMA reduce reads it
-        if cutlass.const_expr(self.early_dq):  # the same rows, a warpgroup's half a stage
-            sdQ_layout = tma_pipeline.row_major(*self.dq_box, self.dq_parts)
+        if cutlass.const_expr(self.early_dq):  # the same rows, a warpgroup's half a slot (dq_stages of them)
+            sdQ_layout = tma_pipeline.row_major(*self.dq_box, self.dq_parts * self.dq_stages)
         # LSE2 or D of each stage's query rows; a stage starts 128-byte aligned, as a TMA box's
         # destination must (tile_m 80 would put the second at 320 bytes)
         sRow_layout = cute.make_layout((tile_m, self.q_stages), stride=(1, -(-tile_m // 32) * 32))
@@ -240,6 +251,9 @@ class K10Backward(k9.K9Backward):
             sLSE: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sRow_layout)], 128]
             sD: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sRow_layout)], 128]
 
+        if cutlass.const_expr(SharedStorage.size_in_bytes() > SMEM_CAPACITY):
+            raise UnsupportedProblem(f"K10 (backward): {SharedStorage.size_in_bytes()} bytes of SMEM, more than "
+                                     f"{SMEM_CAPACITY} (dq_stages={self.dq_stages}, q_stages={self.q_stages})")
         dkv_atoms = None  # dkv_tma_store: (atom, TMA view) of dK and dV, boxes of sK's layout
         if cutlass.const_expr(self.dkv_tma_store):
             dkv_atoms = tuple(cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), tma_pipeline.seq_major_view(m),
@@ -395,18 +409,21 @@ class K10Backward(k9.K9Backward):
                 head, m_block = self.step_at(t, walk)
             tdQsdQ, tdQgdQ = tma_pipeline.partition_for_tma(tma_atom_dQ, mdQ_tma, sdQ, self.dq_box, head, batch,
                                                             (None, 0), offset=self.dq_offset(starts))
+            stage = t % self.dq_stages if cutlass.const_expr(self.dq_stages > 1) else 0
             for w in cutlass.range_constexpr(self.dq_parts):  # early_dq: each warpgroup's half as it comes
-                cute.arch.barrier(barrier_id=Barrier.DQ_FULL + 2 * w, number_of_threads=handoff)
+                pair = 2 * w + 4 * stage if cutlass.const_expr(self.dq_stages > 1) else 2 * w
+                cute.arch.barrier(barrier_id=Barrier.DQ_FULL + pair, number_of_threads=handoff)
                 if cutlass.const_expr(self.deterministic and w == 0):
                     self.wait_turn(order, head, m_block, batch)
                 if cutlass.const_expr(self.early_dq):
-                    cute.copy(tma_atom_dQ, tdQsdQ[None, w], tdQgdQ[None, m_block * self.dq_parts + w])
+                    cute.copy(tma_atom_dQ, tdQsdQ[None, w + self.dq_parts * stage],
+                              tdQgdQ[None, m_block * self.dq_parts + w])
                 else:
                     cute.copy(tma_atom_dQ, tdQsdQ, tdQgdQ[None, m_block])
                 cute.arch.cp_async_bulk_commit_group()
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
-                if t + 1 < count:  # the MMA warps wait for it before the next step's share only
-                    cute.arch.barrier_arrive(barrier_id=Barrier.DQ_EMPTY + 2 * w, number_of_threads=handoff)
+                if t + self.dq_stages < count:  # the MMA warps wait for it before the stage's next share only
+                    cute.arch.barrier_arrive(barrier_id=Barrier.DQ_EMPTY + pair, number_of_threads=handoff)
             if cutlass.const_expr(self.deterministic):
                 cute.arch.cp_async_bulk_wait_group(0, read=False)  # landed in GMEM, not just read
                 self.pass_turn(order, head, m_block, batch)
@@ -740,9 +757,16 @@ class K10Backward(k9.K9Backward):
                      pair, threads: cutlass.Constexpr[int]):
         """Step t's dQ share into sdQ and over to the writer on the barriers DQ_FULL + ``pair`` and
         DQ_EMPTY + ``pair``, shared by ``threads`` MMA threads and the writer warp: wait until its
-        TMA has read the share before (none before step 0), store, fence for the async proxy, arrive."""
+        TMA has read the share before (none before step 0), store, fence for the async proxy, arrive.
+        ``dq_stages`` = 2: into stage t % 2, on that stage's pair, after the share two steps before."""
         handoff = threads + cute.arch.WARP_SIZE
-        if t > 0:
+        if cutlass.const_expr(self.dq_stages > 1):
+            stage = t % self.dq_stages
+            pair = pair + 4 * stage
+            sdQ = cute.make_tensor(sdQ.iterator + stage * (cute.cosize(sdQ.layout) // self.dq_stages), sdQ.layout)
+            if t >= self.dq_stages:
+                cute.arch.barrier(barrier_id=Barrier.DQ_EMPTY + pair, number_of_threads=handoff)
+        elif t > 0:
             cute.arch.barrier(barrier_id=Barrier.DQ_EMPTY + pair, number_of_threads=handoff)
         self.store_dq(acc_dQ, tdQcdQ, sdQ, tidx)
         cute.arch.fence_view_async_shared()  # generic-proxy stores -> the TMA's reads
@@ -1157,6 +1181,8 @@ def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = F
     if split_d:
         cfg = cfg.with_(overlap=False, **{k: False for k in ("early_dq", "dq_split_queries", "tanh_under_dp",
                                                              "dkv_tma_store", "dkv_tma_packed") if cfg.get(k)})
+        if cfg.get("dq_stages", 1) != 1:  # early_dq's, dropped above
+            cfg = cfg.with_(dq_stages=1)
         if cfg.get("ds_free_once"):
             raise UnsupportedProblem(f"K10 (backward) config {cfg}: ds_free_once is K10Backward's step; at head_dim "
                                      "256 K10BackwardSplitD has its own (P^T and dS^T both in SMEM)")
@@ -1166,6 +1192,9 @@ def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = F
     if cfg.get("early_dq") and not (dq_flat and not cfg.get("ds_free_once")):
         raise UnsupportedProblem(f"K10 (backward) config {cfg}: early_dq hands over flat dQ shares (dq_flat) and "
                                  "keeps its own sdS per stage (no ds_free_once)")
+    if cfg.get("dq_stages", 1) not in (1, 2) or (cfg.get("dq_stages", 1) == 2 and not cfg.get("early_dq")):
+        raise UnsupportedProblem(f"K10 (backward) config {cfg}: dq_stages is 1 or 2, and 2 is early_dq's (a warpgroup's "
+                                 "share to a stage of sdQ on a barrier pair of its own)")
     if cfg.get("tanh_under_dp") and not cfg.get("early_dq"):
         raise UnsupportedProblem(f"K10 (backward) config {cfg}: tanh_under_dp is early_dq's step under a softcap")
     if cfg.get("early_dq") and cfg["q_stages"] < 2:

@@ -451,3 +451,56 @@ def test_rows_ahead_reads_lse2_between_the_s_and_dp_issues():
     columns = 64 // 4  # a thread's columns of the 64 x 64 S^T tile, two a 64-bit read
     assert len(re.findall(r"ld\.shared", first[True])) == columns // 2
     assert not re.findall(r"ld\.shared", first[False])
+
+
+def test_dq_stages_takes_early_dqs_step_and_fits_the_smem():
+    from harness.backward import stage_overrides
+    from kernels.contract import UnsupportedProblem
+    from harness.inspect_ptx import wgmma_serialized
+    from kernels.k10 import compile_backward
+
+    base = stage_overrides("k10_fa3")
+    p = Problem(2, 4, 1000, 128, causal=True)
+    with pytest.raises(UnsupportedProblem, match="dq_stages is 1 or 2, and 2 is early_dq's"):
+        compile_backward(p, **dict(base, early_dq=False, dq_stages=2))
+    with pytest.raises(UnsupportedProblem, match="dq_stages is 1 or 2"):
+        compile_backward(p, **dict(base, dq_stages=3))
+    # a third Q/dO stage beside two sdQ stages: 281600 bytes, refused before any launch
+    with pytest.raises(UnsupportedProblem, match="bytes of SMEM, more than"):
+        compile_backward(p, **dict(base, dq_stages=2, q_stages=3))
+    assert compile_backward(p.with_(head_dim=256), **dict(base, dq_stages=2))[3].get("dq_stages") == 1  # its own step
+    for q in (p, p.with_(head_dim=64), p.with_(varlen=True), p.with_(causal=False)):
+        plain, staged = (compiled_ptx(compile_backward(q, keep_ptx=True, **dict(base, dq_stages=n))[1]) for n in (1, 2))
+        assert staged != plain
+        # the same reduce-adds (one per warpgroup's half), from a slot that alternates by step
+        assert (len(re.findall(r"cp\.reduce\.async\.bulk\.tensor", staged))
+                == len(re.findall(r"cp\.reduce\.async\.bulk\.tensor", plain)) == 2)
+        serialized = wgmma_serialized(staged)
+        assert serialized in (None, False), q  # None: no ptxas on PATH
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("d", [64, 128])
+def test_dq_stages_gradients_match_float64_autograd_and_repeat_deterministically(d, monkeypatch):
+    import harness.backward as hb
+    from harness.check import check_backward
+
+    monkeypatch.setitem(hb.VARIANTS, "k10_dq2", ("k10", dict(hb.stage_overrides("k10_fa3"), dq_stages=2)))
+    monkeypatch.setattr(hb, "STAGES", tuple(hb.VARIANTS))
+    monkeypatch.setattr(hb, "DETERMINISTIC", hb.DETERMINISTIC + ("k10_dq2",))
+    for p in (Problem(2, 4, 17, d, causal=True), Problem(2, 4, 1000, d), Problem(2, 8, 1000, d, nheads_kv=2, causal=True),
+              Problem(2, 4, 700, d, window=(150, 90))):
+        row = check_backward(p, backward="k10_dq2")
+        assert row["ok"], row
+    from harness import attention, attention_backward
+
+    q, k, v, dout = (torch.randn(2, 4, 1000, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    out, lse = attention("k6", q, k, v, causal=True, return_lse=True)
+    torch.use_deterministic_algorithms(True)  # the fixed dQ order, through both sdQ stages
+    try:
+        runs = [attention_backward(q, k, v, out, lse, dout, causal=True, backward="k10_dq2") for _ in range(3)]
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for run in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(run, runs[0]))
