@@ -465,9 +465,11 @@ def test_dq_stages_takes_early_dqs_step_and_fits_the_smem():
         compile_backward(p, **dict(base, early_dq=False, dq_stages=2))
     with pytest.raises(UnsupportedProblem, match="dq_stages is 1 or 2"):
         compile_backward(p, **dict(base, dq_stages=3))
-    # a third Q/dO stage beside two sdQ stages: 281600 bytes, refused before any launch
-    with pytest.raises(UnsupportedProblem, match="bytes of SMEM, more than"):
-        compile_backward(p, **dict(base, dq_stages=2, q_stages=3))
+    # flash-attn-4's 80-query tile fits with one sdQ stage, not with two: refused as it compiles
+    m80 = dict(base, tile_m=80, dq_swapab=True, overlap=False)
+    compile_backward(p, **m80)
+    with pytest.raises(UnsupportedProblem, match="bytes of SMEM, more than 232448 .dq_stages=2"):
+        compile_backward(p, **dict(m80, dq_stages=2))
     assert compile_backward(p.with_(head_dim=256), **dict(base, dq_stages=2))[3].get("dq_stages") == 1  # its own step
     for q in (p, p.with_(head_dim=64), p.with_(varlen=True), p.with_(causal=False)):
         plain, staged = (compiled_ptx(compile_backward(q, keep_ptx=True, **dict(base, dq_stages=n))[1]) for n in (1, 2))
@@ -481,25 +483,29 @@ def test_dq_stages_takes_early_dqs_step_and_fits_the_smem():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("knob", [{"dq_stages": 2}, {"rows_ahead": True}])
 @pytest.mark.parametrize("d", [64, 128])
-def test_dq_stages_gradients_match_float64_autograd_and_repeat_deterministically(d, monkeypatch):
+def test_the_new_knobs_gradients_match_float64_autograd_packed_and_deterministic(d, knob, monkeypatch):
     import harness.backward as hb
-    from harness.check import check_backward
-
-    monkeypatch.setitem(hb.VARIANTS, "k10_dq2", ("k10", dict(hb.stage_overrides("k10_fa3"), dq_stages=2)))
-    monkeypatch.setattr(hb, "STAGES", tuple(hb.VARIANTS))
-    monkeypatch.setattr(hb, "DETERMINISTIC", hb.DETERMINISTIC + ("k10_dq2",))
-    for p in (Problem(2, 4, 17, d, causal=True), Problem(2, 4, 1000, d), Problem(2, 8, 1000, d, nheads_kv=2, causal=True),
-              Problem(2, 4, 700, d, window=(150, 90))):
-        row = check_backward(p, backward="k10_dq2")
-        assert row["ok"], row
     from harness import attention, attention_backward
+    from harness.check import check_backward, check_varlen_backward_case
 
+    monkeypatch.setitem(hb.VARIANTS, "k10_knob", ("k10", dict(hb.stage_overrides("k10_fa3"), **knob)))
+    monkeypatch.setattr(hb, "STAGES", tuple(hb.VARIANTS))
+    monkeypatch.setattr(hb, "DETERMINISTIC", hb.DETERMINISTIC + ("k10_knob",))
+    # causal walks of odd and even lengths (both sdQ stages), one step (n17), GQA, a window
+    for p in (Problem(2, 4, 17, d, causal=True), Problem(2, 4, 1000, d), Problem(2, 4, 1000, d, causal=True),
+              Problem(2, 8, 1000, d, nheads_kv=2, causal=True), Problem(2, 4, 700, d, window=(150, 90))):
+        row = check_backward(p, backward="k10_knob")
+        assert row["ok"], row
+    for causal in (False, True):  # packed: an empty sequence, one row, partial and whole tiles
+        row = check_varlen_backward_case("k10_knob", [0, 1, 17, 300, 605], [0, 1, 17, 300, 605], 4, 2, d, causal)
+        assert row["ok"], row
     q, k, v, dout = (torch.randn(2, 4, 1000, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     out, lse = attention("k6", q, k, v, causal=True, return_lse=True)
-    torch.use_deterministic_algorithms(True)  # the fixed dQ order, through both sdQ stages
+    torch.use_deterministic_algorithms(True)  # the fixed dQ order (through both sdQ stages)
     try:
-        runs = [attention_backward(q, k, v, out, lse, dout, causal=True, backward="k10_dq2") for _ in range(3)]
+        runs = [attention_backward(q, k, v, out, lse, dout, causal=True, backward="k10_knob") for _ in range(3)]
     finally:
         torch.use_deterministic_algorithms(False)
     for run in runs[1:]:
