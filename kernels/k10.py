@@ -50,12 +50,14 @@ class Barrier(enum.IntEnum):
     # early_dq: warpgroup w hands its half of sdQ over on its own pair, DQ_FULL + 2w and DQ_EMPTY + 2w
     DQ_FULL_WG1 = 4
     DQ_EMPTY_WG1 = 5
-    # dq_stages = 2: sdQ's second stage on its own pairs, DQ_FULL + 2w + 4 and DQ_EMPTY + 2w + 4
+    # dq_stages = 2: sdQ's second stage on pairs of its own, DQ_STAGE_IDS ids above the first stage's
     DQ_FULL_STAGE1 = 6
     DQ_EMPTY_STAGE1 = 7
     DQ_FULL_WG1_STAGE1 = 8
     DQ_EMPTY_WG1_STAGE1 = 9
 
+
+DQ_STAGE_IDS = Barrier.DQ_FULL_STAGE1 - Barrier.DQ_FULL  # barrier ids from one sdQ stage's pairs to the next's
 
 # dq_flat: a dQ share leaves in the accumulator's own register order, as 256-float rows (one TMA
 # box of at most 256 elements per dimension) of a flat fp32 buffer per query tile.
@@ -409,9 +411,9 @@ class K10Backward(k9.K9Backward):
                 head, m_block = self.step_at(t, walk)
             tdQsdQ, tdQgdQ = tma_pipeline.partition_for_tma(tma_atom_dQ, mdQ_tma, sdQ, self.dq_box, head, batch,
                                                             (None, 0), offset=self.dq_offset(starts))
-            stage = t % self.dq_stages if cutlass.const_expr(self.dq_stages > 1) else 0
+            stage = self.dq_stage(t)
             for w in cutlass.range_constexpr(self.dq_parts):  # early_dq: each warpgroup's half as it comes
-                pair = 2 * w + 4 * stage if cutlass.const_expr(self.dq_stages > 1) else 2 * w
+                pair = 2 * w + DQ_STAGE_IDS * stage
                 cute.arch.barrier(barrier_id=Barrier.DQ_FULL + pair, number_of_threads=handoff)
                 if cutlass.const_expr(self.deterministic and w == 0):
                     self.wait_turn(order, head, m_block, batch)
@@ -430,6 +432,10 @@ class K10Backward(k9.K9Backward):
             if cutlass.const_expr(self.step_counter):
                 at_head, at_m = self.next_step(at_head, at_m, walk)
         cute.arch.cp_async_bulk_wait_group(0, read=False)  # the last reduce has landed in GMEM
+
+    def dq_stage(self, t: Int32):
+        """The sdQ stage step t's shares go to: t % 2 with ``dq_stages`` = 2, else 0 (no code)."""
+        return t % self.dq_stages if self.dq_stages > 1 else 0
 
     def dq_offset(self, starts: Optional[tuple]):
         """Packed, where the sequence's dQ shares start in the accumulator: at its first row, or,
@@ -761,8 +767,8 @@ class K10Backward(k9.K9Backward):
         ``dq_stages`` = 2: into stage t % 2, on that stage's pair, after the share two steps before."""
         handoff = threads + cute.arch.WARP_SIZE
         if cutlass.const_expr(self.dq_stages > 1):
-            stage = t % self.dq_stages
-            pair = pair + 4 * stage
+            stage = self.dq_stage(t)
+            pair = pair + DQ_STAGE_IDS * stage
             sdQ = cute.make_tensor(sdQ.iterator + stage * (cute.cosize(sdQ.layout) // self.dq_stages), sdQ.layout)
             if t >= self.dq_stages:
                 cute.arch.barrier(barrier_id=Barrier.DQ_EMPTY + pair, number_of_threads=handoff)

@@ -514,14 +514,19 @@ def backward_sweep_table(run):
 def backward_ab_table(run):
     """docs/k10.md: scripts/ab_backward.py, a K10 configuration's checks against float64 autograd,
     then its timings beside k10_fa3's and the peers' (backward_sweep_table's layout)."""
-    checks = [r for r in run["rows"] if r.get("check")]
     timed = dict(run, rows=[r for r in run["rows"] if not r.get("check")])
+    return ab_checks(run, "checks against float64 autograd") + " " + backward_sweep_table(timed)
+
+
+def ab_checks(run, what: str) -> str:
+    """scripts/ab_backward.py's configurations, each with how many of its checks (``what``) passed."""
+    checks = [r for r in run["rows"] if r.get("check")]
     named = []
     for name in dict.fromkeys(r["kernel"] for r in checks):  # one or more configurations a run
         mine = [r for r in checks if r["kernel"] == name]
-        named.append(f"`{name}` = `{json.dumps(mine[0].get('config'))}`: {sum(r['ok'] for r in mine)} of {len(mine)} "
-                     "checks against float64 autograd passed before the timing.")
-    return " ".join(named or ["`?`: no checks in the run."]) + " " + backward_sweep_table(timed)
+        named.append(f"`{name}` = `{json.dumps(mine[0].get('config'))}`: {sum(bool(r['ok']) for r in mine)} of "
+                     f"{len(mine)} {what} passed before the timing.")
+    return " ".join(named or ["`?`: no checks in the run."])
 
 
 def refcheck_backward_table(runs):
@@ -656,17 +661,11 @@ def varlen_backward_table(runs):
 def packed_ab_table(run):
     """docs/varlen.md: scripts/ab_backward.py --varlen, each configuration's packed checks, then its
     packed backward beside k10_fa3's and flash-attn-4's in the same run."""
-    checks = [r for r in run["rows"] if r.get("check") is not None or "lengths_q" in r]
     timed = [r for r in run["rows"] if "documents" in r and r.get("status") == "ok"]
     by = {}
     for r in timed:
         by.setdefault(r["causal"], {})[r["kernel"]] = r
     causals = sorted(by)
-    named = []
-    for name in dict.fromkeys(r["kernel"] for r in checks):
-        mine = [r for r in checks if r["kernel"] == name]
-        named.append(f"`{name}` = `{json.dumps(next(r.get('config') for r in timed if r['kernel'] == name))}`: "
-                     f"{sum(bool(r['ok']) for r in mine)} of {len(mine)} packed checks passed before the timing.")
     body = [[_varlen_label(name)] + [fmt(by[c].get(name, {}).get("call_tflops")) for c in causals]
             + [_ratio(by[c].get(name, {}).get("call_tflops"), by[c].get(peer, {}).get("call_tflops"))
                for peer in ("k10_fa3", "fa4") for c in causals]
@@ -675,7 +674,7 @@ def packed_ab_table(run):
               + [f"× `k10_fa3`, {CAUSAL_NAMES[c]}" for c in causals]
               + [f"× flash-attn-4, {CAUSAL_NAMES[c]}" for c in causals])
     r0 = timed[0]
-    return (" ".join(named) + f" TFLOP/s of one packed backward ({r0['documents']} documents, {r0['tokens']} tokens, "
+    return (ab_checks(run, "packed checks") + f" TFLOP/s of one packed backward ({r0['documents']} documents, {r0['tokens']} tokens, "
             f"{r0['nheads']} heads, d = {r0['head_dim']}, bf16) through autograd, burst-timed, one run. "
             f"{_from([run])}.\n\n" + markdown_table(header, body))
 

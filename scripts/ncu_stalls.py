@@ -83,11 +83,12 @@ def main(argv=None) -> int:
     ap.add_argument("--raw-dir", help="keep ncu's CSV pages here")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
-    out = results.open_result_file(args.out, results.command_line("scripts/ncu_stalls.py", argv))
     names = BACKWARD_KERNELS if args.backward else KERNELS
+    wrong = [name for name in args.kernels or () if name not in names]
+    if wrong:  # before any profile
+        ap.error(f"--kernels {wrong}: not among {list(names)}{' with --backward' if args.backward else ''}")
+    out = results.open_result_file(args.out, results.command_line("scripts/ncu_stalls.py", argv))
     for name in args.kernels or list(names):
-        if name not in names:
-            ap.error(f"--kernels {name}: not one of {list(names)}{' with --backward' if args.backward else ''}")
         text = profile(names[name], args.seqlen, args.headdim, args.causal, args.raw_dir, args.backward)
         s = summarize(name, parse(text), args.top)
         s.update(head_dim=args.headdim, seqlen=args.seqlen, causal=args.causal, backward=args.backward)
