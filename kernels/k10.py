@@ -73,7 +73,7 @@ class K10Backward(k9.K9Backward):
                  tanh_under_dp: bool = False, step_counter: bool = False, plain_first: bool = False,
                  dkv_tma_store: bool = False, dkv_tma_packed: bool = False, select_rows: bool = False,
                  pin_descriptors: bool = False, unguarded_rows: bool = False, rows_ahead: bool = False,
-                 dq_stages: int = 1):
+                 dq_stages: int = 1, capped_overlap: bool = False):
         super().__init__(head_dim, dtype, causal, num_wg, tile_m, q_stages)
         # dq_swapab (FA3's dQ_swapAB): dQ^T = K^T . dS^T, the warpgroups split d (64 rows each), so
         # that a step may take a tile_m that is not a multiple of 64 (FA3's 80 at d = 128)
@@ -99,6 +99,10 @@ class K10Backward(k9.K9Backward):
         # tanh_under_dp: under a softcap, early_dq's step computes t = tanh(S * scale / c) while dP's
         # GEMM runs (in S's registers), and P and dS from t after it, rather than all of it after
         self.tanh_under_dp = tanh_under_dp and softcap > 0.0
+        # capped_overlap: under a softcap, the overlapped start all the same: t = tanh(S * scale / c)
+        # stays in S's registers for the slope 1 - t^2, and P is kept only as dV's 16-bit operand,
+        # widened back for dS after dP's wait (the registers the uncapped start holds, no more)
+        self.capped_overlap = capped_overlap and softcap > 0.0 and overlap
         # step_counter: each loop (loads, dQ writer, MMA) keeps its step's (head, query tile) and
         # advances it, rather than dividing the step index by the walk's length (``step_at``)
         self.step_counter = step_counter
@@ -143,7 +147,7 @@ class K10Backward(k9.K9Backward):
         assert not dq_split_queries or (tile_m % (sm90.WGMMA_M * num_wg) == 0 and not dq_swapab)
         assert not early_dq or (dq_flat and not ds_free_once and q_stages >= 2 and num_wg == 2), (
             "flat dQ shares, an sdS tile per stage (two at least), a barrier pair per warpgroup (Barrier names two)")
-        assert not (softcap and overlap), "the overlapped step has no registers left for the softcap's tanh'"
+        assert not (softcap and overlap) or self.capped_overlap, "the overlapped start keeps no fp32 P under a cap"
         self.window = window  # Problem.window, or None: tiles.query_window_tiles bounds the walk
         self.softcap = softcap
         self.deterministic = deterministic
@@ -709,13 +713,23 @@ class K10Backward(k9.K9Backward):
         ahead = self.rows_ahead and (not edge or self.unguarded_rows)
         lse2 = self.issue_s_and_dp(tiled_mma_sdp, accs, operands, stage, 1,  # S done, dP runs on
                                    (tScS, rows[0][None, stage]) if cutlass.const_expr(ahead) else None)
-        self.probabilities(acc_S, tScS, rows[0][None, stage], n_block, m_block, lens, scale_log2, edge, lse2)
-        sm90.convert_to(sm90.acc_as_operand_a(acc_S), tdVrP)
+        acc_P = acc_S
+        if cutlass.const_expr(self.capped_overlap):  # acc_S keeps t for the slope; P goes to dV's operand only
+            self.cap_scores(acc_S, softmax_scale)
+            acc_P = cute.make_rmem_tensor_like(acc_S)
+            scale_log2 = Float32(self.softcap * LOG2_E)
+        self.probabilities(acc_S, tScS, rows[0][None, stage], n_block, m_block, lens, scale_log2, edge, lse2, acc_P)
+        sm90.convert_to(sm90.acc_as_operand_a(acc_P), tdVrP)
         dot = None
         if cutlass.const_expr(ahead):
             dot = self.columns_of(tScS, rows[1][None, stage])
         warpgroup.wait_group(0)
-        self.score_grads(acc_S, acc_dP, tScS, rows[1][None, stage], m_block, lens[0], softmax_scale, edge, dot)
+        slopes = None
+        if cutlass.const_expr(self.capped_overlap):
+            slopes, acc_P = acc_S, cute.make_rmem_tensor_like(acc_S)
+            sm90.convert_from(tdVrP, sm90.acc_as_operand_a(acc_P))
+        self.score_grads(acc_P, acc_dP, tScS, rows[1][None, stage], m_block, lens[0], softmax_scale, edge, dot,
+                         slopes)
 
     @cute.jit
     def mma_step_early(self, mmas: tuple, accs: tuple, operands: tuple, tScS: cute.Tensor, sdS: cute.Tensor,
@@ -818,24 +832,28 @@ class K10Backward(k9.K9Backward):
 
     @cute.jit
     def probabilities(self, acc_S: cute.Tensor, tScS: cute.Tensor, sLSE: cute.Tensor, n_block: Int32,
-                      m_block: Int32, lens: tuple, scale_log2: Float32, edge: bool = True, lse2_ahead=None):
-        """``p_and_ds``'s first half: acc_S becomes P^T, column by column (``lse2_ahead``: the
-        columns' LSE2, read already)."""
+                      m_block: Int32, lens: tuple, scale_log2: Float32, edge: bool = True, lse2_ahead=None,
+                      out: cute.Tensor = None):
+        """``p_and_ds``'s first half: acc_S (or ``out``) becomes P^T, column by column (``lse2_ahead``:
+        the columns' LSE2, read already)."""
         seqlen, offset, seqlen_k = lens
         s_mn, c_mn = sm90.acc_mn_view(acc_S), sm90.acc_mn_view(tScS)
+        p_mn = s_mn if cutlass.const_expr(out is None) else sm90.acc_mn_view(out)
         for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
             q, lse2, _ = self.column_rows(c_mn, c, m_block, seqlen, None if cutlass.const_expr(
                 lse2_ahead is not None) else sLSE, None, edge)
             if cutlass.const_expr(lse2_ahead is not None):
                 lse2 = lse2_ahead[c]
             for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
-                s_mn[r, c] = self.probability(s_mn[r, c], lse2, (n_block, c_mn[r, c][0], seqlen_k), (q, offset),
+                p_mn[r, c] = self.probability(s_mn[r, c], lse2, (n_block, c_mn[r, c][0], seqlen_k), (q, offset),
                                               scale_log2, edge)
 
     @cute.jit
     def score_grads(self, acc_P: cute.Tensor, acc_dP: cute.Tensor, tScS: cute.Tensor, sD: cute.Tensor,
-                    m_block: Int32, seqlen: Int32, softmax_scale: Float32, edge: bool = True, dot_ahead=None):
-        """``p_and_ds``'s second half: acc_dP becomes dS^T * scale (``dot_ahead``: the columns' D, read already)."""
+                    m_block: Int32, seqlen: Int32, softmax_scale: Float32, edge: bool = True, dot_ahead=None,
+                    slopes: cute.Tensor = None):
+        """``p_and_ds``'s second half: acc_dP becomes dS^T * scale (``dot_ahead``: the columns' D, read
+        already; ``slopes``: a softcap's t, whose 1 - t^2 the chain rule multiplies in)."""
         p_mn, dp_mn, c_mn = sm90.acc_mn_view(acc_P), sm90.acc_mn_view(acc_dP), sm90.acc_mn_view(tScS)
         for c in cutlass.range_constexpr(cute.size(p_mn, mode=[1])):
             if cutlass.const_expr(dot_ahead is not None):
@@ -843,7 +861,11 @@ class K10Backward(k9.K9Backward):
             else:
                 _, _, dot = self.column_rows(c_mn, c, m_block, seqlen, None, sD, edge)
             for r in cutlass.range_constexpr(cute.size(p_mn, mode=[0])):
-                dp_mn[r, c] = p_mn[r, c] * (dp_mn[r, c] - dot) * softmax_scale
+                if cutlass.const_expr(slopes is None):
+                    dp_mn[r, c] = p_mn[r, c] * (dp_mn[r, c] - dot) * softmax_scale
+                else:
+                    t = sm90.acc_mn_view(slopes)[r, c]
+                    dp_mn[r, c] = p_mn[r, c] * (dp_mn[r, c] - dot) * (softmax_scale * (1.0 - t * t))
 
     @cute.jit
     def mma(self, pipeline_kv, pipeline_qdo, walk: tuple, count: Int32, n_block: Int32, kv_head: Int32,
@@ -1179,8 +1201,10 @@ def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = F
     if cfg.get("dq_swapab") and p.head_dim != sm90.WGMMA_M * cfg["num_wg"]:
         raise UnsupportedProblem(f"K10 (backward) config {cfg}: dq_swapab splits d over the warpgroups, 64 rows "
                                  f"each (head_dim {sm90.WGMMA_M * cfg['num_wg']} here, not {p.head_dim})")
-    if p.softcap and cfg.get("overlap"):  # the overlapped step keeps no register for tanh's derivative
+    if p.softcap and cfg.get("overlap") and not cfg.get("capped_overlap"):  # no register for tanh's slope
         cfg = cfg.with_(overlap=False)
+    if p.softcap and cfg.get("overlap") and cfg.get("tanh_under_dp"):  # capped_overlap: the tanh is under dP's GEMM
+        cfg = cfg.with_(tanh_under_dp=False)
     dt = cute_dtype(p.dtype)
     split_d = p.head_dim > 128  # K10BackwardSplitD: one 64-key tile per CTA, its own (sequential) step
     tile_n = sm90.WGMMA_M * (1 if split_d else cfg["num_wg"])  # the CTA's keys

@@ -145,6 +145,16 @@ def cvt_pair(lo: Float32, hi: Float32, dtype, *, loc=None, ip=None) -> Int32:
         has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
+@dsl_user_op
+def widen_half(word: Int32, dtype, high: bool, *, loc=None, ip=None) -> Float32:
+    """One half of a packed bf16x2/f16x2 register (``cvt_pair``'s lo or hi) as an FP32."""
+    kind, half = ("bf16" if dtype is cutlass.BFloat16 else "f16"), ("h" if high else "l")
+    return Float32(llvm.inline_asm(
+        T.f32(), [Int32(word).ir_value(loc=loc, ip=ip)],
+        f"{{ .reg .b16 l, h; mov.b32 {{l, h}}, $1; cvt.f32.{kind} $0, {half}; }}", "=f,r",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
 @cute.jit
 def convert_to(src: cute.Tensor, dst: cute.Tensor):
     """dst = dtype(src) element-wise (in each tensor's own logical order), two per instruction.
@@ -156,6 +166,16 @@ def convert_to(src: cute.Tensor, dst: cute.Tensor):
     dst_words = cute.recast_tensor(dst, Int32)
     for i in cutlass.range_constexpr(cute.size(dst_words)):
         dst_words[i] = cvt_pair(src_flat[2 * i], src_flat[2 * i + 1], dst.element_type)
+
+
+@cute.jit
+def convert_from(src: cute.Tensor, dst: cute.Tensor):
+    """``convert_to`` undone: dst (FP32, laid out as that call's src) = src (its 16-bit dst)."""
+    dst_flat = cute.make_tensor(dst.iterator, cute.coalesce(dst.layout))
+    src_words = cute.recast_tensor(src, Int32)
+    for i in cutlass.range_constexpr(cute.size(src_words)):
+        dst_flat[2 * i] = widen_half(src_words[i], src.element_type, False)
+        dst_flat[2 * i + 1] = widen_half(src_words[i], src.element_type, True)
 
 
 # --------------------------------------------------------------------------------------

@@ -510,3 +510,47 @@ def test_the_new_knobs_gradients_match_float64_autograd_packed_and_deterministic
         torch.use_deterministic_algorithms(False)
     for run in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(run, runs[0]))
+
+
+def test_capped_overlap_keeps_the_overlapped_start_under_a_softcap():
+    from harness.backward import stage_overrides
+    from harness.inspect_ptx import wgmma_serialized
+    from kernels.k10 import compile_backward
+
+    p = Problem(2, 4, 1000, 128, causal=True, softcap=30.0)
+    base = stage_overrides("k10_fa3")
+    plain, kept = (compile_backward(p, keep_ptx=True, **dict(base, capped_overlap=on)) for on in (False, True))
+    assert plain[3].get("overlap") is False and plain[3].get("tanh_under_dp")  # the cap's sequential start
+    assert kept[3].get("overlap") and not kept[3].get("tanh_under_dp")
+    ptx = compiled_ptx(kept[1])
+    # one tanh a score, as before; P widened back from dV's bf16 operand for dS (cvt.f32.bf16)
+    tanhs = [len(re.findall(r"tanh\.approx\.f32", x)) for x in (ptx, compiled_ptx(plain[1]))]
+    assert tanhs[0] == tanhs[1] > 0
+    assert "cvt.f32.bf16" in ptx and "cvt.f32.bf16" not in compiled_ptx(plain[1])
+    assert wgmma_serialized(ptx) in (None, False)  # None: no ptxas on PATH
+    # without a softcap the knob is the same kernel
+    uncapped = p.with_(softcap=0.0)
+    assert compiled_ptx(compile_backward(uncapped, keep_ptx=True, **dict(base, capped_overlap=True))[1]) == \
+        compiled_ptx(compile_backward(uncapped, keep_ptx=True, **base)[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("d", [64, 128])
+def test_capped_overlap_gradients_match_float64_autograd(d, monkeypatch):
+    import harness.backward as hb
+    from harness.check import check_backward, check_varlen_backward_case
+
+    monkeypatch.setitem(hb.VARIANTS, "k10_capov", ("k10", dict(hb.stage_overrides("k10_fa3"), capped_overlap=True)))
+    monkeypatch.setattr(hb, "STAGES", tuple(hb.VARIANTS))
+    # small and large caps (t near 0 and near +-1), one step, odd lengths, GQA, a window
+    for p in (Problem(2, 4, 17, d, causal=True, softcap=30.0), Problem(2, 4, 1000, d, softcap=0.5),
+              Problem(2, 4, 1000, d, causal=True, softcap=5.0), Problem(2, 4, 4097, d, causal=True, softcap=30.0),
+              Problem(2, 8, 1000, d, nheads_kv=2, causal=True, softcap=30.0),
+              Problem(2, 4, 700, d, window=(150, 90), softcap=5.0)):
+        row = check_backward(p, backward="k10_capov")
+        assert row["ok"], row
+    for causal in (False, True):
+        row = check_varlen_backward_case("k10_capov", [0, 1, 17, 300, 605], [0, 1, 17, 300, 605], 4, 2, d, causal,
+                                         softcap=5.0)
+        assert row["ok"], row
