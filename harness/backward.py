@@ -31,6 +31,7 @@ VARIANTS = {"k9": ("k9", {}), "k10": ("k10", {}), "k10_overlap": ("k10", dict(ov
                                     step_counter=True, plain_first=True, dkv_tma_store=True, tanh_under_dp=True,
                                     by_head_dim={64: dict(tile_m=128, dq_split_queries=True, unguarded_rows=True,
                                                      pin_descriptors=True),
+                                                 128: dict(capped_overlap=True),
                                                  256: dict(step_counter=False, plain_first=False)}))}
 STAGES = tuple(VARIANTS)
 MAIN_STAGES = ("k9", "k10", "k10_fa3")  # what ref_check --backward and bench.py --backward run unless told
@@ -42,8 +43,10 @@ DETERMINISTIC = tuple(name for name, (module, _) in VARIANTS.items() if module =
 # dK/dV out by TMA (step_counter, plain_first, dkv_tma_store: results/ab-k10-knobs-*.json); the
 # softcap's tanh under dP's GEMM (tanh_under_dp: results/ab-k10-tanhdp-d128-h100.json); at d = 64 no
 # guard on rows past the sequence and the staged descriptors built once (unguarded_rows,
-# pin_descriptors: results/ab-k10-edge-d64-h100.json; at d = 128 neither moved); d = 256's
-# own step keeps the division and its order (not measured there)
+# pin_descriptors: results/ab-k10-edge-d64-h100.json; at d = 128 neither moved); at d = 128 under
+# a softcap the overlapped start all the same (capped_overlap: results/ab-k10-capov-d128-h100.json;
+# at d = 64 ptxas serializes its WGMMAs); d = 256's own step keeps the division and its order (not
+# measured there)
 DEFAULT = "k10_fa3"
 
 

@@ -201,9 +201,10 @@ def test_k10_fa3_takes_the_softcaps_tanh_while_dps_gemm_runs():
     from kernels.k10 import compile_backward
 
     p = Problem(2, 8, 1000, 128, causal=True, softcap=5.0)
+    base = {k: v for k, v in stage_overrides("k10_fa3").items() if k != "by_head_dim"}  # d = 128's: capped_overlap
 
     def tanhs_under_a_gemm(**knobs):  # (tanh count, those between a wait for all GEMMs but one and the last)
-        ptx = compiled_ptx(compile_backward(p, keep_ptx=True, **dict(stage_overrides("k10_fa3"), **knobs))[1])
+        ptx = compiled_ptx(compile_backward(p, keep_ptx=True, **dict(base, **knobs))[1])
         running, total, hidden = False, 0, 0
         for line in ptx.splitlines():
             if re.search(r"wgmma\.wait_group\.sync\.aligned\s+1;", line):
@@ -217,3 +218,5 @@ def test_k10_fa3_takes_the_softcaps_tanh_while_dps_gemm_runs():
     sequential, under_dp = tanhs_under_a_gemm(tanh_under_dp=False), tanhs_under_a_gemm()
     assert sequential[0] == under_dp[0] > 0  # the same tanhs (one a score), elsewhere
     assert sequential[1] == 0 and under_dp[1] == under_dp[0]
+    overlapped = tanhs_under_a_gemm(capped_overlap=True)  # k10_fa3's at d = 128: the overlapped start's, also hidden
+    assert overlapped[0] == overlapped[1] == under_dp[0]
