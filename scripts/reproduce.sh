@@ -480,6 +480,7 @@ out.close()") || rc=1
                 "K10Backward k6 --varlen --backward k10_fa3 --causal 1 --batch-heads 4 --nheads-kv 2" \
                 "K10Backward k6 --varlen --backward k10_fa3 --causal 1 --batch-heads 4 --nheads-kv 2 --deterministic" \
                 "K10Backward k6 --varlen --backward k10_fa3 --causal 1 --batch-heads 4 --nheads-kv 2 --headdim 256" \
+                "K10Backward k6 --varlen --backward k10_fa3 --causal 1 --batch-heads 4 --nheads-kv 2 --softcap 5" \
                 "FMHA decode --seqlen 4 --seqlen-k 3000 --batch-heads 32 --nheads-kv 8 --causal 1 --window 700,0"; do
       read -r kernel args <<< "$case"
       for tool in racecheck synccheck; do
@@ -508,7 +509,8 @@ out.close()") || rc=1
                 "k10_fa3 K10 False 64 300 True" "k10_fa3 K10 True 64 300 True" "k10_fa3 K10 False 64 300 False" \
                 "k10_fa3 K10 False 128 300 True" \
                 "k10_fa3 K10 True 128 300 True" "k10_fa3 K10 False 128 300 True softcap=5.0" \
-                "k10_fa3 K10 False 64 700 False window_size=(150,90)"; do
+                "k10_fa3 K10 False 64 700 False window_size=(150,90)" \
+                "k10_fa3 K10 False 128 700 False window_size=(150,90),softcap=5.0"; do
       # det: under torch.use_deterministic_algorithms; the rest: head dim, length, causal, a feature
       read -r stage kernel det d n causal extra <<< "$case"
       for tool in racecheck synccheck; do  # small shapes, the main kernel only
