@@ -1018,7 +1018,10 @@ def ncu_stalls_table(f, top: int = 8):
             name, n = next(iter(h["reasons"].items()), ("", 0))
             return name.replace("stall_", "") if n >= 0.3 * h["samples"] else "(none listed)"
         body = [[f"`{h['source'].strip()[:60]}`", f"{100 * h['share']:.1f}%", reason(h)] for h in r["hot"][:top]]
-        tables.append(f"**{r['kernel']}** ({r['samples']:.0f} samples):\n\n"
+        reasons = sorted(((k.replace("stall_", ""), v) for k, v in r["by_reason"].items() if "Not Issued" not in k),
+                         key=lambda kv: -kv[1])[:6]
+        tables.append(f"**{r['kernel']}** ({r['samples']:.0f} samples; by reason: "
+                      + ", ".join(f"{k} {100 * v / r['samples']:.1f}%" for k, v in reasons) + "):\n\n"
                       + markdown_table(["instruction", "share of samples", "main reason"], body))
     return head + "\n\n" + "\n\n".join(tables)
 

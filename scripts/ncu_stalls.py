@@ -4,7 +4,8 @@
 
 Runs ``ncu`` (on PATH, GPU machine) on one launch of k6 and one of flash-attn-4 for the same
 workload as bench.py (``--backward``: the main kernels of K10's default backward and of
-flash-attn-4's, in bench.py --backward's autograd backward), with the SourceCounters section (PC sampling), prints the SASS page as CSV,
+flash-attn-4's, in bench.py --backward's autograd backward; ``--config``: K10's with compile
+overrides on top of k10_fa3's, e.g. a knob measured and left off), with the SourceCounters section (PC sampling), prints the SASS page as CSV,
 and sums the samples per instruction. The summary per kernel: total samples, samples per stall
 reason, and the instructions with the most samples (address, opcode, samples, the top reasons),
 so that e.g. a named-barrier wait shows which ``BAR.SYNC`` it is. Rows go to --out as they are made.
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import csv
 import io
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -27,13 +29,28 @@ KERNELS = {"k6": "FMHA", "fa4": "FlashAttentionForwardSm90"}
 BACKWARD_KERNELS = {"k10_fa3": "K10Backward", "fa4": "FlashAttentionBackwardSm90"}
 
 
-def profile(regex: str, seqlen: int, d: int, causal: int, raw_dir: str | None, backward: bool = False) -> str:
+# bench.py --backward's cell, with K10 under a configuration of its own (``--config``)
+CONFIGURED = """import sys, json
+import harness.backward as hb
+from harness import backward_bench
+hb.VARIANTS["k10_config"] = ("k10", dict(hb.stage_overrides("k10_fa3"), **json.loads(sys.argv[1])))
+hb.STAGES = tuple(hb.VARIANTS)
+d, causal, n = (int(x) for x in sys.argv[2:])
+backward_bench.run(lambda row: print(backward_bench.format_row(row)), (d,), (causal,), (n,), ("k10_config",))
+"""
+
+
+def profile(regex: str, seqlen: int, d: int, causal: int, raw_dir: str | None, backward: bool = False,
+            config: dict | None = None) -> str:
     """The SASS source page of one launch, as ncu's CSV text."""
-    workload = ["--backward", "k10_fa3"] if backward else ["k6"]
+    if config is not None:
+        workload = ["-c", CONFIGURED, json.dumps(config), str(d), str(causal), str(seqlen)]
+    else:
+        workload = ["bench.py", *(["--backward", "k10_fa3"] if backward else ["k6"]), "--seqlen", str(seqlen),
+                    "--headdim", str(d), "--causal", str(causal)]
     cmd = ["ncu", "--clock-control", "none", "--section", "SourceCounters", "--section", "WarpStateStats",
            "--kernel-name", f"regex:{regex}", "--launch-count", "1", "--page", "source", "--print-source", "sass",
-           "--csv", sys.executable, "bench.py", *workload, "--seqlen", str(seqlen), "--headdim", str(d),
-           "--causal", str(causal)]
+           "--csv", sys.executable, *workload]
     text = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent).stdout
     if raw_dir:
         Path(raw_dir, f"ncu-source-{regex}-d{d}-n{seqlen}-c{causal}.csv").write_text(text)
@@ -79,6 +96,9 @@ def main(argv=None) -> int:
     ap.add_argument("--backward", action="store_true", help="the backward's main kernels (k10_fa3, fa4)")
     ap.add_argument("--kernels", nargs="+", choices=sorted(set(KERNELS) | set(BACKWARD_KERNELS)),
                     help="default: both of the pass's")
+    ap.add_argument("--config", type=json.loads,
+                    help="--backward: profile K10 under these compile overrides (JSON) on top of k10_fa3's, as "
+                         "k10_config (with --kernels k10_fa3 alone, or beside fa4)")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--raw-dir", help="keep ncu's CSV pages here")
     ap.add_argument("--out")
@@ -87,11 +107,15 @@ def main(argv=None) -> int:
     wrong = [name for name in args.kernels or () if name not in names]
     if wrong:  # before any profile
         ap.error(f"--kernels {wrong}: not among {list(names)}{' with --backward' if args.backward else ''}")
+    if args.config is not None and not (args.backward and isinstance(args.config, dict)):
+        ap.error("--config takes a JSON object of K10's compile overrides, with --backward")
     out = results.open_result_file(args.out, results.command_line("scripts/ncu_stalls.py", argv))
     for name in args.kernels or list(names):
-        text = profile(names[name], args.seqlen, args.headdim, args.causal, args.raw_dir, args.backward)
-        s = summarize(name, parse(text), args.top)
-        s.update(head_dim=args.headdim, seqlen=args.seqlen, causal=args.causal, backward=args.backward)
+        config = args.config if name == "k10_fa3" else None
+        text = profile(names[name], args.seqlen, args.headdim, args.causal, args.raw_dir, args.backward, config)
+        s = summarize("k10_config" if config is not None else name, parse(text), args.top)
+        s.update(head_dim=args.headdim, seqlen=args.seqlen, causal=args.causal, backward=args.backward,
+                 **({"config": config} if config is not None else {}))
         if out:
             out.append(s)
         print(f"== {name}: {s['samples']:.0f} samples; by reason: "
