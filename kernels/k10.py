@@ -73,7 +73,7 @@ class K10Backward(k9.K9Backward):
                  tanh_under_dp: bool = False, step_counter: bool = False, plain_first: bool = False,
                  dkv_tma_store: bool = False, dkv_tma_packed: bool = False, select_rows: bool = False,
                  pin_descriptors: bool = False, unguarded_rows: bool = False, rows_ahead: bool = False,
-                 dq_stages: int = 1, capped_overlap: bool = False):
+                 dq_stages: int = 1, capped_overlap: bool = False, scale_at_end: bool = False):
         super().__init__(head_dim, dtype, causal, num_wg, tile_m, q_stages)
         # dq_swapab (FA3's dQ_swapAB): dQ^T = K^T . dS^T, the warpgroups split d (64 rows each), so
         # that a step may take a tile_m that is not a multiple of 64 (FA3's 80 at d = 128)
@@ -103,6 +103,11 @@ class K10Backward(k9.K9Backward):
         # stays in S's registers for the slope 1 - t^2, and P is kept only as dV's 16-bit operand,
         # widened back for dS after dP's wait (the registers the uncapped start holds, no more)
         self.capped_overlap = capped_overlap and softcap > 0.0 and overlap
+        # scale_at_end (flash-attn-4's): dS without softmax_scale (one multiply a score fewer), dK
+        # scaled once after the walk and dQ in the post-pass (FlatPostpass(scaled=True)): both are
+        # linear in dS
+        self.scale_at_end = scale_at_end
+        assert not scale_at_end or dq_flat, "the scaled post-pass is dq_flat's"
         # step_counter: each loop (loads, dQ writer, MMA) keeps its step's (head, query tile) and
         # advances it, rather than dividing the step index by the walk's length (``step_at``)
         self.step_counter = step_counter
@@ -523,8 +528,13 @@ class K10Backward(k9.K9Backward):
                     slope = 1.0 - score * score
                 p = self.probability(score, lse2, (n_block, c_mn[r, c][0], seqlen_k), (q, offset), scale_log2, edge)
                 s_mn[r, c] = p
-                dp_mn[r, c] = p * (dp_mn[r, c] - dot) * (softmax_scale * slope if cutlass.const_expr(
-                    self.softcap > 0.0) else softmax_scale)
+                if cutlass.const_expr(self.scale_at_end and self.softcap > 0.0):
+                    dp_mn[r, c] = p * (dp_mn[r, c] - dot) * slope
+                elif cutlass.const_expr(self.scale_at_end):
+                    dp_mn[r, c] = p * (dp_mn[r, c] - dot)
+                else:
+                    dp_mn[r, c] = p * (dp_mn[r, c] - dot) * (softmax_scale * slope if cutlass.const_expr(
+                        self.softcap > 0.0) else softmax_scale)
 
     @cute.jit
     def cap_scores(self, acc_S: cute.Tensor, softmax_scale: Float32):
@@ -861,8 +871,13 @@ class K10Backward(k9.K9Backward):
             else:
                 _, _, dot = self.column_rows(c_mn, c, m_block, seqlen, None, sD, edge)
             for r in cutlass.range_constexpr(cute.size(p_mn, mode=[0])):
-                if cutlass.const_expr(slopes is None):
+                if cutlass.const_expr(slopes is None and self.scale_at_end):
+                    dp_mn[r, c] = p_mn[r, c] * (dp_mn[r, c] - dot)
+                elif cutlass.const_expr(slopes is None):
                     dp_mn[r, c] = p_mn[r, c] * (dp_mn[r, c] - dot) * softmax_scale
+                elif cutlass.const_expr(self.scale_at_end):
+                    t = sm90.acc_mn_view(slopes)[r, c]
+                    dp_mn[r, c] = p_mn[r, c] * (dp_mn[r, c] - dot) * (1.0 - t * t)
                 else:
                     t = sm90.acc_mn_view(slopes)[r, c]
                     dp_mn[r, c] = p_mn[r, c] * (dp_mn[r, c] - dot) * (softmax_scale * (1.0 - t * t))
@@ -932,6 +947,9 @@ class K10Backward(k9.K9Backward):
             if cutlass.const_expr(self.step_counter):
                 at_head, at_m = self.next_step(at_head, at_m, walk)
 
+        if cutlass.const_expr(self.scale_at_end):  # the walk's dS carried no softmax_scale
+            for i in cutlass.range_constexpr(cute.size(acc_dK)):
+                acc_dK[i] = acc_dK[i] * softmax_scale
         accs = (acc_dK, acc_dV)
         if cutlass.const_expr(self.dkv_tma_packed):  # a box must stay inside the sequence's rows
             if (n_block + 1) * tile_n <= lens[2]:
@@ -1113,7 +1131,15 @@ class FlatPostpass:
     @cute.jit
     def __call__(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, stream):
         grid = (cute.ceil_div(mdQ.shape[2], self.tile_m), mdQ.shape[1], mdQ.shape[0])
-        self.kernel(mdQaccum, mdQ, self.dq_mma(), None).launch(
+        self.kernel(mdQaccum, mdQ, self.dq_mma(), None, None).launch(
+            grid=grid, block=[sm90.THREADS_PER_WARPGROUP * self.num_wg, 1, 1], stream=stream)
+
+    @cute.jit
+    def call_scaled(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, scale: Float32, stream):
+        """``__call__`` for a main kernel whose dS carried no softmax_scale (``scale_at_end``):
+        dQ = scale * the accumulator."""
+        grid = (cute.ceil_div(mdQ.shape[2], self.tile_m), mdQ.shape[1], mdQ.shape[0])
+        self.kernel(mdQaccum, mdQ, self.dq_mma(), None, scale).launch(
             grid=grid, block=[sm90.THREADS_PER_WARPGROUP * self.num_wg, 1, 1], stream=stream)
 
     @cute.jit
@@ -1122,12 +1148,20 @@ class FlatPostpass:
         """Packed: (1, heads, total, d) dQ, a CTA per (query tile, head, sequence) of the longest
         sequence's ``max_tiles``; sequence b's tiles in the slots from ``packed_tile_start``."""
         grid = (max_tiles, mdQ.shape[1], mCuSeqlensQ.shape[0] - 1)
-        self.kernel(mdQaccum, mdQ, self.dq_mma(), mCuSeqlensQ).launch(
+        self.kernel(mdQaccum, mdQ, self.dq_mma(), mCuSeqlensQ, None).launch(
+            grid=grid, block=[sm90.THREADS_PER_WARPGROUP * self.num_wg, 1, 1], stream=stream)
+
+    @cute.jit
+    def call_varlen_scaled(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, mCuSeqlensQ: cute.Tensor,
+                           max_tiles: Int32, scale: Float32, stream):
+        """``call_varlen`` with ``call_scaled``'s scale."""
+        grid = (max_tiles, mdQ.shape[1], mCuSeqlensQ.shape[0] - 1)
+        self.kernel(mdQaccum, mdQ, self.dq_mma(), mCuSeqlensQ, scale).launch(
             grid=grid, block=[sm90.THREADS_PER_WARPGROUP * self.num_wg, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, tiled_mma_dq: cute.TiledMma,
-               mCuSeqlensQ: Optional[cute.Tensor]):
+               mCuSeqlensQ: Optional[cute.Tensor], scale: Optional[Float32]):
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
         seqlen, slot, first = mdQ.shape[2], m_block, Int32(0)
@@ -1152,6 +1186,8 @@ class FlatPostpass:
                               cute.make_tensor(acc.iterator, cute.make_layout((4, per_thread // 4))))
             for i in cutlass.range_constexpr(per_thread):  # acc[i]: the share of tdQcdQ[i], as store_dq wrote it
                 row, col = tdQcdQ[i] if cutlass.const_expr(not self.swapab) else tdQcdQ[i][::-1]
+                if cutlass.const_expr(scale is not None):
+                    acc[i] = acc[i] * scale
                 sdQ[row, col] = acc[i].to(self.dtype)
         cute.arch.barrier()
         if m_block * self.tile_m < seqlen:
@@ -1225,6 +1261,10 @@ def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = F
     if cfg.get("dq_stages", 1) not in (1, 2) or (cfg.get("dq_stages", 1) == 2 and not cfg.get("early_dq")):
         raise UnsupportedProblem(f"K10 (backward) config {cfg}: dq_stages is 1 or 2, and 2 is early_dq's (a warpgroup's "
                                  "share to a stage of sdQ on a barrier pair of its own)")
+    if cfg.get("scale_at_end") and split_d:
+        cfg = cfg.with_(scale_at_end=False)  # K10BackwardSplitD's own step
+    if cfg.get("scale_at_end") and not dq_flat:
+        raise UnsupportedProblem(f"K10 (backward) config {cfg}: scale_at_end scales dQ in dq_flat's post-pass")
     if cfg.get("tanh_under_dp") and not cfg.get("early_dq"):
         raise UnsupportedProblem(f"K10 (backward) config {cfg}: tanh_under_dp is early_dq's step under a softcap")
     if cfg.get("early_dq") and cfg["q_stages"] < 2:
@@ -1281,6 +1321,11 @@ def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = F
         x, _ = k9.fake_tensors(p, f)
         post = FlatPostpass(p.head_dim, dt, cfg["num_wg"], cfg["tile_m"], bool(cfg.get("dq_split_queries")),
                             bool(cfg.get("dq_swapab")))
+        if cfg.get("scale_at_end") and p.varlen:
+            return post.call_varlen_scaled, (accumulator(f, x), x(dt), cu_seqlens(), Int32(1), Float32(1.0),
+                                             fake_stream())
+        if cfg.get("scale_at_end"):
+            return post.call_scaled, (accumulator(f, x), x(dt), Float32(1.0), fake_stream())
         if p.varlen:
             return post.call_varlen, (accumulator(f, x), x(dt), cu_seqlens(), Int32(1), fake_stream())
         return post, (accumulator(f, x), x(dt), fake_stream())
@@ -1336,7 +1381,8 @@ def run_backward(compiled: tuple, q, k, v, o, lse, do, softmax_scale: float, gra
         extra = (torch.zeros(b * h * tiles, device=q.device, dtype=torch.int32),)
     if cfg["dq_flat"]:
         dq_accum = flat_accumulator(b, h, n, d, tiles, cfg["tile_m"], q.device)
-    return k9.run_backward((pre, main, post), q, k, v, o, lse, do, softmax_scale, grads, extra, dq_accum)
+    return k9.run_backward((pre, main, post), q, k, v, o, lse, do, softmax_scale, grads, extra, dq_accum,
+                           (softmax_scale,) if cfg.get("scale_at_end") else ())
 
 
 def run_varlen_backward(compiled: tuple, q, k, v, o, lse, do, softmax_scale: float, cu_seqlens_q, cu_seqlens_k,
@@ -1368,7 +1414,8 @@ def run_varlen_backward(compiled: tuple, q, k, v, o, lse, do, softmax_scale: flo
     main(packed(q), packed(k), packed(v), do, lse2, dot, accum, packed(dk), packed(dv), softmax_scale, semaphores,
          cu_seqlens_q, cu_seqlens_k, key_tiles)
     if cfg["dq_flat"]:
-        post(accum, packed(dq), cu_seqlens_q, max(1, -(-max_seqlen_q // tile_m)))
+        post(accum, packed(dq), cu_seqlens_q, max(1, -(-max_seqlen_q // tile_m)),
+             *((softmax_scale,) if cfg.get("scale_at_end") else ()))
     else:
         post(accum, packed(dq))
     return dq, dk, dv

@@ -466,12 +466,13 @@ def row_buffers(batch: int, heads: int, rows: int, device) -> tuple:
 
 
 def run_backward(compiled: tuple, q, k, v, o, lse, do, softmax_scale: float, grads: tuple | None = None,
-                 extra: tuple = (), dq_accum=None) -> tuple:
+                 extra: tuple = (), dq_accum=None, post_extra: tuple = ()) -> tuple:
     """(dq, dk, dv) of attention(q, k, v) = o with log-sum-exp ``lse`` (natural log, float32,
     (batch, heads, seqlen)), for the gradient ``do`` of o, into ``grads`` if given (the checks
     pass NaN-filled ones). Three launches; ``extra``: arguments after the main kernel's own;
     ``dq_accum``: (the accumulator as the pre-pass zeroes it, as the kernel and the post-pass
-    read it) where a stage lays it out otherwise (zeroed already)."""
+    read it) where a stage lays it out otherwise (zeroed already); ``post_extra``: arguments after
+    the post-pass's own."""
     import torch
 
     pre, main, post = compiled
@@ -483,5 +484,5 @@ def run_backward(compiled: tuple, q, k, v, o, lse, do, softmax_scale: float, gra
     do = do.contiguous()
     pre(o, do, lse, lse2, dot, dq_accum[0])
     main(q, k, v, do, lse2, dot, dq_accum[1], dk, dv, softmax_scale, *extra)
-    post(dq_accum[1], dq)
+    post(dq_accum[1], dq, *post_extra)
     return dq, dk, dv

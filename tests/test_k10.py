@@ -554,3 +554,57 @@ def test_capped_overlap_gradients_match_float64_autograd(d, monkeypatch):
         row = check_varlen_backward_case("k10_capov", [0, 1, 17, 300, 605], [0, 1, 17, 300, 605], 4, 2, d, causal,
                                          softcap=5.0)
         assert row["ok"], row
+
+
+def test_scale_at_end_takes_a_multiply_a_score_out_of_the_step_and_scales_dq_in_the_post_pass():
+    from harness.backward import stage_overrides
+    from harness.inspect_ptx import wgmma_serialized
+    from kernels.contract import UnsupportedProblem
+    from kernels.k10 import compile_backward
+
+    base = stage_overrides("k10_fa3")
+    for p in (Problem(2, 4, 1000, 128, causal=True), Problem(2, 4, 1000, 128, causal=True, varlen=True),
+              Problem(2, 4, 1000, 128, softcap=30.0)):
+        plain, scaled = (compile_backward(p, keep_ptx=True, **dict(base, scale_at_end=on)) for on in (False, True))
+        muls = [len(re.findall(r"\bmul(?:\.rn)?\.f32", compiled_ptx(x[1]))) for x in (plain, scaled)]
+        # two copies of the step (edge and plain) lose one multiply a score (32 a thread at
+        # d = 128); the epilogue gains one per dK element (64 a thread)
+        assert muls[1] == muls[0] - 2 * 32 + 64, (p, muls)
+        posts = [len(re.findall(r"\bmul(?:\.rn)?\.f32", compiled_ptx(x[2]))) for x in (plain, scaled)]
+        assert posts[0] == 0 and posts[1] > 0, (p, posts)  # dQ = scale * the accumulator, there
+        assert wgmma_serialized(compiled_ptx(scaled[1])) in (None, False)  # None: no ptxas on PATH
+    # d = 256's own step drops it; without dq_flat there is no scaled post-pass
+    p = Problem(2, 4, 1000, 256, causal=True)
+    assert not compile_backward(p, **dict(base, scale_at_end=True))[3].get("scale_at_end")
+    with pytest.raises(UnsupportedProblem, match="scale_at_end scales dQ in dq_flat's post-pass"):
+        compile_backward(Problem(2, 4, 1000, 128), overlap=True, scale_at_end=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("d", [64, 128])
+def test_scale_at_end_gradients_match_float64_autograd_packed_capped_and_deterministic(d, monkeypatch):
+    import harness.backward as hb
+    from harness import attention, attention_backward
+    from harness.check import check_backward, check_varlen_backward_case
+
+    monkeypatch.setitem(hb.VARIANTS, "k10_sae", ("k10", dict(hb.stage_overrides("k10_fa3"), scale_at_end=True)))
+    monkeypatch.setattr(hb, "STAGES", tuple(hb.VARIANTS))
+    monkeypatch.setattr(hb, "DETERMINISTIC", hb.DETERMINISTIC + ("k10_sae",))
+    for p in (Problem(2, 4, 17, d, causal=True), Problem(2, 4, 1000, d), Problem(2, 8, 1000, d, nheads_kv=2, causal=True),
+              Problem(2, 4, 1000, d, causal=True, softcap=5.0), Problem(2, 4, 700, d, window=(150, 90)),
+              Problem(2, 4, 1000, d, causal=True, dtype="float16"), Problem(2, 4, 1000, d, softmax_scale=0.3)):
+        row = check_backward(p, backward="k10_sae")
+        assert row["ok"], row
+    for causal in (False, True):
+        row = check_varlen_backward_case("k10_sae", [0, 1, 17, 300, 605], [0, 1, 17, 300, 605], 4, 2, d, causal)
+        assert row["ok"], row
+    q, k, v, dout = (torch.randn(2, 4, 1000, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    out, lse = attention("k6", q, k, v, causal=True, return_lse=True)
+    torch.use_deterministic_algorithms(True)
+    try:
+        runs = [attention_backward(q, k, v, out, lse, dout, causal=True, backward="k10_sae") for _ in range(3)]
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for run in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(run, runs[0]))
