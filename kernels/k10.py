@@ -73,7 +73,8 @@ class K10Backward(k9.K9Backward):
                  tanh_under_dp: bool = False, step_counter: bool = False, plain_first: bool = False,
                  dkv_tma_store: bool = False, dkv_tma_packed: bool = False, select_rows: bool = False,
                  pin_descriptors: bool = False, unguarded_rows: bool = False, rows_ahead: bool = False,
-                 dq_stages: int = 1, capped_overlap: bool = False, scale_at_end: bool = False):
+                 dq_stages: int = 1, capped_overlap: bool = False, scale_at_end: bool = False,
+                 early_dv: bool = False):
         super().__init__(head_dim, dtype, causal, num_wg, tile_m, q_stages)
         # dq_swapab (FA3's dQ_swapAB): dQ^T = K^T . dS^T, the warpgroups split d (64 rows each), so
         # that a step may take a tile_m that is not a multiple of 64 (FA3's 80 at d = 128)
@@ -108,6 +109,10 @@ class K10Backward(k9.K9Backward):
         # linear in dS
         self.scale_at_end = scale_at_end
         assert not scale_at_end or dq_flat, "the scaled post-pass is dq_flat's"
+        # early_dv: the overlapped start issues dV's GEMM as soon as P is dV's operand, before dP's
+        # wait, so P's exponentials cannot sink below that wait (ptxas moved most of them there)
+        # and dV's GEMM runs while dS is computed
+        self.early_dv = early_dv and overlap and early_dq
         # step_counter: each loop (loads, dQ writer, MMA) keeps its step's (head, query tile) and
         # advances it, rather than dividing the step index by the walk's length (``step_at``)
         self.step_counter = step_counter
@@ -715,7 +720,7 @@ class K10Backward(k9.K9Backward):
     @cute.jit
     def overlapped_start(self, tiled_mma_sdp: cute.TiledMma, accs: tuple, operands: tuple, tScS: cute.Tensor,
                          rows: tuple, n_block: Int32, m_block: Int32, lens: tuple, scale_log2: Float32,
-                         softmax_scale: Float32, edge: bool):
+                         softmax_scale: Float32, edge: bool, dv_mma: cute.TiledMma = None):
         """The overlapped steps' start: S^T and dP^T issued, P^T computed (and converted to dV's
         operand) while dP^T's GEMM still runs, then dS^T."""
         acc_S, acc_dP, tdVrP = accs[0], accs[1], operands[4]
@@ -733,7 +738,10 @@ class K10Backward(k9.K9Backward):
         dot = None
         if cutlass.const_expr(ahead):
             dot = self.columns_of(tScS, rows[1][None, stage])
-        warpgroup.wait_group(0)
+        if cutlass.const_expr(self.early_dv):  # dP's GEMM, then dV's: wait for the first alone
+            sm90.gemm(dv_mma, accs[3], tdVrP, operands[5][None, None, None, stage], zero_init=False, wg_wait=1)
+        else:
+            warpgroup.wait_group(0)
         slopes = None
         if cutlass.const_expr(self.capped_overlap):
             slopes, acc_P = acc_S, cute.make_rmem_tensor_like(acc_S)
@@ -756,7 +764,7 @@ class K10Backward(k9.K9Backward):
         stage = rows[2]
         if cutlass.const_expr(self.overlap):
             self.overlapped_start(tiled_mma_sdp, accs, operands, tScS, rows, n_block, m_block, lens, scale_log2,
-                                  softmax_scale, edge)
+                                  softmax_scale, edge, tiled_mma_dkv)
         elif cutlass.const_expr(self.tanh_under_dp):  # the cap's tanh while dP's GEMM runs, P after it
             self.issue_s_and_dp(tiled_mma_sdp, accs, operands, stage, 1)
             self.cap_scores(acc_S, softmax_scale)
@@ -768,7 +776,8 @@ class K10Backward(k9.K9Backward):
             self.scores_and_grads(tiled_mma_sdp, accs, operands, tScS, rows, n_block, m_block, lens, scale_log2,
                                   softmax_scale, edge)
             sm90.convert_to(sm90.acc_as_operand_a(acc_S), tdVrP)
-        sm90.gemm(tiled_mma_dkv, acc_dV, tdVrP, tdVrdO[None, None, None, stage], zero_init=False, wg_wait=-1)
+        if cutlass.const_expr(not self.early_dv):
+            sm90.gemm(tiled_mma_dkv, acc_dV, tdVrP, tdVrdO[None, None, None, stage], zero_init=False, wg_wait=-1)
         self.store_dS(acc_dP, tScS, sdS[None, None, stage], tiled_mma_sdp)
         cute.arch.fence_view_async_shared()
         sm90.convert_to(sm90.acc_as_operand_a(acc_dP), tdKrdS)

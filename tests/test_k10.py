@@ -580,15 +580,44 @@ def test_scale_at_end_takes_a_multiply_a_score_out_of_the_step_and_scales_dq_in_
         compile_backward(Problem(2, 4, 1000, 128), overlap=True, scale_at_end=True)
 
 
+def test_early_dv_issues_dvs_gemm_before_dps_wait():
+    from harness.backward import stage_overrides
+    from kernels.k10 import compile_backward
+
+    def after_exponentials(ptx):  # what follows each run of ex2: a wait, or a GEMM (its N)
+        events = []
+        for line in ptx.splitlines():
+            op = line.strip()
+            if op.startswith("wgmma.wait_group"):
+                events.append("wait" + re.search(r"(\d+);", op).group(1))
+            elif op.startswith("wgmma.mma_async"):
+                events.append("n" + re.search(r"m64n(\d+)k", op).group(1))
+            elif op.startswith("ex2.approx") and (not events or events[-1] != "ex2"):
+                events.append("ex2")
+        return [events[i + 1] for i, e in enumerate(events[:-1]) if e == "ex2"]
+
+    for p in (Problem(2, 4, 1000, 128, causal=True), Problem(2, 4, 1000, 128, softcap=30.0)):
+        base = dict(stage_overrides("k10_fa3"))
+        plain, early = (compiled_ptx(compile_backward(p, keep_ptx=True, **dict(base, early_dv=on))[1])
+                        for on in (False, True))
+        # both copies of the step (edge, plain): P's exponentials, then dP's wait (wait_group 0),
+        # or with the knob dV's GEMM (n128) first, and only then the wait for dP alone
+        assert after_exponentials(plain) == ["wait0", "wait0"], p
+        assert after_exponentials(early) == ["n128", "n128"], p
+        assert len(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+0;", early)) == \
+            len(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+0;", plain)) - 2
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("knob", [{"scale_at_end": True}, {"early_dv": True}, {"scale_at_end": True, "early_dv": True}])
 @pytest.mark.parametrize("d", [64, 128])
-def test_scale_at_end_gradients_match_float64_autograd_packed_capped_and_deterministic(d, monkeypatch):
+def test_step_knobs_gradients_match_float64_autograd_packed_capped_and_deterministic(d, knob, monkeypatch):
     import harness.backward as hb
     from harness import attention, attention_backward
     from harness.check import check_backward, check_varlen_backward_case
 
-    monkeypatch.setitem(hb.VARIANTS, "k10_sae", ("k10", dict(hb.stage_overrides("k10_fa3"), scale_at_end=True)))
+    monkeypatch.setitem(hb.VARIANTS, "k10_sae", ("k10", dict(hb.stage_overrides("k10_fa3"), **knob)))
     monkeypatch.setattr(hb, "STAGES", tuple(hb.VARIANTS))
     monkeypatch.setattr(hb, "DETERMINISTIC", hb.DETERMINISTIC + ("k10_sae",))
     for p in (Problem(2, 4, 17, d, causal=True), Problem(2, 4, 1000, d), Problem(2, 8, 1000, d, nheads_kv=2, causal=True),
