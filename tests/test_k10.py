@@ -487,8 +487,7 @@ def test_dq_stages_takes_early_dqs_step_and_fits_the_smem():
 @pytest.mark.parametrize("d", [64, 128])
 def test_the_new_knobs_gradients_match_float64_autograd_packed_and_deterministic(d, knob, monkeypatch):
     import harness.backward as hb
-    from harness import attention, attention_backward
-    from harness.check import check_backward, check_varlen_backward_case
+    from harness.check import check_backward
 
     monkeypatch.setitem(hb.VARIANTS, "k10_knob", ("k10", dict(hb.stage_overrides("k10_fa3"), **knob)))
     monkeypatch.setattr(hb, "STAGES", tuple(hb.VARIANTS))
@@ -498,14 +497,23 @@ def test_the_new_knobs_gradients_match_float64_autograd_packed_and_deterministic
               Problem(2, 8, 1000, d, nheads_kv=2, causal=True), Problem(2, 4, 700, d, window=(150, 90))):
         row = check_backward(p, backward="k10_knob")
         assert row["ok"], row
-    for causal in (False, True):  # packed: an empty sequence, one row, partial and whole tiles
-        row = check_varlen_backward_case("k10_knob", [0, 1, 17, 300, 605], [0, 1, 17, 300, 605], 4, 2, d, causal)
+    packed_and_deterministic("k10_knob", d)  # the fixed dQ order through both sdQ stages
+
+
+def packed_and_deterministic(stage: str, d: int):
+    """A knob's packed checks (an empty sequence, one row, partial and whole tiles; causal or not)
+    and its deterministic mode's bitwise repeat (three causal backwards)."""
+    from harness import attention, attention_backward
+    from harness.check import check_varlen_backward_case
+
+    for causal in (False, True):
+        row = check_varlen_backward_case(stage, [0, 1, 17, 300, 605], [0, 1, 17, 300, 605], 4, 2, d, causal)
         assert row["ok"], row
     q, k, v, dout = (torch.randn(2, 4, 1000, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     out, lse = attention("k6", q, k, v, causal=True, return_lse=True)
-    torch.use_deterministic_algorithms(True)  # the fixed dQ order (through both sdQ stages)
+    torch.use_deterministic_algorithms(True)
     try:
-        runs = [attention_backward(q, k, v, out, lse, dout, causal=True, backward="k10_knob") for _ in range(3)]
+        runs = [attention_backward(q, k, v, out, lse, dout, causal=True, backward=stage) for _ in range(3)]
     finally:
         torch.use_deterministic_algorithms(False)
     for run in runs[1:]:
@@ -614,8 +622,7 @@ def test_early_dv_issues_dvs_gemm_before_dps_wait():
 @pytest.mark.parametrize("d", [64, 128])
 def test_step_knobs_gradients_match_float64_autograd_packed_capped_and_deterministic(d, knob, monkeypatch):
     import harness.backward as hb
-    from harness import attention, attention_backward
-    from harness.check import check_backward, check_varlen_backward_case
+    from harness.check import check_backward
 
     monkeypatch.setitem(hb.VARIANTS, "k10_sae", ("k10", dict(hb.stage_overrides("k10_fa3"), **knob)))
     monkeypatch.setattr(hb, "STAGES", tuple(hb.VARIANTS))
@@ -625,15 +632,4 @@ def test_step_knobs_gradients_match_float64_autograd_packed_capped_and_determini
               Problem(2, 4, 1000, d, causal=True, dtype="float16"), Problem(2, 4, 1000, d, softmax_scale=0.3)):
         row = check_backward(p, backward="k10_sae")
         assert row["ok"], row
-    for causal in (False, True):
-        row = check_varlen_backward_case("k10_sae", [0, 1, 17, 300, 605], [0, 1, 17, 300, 605], 4, 2, d, causal)
-        assert row["ok"], row
-    q, k, v, dout = (torch.randn(2, 4, 1000, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-    out, lse = attention("k6", q, k, v, causal=True, return_lse=True)
-    torch.use_deterministic_algorithms(True)
-    try:
-        runs = [attention_backward(q, k, v, out, lse, dout, causal=True, backward="k10_sae") for _ in range(3)]
-    finally:
-        torch.use_deterministic_algorithms(False)
-    for run in runs[1:]:
-        assert all(torch.equal(a, b) for a, b in zip(run, runs[0]))
+    packed_and_deterministic("k10_sae", d)
