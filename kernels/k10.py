@@ -105,14 +105,16 @@ class K10Backward(k9.K9Backward):
         # widened back for dS after dP's wait (the registers the uncapped start holds, no more)
         self.capped_overlap = capped_overlap and softcap > 0.0 and overlap
         # scale_at_end (flash-attn-4's): dS without softmax_scale (one multiply a score fewer), dK
-        # scaled once after the walk and dQ in the post-pass (FlatPostpass(scaled=True)): both are
+        # scaled once after the walk and dQ in the post-pass (FlatPostpass.call_scaled): both are
         # linear in dS
         self.scale_at_end = scale_at_end
         assert not scale_at_end or dq_flat, "the scaled post-pass is dq_flat's"
         # early_dv: the overlapped start issues dV's GEMM as soon as P is dV's operand, before dP's
         # wait, so P's exponentials cannot sink below that wait (ptxas moved most of them there)
-        # and dV's GEMM runs while dS is computed
-        self.early_dv = early_dv and overlap and early_dq
+        # and dV's GEMM runs while dS is computed. Not with capped_overlap, which reads P back
+        # from dV's operand registers after dP's wait: reading a running WGMMA's A registers is
+        # undefined in PTX
+        self.early_dv = early_dv and overlap and early_dq and not self.capped_overlap
         # step_counter: each loop (loads, dQ writer, MMA) keeps its step's (head, query tile) and
         # advances it, rather than dividing the step index by the walk's length (``step_at``)
         self.step_counter = step_counter
@@ -1271,7 +1273,7 @@ def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = F
         raise UnsupportedProblem(f"K10 (backward) config {cfg}: dq_stages is 1 or 2, and 2 is early_dq's (a warpgroup's "
                                  "share to a stage of sdQ on a barrier pair of its own)")
     if cfg.get("scale_at_end") and split_d:
-        cfg = cfg.with_(scale_at_end=False)  # K10BackwardSplitD's own step
+        cfg = cfg.with_(scale_at_end=False)  # not built into K10BackwardSplitD's step, nor measured there
     if cfg.get("scale_at_end") and not dq_flat:
         raise UnsupportedProblem(f"K10 (backward) config {cfg}: scale_at_end scales dQ in dq_flat's post-pass")
     if cfg.get("tanh_under_dp") and not cfg.get("early_dq"):
