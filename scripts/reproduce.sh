@@ -534,6 +534,8 @@ torch.cuda.synchronize(); print('$stage d=$d n=$n causal=$causal deterministic=$
       --out "$dir/ncu-profile-backward-$gpu.json" || rc=1
     timeout 220 $py scripts/ncu_stalls.py --backward --seqlen 16384 --headdim 128 --causal 0 \
       --out "$dir/ncu-stalls-backward-d128-n16k-$gpu.json" || rc=1
+    timeout 220 $py scripts/ncu_stalls.py --backward --seqlen 16384 --headdim 128 --causal 1 \
+      --out "$dir/ncu-stalls-backward-d128-n16k-causal-$gpu.json" || rc=1
     exit $rc
     ;;
   *) echo "usage: $0 check|perf|headline|ws|decode|fp8check|fp8|final|call|backward [dir]" >&2; exit 2 ;;
