@@ -528,20 +528,22 @@ class K10Backward(k9.K9Backward):
         for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
             q, lse2, dot = self.column_rows(c_mn, c, m_block, seqlen, sLSE, sD, edge)
             for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
-                score, slope = s_mn[r, c], Float32(1.0)
+                score, slope = s_mn[r, c], None
                 if cutlass.const_expr(self.softcap > 0.0):
                     if cutlass.const_expr(not capped):
                         score = sm90.tanh_approx(score * cap_scale)
                     slope = 1.0 - score * score
                 p = self.probability(score, lse2, (n_block, c_mn[r, c][0], seqlen_k), (q, offset), scale_log2, edge)
                 s_mn[r, c] = p
-                if cutlass.const_expr(self.scale_at_end and self.softcap > 0.0):
-                    dp_mn[r, c] = p * (dp_mn[r, c] - dot) * slope
-                elif cutlass.const_expr(self.scale_at_end):
-                    dp_mn[r, c] = p * (dp_mn[r, c] - dot)
-                else:
-                    dp_mn[r, c] = p * (dp_mn[r, c] - dot) * (softmax_scale * slope if cutlass.const_expr(
-                        self.softcap > 0.0) else softmax_scale)
+                dp_mn[r, c] = self.score_grad(p, dp_mn[r, c], dot, softmax_scale, slope)
+
+    def score_grad(self, p, dp, dot, softmax_scale, slope=None):
+        """One score's dS = P * (dP - D), times a softcap's slope 1 - t^2 (``slope``) and softmax_scale,
+        unless ``scale_at_end`` leaves the scale to the walk's end and the post-pass."""
+        ds = p * (dp - dot)
+        if self.scale_at_end:
+            return ds if slope is None else ds * slope
+        return ds * (softmax_scale if slope is None else softmax_scale * slope)
 
     @cute.jit
     def cap_scores(self, acc_S: cute.Tensor, softmax_scale: Float32):
@@ -745,8 +747,8 @@ class K10Backward(k9.K9Backward):
         else:
             warpgroup.wait_group(0)
         slopes = None
-        if cutlass.const_expr(self.capped_overlap):
-            slopes, acc_P = acc_S, cute.make_rmem_tensor_like(acc_S)
+        if cutlass.const_expr(self.capped_overlap):  # P back from dV's operand into the scratch tile
+            slopes = acc_S
             sm90.convert_from(tdVrP, sm90.acc_as_operand_a(acc_P))
         self.score_grads(acc_P, acc_dP, tScS, rows[1][None, stage], m_block, lens[0], softmax_scale, edge, dot,
                          slopes)
@@ -882,16 +884,11 @@ class K10Backward(k9.K9Backward):
             else:
                 _, _, dot = self.column_rows(c_mn, c, m_block, seqlen, None, sD, edge)
             for r in cutlass.range_constexpr(cute.size(p_mn, mode=[0])):
-                if cutlass.const_expr(slopes is None and self.scale_at_end):
-                    dp_mn[r, c] = p_mn[r, c] * (dp_mn[r, c] - dot)
-                elif cutlass.const_expr(slopes is None):
-                    dp_mn[r, c] = p_mn[r, c] * (dp_mn[r, c] - dot) * softmax_scale
-                elif cutlass.const_expr(self.scale_at_end):
+                slope = None
+                if cutlass.const_expr(slopes is not None):
                     t = sm90.acc_mn_view(slopes)[r, c]
-                    dp_mn[r, c] = p_mn[r, c] * (dp_mn[r, c] - dot) * (1.0 - t * t)
-                else:
-                    t = sm90.acc_mn_view(slopes)[r, c]
-                    dp_mn[r, c] = p_mn[r, c] * (dp_mn[r, c] - dot) * (softmax_scale * (1.0 - t * t))
+                    slope = 1.0 - t * t
+                dp_mn[r, c] = self.score_grad(p_mn[r, c], dp_mn[r, c], dot, softmax_scale, slope)
 
     @cute.jit
     def mma(self, pipeline_kv, pipeline_qdo, walk: tuple, count: Int32, n_block: Int32, kv_head: Int32,
@@ -1139,36 +1136,39 @@ class FlatPostpass:
             return swapped_dq_mma(self.dtype, self.num_wg, self.tile_m)
         return k9.dq_mma(self.dtype, self.head_dim, self.num_wg, self.split_queries)
 
+    def launch(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, stream, mCuSeqlensQ=None, max_tiles=None,
+               scale=None):
+        """The entry points' launch: a CTA per query tile of each (head, batch), or packed (with
+        ``mCuSeqlensQ``), per (query tile of the longest sequence's ``max_tiles``, head, sequence)."""
+        if mCuSeqlensQ is None:
+            grid = (cute.ceil_div(mdQ.shape[2], self.tile_m), mdQ.shape[1], mdQ.shape[0])
+        else:
+            grid = (max_tiles, mdQ.shape[1], mCuSeqlensQ.shape[0] - 1)
+        self.kernel(mdQaccum, mdQ, self.dq_mma(), mCuSeqlensQ, scale).launch(
+            grid=grid, block=[sm90.THREADS_PER_WARPGROUP * self.num_wg, 1, 1], stream=stream)
+
     @cute.jit
     def __call__(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, stream):
-        grid = (cute.ceil_div(mdQ.shape[2], self.tile_m), mdQ.shape[1], mdQ.shape[0])
-        self.kernel(mdQaccum, mdQ, self.dq_mma(), None, None).launch(
-            grid=grid, block=[sm90.THREADS_PER_WARPGROUP * self.num_wg, 1, 1], stream=stream)
+        self.launch(mdQaccum, mdQ, stream)
 
     @cute.jit
     def call_scaled(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, scale: Float32, stream):
         """``__call__`` for a main kernel whose dS carried no softmax_scale (``scale_at_end``):
         dQ = scale * the accumulator."""
-        grid = (cute.ceil_div(mdQ.shape[2], self.tile_m), mdQ.shape[1], mdQ.shape[0])
-        self.kernel(mdQaccum, mdQ, self.dq_mma(), None, scale).launch(
-            grid=grid, block=[sm90.THREADS_PER_WARPGROUP * self.num_wg, 1, 1], stream=stream)
+        self.launch(mdQaccum, mdQ, stream, scale=scale)
 
     @cute.jit
     def call_varlen(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, mCuSeqlensQ: cute.Tensor, max_tiles: Int32,
                     stream):
         """Packed: (1, heads, total, d) dQ, a CTA per (query tile, head, sequence) of the longest
         sequence's ``max_tiles``; sequence b's tiles in the slots from ``packed_tile_start``."""
-        grid = (max_tiles, mdQ.shape[1], mCuSeqlensQ.shape[0] - 1)
-        self.kernel(mdQaccum, mdQ, self.dq_mma(), mCuSeqlensQ, None).launch(
-            grid=grid, block=[sm90.THREADS_PER_WARPGROUP * self.num_wg, 1, 1], stream=stream)
+        self.launch(mdQaccum, mdQ, stream, mCuSeqlensQ, max_tiles)
 
     @cute.jit
     def call_varlen_scaled(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, mCuSeqlensQ: cute.Tensor,
                            max_tiles: Int32, scale: Float32, stream):
         """``call_varlen`` with ``call_scaled``'s scale."""
-        grid = (max_tiles, mdQ.shape[1], mCuSeqlensQ.shape[0] - 1)
-        self.kernel(mdQaccum, mdQ, self.dq_mma(), mCuSeqlensQ, scale).launch(
-            grid=grid, block=[sm90.THREADS_PER_WARPGROUP * self.num_wg, 1, 1], stream=stream)
+        self.launch(mdQaccum, mdQ, stream, mCuSeqlensQ, max_tiles, scale)
 
     @cute.kernel
     def kernel(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, tiled_mma_dq: cute.TiledMma,
@@ -1332,14 +1332,11 @@ def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = F
         x, _ = k9.fake_tensors(p, f)
         post = FlatPostpass(p.head_dim, dt, cfg["num_wg"], cfg["tile_m"], bool(cfg.get("dq_split_queries")),
                             bool(cfg.get("dq_swapab")))
-        if cfg.get("scale_at_end") and p.varlen:
-            return post.call_varlen_scaled, (accumulator(f, x), x(dt), cu_seqlens(), Int32(1), Float32(1.0),
-                                             fake_stream())
-        if cfg.get("scale_at_end"):
-            return post.call_scaled, (accumulator(f, x), x(dt), Float32(1.0), fake_stream())
-        if p.varlen:
-            return post.call_varlen, (accumulator(f, x), x(dt), cu_seqlens(), Int32(1), fake_stream())
-        return post, (accumulator(f, x), x(dt), fake_stream())
+        scaled = bool(cfg.get("scale_at_end"))  # the post-pass applies softmax_scale
+        entry = {(False, False): post, (False, True): post.call_scaled, (True, False): post.call_varlen,
+                 (True, True): post.call_varlen_scaled}[(p.varlen, scaled)]
+        return entry, (accumulator(f, x), x(dt), *((cu_seqlens(), Int32(1)) if p.varlen else ()),
+                       *((Float32(1.0),) if scaled else ()), fake_stream())
 
     pre, post = k9.compile_passes(p, keep_ptx)
     if p.varlen:
