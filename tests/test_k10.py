@@ -486,18 +486,25 @@ def test_dq_stages_takes_early_dqs_step_and_fits_the_smem():
 @pytest.mark.parametrize("knob", [{"dq_stages": 2}, {"rows_ahead": True}])
 @pytest.mark.parametrize("d", [64, 128])
 def test_the_new_knobs_gradients_match_float64_autograd_packed_and_deterministic(d, knob, monkeypatch):
-    import harness.backward as hb
     from harness.check import check_backward
 
-    monkeypatch.setitem(hb.VARIANTS, "k10_knob", ("k10", dict(hb.stage_overrides("k10_fa3"), **knob)))
-    monkeypatch.setattr(hb, "STAGES", tuple(hb.VARIANTS))
-    monkeypatch.setattr(hb, "DETERMINISTIC", hb.DETERMINISTIC + ("k10_knob",))
+    knob_stage(monkeypatch, knob)
     # causal walks of odd and even lengths (both sdQ stages), one step (n17), GQA, a window
     for p in (Problem(2, 4, 17, d, causal=True), Problem(2, 4, 1000, d), Problem(2, 4, 1000, d, causal=True),
               Problem(2, 8, 1000, d, nheads_kv=2, causal=True), Problem(2, 4, 700, d, window=(150, 90))):
         row = check_backward(p, backward="k10_knob")
         assert row["ok"], row
     packed_and_deterministic("k10_knob", d)  # the fixed dQ order through both sdQ stages
+
+
+def knob_stage(monkeypatch, knob: dict, name: str = "k10_knob") -> str:
+    """``name``: a backward stage for this test, k10_fa3 with ``knob`` on (deterministic mode included)."""
+    import harness.backward as hb
+
+    monkeypatch.setitem(hb.VARIANTS, name, ("k10", dict(hb.stage_overrides("k10_fa3"), **knob)))
+    monkeypatch.setattr(hb, "STAGES", tuple(hb.VARIANTS))
+    monkeypatch.setattr(hb, "DETERMINISTIC", hb.DETERMINISTIC + (name,))
+    return name
 
 
 def packed_and_deterministic(stage: str, d: int):
@@ -546,11 +553,9 @@ def test_capped_overlap_keeps_the_overlapped_start_under_a_softcap():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("d", [64, 128])
 def test_capped_overlap_gradients_match_float64_autograd(d, monkeypatch):
-    import harness.backward as hb
     from harness.check import check_backward, check_varlen_backward_case
 
-    monkeypatch.setitem(hb.VARIANTS, "k10_capov", ("k10", dict(hb.stage_overrides("k10_fa3"), capped_overlap=True)))
-    monkeypatch.setattr(hb, "STAGES", tuple(hb.VARIANTS))
+    knob_stage(monkeypatch, {"capped_overlap": True}, "k10_capov")
     # small and large caps (t near 0 and near +-1), one step, odd lengths, GQA, a window
     for p in (Problem(2, 4, 17, d, causal=True, softcap=30.0), Problem(2, 4, 1000, d, softcap=0.5),
               Problem(2, 4, 1000, d, causal=True, softcap=5.0), Problem(2, 4, 4097, d, causal=True, softcap=30.0),
@@ -626,15 +631,12 @@ def test_early_dv_issues_dvs_gemm_before_dps_wait():
 @pytest.mark.parametrize("knob", [{"scale_at_end": True}, {"early_dv": True}, {"scale_at_end": True, "early_dv": True}])
 @pytest.mark.parametrize("d", [64, 128])
 def test_step_knobs_gradients_match_float64_autograd_packed_capped_and_deterministic(d, knob, monkeypatch):
-    import harness.backward as hb
     from harness.check import check_backward
 
-    monkeypatch.setitem(hb.VARIANTS, "k10_sae", ("k10", dict(hb.stage_overrides("k10_fa3"), **knob)))
-    monkeypatch.setattr(hb, "STAGES", tuple(hb.VARIANTS))
-    monkeypatch.setattr(hb, "DETERMINISTIC", hb.DETERMINISTIC + ("k10_sae",))
+    knob_stage(monkeypatch, knob)
     for p in (Problem(2, 4, 17, d, causal=True), Problem(2, 4, 1000, d), Problem(2, 8, 1000, d, nheads_kv=2, causal=True),
               Problem(2, 4, 1000, d, causal=True, softcap=5.0), Problem(2, 4, 700, d, window=(150, 90)),
               Problem(2, 4, 1000, d, causal=True, dtype="float16"), Problem(2, 4, 1000, d, softmax_scale=0.3)):
-        row = check_backward(p, backward="k10_sae")
+        row = check_backward(p, backward="k10_knob")
         assert row["ok"], row
-    packed_and_deterministic("k10_sae", d)
+    packed_and_deterministic("k10_knob", d)
