@@ -55,6 +55,8 @@ def cases(name: str, seqlens, all_head_dims: bool):
         for causal in ((False, True) if caps.causal else (False,)):
             yield Problem(1, 4, 1000, head_dims[0], dtype="float16", causal=causal)
     yield Problem(8, 1024, 80, head_dims[0], causal=True)  # many CTAs along heads and batch
+    for d in head_dims:  # a softmax_scale of the caller's (every case above takes 1/sqrt(d))
+        yield Problem(2, 3, 1000, d, causal=caps.causal, softmax_scale=0.3)
     for d in head_dims:  # grouped-query attention and keys outnumbering queries, where the kernel takes them
         for causal in ((False, True) if caps.causal else (False,)):
             if caps.gqa:
@@ -191,8 +193,9 @@ def run_decode(quick: bool, out, features_only: bool = False) -> tuple:
 def backward_cases(seqlens, features: bool = False, head_dims=(64, 128)):
     """K9's grid: d 64/128 x causal x seqlens, batch 2 x heads 3, bf16; fp16 once per causal mode;
     the forward grid's GQA heads and (seqlen_q, seqlen_k) pairs; inputs 8x larger once per head dim
-    (larger scores, a sharper softmax); batch 8 x 1024 heads. ``features`` (K10): the forward grid's
-    softcaps and windows too; ``head_dims``: the stage's (K10 adds 256)."""
+    (larger scores, a sharper softmax), and a caller's softmax_scale once; batch 8 x 1024 heads.
+    ``features`` (K10): the forward grid's softcaps and windows too; ``head_dims``: the stage's (K10
+    adds 256)."""
     for d in head_dims:
         for causal in (False, True):
             for n in seqlens:
@@ -210,6 +213,7 @@ def backward_cases(seqlens, features: bool = False, head_dims=(64, 128)):
                         yield Problem(2, 4, seqlen_q, d, causal=causal, seqlen_k=seqlen_k, nheads_kv=2,
                                       window=window), 1.0
         yield Problem(2, 3, 1000, d, causal=True), 8.0
+        yield Problem(2, 3, 1000, d, causal=True, softmax_scale=0.3), 1.0  # a scale of the caller's
     yield Problem(8, 1024, 80, 64, causal=True), 1.0
 
 

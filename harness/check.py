@@ -44,7 +44,8 @@ class CheckResult:
                     dtype=p.dtype, causal=int(p.causal), max_abs=self.max_abs, rel_l2=self.rel_l2,
                     lse_max_abs=self.lse_max_abs, peer_max_abs=self.peer_max_abs, ok=self.ok, reason=self.reason,
                     nheads_kv=p.kv_heads, seqlen_k=p.kv_len, **({"softcap": p.softcap} if p.softcap else {}),
-                    **({"window": list(p.window)} if p.window != (-1, -1) else {}))
+                    **({"window": list(p.window)} if p.window != (-1, -1) else {}),
+                    **({"softmax_scale": p.softmax_scale} if p.softmax_scale is not None else {}))
 
 
 class Comparison(NamedTuple):
@@ -159,7 +160,8 @@ def check_backward(p: Problem, forward: str = "k6", seed=None, magnitude: float 
 
     q, k, v = (t * magnitude for t in random_inputs(p, seed=seed))
     dout = torch.randn_like(q)
-    out, lse = attention(forward, q, k, v, causal=p.causal, return_lse=True, softcap=p.softcap, window_size=p.window)
+    out, lse = attention(forward, q, k, v, causal=p.causal, softmax_scale=p.softmax_scale, return_lse=True,
+                         softcap=p.softcap, window_size=p.window)
     grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
     run_backward(compile_backward(p, **overrides), q, k, v, out, lse, dout, p.scale, grads)
     torch.cuda.synchronize()
@@ -217,7 +219,8 @@ def backward_case(p: Problem, magnitude: float, forward: str = "k6", backward: s
     return dict(kernel=backward, forward=forward, batch=p.batch, nheads=p.nheads, seqlen=p.seqlen, head_dim=p.head_dim,
                 dtype=p.dtype, causal=int(p.causal), nheads_kv=p.kv_heads, seqlen_k=p.kv_len, magnitude=magnitude,
                 **({"softcap": p.softcap} if p.softcap else {}),
-                **({"window": list(p.window)} if p.window != (-1, -1) else {}))
+                **({"window": list(p.window)} if p.window != (-1, -1) else {}),
+                **({"softmax_scale": p.softmax_scale} if p.softmax_scale is not None else {}))
 
 
 @dataclass
