@@ -638,5 +638,5 @@ def test_step_knobs_gradients_match_float64_autograd_packed_capped_and_determini
               Problem(2, 4, 1000, d, causal=True, softcap=5.0), Problem(2, 4, 700, d, window=(150, 90)),
               Problem(2, 4, 1000, d, causal=True, dtype="float16"), Problem(2, 4, 1000, d, softmax_scale=0.3)):
         row = check_backward(p, backward="k10_knob")
-        assert row["ok"], row
+        assert row["ok"], (p, row["reason"])
     packed_and_deterministic("k10_knob", d)
