@@ -485,15 +485,18 @@ def backward_main(args, argv) -> int:
     from harness import backward as backward_module
     from harness import backward_bench, results
 
-    other = flags_given(args, ("nheads", "batch", "dtype", "compile_only", "check", "varlen", "no_peers"))
+    other = flags_given(args, ("dtype", "compile_only", "check", "varlen", "no_peers"))
+    if args.sweep:
+        other += flags_given(args, ("nheads", "batch"))
     if args.rounds != 1:
         other.append("--rounds")
     stages = tuple(args.kernels) or backward_bench.STAGES
     unknown = [k for k in stages if k not in backward_module.STAGES]
     if other or unknown:
         print(f"error: --backward times {' and '.join(backward_bench.STAGES)} and the peers at bench.py's bf16 workload "
-              f"(batch 16384/N, heads 2048/d); it takes backward stages, --seqlen, --headdim, --causal or --sweep, and "
-              f"--out, not {', '.join(other) or ' '.join(unknown)}", file=sys.stderr)
+              f"(batch 16384/N, heads 2048/d); it takes backward stages, --seqlen, --headdim, --causal, --batch and "
+              f"--nheads (one workload) or --sweep, and --out, not {', '.join(other) or ' '.join(unknown)}",
+              file=sys.stderr)
         return 2
     try:  # a softcap or a window: ours and flash-attn-4's backward with them (cuDNN has neither)
         window = as_window(parse_window(args.window)) if args.window else (-1, -1)
@@ -510,21 +513,23 @@ def backward_main(args, argv) -> int:
         dims, causals, seqlens = (backward_bench.SWEEP[k] for k in ("head_dims", "causals", "seqlens"))
     else:
         try:
-            p = problem_from(seqlen=args.seqlen, headdim=args.headdim, causal=args.causal, batch=None, nheads=None,
-                             dtype=None)
+            p = problem_from(seqlen=args.seqlen, headdim=args.headdim, causal=args.causal, batch=args.batch,
+                             nheads=args.nheads, dtype=None)
         except UnsupportedProblem as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
         dims, causals, seqlens = (p.head_dim,), (int(p.causal),), (p.seqlen,)
     out = results.open_result_file(args.out, results.command_line("bench.py", argv))
-    print(f"== {torch.cuda.get_device_name()}: backward, bf16, batch = 16384/N, heads = 2048/d")
+    batch_heads = None if args.sweep else (p.batch, p.nheads)
+    print(f"== {torch.cuda.get_device_name()}: backward, bf16, "
+          + (f"batch {p.batch}, heads {p.nheads}" if batch_heads else "batch = 16384/N, heads = 2048/d"))
 
     def emit(row):
         if out:
             out.append(row)
         print(backward_bench.format_row(row), flush=True)
 
-    backward_bench.run(emit, dims, causals, seqlens, stages, softcap, window)
+    backward_bench.run(emit, dims, causals, seqlens, stages, softcap, window, batch_heads)
     if out:
         print(f"\nwrote {out.close()}")
     return 0

@@ -94,9 +94,11 @@ def deterministically(fn):
     return call
 
 
-def run(emit, head_dims, causals, seqlens, stages=STAGES, softcap: float = 0.0, window: tuple = (-1, -1)) -> None:
+def run(emit, head_dims, causals, seqlens, stages=STAGES, softcap: float = 0.0, window: tuple = (-1, -1),
+        batch_heads=None) -> None:
     """One row per candidate and cell, emitted as it is timed; ``vs_best_peer`` compares autograd
-    calls (ours against the faster of cuDNN's and flash-attn-4's)."""
+    calls (ours against the faster of cuDNN's and flash-attn-4's). ``batch_heads``: (batch, heads)
+    in place of the sweep's 16384/N and 2048/d."""
     import torch
 
     from kernels.contract import Problem
@@ -107,7 +109,7 @@ def run(emit, head_dims, causals, seqlens, stages=STAGES, softcap: float = 0.0, 
     for d in head_dims:
         for causal in causals:
             for n in seqlens:
-                b, h = default_batch_heads(n, d)
+                b, h = batch_heads or default_batch_heads(n, d)
                 q, k, v, do = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
                 # 2.5 x the forward's count, a window's on the pairs it keeps
                 flops = 2.5 * Problem(b, h, n, d, causal=bool(causal), window=window).flops

@@ -253,8 +253,10 @@ def test_ref_check_backward_takes_backward_stages_only(capsys):
 
 
 def test_backward_refuses_what_it_would_ignore_and_needs_a_gpu(capsys):
-    assert bench.main(["--backward", "--batch", "4"]) == 2
+    assert bench.main(["--backward", "--sweep", "--batch", "4"]) == 2
     assert "--backward times k9 and k10 and the peers" in capsys.readouterr().err
+    assert bench.main(["--backward", "--dtype", "fp16"]) == 2
+    assert "not --dtype" in capsys.readouterr().err
     assert bench.main(["k6", "--backward"]) == 2
     assert "not k6" in capsys.readouterr().err
     if not torch.cuda.is_available():
