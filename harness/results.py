@@ -1,10 +1,15 @@
 """Result files (JSON) and the markdown tables generated from them.
 
-A file is ``{"meta": {...}, "rows": [...]}``. Since version 2 (files without ``meta.version``
-are version 1: the same rows, less meta) it is rewritten whole after every row, atomically, so
-a run stopped at any point leaves valid JSON with the rows done so far (``meta.complete`` says
-whether the run ended); it is strict JSON: a NaN or infinity becomes null, and the row's status
-says why; ``meta`` records the commit and the versions of the peers.
+A file is ``{"meta": {...}, "columns": [[key, ...], ...], "rows": [[i, value, ...], ...]}``: each
+row a list whose first item says which list of ``columns`` names its values (rows that share
+their keys share one list; a grid's rows repeat a dozen keys hundreds of times, and the files
+travel to the GPU machine under a size cap). ``load`` and ``parse`` give back ``{"meta": ...,
+"rows": [dict, ...]}``. Versions 1 and 2 (files without ``meta.version`` are version 1: less
+meta) hold ``rows`` as dicts, with no ``columns``; ``load`` reads them too (``git show`` of an
+old result file). Since version 2 a file is rewritten whole after every row, atomically, so a run
+stopped at any point leaves valid JSON with the rows done so far (``meta.complete`` says whether
+the run ended); it is strict JSON: a NaN or infinity becomes null, and the row's status says why;
+``meta`` records the commit and the versions of the peers.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from pathlib import Path
 
 from .config import KNOBS
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 ROOT = Path(__file__).resolve().parent.parent
 # The DSL and the CUDA libraries it was installed with, and the peers timed beside the kernels.
 PACKAGES = ("nvidia-cutlass-dsl", "nvidia-cutlass-dsl-libs-cu12", "nvidia-cutlass-dsl-libs-cu13", "flash-attn-4",
@@ -153,12 +158,30 @@ def six_digits(value):
 
 
 def result_text(meta: dict, rows: list) -> str:
-    """The file's JSON with no spaces, one row per line, floats to 6 significant digits: a ref_check
-    grid has hundreds of rows, and the result files travel to the GPU machine with the project,
-    under a size cap."""
-    rows = ",\n".join(json.dumps(r, allow_nan=False, separators=(",", ":")) for r in six_digits(strict(rows)))
-    meta = json.dumps(strict(meta), allow_nan=False, separators=(",", ":"))
-    return '{"meta":' + meta + ',"rows":[' + ("\n" + rows + "\n" if rows else "") + "]}\n"
+    """The file's JSON with no spaces, one row per line, each row's keys once per file (``columns``),
+    floats to 6 significant digits: a ref_check grid has hundreds of rows, and the result files
+    travel to the GPU machine with the project, under a size cap."""
+    return columnar_text(meta, six_digits(strict(rows)))
+
+
+def columnar_text(meta: dict, rows: list) -> str:
+    """``result_text``'s layout for rows already strict, with their floats as they are."""
+    columns, lines = {}, []
+    for r in rows:
+        i = columns.setdefault(tuple(r), len(columns))
+        lines.append(json.dumps([i, *r.values()], allow_nan=False, separators=(",", ":")))
+    head = json.dumps({"meta": strict(meta), "columns": [list(c) for c in columns]}, allow_nan=False,
+                      separators=(",", ":"))
+    return head[:-1] + ',"rows":[' + ("\n" + ",\n".join(lines) + "\n" if lines else "") + "]}\n"
+
+
+def parse(text: str) -> dict:
+    """A result file's text as ``{"meta": ..., "rows": [dict, ...]}``, whatever its version."""
+    data = json.loads(text)
+    if "columns" in data:
+        keys = data.pop("columns")
+        data["rows"] = [dict(zip(keys[r[0]], r[1:], strict=True)) for r in data["rows"]]
+    return data
 
 
 def open_result_file(path, command: str):
@@ -217,7 +240,7 @@ def geomean(rows: list, key: str) -> float:
 
 
 def load(path) -> dict:
-    return json.loads(Path(path).read_text())
+    return parse(Path(path).read_text())
 
 
 def fmt(x, nd=1):

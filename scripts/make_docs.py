@@ -721,22 +721,33 @@ def window_table(windows, rect):
                               "`k6` time per FLOP × the rectangle's", "flash-attn-4's × its rectangle's"], body))
 
 
-def window_backward_table(runs):
-    """docs/varlen.md: bench.py --backward --window, K10 beside flash-attn-4's backward."""
+def window_backward_table(runs, rect=None):
+    """docs/varlen.md: bench.py --backward --window, K10 beside flash-attn-4's backward, and each
+    against the backward of the rectangle of about the same FLOPs (``rect``), as the forward's table."""
     body = []
     for f in _by_window(runs):
         rows, r0 = _ok_rows(f), f["rows"][0]
+        same = same_flops(rect, r0)
         fa4 = rows.get("fa4", {}).get("call_tflops")
         for k in (k for k in rows if k not in PEERS):
             body.append([r0["window"][0], r0["seqlen"], f"`{k}`", fmt(rows[k]["call_tflops"]),
-                         fmt(rows[k].get("tflops")), fmt(fa4), _ratio(rows[k]["call_tflops"], fa4)])
+                         fmt(rows[k].get("tflops")), fmt(fa4), _ratio(rows[k]["call_tflops"], fa4)]
+                        + [_ratio(same[c].get(key), rows[c].get(key)) if c in same and c in rows else "—"
+                           for c, key in ((k, "call_tflops"), (k, "tflops"), ("fa4", "call_tflops"))])
     r0 = runs[0]["rows"][0]
+    note = ""
+    if rect:
+        q = rect["rows"][0]
+        note = (f" The rectangle: B={q['batch']} H={q['nheads']} N={q['seqlen']} d={q['head_dim']}"
+                f"{' causal' if q['causal'] else ' non-causal'}, no window, its backward timed the same way; time per "
+                "FLOP against it: the rectangle's TFLOP/s over the window's, same candidate, same timing.")
     return (f"TFLOP/s of one backward (2.5× the forward's FLOPs, the window's pairs only), B={r0['batch']} "
             f"H={r0['nheads']} d={r0['head_dim']}, causal, bf16: each candidate through autograd after one forward, "
-            "back to back (burst-timed); \"launches\": our three kernels alone between CUDA events. "
-            f"{_from(_by_window(runs))}.\n\n"
-            + markdown_table(["W", "N", "backward", "TFLOP/s", "launches", "*flash-attn-4*", "ours / flash-attn-4"],
-                             body))
+            f"back to back (burst-timed); \"launches\": our three kernels alone between CUDA events.{note} "
+            f"{_from(_by_window(runs) + ([rect] if rect else []))}.\n\n"
+            + markdown_table(["W", "N", "backward", "TFLOP/s", "launches", "*flash-attn-4*", "ours / flash-attn-4",
+                              "time per FLOP × the rectangle's", "launches: the same",
+                              "flash-attn-4's × its rectangle's"], body))
 
 
 def decode_window_table(runs):
@@ -827,7 +838,7 @@ def softcap_cost_table(run):
                              body))
 
 
-def issue35_targets(varlen, windows, rect, backward, softcap, varlen_backward=()) -> str:
+def issue35_targets(varlen, windows, rect, backward, softcap, varlen_backward=(), backward_rect=None) -> str:
     """docs/varlen.md: issue 35's targets (public calls), each with what was measured and whether it
     is met; ``softcap``: the forward and backward (with, without) pairs, either may be None."""
     body = []
@@ -865,13 +876,19 @@ def issue35_targets(varlen, windows, rect, backward, softcap, varlen_backward=()
             x = rows[k]["call_tflops"] / rows["fa4"]["call_tflops"]
             target(f"window W = 1024, N = {r0['seqlen']}, backward (`{k}`) ≥ 1.00× flash-attn-4", [f"{x:.3f}×"],
                    x >= 1.0)
+        same = same_flops(backward_rect, r0)
+        for k in (k for k in rows if k not in PEERS and k in same):
+            x = same[k]["call_tflops"] / rows[k]["call_tflops"]
+            target("the same, backward time ≤ 1.15× the rectangular backward doing the same FLOPs",
+                   [f"{x:.2f}× (per FLOP)"], x <= 1.15)
     for what, pair in zip(("forward", "backward"), softcap):
         if pair:
             for k, cost in softcap_costs(pair).items():
                 if k not in PEERS and cost["call_tflops"][2] is not None:
                     c = cost["call_tflops"][2]
                     target(f"softcap costs ≤ 10%, {what} (`{k}`)", [f"{100 * c:.1f}%"], c <= 0.10)
-    gpus = {gpu_short_name(f["meta"].get("device", "")) for f in varlen + list(varlen_backward) + windows + backward + [rect]
+    gpus = {gpu_short_name(f["meta"].get("device", "")) for f in varlen + list(varlen_backward) + windows + backward
+            + [rect, backward_rect]
             + [f for pair in softcap if pair for f in pair] if f}
     return (f"On an {', '.join(sorted(gpus))}, the public calls, from the tables below:\n\n"
             + markdown_table(["issue 35's target", "measured", "met"], body))
@@ -1590,41 +1607,49 @@ def fill(stem: str, name: str, make) -> None:
 
 def fill_varlen_page(refchecks) -> None:
     """docs/varlen.md: issue 35's tables, each from the newest run of its kind on the issues' GPU
-    (TARGET_GPU); a kind not run yet leaves its block as it is."""
-    def run(pattern):
-        return newest(finished(pattern), TARGET_GPU)
-
-    varlen = [f for f in (run("varlen-noncausal-*.json"), run("varlen-causal-*.json")) if f]
-    if varlen:
-        fill("varlen", "varlen", lambda: varlen_table(varlen))
-    varlen_backward = [f for f in (run(f"varlen-backward-c{c}-*.json") for c in (0, 1)) if f]
-    if varlen_backward:
-        fill("varlen", "varlen-backward", lambda: varlen_backward_table(varlen_backward))
-    windows = [f for f in (run(f"window-{w}-*.json") for w in (1024, 4096)) if f]
-    rect = run("window-same-flops-*.json")
-    if windows:
-        fill("varlen", "window", lambda: window_table(windows, rect))
-    backward = [f for f in (run(f"backward-window-{w}-*.json") for w in (1024, 4096)) if f]
-    if backward:
-        fill("varlen", "window-backward", lambda: window_backward_table(backward))
-    decode = [f for f in (run(f"decode-window-{w}-*.json") for w in (1024, 4096)) if f]
-    if decode:
-        fill("varlen", "decode-window", lambda: decode_window_table(decode))
-    pairs = [(run(f"{prefix}softcap-30-*.json"), run(f"{prefix}softcap-none-*.json")) for prefix in ("", "backward-")]
-    pairs = [pair if all(pair) else None for pair in pairs]
-    if any(pairs):
-        fill("varlen", "softcap", lambda: softcap_table(*pairs))
-    if varlen or varlen_backward or windows or backward or any(pairs):
-        fill("varlen", "targets", lambda: issue35_targets(varlen, windows, rect, backward, pairs, varlen_backward))
-    packed_ab = run("ab-k10-packed-*.json")
-    if packed_ab:
-        fill("varlen", "packed-backward-ab", lambda: packed_ab_table(packed_ab))
-    cost = run("softcap-cost-*.json")
-    if cost:
-        fill("varlen", "softcap-cost", lambda: softcap_cost_table(cost))
+    (TARGET_GPU); a kind not run yet leaves its block as it is. An H200's runs fill the blocks
+    named with "-h200" (where the page has them)."""
+    for gpu, sfx in ((TARGET_GPU, ""), ("H200", "-h200")):
+        fill_varlen_runs(gpu, sfx)
     features = [f for f in refchecks if any(feature_row(r) for r in f["rows"])]
     if features:
         fill("varlen", "refcheck-features", lambda: feature_refcheck_table(features))
+
+
+def fill_varlen_runs(gpu: str, sfx: str) -> None:
+    def run(pattern):
+        return newest(finished(pattern), gpu)
+
+    varlen = [f for f in (run("varlen-noncausal-*.json"), run("varlen-causal-*.json")) if f]
+    if varlen:
+        fill("varlen", "varlen" + sfx, lambda: varlen_table(varlen))
+    varlen_backward = [f for f in (run(f"varlen-backward-c{c}-*.json") for c in (0, 1)) if f]
+    if varlen_backward:
+        fill("varlen", "varlen-backward" + sfx, lambda: varlen_backward_table(varlen_backward))
+    windows = [f for f in (run(f"window-{w}-*.json") for w in (1024, 4096)) if f]
+    rect = run("window-same-flops-*.json")
+    if windows:
+        fill("varlen", "window" + sfx, lambda: window_table(windows, rect))
+    backward = [f for f in (run(f"backward-window-{w}-*.json") for w in (1024, 4096)) if f]
+    backward_rect = run("backward-window-same-flops-*.json")
+    if backward:
+        fill("varlen", "window-backward" + sfx, lambda: window_backward_table(backward, backward_rect))
+    decode = [f for f in (run(f"decode-window-{w}-*.json") for w in (1024, 4096)) if f]
+    if decode:
+        fill("varlen", "decode-window" + sfx, lambda: decode_window_table(decode))
+    pairs = [(run(f"{prefix}softcap-30-*.json"), run(f"{prefix}softcap-none-*.json")) for prefix in ("", "backward-")]
+    pairs = [pair if all(pair) else None for pair in pairs]
+    if any(pairs):
+        fill("varlen", "softcap" + sfx, lambda: softcap_table(*pairs))
+    if varlen or varlen_backward or windows or backward or any(pairs):
+        fill("varlen", "targets" + sfx, lambda: issue35_targets(varlen, windows, rect, backward, pairs, varlen_backward,
+                                                               backward_rect))
+    packed_ab = run("ab-k10-packed-*.json")
+    if packed_ab:
+        fill("varlen", "packed-backward-ab" + sfx, lambda: packed_ab_table(packed_ab))
+    cost = run("softcap-cost-*.json")
+    if cost:
+        fill("varlen", "softcap-cost" + sfx, lambda: softcap_cost_table(cost))
 
 
 def main(argv=None):
@@ -1701,18 +1726,20 @@ def main(argv=None):
         fill("k6", "gqa", lambda: "\n\n".join(gqa_table(mha, gqa) for mha, gqa in gqa_pairs))
     # the K9 -> K10 step (both pages), and the default backward's own sweep
     for name, stems in (("backward-sweep", ("k9", "k10")), ("backward-default-sweep", ("k10",))):
-        run = newest(finished(f"{name}-*.json"), TARGET_GPU)
-        for stem in stems if run else ():
-            fill(stem, name, lambda run=run: backward_sweep_table(run))
+        for gpu, sfx in ((TARGET_GPU, ""), ("H200", "-h200")):
+            run = newest(finished(f"{name}-*.json"), gpu)
+            for stem in stems if run else ():
+                fill(stem, name + sfx, lambda run=run: backward_sweep_table(run))
     variants = [f for f in finished("backward-variants-*.json") if gpu_short_name(f["meta"].get("device", "")) == TARGET_GPU]
     if variants:  # one file per (d, causal) as scripts/reproduce.sh writes them, or one joined file
         joined = dict(meta=dict(newest(variants)["meta"], command=" ; ".join(f["meta"].get("command", "") for f in variants)),
                       rows=[r for f in variants for r in f["rows"]])
         fill("k10", "backward-variants", lambda: backward_sweep_table(joined))
-    abs_ = [f for f in finished("ab-*.json") if gpu_short_name(f["meta"].get("device", "")) == TARGET_GPU
-            and not any("documents" in r for r in f["rows"])]  # packed ones: docs/varlen.md
-    if abs_:  # scripts/ab_backward.py: a knob's checks, then its timings beside k10_fa3 and the peers
-        fill("k10", "backward-ab", lambda: "\n\n".join(backward_ab_table(f) for f in abs_))
+    for gpu, sfx in ((TARGET_GPU, ""), ("H200", "-h200")):
+        abs_ = [f for f in finished("ab-*.json") if gpu_short_name(f["meta"].get("device", "")) == gpu
+                and not any("documents" in r for r in f["rows"])]  # packed ones: docs/varlen.md
+        if abs_:  # scripts/ab_backward.py: a knob's checks, then its timings beside k10_fa3 and the peers
+            fill("k10", "backward-ab" + sfx, lambda abs_=abs_: "\n\n".join(backward_ab_table(f) for f in abs_))
     backward_checks = sorted(finished("refcheck-backward-*.json"), key=lambda f: f["meta"].get("date", ""), reverse=True)
     if backward_checks:
         for stem in ("k9", "k10"):

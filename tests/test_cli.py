@@ -10,6 +10,7 @@ import torch
 import bench
 import ref_check
 from harness.config import SWEEP_HEAD_DIMS, SWEEP_SEQLENS, default_batch_heads, sweep_problems
+from harness import results
 from harness.results import WORKLOAD_ENV
 from kernels import kernel_names
 from kernels.contract import UnsupportedProblem
@@ -75,14 +76,14 @@ def test_compile_only_exits_non_zero_when_nothing_compiles(monkeypatch, tmp_path
     out = tmp_path / "co.json"
     assert bench.main(["k4", "--compile-only", "--out", str(out)]) == 1
     assert "no kernel compiled" in capsys.readouterr().err
-    rows = json.loads(out.read_text())["rows"]
+    rows = results.load(out)["rows"]
     assert [r["status"].split(":")[0] for r in rows] == ["refused"] and "head_dim 80" in rows[0]["status"]
 
 
 def test_compile_only_writes_its_report(tmp_path):
     out = tmp_path / "co.json"
     assert bench.main(["k2", "--compile-only", "--headdim", "64", "--out", str(out)]) == 0
-    data = json.loads(out.read_text())
+    data = results.load(out)
     row = data["rows"][0]
     assert data["meta"]["complete"] and (row["kernel"], row["head_dim"], row["status"]) == ("k2", 64, "ok")
     assert row["ptx_chars"] > 0 and row["instructions"]["shfl.sync"] > 0 and row["instructions"]["ld/st.local"] == 0
@@ -119,7 +120,7 @@ def test_interrupted_sweep_keeps_its_rows(tmp_path, monkeypatch):
     out = tmp_path / "sweep.json"
     with pytest.raises(KeyboardInterrupt):
         bench.main(["k2", "k4", "--sweep", "--headdim", "128", "--out", str(out)])
-    data = json.loads(out.read_text())
+    data = results.load(out)
     assert data["meta"]["complete"] is False and "--sweep" in data["meta"]["command"]
     assert [(r["kernel"], r["seqlen"]) for r in data["rows"]] == [("k2", 512), ("k4", 512), ("k2", 1024), ("k4", 1024)]
 

@@ -9,6 +9,7 @@ import torch
 
 import bench
 from harness import decode_bench as db
+from harness import results
 from harness.results import WORKLOAD_ENV
 from script_loader import load_script
 
@@ -125,7 +126,7 @@ def test_decode_runs_grid_curve_and_host_and_writes_each_row(fake_gpu, tmp_path,
     assert [c[0] for c in fake_gpu] == ["grid", "splits", "host"]
     assert fake_gpu[0][1] == [(8, 4096, 32), (8, 32768, 32), (8, 131072, 32)]
     assert fake_gpu[0][2] == dict(peers=True, head_dim=128, q_len=1, num_splits=0)
-    data = json.loads(out.read_text())
+    data = results.load(out)
     assert data["meta"]["complete"] and "--decode" in data["meta"]["command"]
     assert [r["mode"] for r in data["rows"]] == ["grid"] * 3 + ["splits", "host"]
     assert "2.00 TB/s" in capsys.readouterr().out

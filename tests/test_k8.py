@@ -5,6 +5,7 @@ import math
 
 import torch
 
+from harness import results
 from harness.check import emulate_fp8, fp8_quantized
 from harness.reference import reference
 from kernels.contract import Problem
@@ -98,7 +99,6 @@ def test_block_scales_and_rotation_beat_per_tensor_fp8_on_outliers():
 def test_accuracy_script_emulates_on_the_cpu(tmp_path):
     # The experiment's CPU mode: a row per (distribution, shape, method), the K8/K7 ratio that
     # the GPU run is held to (<= 0.6 on outliers) already visible in the emulation.
-    import json
     import sys
     from pathlib import Path
 
@@ -107,7 +107,7 @@ def test_accuracy_script_emulates_on_the_cpu(tmp_path):
 
     out = tmp_path / "acc.json"
     assert fp8_accuracy.main(["--emulate", "--shapes", "1024x128", "--heads", "2", "--out", str(out)]) == 0
-    rows = json.loads(out.read_text())["rows"]
+    rows = results.load(out)["rows"]
     assert {r["method"] for r in rows} == set(fp8_accuracy.METHODS) and len(rows) == 2 * len(fp8_accuracy.METHODS)
     err = {(r["dist"], r["method"]): r["rmse"] for r in rows}
     assert err[("outliers", "cudnn-fp8")] is None  # no emulation of cuDNN's internals

@@ -19,7 +19,9 @@ def strict_load(path):
     def refuse(name):
         raise ValueError(f"non-standard JSON constant {name}")
 
-    return json.loads(Path(path).read_text(), parse_constant=refuse)
+    text = Path(path).read_text()
+    json.loads(text, parse_constant=refuse)
+    return results.parse(text)
 
 
 def test_file_is_valid_after_each_row_and_marked_complete_at_the_end(tmp_path):
@@ -52,13 +54,39 @@ def test_file_has_no_spaces_and_one_row_per_line(tmp_path):
         f.append(row)
     text = (tmp_path / "r.json").read_text()
     lines = text.splitlines()
-    assert lines[0].startswith('{"meta":{"version":') and lines[0].endswith('"complete":false},"rows":[')
+    assert lines[0].startswith('{"meta":{"version":3,') and lines[0].endswith(
+        '"complete":false},"columns":[["kernel","ms","ms_rounds"],["kernel","ms"]],"rows":[')
     assert lines[3:] == ["]}"]
-    assert lines[1:3] == ['{"kernel":"k6","ms":1.5,"ms_rounds":[1.5,1.6]},', '{"kernel":"fa4","ms":null}']
-    assert json.loads(text)["rows"] == [rows[0], {"kernel": "fa4", "ms": None}]
-    assert json.loads(results.result_text({"a": 1}, [])) == {"meta": {"a": 1}, "rows": []}
-    cut = json.loads(results.result_text({}, [{"ms": 0.04790560007095337, "n": [605.0154986317365, 3, 2e-7]}]))
+    assert lines[1:3] == ['[0,"k6",1.5,[1.5,1.6]],', '[1,"fa4",null]']
+    assert results.parse(text)["rows"] == [rows[0], {"kernel": "fa4", "ms": None}]
+    assert results.parse(results.result_text({"a": 1}, [])) == {"meta": {"a": 1}, "rows": []}
+    cut = results.parse(results.result_text({}, [{"ms": 0.04790560007095337, "n": [605.0154986317365, 3, 2e-7]}]))
     assert cut["rows"] == [{"ms": 0.0479056, "n": [605.015, 3, 2e-7]}]
+
+
+def test_rows_sharing_their_keys_share_one_column_list_and_come_back_in_order():
+    rows = [{"kernel": "k6", "ms": 1.0}, {"kernel": "fa4", "ms": 2.0, "status": "ok"}, {"ms": 3.0, "kernel": "k4"},
+            {"kernel": "k9", "ms": 4.0}]
+    data = json.loads(results.result_text({}, rows))
+    assert data["columns"] == [["kernel", "ms"], ["kernel", "ms", "status"], ["ms", "kernel"]]
+    assert [r[0] for r in data["rows"]] == [0, 1, 2, 0]
+    back = results.parse(results.result_text({}, rows))["rows"]
+    assert back == rows and [list(r) for r in back] == [list(r) for r in rows]  # key order kept too
+
+
+def test_version_2_files_still_load(tmp_path):
+    # A file from before the columns (git show of an old result), rows as dicts.
+    path = tmp_path / "old.json"
+    path.write_text('{"meta":{"version":2,"complete":true},"rows":[\n{"kernel":"k6","ms":1.5},\n{"kernel":"fa4"}\n]}\n')
+    assert results.load(path) == {"meta": {"version": 2, "complete": True},
+                                  "rows": [{"kernel": "k6", "ms": 1.5}, {"kernel": "fa4"}]}
+
+
+def test_every_result_file_in_the_tree_is_the_current_layout():
+    # the size cap on what travels to the GPU machine: a file written before the columns, copied
+    # back in, would double its size
+    for path in sorted((ROOT / "results").glob("*.json")):
+        assert '"columns":' in path.read_text().split("\n", 1)[0], path.name
 
 
 def test_interrupted_write_keeps_the_previous_file(tmp_path, monkeypatch):
