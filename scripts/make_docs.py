@@ -814,11 +814,15 @@ def softcap_table(forward, backward):
 def softcap_cost_table(run):
     """docs/varlen.md: scripts/softcap_cost.py, K6's compiled launch without a softcap and with
     one, for each setting of the emulated_exp2 knob (part of exp2 on the FMA pipe)."""
+    def setting(r):  # emulated_exp2 alone (an int), or other compile overrides (their JSON)
+        return json.dumps(r["config"], separators=(", ", ": ")) if "config" in r else r["emulated_exp2"]
+
     cells = {}
     for r in run["rows"]:
         cells.setdefault((r["head_dim"], r["causal"], r["seqlen"], r["batch"], r["nheads"]), {})[
-            (r["softcap"], r["emulated_exp2"])] = r
-    settings = sorted({e for cell in cells.values() for cap, e in cell if cap})
+            (r["softcap"], setting(r))] = r
+    settings = list(dict.fromkeys(sorted(e for cell in cells.values() for cap, e in cell if cap and isinstance(e, int))))
+    settings += list(dict.fromkeys(e for cell in cells.values() for cap, e in cell if cap and isinstance(e, str)))
     body = []
     for (d, c, n, b, h), cell in cells.items():
         plain = next((r["tflops"] for (cap, _), r in cell.items() if not cap and r["ok"]), None)
@@ -834,8 +838,8 @@ def softcap_cost_table(run):
             f"on the FMA pipe; each configuration checked against the float32 reference first "
             f"({sum(r['ok'] for r in run['rows'])}/{len(run['rows'])} pass). {_from([run])}.\n\n"
             + markdown_table(["d", "causal", "N", "batch×heads", "no softcap"]
-                             + [f"softcap, emulated_exp2={e}" + (" (the default)" if e == 0 else "") for e in settings],
-                             body))
+                             + [f"softcap, emulated_exp2={e}" + (" (the default)" if e == 0 else "")
+                                if isinstance(e, int) else f"softcap, `{e}`" for e in settings], body))
 
 
 def issue35_targets(varlen, windows, rect, backward, softcap, varlen_backward=(), backward_rect=None) -> str:
@@ -1028,7 +1032,8 @@ def ncu_stalls_table(f, top: int = 8):
     samples fell (share of all the kernel's samples, the leading reason)."""
     r0 = f["rows"][0]
     head = (f"`{f['meta'].get('command', '')}`, {gpu_short_name(f['meta'].get('device', ''))}, "
-            f"{f['meta'].get('date', '')[:10]}: d={r0['head_dim']}, causal={r0['causal']}, N={r0['seqlen']}.")
+            f"{f['meta'].get('date', '')[:10]}: d={r0['head_dim']}, causal={r0['causal']}, N={r0['seqlen']}"
+            + (f", softcap {r0['softcap']:g}." if r0.get("softcap") else "."))
     tables = []
     for r in f["rows"]:
         def reason(h):  # ncu files the samples of an issuing HGMMA under no listed reason

@@ -41,13 +41,13 @@ backward_bench.run(lambda row: print(backward_bench.format_row(row)), (d,), (cau
 
 
 def profile(regex: str, seqlen: int, d: int, causal: int, raw_dir: str | None, backward: bool = False,
-            config: dict | None = None) -> str:
+            config: dict | None = None, softcap: float = 0.0) -> str:
     """The SASS source page of one launch, as ncu's CSV text."""
     if config is not None:
         workload = ["-c", CONFIGURED, json.dumps(config), str(d), str(causal), str(seqlen)]
     else:
         workload = ["bench.py", *(["--backward", "k10_fa3"] if backward else ["k6"]), "--seqlen", str(seqlen),
-                    "--headdim", str(d), "--causal", str(causal)]
+                    "--headdim", str(d), "--causal", str(causal), *(["--softcap", str(softcap)] if softcap else [])]
     cmd = ["ncu", "--clock-control", "none", "--section", "SourceCounters", "--section", "WarpStateStats",
            "--kernel-name", f"regex:{regex}", "--launch-count", "1", "--page", "source", "--print-source", "sass",
            "--csv", sys.executable, *workload]
@@ -99,6 +99,7 @@ def main(argv=None) -> int:
     ap.add_argument("--config", type=json.loads,
                     help="--backward: profile K10 under these compile overrides (JSON) on top of k10_fa3's, as "
                          "k10_config (with --kernels k10_fa3 alone, or beside fa4)")
+    ap.add_argument("--softcap", type=float, default=0.0, help="the workload with this logit softcap (both kernels)")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--raw-dir", help="keep ncu's CSV pages here")
     ap.add_argument("--out")
@@ -112,10 +113,11 @@ def main(argv=None) -> int:
     out = results.open_result_file(args.out, results.command_line("scripts/ncu_stalls.py", argv))
     for name in args.kernels or list(names):
         config = args.config if name == "k10_fa3" else None
-        text = profile(names[name], args.seqlen, args.headdim, args.causal, args.raw_dir, args.backward, config)
+        text = profile(names[name], args.seqlen, args.headdim, args.causal, args.raw_dir, args.backward, config,
+                       args.softcap)
         s = summarize("k10_config" if config is not None else name, parse(text), args.top)
         s.update(head_dim=args.headdim, seqlen=args.seqlen, causal=args.causal, backward=args.backward,
-                 **({"config": config} if config is not None else {}))
+                 **({"config": config} if config is not None else {}), **({"softcap": args.softcap} if args.softcap else {}))
         if out:
             out.append(s)
         print(f"== {name}: {s['samples']:.0f} samples; by reason: "

@@ -7,12 +7,15 @@ kernels/experiments.py) computes n of every 8 columns' exp2 on the FMA pipe inst
 configuration is checked against the float32 reference (on the first batch entry) and then its
 compiled launch is timed (bf16, batch 16384/N, heads 2048/d). ``--rounds R`` times every
 configuration of a workload R times, the order reversed each round, and keeps the median (each
-round's figure is in the row).
+round's figure is in the row). ``--configs`` adds K6 compile overrides of any kind (JSON objects,
+e.g. '{"pingpong": false}'), each timed under the softcap beside the rest; ``--headdim`` and
+``--causal`` keep only those workloads.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -37,6 +40,11 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=1, help="time each configuration this many times (median)")
     ap.add_argument("--emulated", type=int, nargs="+", default=EMULATED, choices=range(9), metavar="N",
                     help=f"the emulated_exp2 settings timed under the softcap (default {' '.join(map(str, EMULATED))})")
+    ap.add_argument("--configs", type=config_arg, nargs="+", default=[], metavar="JSON",
+                    help="K6 compile overrides, each timed under the softcap (a row's \"config\")")
+    ap.add_argument("--headdim", type=int, nargs="+", choices=sorted({w[0] for w in WORKLOADS}),
+                    help="only these workloads' head dims")
+    ap.add_argument("--causal", type=int, nargs="+", choices=(0, 1), help="only these workloads' causal modes")
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
@@ -46,18 +54,21 @@ def main(argv=None) -> int:
         print("No CUDA GPU is visible, so nothing can be timed here.", file=sys.stderr)
         return 2
     out = results.open_result_file(args.out, results.command_line("scripts/softcap_cost.py", argv))
-    for d, causal, n in WORKLOADS:
+    workloads = [(d, c, n) for d, c, n in WORKLOADS
+                 if (args.headdim is None or d in args.headdim) and (args.causal is None or int(c) in args.causal)]
+    for d, causal, n in workloads:
         b, h = default_batch_heads(n, d)
         runs = []  # (row, problem, launch) per configuration, checked first
-        for cap, emulated in [(0.0, 0)] + [(SOFTCAP, e) for e in args.emulated]:
+        settings = [(0.0, {})] + [(SOFTCAP, dict(emulated_exp2=e) if e else {}) for e in args.emulated]
+        for cap, cfg in settings + [(SOFTCAP, cfg) for cfg in args.configs]:
             p = Problem(b, h, n, d, causal=causal, softcap=cap)
-            cfg = dict(emulated_exp2=emulated) if emulated else {}
             q, k, v, o, lse = launch_once("k6", p, config=cfg or None)
             ref, ref_lse = reference(q[:1], k[:1], v[:1], causal, p.scale, softcap=cap)
             verdict = compare(o[:1], ref, lse[:1], ref_lse, "bfloat16", lse_slack=cap * TANH_APPROX_REL).verdict
             compiled = get_kernel("k6").compile(p, **cfg)
             row = dict(kernel="k6", batch=b, nheads=h, seqlen=n, head_dim=d, causal=int(causal), softcap=cap,
-                       emulated_exp2=emulated, ok=not verdict, reason=verdict, rounds_ms=[])
+                       emulated_exp2=cfg.get("emulated_exp2", 0), ok=not verdict, reason=verdict, rounds_ms=[],
+                       **({"config": cfg} if set(cfg) - {"emulated_exp2"} else {}))
             runs.append((row, p, lambda c=compiled, t=(q, k, v, o, lse), s=p.scale: get_kernel("k6").run(c, *t, s)))
         for r in range(args.rounds):
             for row, _, launch in runs[::-1] if r % 2 else runs:
@@ -65,7 +76,7 @@ def main(argv=None) -> int:
         for row, p, _ in runs:
             row.update(ms=statistics.median(row["rounds_ms"]))
             row.update(tflops=tflops(p.flops, row["ms"]))
-            print(f"d={d} causal={int(causal)} N={n} softcap={row['softcap']:g} emulated_exp2={row['emulated_exp2']}: "
+            print(f"d={d} causal={int(causal)} N={n} softcap={row['softcap']:g} {setting(row)}: "
                   f"{row['ms']:.3f} ms {row['tflops']:.1f} TFLOP/s "
                   f"{'ok' if row['ok'] else 'FAIL ' + row['reason']}", flush=True)
             if out:
@@ -73,6 +84,20 @@ def main(argv=None) -> int:
     if out:
         print(f"wrote {out.close()}")
     return 0
+
+
+def config_arg(text: str) -> dict:
+    cfg = json.loads(text)
+    if not isinstance(cfg, dict):
+        raise argparse.ArgumentTypeError(f"--configs takes JSON objects of K6 compile overrides, got {text!r}")
+    return cfg
+
+
+def setting(row: dict) -> str:
+    """A row's configuration in words: its compile overrides, or emulated_exp2=n."""
+    if "config" in row:
+        return json.dumps(row["config"], separators=(",", ":"))
+    return f"emulated_exp2={row['emulated_exp2']}"
 
 
 if __name__ == "__main__":
