@@ -835,7 +835,9 @@ def softcap_cost_table(run):
     cap = next(r["softcap"] for r in run["rows"] if r["softcap"])
     return (f"TFLOP/s of `k6`'s compiled launch (CUDA events), bf16, without a softcap and with softcap {cap:g} "
             "(in brackets: its cost against none) for each setting of `emulated_exp2=n`, n of every 8 columns' exp2 "
-            f"on the FMA pipe; each configuration checked against the float32 reference first "
+            "on the FMA pipe" + (", and each set of K6 compile overrides a column names"
+                                 if any("config" in r for r in run["rows"]) else "")
+            + "; each configuration checked against the float32 reference first "
             f"({sum(r['ok'] for r in run['rows'])}/{len(run['rows'])} pass). {_from([run])}.\n\n"
             + markdown_table(["d", "causal", "N", "batch×heads", "no softcap"]
                              + [f"softcap, emulated_exp2={e}" + (" (the default)" if e == 0 else "")
@@ -1772,8 +1774,15 @@ def main(argv=None):
     if kernels_run:
         fill("k10", "backward-kernels", lambda: backward_kernels_table(kernels_run))
     stalls = finished("ncu-stalls-*.json")
+    # a softcap's profile and the same workload's without it (the name less "-softcap"): docs/varlen.md
+    capped = [f for f in stalls if f["rows"][0].get("softcap")]
+    twins = {f["file"].replace("-softcap", "") for f in capped}
+    if capped:
+        pairs = [f for f in stalls if f in capped or f["file"] in twins]
+        fill("varlen", "ncu-stalls-softcap", lambda: "\n\n".join(ncu_stalls_table(f) for f in pairs))
     for stem, backward in (("k6", False), ("k10", True)):  # scripts/ncu_stalls.py [--backward]
-        mine = [f for f in stalls if bool(f["rows"][0].get("backward")) == backward]
+        mine = [f for f in stalls if bool(f["rows"][0].get("backward")) == backward and f not in capped
+                and f["file"] not in twins]
         if mine:
             fill(stem, "ncu-stalls", lambda mine=mine: "\n\n".join(ncu_stalls_table(f) for f in mine))
     sass = finished("sass-loops*.json")
