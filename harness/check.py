@@ -434,8 +434,14 @@ def _poison_next_alloc(o_shape, dtype, lse_shape):
 FP8_FACTOR, FP8_FLOOR = 1.5, 1e-3  # vs the emulation's error: same quantization points, slack for rounding order
 # Hopper's FP8 WGMMA accumulates with fewer bits than fp32 (DeepSeek-V3's report measured about 14
 # retained), so scores of e4m3 inputs, and the LSE, drift from an fp32 sum: 1.25e-3 measured on an
-# H100 (8 x 1024 heads x 80 keys, d=64); bf16 kernels stay near 1e-5.
+# H100 (8 x 1024 heads x 80 keys, d=64); bf16 kernels stay near 1e-5. The drift is the dot
+# product's, times the softmax scale: the bar is for 1/sqrt(d) and grows with a larger scale
+# (softmax_scale 0.3 at d = 128 drifted 6.3e-3 to 8.2e-3 on an H200, K7 and K8).
 FP8_LSE_ATOL = 4e-3
+
+
+def fp8_lse_bar(p: Problem) -> float:
+    return FP8_LSE_ATOL * max(1.0, p.scale * p.head_dim ** 0.5)
 
 
 def is_fp8_kernel(name: str) -> bool:
@@ -470,7 +476,7 @@ def check_fp8_kernel(name: str, p: Problem, seed=None) -> CheckResult:
     included); the reference is exact attention of the *dequantized* inputs (input rounding is
     the same for any FP8 kernel and not the kernel's doing). O passes within FP8_FACTOR x the
     error of ``emulate_fp8`` against that reference (+ FP8_FLOOR) in max and relative L2; LSE,
-    from fp32 scores of the same e4m3 inputs, within FP8_LSE_ATOL."""
+    from fp32 scores of the same e4m3 inputs, within ``fp8_lse_bar``."""
     import torch
 
     from .reference import reference
@@ -497,8 +503,8 @@ def check_fp8_kernel(name: str, p: Problem, seed=None) -> CheckResult:
         reasons.append(f"rel_l2 {rel_l2:.3g} > {FP8_FACTOR:g} x emulation's {emu_l2:.3g} + {FP8_FLOOR:g}")
     ldiff = (lse.float() - ref_lse.float()).abs().nan_to_num(float("inf"))
     lse_max = float(ldiff.max())
-    if not lse_max <= FP8_LSE_ATOL:
-        reasons.append(f"lse max_abs {lse_max:.3g} > {FP8_LSE_ATOL:g}")
+    if not lse_max <= fp8_lse_bar(p):
+        reasons.append(f"lse max_abs {lse_max:.3g} > {fp8_lse_bar(p):.3g}")
     return CheckResult(name, p, max_abs, rel_l2, lse_max, not reasons, "; ".join(reasons), emu_max)
 
 

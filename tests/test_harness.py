@@ -295,3 +295,11 @@ def test_every_stage_config_is_frozen_and_keeps_defaults_for_none():
         changed = cfg.with_(**{key: 1})
         assert changed[key] == 1 and cfg[key] != 1 and dict(changed, **{key: cfg[key]}) == cfg
     assert k4.config(p, dict(tile_n=96))["tile_n"] == 96 and k4.config(p) == k4.DEFAULT_CONFIG[128]
+
+
+def test_fp8_lse_bar_grows_with_the_softmax_scale_only_above_the_default():
+    from harness.check import FP8_LSE_ATOL, fp8_lse_bar
+
+    assert fp8_lse_bar(Problem(1, 1, 64, 128)) == FP8_LSE_ATOL  # 1/sqrt(d): the bar as measured
+    assert fp8_lse_bar(Problem(1, 1, 64, 128, softmax_scale=0.01)) == FP8_LSE_ATOL  # never below it
+    assert fp8_lse_bar(Problem(1, 1, 64, 128, softmax_scale=0.3)) == pytest.approx(FP8_LSE_ATOL * 0.3 * 128 ** 0.5)
