@@ -228,7 +228,8 @@ def refcheck_table(refcheck, kernels):
         header[8] = "emulation's"
         how = ("max_abs: largest error of the kernel against exact attention of the dequantized inputs; "
                "emulation's: the same for the torch emulation of the FP8 arithmetic (a case passes within 1.5× "
-               "its max_abs and relative L2, plus 1e-3, and LSE within 4e-3, times s·√d for a softmax scale s above 1/√d).")
+               "its max_abs and relative L2, plus 1e-3, and LSE within 4e-3, times s·√d for a softmax scale s "
+               "above 1/√d).")
     else:
         how = ("max_abs and SDPA's: largest error of the kernel and of SDPA in the same 16-bit dtype against the "
                "float32 reference (a case passes within twice SDPA's).")
