@@ -96,8 +96,8 @@ def parse_args(argv=None):
                          "on the padded batch; TFLOP/s on the real, unpadded work (harness/varlen_bench.py)")
     ap.add_argument("--backward", action="store_true",
                     help="the backward (k9, k10 or those named) beside cuDNN's and flash-attn-4's autograd backward "
-                         "(harness/backward_bench.py): one workload (--seqlen, --headdim, --causal), or with --sweep "
-                         "d 64/128/256 x causal 0/1 x N 1k/4k/16k")
+                         "(harness/backward_bench.py): one workload (--seqlen, --headdim, --causal, --batch, "
+                         "--nheads), or with --sweep d 64/128/256 x causal 0/1 x N 1k/4k/16k")
     ap.add_argument("--pages-curve", action="store_true",
                     help="decode: only TB/s on a paged cache against the page size (pages shuffled), at batch 1 "
                          "and 8, 32k keys, 8 K/V heads unless --batch/--seqlen-k/--nheads-kv say otherwise")
@@ -486,17 +486,23 @@ def backward_main(args, argv) -> int:
     from harness import backward_bench, results
 
     other = flags_given(args, ("dtype", "compile_only", "check", "varlen", "no_peers"))
-    if args.sweep:
-        other += flags_given(args, ("nheads", "batch"))
+    if args.sweep:  # the sweep keeps the work per cell: a batch or head count, flag or variable, is refused
+        from harness.config import workload_given
+
+        try:
+            given = workload_given(batch=args.batch, nheads=args.nheads)
+        except UnsupportedProblem as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        other += [name for knob, (_, name) in given.items() if knob in ("batch", "nheads")]
     if args.rounds != 1:
         other.append("--rounds")
     stages = tuple(args.kernels) or backward_bench.STAGES
     unknown = [k for k in stages if k not in backward_module.STAGES]
     if other or unknown:
-        print(f"error: --backward times {' and '.join(backward_bench.STAGES)} and the peers at bench.py's bf16 workload "
-              f"(batch 16384/N, heads 2048/d); it takes backward stages, --seqlen, --headdim, --causal, --batch and "
-              f"--nheads (one workload) or --sweep, and --out, not {', '.join(other) or ' '.join(unknown)}",
-              file=sys.stderr)
+        print(f"error: --backward times {' and '.join(backward_bench.STAGES)} and the peers on bf16 inputs; it takes "
+              f"backward stages, --seqlen, --headdim, --causal, --batch and --nheads (one workload) or --sweep (batch "
+              f"16384/N, heads 2048/d), and --out, not {', '.join(other) or ' '.join(unknown)}", file=sys.stderr)
         return 2
     try:  # a softcap or a window: ours and flash-attn-4's backward with them (cuDNN has neither)
         window = as_window(parse_window(args.window)) if args.window else (-1, -1)

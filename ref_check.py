@@ -16,8 +16,8 @@ causal and not) against explicit scores.
 
 For each kernel: causal and non-causal, every head dim it supports among 64 and 128 (all of
 them with --all-head-dims), seqlens that are and are not multiples of the tiles, batch*heads > 1
-plus one case with thousands of (batch, head) pairs, fp16 beside bf16, fresh random inputs per
-case and NaN-poisoned outputs. A case passes when O is within twice SDPA's own 16-bit error of
+plus one case with thousands of (batch, head) pairs, fp16 beside bf16, a softmax_scale of the
+caller's (0.3) once per head dim, fresh random inputs per case and NaN-poisoned outputs. A case passes when O is within twice SDPA's own 16-bit error of
 the float32 reference (see harness/check.py) and LSE within 1e-4. Prints one row per case and
 exits non-zero if any case fails. The grid is fixed: the workload variables of bench.py
 (SEQLEN, HEADDIM, ...) are refused rather than ignored.
@@ -317,7 +317,8 @@ def has_feature(p: Problem) -> bool:
 def describe_grid(seqlens, all_head_dims: bool) -> str:
     dims = "every head dim it supports" if all_head_dims else f"the head dims it supports among {HEAD_DIMS}"
     return (f"grid per kernel: {dims} x causal 0/1 x seqlen {', '.join(map(str, seqlens))}, batch 2 x heads 3, "
-            "bf16; plus fp16 at seqlen 1000 (batch 1 x heads 4) and batch 8 x heads 1024 at seqlen 80; kernels that "
+            "bf16; plus fp16 at seqlen 1000 (batch 1 x heads 4), batch 8 x heads 1024 at seqlen 80 and softmax_scale "
+            "0.3 at seqlen 1000; kernels that "
             f"take them: GQA (heads q/kv {', '.join(f'{a}/{b}' for a, b in GQA_HEADS)}) at seqlen 1000, and "
             f"(seqlen_q, seqlen_k) in {', '.join(map(str, UNEQUAL_LENGTHS))} with 4/2 heads, causal bottom-right")
 
@@ -375,7 +376,7 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     from harness import results
-    from harness.check import check_kernel
+    from harness.check import check_kernel, problem_extras
 
     names = kernel_names() if args.kernels in ([], ["all"]) else args.kernels
     seqlens = QUICK_SEQLENS if args.quick else SEQLENS
@@ -419,7 +420,7 @@ def main(argv=None) -> int:
                 row = dict(kernel=name, ok=False, status="crashed", reason=f"{type(e).__name__}: {e}"[:200],
                            max_abs=None, rel_l2=None, lse_max_abs=None, peer_max_abs=None, batch=p.batch,
                            nheads=p.nheads, seqlen=p.seqlen, head_dim=p.head_dim, dtype=p.dtype, causal=int(p.causal),
-                           nheads_kv=p.kv_heads, seqlen_k=p.kv_len)
+                           nheads_kv=p.kv_heads, seqlen_k=p.kv_len, **problem_extras(p))
             rows.append(row)
             if out:
                 out.append(row)

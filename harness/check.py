@@ -43,9 +43,14 @@ class CheckResult:
         return dict(kernel=self.kernel, batch=p.batch, nheads=p.nheads, seqlen=p.seqlen, head_dim=p.head_dim,
                     dtype=p.dtype, causal=int(p.causal), max_abs=self.max_abs, rel_l2=self.rel_l2,
                     lse_max_abs=self.lse_max_abs, peer_max_abs=self.peer_max_abs, ok=self.ok, reason=self.reason,
-                    nheads_kv=p.kv_heads, seqlen_k=p.kv_len, **({"softcap": p.softcap} if p.softcap else {}),
-                    **({"window": list(p.window)} if p.window != (-1, -1) else {}),
-                    **({"softmax_scale": p.softmax_scale} if p.softmax_scale is not None else {}))
+                    nheads_kv=p.kv_heads, seqlen_k=p.kv_len, **problem_extras(p))
+
+
+def problem_extras(p: Problem) -> dict:
+    """The fields a case's result row adds where they are not the defaults: softcap, window, scale."""
+    return dict(**({"softcap": p.softcap} if p.softcap else {}),
+                **({"window": list(p.window)} if p.window != (-1, -1) else {}),
+                **({"softmax_scale": p.softmax_scale} if p.softmax_scale is not None else {}))
 
 
 class Comparison(NamedTuple):
@@ -218,9 +223,7 @@ def backward_case(p: Problem, magnitude: float, forward: str = "k6", backward: s
     """The fields that name a backward case in its result row (``check_backward``'s, or a crash's)."""
     return dict(kernel=backward, forward=forward, batch=p.batch, nheads=p.nheads, seqlen=p.seqlen, head_dim=p.head_dim,
                 dtype=p.dtype, causal=int(p.causal), nheads_kv=p.kv_heads, seqlen_k=p.kv_len, magnitude=magnitude,
-                **({"softcap": p.softcap} if p.softcap else {}),
-                **({"window": list(p.window)} if p.window != (-1, -1) else {}),
-                **({"softmax_scale": p.softmax_scale} if p.softmax_scale is not None else {}))
+                **problem_extras(p))
 
 
 @dataclass

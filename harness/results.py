@@ -5,8 +5,8 @@ row a list whose first item says which list of ``columns`` names its values (row
 their keys share one list; a grid's rows repeat a dozen keys hundreds of times, and the files
 travel to the GPU machine under a size cap). ``load`` and ``parse`` give back ``{"meta": ...,
 "rows": [dict, ...]}``. Versions 1 and 2 (files without ``meta.version`` are version 1: less
-meta) hold ``rows`` as dicts, with no ``columns``; ``load`` reads them too (``git show`` of an
-old result file). Since version 2 a file is rewritten whole after every row, atomically, so a run
+meta) were written with ``rows`` as dicts and no ``columns``; ``load`` reads them too (``git show``
+of an old result file). The files in results/ were all rewritten with columns, keeping their meta. Since version 2 a file is rewritten whole after every row, atomically, so a run
 stopped at any point leaves valid JSON with the rows done so far (``meta.complete`` says whether
 the run ended); it is strict JSON: a NaN or infinity becomes null, and the row's status says why;
 ``meta`` records the commit and the versions of the peers.
@@ -168,6 +168,7 @@ def columnar_text(meta: dict, rows: list) -> str:
     """``result_text``'s layout for rows already strict, with their floats as they are."""
     columns, lines = {}, []
     for r in rows:
+        assert all(isinstance(k, str) for k in r), f"a result row's keys are strings: {list(r)}"
         i = columns.setdefault(tuple(r), len(columns))
         lines.append(json.dumps([i, *r.values()], allow_nan=False, separators=(",", ":")))
     head = json.dumps({"meta": strict(meta), "columns": [list(c) for c in columns]}, allow_nan=False,
@@ -180,6 +181,8 @@ def parse(text: str) -> dict:
     data = json.loads(text)
     if "columns" in data:
         keys = data.pop("columns")
+        if any(not 0 <= r[0] < len(keys) for r in data["rows"]):
+            raise ValueError("a result row names a column list the file does not have")
         data["rows"] = [dict(zip(keys[r[0]], r[1:], strict=True)) for r in data["rows"]]
     return data
 

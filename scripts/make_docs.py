@@ -219,7 +219,8 @@ def refcheck_table(refcheck, kernels):
                 + markdown_table(["case", "max_abs", "lse err", "result"], body))
     header = ["kernel", "dtype", "batch×heads", "d", "causal", "seqlen", "K/V heads, len", "max_abs", "SDPA's",
               "rel_l2", "lse err", "result"]
-    body = [[r["kernel"], r["dtype"], f"{r['batch']}×{r['nheads']}", r["head_dim"], r["causal"], r["seqlen"],
+    body = [[r["kernel"], r["dtype"], f"{r['batch']}×{r['nheads']}", r["head_dim"], r["causal"],
+             f"{r['seqlen']}" + (f" (scale {r['softmax_scale']:g})" if r.get("softmax_scale") is not None else ""),
              f"{r.get('nheads_kv', r['nheads'])}, {r.get('seqlen_k', r['seqlen'])}",
              _e(r["max_abs"]), _e(r.get("peer_max_abs")), _e(r["rel_l2"]), _e(r["lse_max_abs"]),
              "ok" if r["ok"] else "FAIL"]

@@ -53,7 +53,8 @@ def profile(regex: str, seqlen: int, d: int, causal: int, raw_dir: str | None, b
            "--csv", sys.executable, *workload]
     text = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent).stdout
     if raw_dir:
-        Path(raw_dir, f"ncu-source-{regex}-d{d}-n{seqlen}-c{causal}.csv").write_text(text)
+        cap = f"-cap{softcap:g}" if softcap else ""
+        Path(raw_dir, f"ncu-source-{regex}-d{d}-n{seqlen}-c{causal}{cap}.csv").write_text(text)
     return text
 
 
@@ -110,6 +111,8 @@ def main(argv=None) -> int:
         ap.error(f"--kernels {wrong}: not among {list(names)}{' with --backward' if args.backward else ''}")
     if args.config is not None and not (args.backward and isinstance(args.config, dict)):
         ap.error("--config takes a JSON object of K10's compile overrides, with --backward")
+    if args.softcap and args.config is not None:
+        ap.error("--softcap is for bench.py's workloads; a --config profile runs uncapped")
     out = results.open_result_file(args.out, results.command_line("scripts/ncu_stalls.py", argv))
     for name in args.kernels or list(names):
         config = args.config if name == "k10_fa3" else None

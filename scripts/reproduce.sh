@@ -455,6 +455,9 @@ out = results.open_result_file('$PWD/$dir/host-times-before-$gpu.json', 'bash sc
 host_times.run(out.append)
 out.close()") || rc=1
     git worktree remove --force "$before"
+    # the worktree's harness writes an older result layout: rewrite it in today's (same rows)
+    $py -c "from harness import results; p = '$dir/host-times-before-$gpu.json'; d = results.load(p)
+open(p, 'w').write(results.columnar_text(d['meta'], d['rows']))" || rc=1
     timeout 150 $py bench.py --host-times --out "$dir/host-times-$gpu.json" || rc=1
     timeout 540 $py bench.py k6 --sweep --out "$dir/ws-sweep-call-$gpu.json" > /dev/null || rc=1
     timeout 360 $py bench.py k7_k4 k7 k8 --dtype fp8 --sweep --out "$dir/fp8-sweep-call-$gpu.json" > /dev/null || rc=1

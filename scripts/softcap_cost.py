@@ -59,8 +59,8 @@ def main(argv=None) -> int:
     for d, causal, n in workloads:
         b, h = default_batch_heads(n, d)
         runs = []  # (row, problem, launch) per configuration, checked first
-        settings = [(0.0, {})] + [(SOFTCAP, dict(emulated_exp2=e) if e else {}) for e in args.emulated]
-        for cap, cfg in settings + [(SOFTCAP, cfg) for cfg in args.configs]:
+        settings = [(0.0, {}, False)] + [(SOFTCAP, dict(emulated_exp2=e) if e else {}, False) for e in args.emulated]
+        for cap, cfg, named in settings + [(SOFTCAP, cfg, True) for cfg in args.configs]:
             p = Problem(b, h, n, d, causal=causal, softcap=cap)
             q, k, v, o, lse = launch_once("k6", p, config=cfg or None)
             ref, ref_lse = reference(q[:1], k[:1], v[:1], causal, p.scale, softcap=cap)
@@ -68,7 +68,7 @@ def main(argv=None) -> int:
             compiled = get_kernel("k6").compile(p, **cfg)
             row = dict(kernel="k6", batch=b, nheads=h, seqlen=n, head_dim=d, causal=int(causal), softcap=cap,
                        emulated_exp2=cfg.get("emulated_exp2", 0), ok=not verdict, reason=verdict, rounds_ms=[],
-                       **({"config": cfg} if set(cfg) - {"emulated_exp2"} else {}))
+                       **({"config": cfg} if named else {}))
             runs.append((row, p, lambda c=compiled, t=(q, k, v, o, lse), s=p.scale: get_kernel("k6").run(c, *t, s)))
         for r in range(args.rounds):
             for row, _, launch in runs[::-1] if r % 2 else runs:

@@ -253,9 +253,13 @@ def test_ref_check_backward_takes_backward_stages_only(capsys):
     assert "the backward stages ['k9', 'k10', 'k10_overlap', 'k10_flat', 'k10_stmatrix', 'k10_fa3'], not ['k8']" in capsys.readouterr().err
 
 
-def test_backward_refuses_what_it_would_ignore_and_needs_a_gpu(capsys):
+def test_backward_refuses_what_it_would_ignore_and_needs_a_gpu(capsys, monkeypatch):
     assert bench.main(["--backward", "--sweep", "--batch", "4"]) == 2
     assert "--backward times k9 and k10 and the peers" in capsys.readouterr().err
+    monkeypatch.setenv("NHEADS", "8")  # the sweep keeps its own heads: a variable is refused as the flag is
+    assert bench.main(["--backward", "--sweep"]) == 2
+    assert "not NHEADS" in capsys.readouterr().err
+    monkeypatch.delenv("NHEADS")
     assert bench.main(["--backward", "--dtype", "fp16"]) == 2
     assert "not --dtype" in capsys.readouterr().err
     assert bench.main(["k6", "--backward"]) == 2
@@ -263,6 +267,15 @@ def test_backward_refuses_what_it_would_ignore_and_needs_a_gpu(capsys):
     if not torch.cuda.is_available():
         assert bench.main(["--backward", "--seqlen", "1024"]) == 2
         assert "No CUDA GPU" in capsys.readouterr().err
+        assert bench.main(["--backward", "--seqlen", "4096", "--batch", "1", "--nheads", "16"]) == 2  # one workload
+        assert "No CUDA GPU" in capsys.readouterr().err
+
+
+def test_ncu_stalls_refuses_a_softcap_beside_a_configured_backward(capsys):
+    ncu = load_script("ncu_stalls")
+    with pytest.raises(SystemExit) as e:
+        ncu.main(["--backward", "--config", '{"early_dv": true}', "--softcap", "30"])
+    assert e.value.code == 2 and "--softcap" in capsys.readouterr().err
 
 
 def test_ref_check_refuses_two_grids_at_once_and_features_outside_theirs(capsys):

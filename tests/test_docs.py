@@ -188,3 +188,30 @@ def test_backward_kernels_files_each_kernel_under_its_role_and_sums_them_per_cal
     assert "H100" in table and "abcdef0" in table
     assert "| 128 | 1 | 1024 | `k10_fa3` | — | — | 420 | 70 | 490 |" in table
     assert "| 128 | 1 | 1024 | flash-attn-4 | 90 | — | — | — | 90 |" in table
+
+
+def test_softcap_cost_table_gives_compile_overrides_their_own_column():
+    meta = {"device": "NVIDIA H200", "date": "2026-11-28T00:00:00", "command": "python scripts/softcap_cost.py"}
+    cell = dict(kernel="k6", batch=2, nheads=16, seqlen=8192, head_dim=128, causal=1, ok=True, reason="")
+    rows = [dict(cell, softcap=0.0, emulated_exp2=0, tflops=600.0), dict(cell, softcap=30.0, emulated_exp2=0, tflops=540.0),
+            dict(cell, softcap=30.0, emulated_exp2=0, config={}, tflops=530.0),
+            dict(cell, softcap=30.0, emulated_exp2=0, config={"pingpong": False}, tflops=510.0)]
+    table = make_docs.softcap_cost_table({"meta": meta, "rows": rows})
+    line = next(x for x in table.splitlines() if x.startswith("| 128 |"))
+    assert line == "| 128 | 1 | 8192 | 2×16 | 600.0 | 540.0 (10.0%) | 530.0 (11.7%) | 510.0 (15.0%) |"
+    assert "softcap, `{}` |" in table and 'softcap, `{"pingpong": false}`' in table and "4/4 pass" in table
+
+
+def test_window_backward_table_sets_each_candidate_against_its_same_flops_rectangle():
+    meta = {"device": "NVIDIA H200", "date": "2026-11-28T00:00:00", "command": "python bench.py --backward"}
+    win = dict(batch=1, nheads=16, seqlen=16384, head_dim=128, causal=1, window=[1024, -1], status="ok")
+    rect = dict(batch=1, nheads=16, seqlen=4096, head_dim=128, causal=0, status="ok")
+    windows = [{"meta": meta, "rows": [dict(win, kernel="k10_fa3", call_tflops=400.0, tflops=410.0),
+                                        dict(win, kernel="fa4", call_tflops=420.0)]}]
+    rectangle = {"meta": meta, "rows": [dict(rect, kernel="k10_fa3", call_tflops=520.0, tflops=533.0),
+                                        dict(rect, kernel="fa4", call_tflops=546.0)]}
+    table = make_docs.window_backward_table(windows, rectangle)
+    assert "| 1024 | 16384 | `k10_fa3` | 400.0 | 410.0 | 420.0 | 0.952× | 1.300× | 1.300× | 1.300× |" in table
+    assert "The rectangle: B=1 H=16 N=4096 d=128 non-causal" in table
+    assert "| 1024 | 16384 | `k10_fa3` | 400.0 | 410.0 | 420.0 | 0.952× | — | — | — |" in \
+        make_docs.window_backward_table(windows, None)
