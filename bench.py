@@ -487,14 +487,13 @@ def backward_main(args, argv) -> int:
 
     other = flags_given(args, ("dtype", "compile_only", "check", "varlen", "no_peers"))
     if args.sweep:  # the sweep keeps the work per cell: a batch or head count, flag or variable, is refused
-        from harness.config import workload_given
+        from harness.config import fixed_by_sweep, workload_given
 
         try:
-            given = workload_given(batch=args.batch, nheads=args.nheads)
+            other += fixed_by_sweep(workload_given(batch=args.batch, nheads=args.nheads))
         except UnsupportedProblem as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-        other += [name for knob, (_, name) in given.items() if knob in ("batch", "nheads")]
     if args.rounds != 1:
         other.append("--rounds")
     stages = tuple(args.kernels) or backward_bench.STAGES

@@ -17,8 +17,9 @@ causal and not) against explicit scores.
 For each kernel: causal and non-causal, every head dim it supports among 64 and 128 (all of
 them with --all-head-dims), seqlens that are and are not multiples of the tiles, batch*heads > 1
 plus one case with thousands of (batch, head) pairs, fp16 beside bf16, a softmax_scale of the
-caller's (0.3) once per head dim, fresh random inputs per case and NaN-poisoned outputs. A case passes when O is within twice SDPA's own 16-bit error of
-the float32 reference (see harness/check.py) and LSE within 1e-4. Prints one row per case and
+caller's (0.3) once per head dim, fresh random inputs per case and NaN-poisoned outputs. A case
+passes when O is within twice SDPA's own 16-bit error of the float32 reference (see
+harness/check.py) and LSE within 1e-4. Prints one row per case and
 exits non-zero if any case fails. The grid is fixed: the workload variables of bench.py
 (SEQLEN, HEADDIM, ...) are refused rather than ignored.
 """

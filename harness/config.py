@@ -92,15 +92,21 @@ def problem_from(env=None, **flags) -> Problem:
                    causal=w["causal"])
 
 
+def fixed_by_sweep(given: dict) -> list:
+    """The flags or variables among ``given`` (``workload_given``'s) that a sweep refuses: it keeps
+    each cell's batch and heads."""
+    return [given[knob][1] for knob in ("batch", "nheads") if knob in given]
+
+
 def sweep_problems(env=None, **flags) -> list:
     """The sweep grid (head dim x causal x seqlen, batch = 16384/seqlen, heads = 2048/head_dim);
     a seqlen, head dim or causal flag (or variable) restricts its axis to that one value."""
     given = workload_given(env, **flags)
-    for knob in ("batch", "nheads"):
-        if knob in given:
-            raise UnsupportedProblem(f"{given[knob][1]} cannot be combined with --sweep, which keeps the work per "
-                                     "call fixed (batch = 16384/seqlen, heads = 2048/head_dim); drop it, or time "
-                                     "one workload without --sweep")
+    refused = fixed_by_sweep(given)
+    if refused:
+        raise UnsupportedProblem(f"{refused[0]} cannot be combined with --sweep, which keeps the work per "
+                                 "call fixed (batch = 16384/seqlen, heads = 2048/head_dim); drop it, or time "
+                                 "one workload without --sweep")
 
     def axis(knob, values):
         return (given[knob][0],) if knob in given else values

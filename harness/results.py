@@ -6,10 +6,11 @@ their keys share one list; a grid's rows repeat a dozen keys hundreds of times, 
 travel to the GPU machine under a size cap). ``load`` and ``parse`` give back ``{"meta": ...,
 "rows": [dict, ...]}``. Versions 1 and 2 (files without ``meta.version`` are version 1: less
 meta) were written with ``rows`` as dicts and no ``columns``; ``load`` reads them too (``git show``
-of an old result file). The files in results/ were all rewritten with columns, keeping their meta. Since version 2 a file is rewritten whole after every row, atomically, so a run
-stopped at any point leaves valid JSON with the rows done so far (``meta.complete`` says whether
-the run ended); it is strict JSON: a NaN or infinity becomes null, and the row's status says why;
-``meta`` records the commit and the versions of the peers.
+of an old result file). The files in results/ were all rewritten with columns, keeping their
+meta. Since version 2 a file is rewritten whole after every row, atomically, so a run stopped at
+any point leaves valid JSON with the rows done so far (``meta.complete`` says whether the run
+ended); it is strict JSON: a NaN or infinity becomes null, and the row's status says why; ``meta``
+records the commit and the versions of the peers.
 """
 
 from __future__ import annotations

@@ -823,8 +823,9 @@ def softcap_cost_table(run):
     for r in run["rows"]:
         cells.setdefault((r["head_dim"], r["causal"], r["seqlen"], r["batch"], r["nheads"]), {})[
             (r["softcap"], setting(r))] = r
-    settings = list(dict.fromkeys(sorted(e for cell in cells.values() for cap, e in cell if cap and isinstance(e, int))))
-    settings += list(dict.fromkeys(e for cell in cells.values() for cap, e in cell if cap and isinstance(e, str)))
+    capped = [e for cell in cells.values() for cap, e in cell if cap]
+    settings = sorted({e for e in capped if isinstance(e, int)})  # emulated_exp2=n, then the named configs
+    settings += list(dict.fromkeys(e for e in capped if isinstance(e, str)))
     body = []
     for (d, c, n, b, h), cell in cells.items():
         plain = next((r["tflops"] for (cap, _), r in cell.items() if not cap and r["ok"]), None)
@@ -1596,6 +1597,7 @@ def latest(pattern):
 
 
 TARGET_GPU = "H100"  # the issues' targets are an H100's: the main tables show its runs, other GPUs get their own
+GPU_BLOCKS = ((TARGET_GPU, ""), ("H200", "-h200"))  # (GPU, suffix of the blocks its runs fill)
 
 
 def newest(runs, gpu=None):
@@ -1618,7 +1620,7 @@ def fill_varlen_page(refchecks) -> None:
     """docs/varlen.md: issue 35's tables, each from the newest run of its kind on the issues' GPU
     (TARGET_GPU); a kind not run yet leaves its block as it is. An H200's runs fill the blocks
     named with "-h200" (where the page has them)."""
-    for gpu, sfx in ((TARGET_GPU, ""), ("H200", "-h200")):
+    for gpu, sfx in GPU_BLOCKS:
         fill_varlen_runs(gpu, sfx)
     features = [f for f in refchecks if any(feature_row(r) for r in f["rows"])]
     if features:
@@ -1735,7 +1737,7 @@ def main(argv=None):
         fill("k6", "gqa", lambda: "\n\n".join(gqa_table(mha, gqa) for mha, gqa in gqa_pairs))
     # the K9 -> K10 step (both pages), and the default backward's own sweep
     for name, stems in (("backward-sweep", ("k9", "k10")), ("backward-default-sweep", ("k10",))):
-        for gpu, sfx in ((TARGET_GPU, ""), ("H200", "-h200")):
+        for gpu, sfx in GPU_BLOCKS:
             run = newest(finished(f"{name}-*.json"), gpu)
             for stem in stems if run else ():
                 fill(stem, name + sfx, lambda run=run: backward_sweep_table(run))
@@ -1744,7 +1746,7 @@ def main(argv=None):
         joined = dict(meta=dict(newest(variants)["meta"], command=" ; ".join(f["meta"].get("command", "") for f in variants)),
                       rows=[r for f in variants for r in f["rows"]])
         fill("k10", "backward-variants", lambda: backward_sweep_table(joined))
-    for gpu, sfx in ((TARGET_GPU, ""), ("H200", "-h200")):
+    for gpu, sfx in GPU_BLOCKS:
         abs_ = [f for f in finished("ab-*.json") if gpu_short_name(f["meta"].get("device", "")) == gpu
                 and not any("documents" in r for r in f["rows"])]  # packed ones: docs/varlen.md
         if abs_:  # scripts/ab_backward.py: a knob's checks, then its timings beside k10_fa3 and the peers
@@ -1777,14 +1779,13 @@ def main(argv=None):
         fill("k10", "backward-kernels", lambda: backward_kernels_table(kernels_run))
     stalls = finished("ncu-stalls-*.json")
     # a softcap's profile and the same workload's without it (the name less "-softcap"): docs/varlen.md
-    capped = [f for f in stalls if f["rows"][0].get("softcap")]
-    twins = {f["file"].replace("-softcap", "") for f in capped}
+    capped = {f["file"] for f in stalls if f["rows"][0].get("softcap")}
+    capped |= {name.replace("-softcap", "") for name in capped}
     if capped:
-        pairs = [f for f in stalls if f in capped or f["file"] in twins]
+        pairs = [f for f in stalls if f["file"] in capped]
         fill("varlen", "ncu-stalls-softcap", lambda: "\n\n".join(ncu_stalls_table(f) for f in pairs))
     for stem, backward in (("k6", False), ("k10", True)):  # scripts/ncu_stalls.py [--backward]
-        mine = [f for f in stalls if bool(f["rows"][0].get("backward")) == backward and f not in capped
-                and f["file"] not in twins]
+        mine = [f for f in stalls if bool(f["rows"][0].get("backward")) == backward and f["file"] not in capped]
         if mine:
             fill(stem, "ncu-stalls", lambda mine=mine: "\n\n".join(ncu_stalls_table(f) for f in mine))
     sass = finished("sass-loops*.json")

@@ -120,7 +120,8 @@ def main(argv=None) -> int:
                        args.softcap)
         s = summarize("k10_config" if config is not None else name, parse(text), args.top)
         s.update(head_dim=args.headdim, seqlen=args.seqlen, causal=args.causal, backward=args.backward,
-                 **({"config": config} if config is not None else {}), **({"softcap": args.softcap} if args.softcap else {}))
+                 **({"config": config} if config is not None else {}),
+                 **({"softcap": args.softcap} if args.softcap else {}))
         if out:
             out.append(s)
         print(f"== {name}: {s['samples']:.0f} samples; by reason: "
