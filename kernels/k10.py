@@ -50,14 +50,6 @@ class Barrier(enum.IntEnum):
     # early_dq: warpgroup w hands its half of sdQ over on its own pair, DQ_FULL + 2w and DQ_EMPTY + 2w
     DQ_FULL_WG1 = 4
     DQ_EMPTY_WG1 = 5
-    # dq_stages = 2: sdQ's second stage on pairs of its own, DQ_STAGE_IDS ids above the first stage's
-    DQ_FULL_STAGE1 = 6
-    DQ_EMPTY_STAGE1 = 7
-    DQ_FULL_WG1_STAGE1 = 8
-    DQ_EMPTY_WG1_STAGE1 = 9
-
-
-DQ_STAGE_IDS = Barrier.DQ_FULL_STAGE1 - Barrier.DQ_FULL  # barrier ids from one sdQ stage's pairs to the next's
 
 # dq_flat: a dQ share leaves in the accumulator's own register order, as 256-float rows (one TMA
 # box of at most 256 elements per dimension) of a flat fp32 buffer per query tile.
@@ -65,31 +57,24 @@ FLAT_WIDTH = 256
 
 
 class K10Backward(k9.K9Backward):
+    # What a variant (kernels/k10_experiments.py) changes: sdQ's stages (each a slot per dQ part),
+    # the multiple a query tile is of, whether packed calls store dK and dV by TMA
+    dq_stages = 1
+    TILE_M_STEP = sm90.WGMMA_M  # dQ's GEMM takes the queries as M, 64 rows a warpgroup
+    PACKED_TMA_STORE = False
+
     def __init__(self, head_dim: int, dtype, causal: bool, num_wg: int, tile_m: int, q_stages: int,
                  deterministic: bool = False, overlap: bool = False, dq_flat: bool = False,
                  ds_stmatrix: bool = False, last_first: bool = False, window: tuple = None, softcap: float = 0.0,
-                 varlen: bool = False, dq_swapab: bool = False, mask_edges: bool = False,
-                 ds_free_once: bool = False, early_dq: bool = False, dq_split_queries: bool = False,
-                 tanh_under_dp: bool = False, step_counter: bool = False, plain_first: bool = False,
-                 dkv_tma_store: bool = False, dkv_tma_packed: bool = False, select_rows: bool = False,
-                 pin_descriptors: bool = False, unguarded_rows: bool = False, rows_ahead: bool = False,
-                 dq_stages: int = 1, capped_overlap: bool = False, scale_at_end: bool = False,
-                 early_dv: bool = False):
+                 varlen: bool = False, mask_edges: bool = False, early_dq: bool = False,
+                 dq_split_queries: bool = False, tanh_under_dp: bool = False, step_counter: bool = False,
+                 plain_first: bool = False, dkv_tma_store: bool = False, pin_descriptors: bool = False,
+                 unguarded_rows: bool = False, capped_overlap: bool = False):
         super().__init__(head_dim, dtype, causal, num_wg, tile_m, q_stages)
-        # dq_swapab (FA3's dQ_swapAB): dQ^T = K^T . dS^T, the warpgroups split d (64 rows each), so
-        # that a step may take a tile_m that is not a multiple of 64 (FA3's 80 at d = 128)
-        self.dq_swapab = dq_swapab
-        if dq_swapab:
-            assert head_dim == sm90.WGMMA_M * num_wg, "d split 64 rows a warpgroup"
-            self.dq_tile = (head_dim, tile_m)
         self.varlen = varlen  # packed sequences: ``call_varlen``
         # mask_edges (FA3's): only a step on an edge (the diagonal, a window's side, a sequence's
         # end) runs the masks and the guards on LSE2 and D; the others take a copy without them
         self.mask_edges = mask_edges
-        # ds_free_once: the wait for sdS to be free (both warpgroups' dQ GEMMs of the step before
-        # done with it) only before step 1's store; later, DQ_EMPTY's sync at the end of the step
-        # before has already met both warpgroups after those GEMMs retired
-        self.ds_free_once = ds_free_once
         # early_dq (flash-attn-4's sm90 step): sdS a buffer per Q/dO stage, so no step waits for it
         # to be free; dQ's GEMM issued before dK's, its share stored while dK's runs, and each
         # warpgroup hands its half of sdQ to the writer on its own barriers, not waiting for the other
@@ -104,17 +89,6 @@ class K10Backward(k9.K9Backward):
         # stays in S's registers for the slope 1 - t^2, and P is kept only as dV's 16-bit operand,
         # widened back for dS after dP's wait (the registers the uncapped start holds, no more)
         self.capped_overlap = capped_overlap and softcap > 0.0 and overlap
-        # scale_at_end (flash-attn-4's): dS without softmax_scale (one multiply a score fewer), dK
-        # scaled once after the walk and dQ in the post-pass (FlatPostpass.call_scaled): both are
-        # linear in dS
-        self.scale_at_end = scale_at_end
-        assert not scale_at_end or dq_flat, "the scaled post-pass is dq_flat's"
-        # early_dv: the overlapped start issues dV's GEMM as soon as P is dV's operand, before dP's
-        # wait, so P's exponentials cannot sink below that wait (ptxas moved most of them there)
-        # and dV's GEMM runs while dS is computed. Not with capped_overlap, which reads P back
-        # from dV's operand registers after dP's wait: reading a running WGMMA's A registers is
-        # undefined in PTX
-        self.early_dv = early_dv and overlap and early_dq and not self.capped_overlap
         # step_counter: each loop (loads, dQ writer, MMA) keeps its step's (head, query tile) and
         # advances it, rather than dividing the step index by the walk's length (``step_at``)
         self.step_counter = step_counter
@@ -122,10 +96,6 @@ class K10Backward(k9.K9Backward):
         # order (ptxas gave the first copy cheaper WGMMA descriptor arithmetic: 452 SASS a warp a
         # step against 530, d = 128)
         self.plain_first = plain_first
-        # select_rows: the edge step reads every column's LSE2 and D and sets the defaults past the
-        # sequence after, rather than reading under the guard: a guarded read rebuilt its SMEM
-        # address under its own predicate (4 instructions a read, 32 reads a step at d = 128)
-        self.select_rows = select_rows
         # pin_descriptors: the staged SMEM operands (Q, dO, and early_dq's dS) as K5's
         # sm90.StagedOperand, a descriptor built once and advanced by the stage, in both copies
         self.pin_descriptors = pin_descriptors
@@ -134,30 +104,14 @@ class K10Backward(k9.K9Backward):
         # P^T dO = 0, dK gains dS^T Q = 0, and their dQ rows are never stored. A step is then an
         # edge only for the masks. Packed, those rows are the next sequence's (compile_backward drops it)
         self.unguarded_rows = unguarded_rows
-        # rows_ahead (flash-attn-4's order): the overlapped start reads its columns' LSE2 between
-        # the S^T and dP^T issues and their D before dP^T's wait, so neither SMEM read waits after
-        # a GEMM's wait (a step whose reads need no guard: a plain step, or unguarded_rows)
-        self.rows_ahead = rows_ahead
-        # dq_stages = 2 (early_dq): sdQ twice, step t's shares in stage t % 2, so a warpgroup storing
-        # its share waits for the writer's TMA to have read the share of two steps before, not of
-        # the step before (32 KB more SMEM at d 64/128)
-        self.dq_stages = dq_stages
-        assert dq_stages in (1, 2) and (dq_stages == 1 or early_dq), "a second sdQ stage is early_dq's"
         assert not (unguarded_rows and varlen), "packed: a tile's rows past a sequence are the next one's"
         # dkv_tma_store (FA3's epilogue): dK and dV leave through sK and sV and a TMA store each,
         # rather than as 4-byte stores whose warp spans 8 rows (rectangular calls only: a packed
         # sequence's box would run into the next sequence's rows)
         self.dkv_tma_store = dkv_tma_store
-        # dkv_tma_packed: packed too, a sequence's whole key tiles by TMA at its rows, its last,
-        # partial one (whose box would reach the next sequence) by rows (compile_backward drops it
-        # for rectangular calls, where dkv_tma_store alone is the same kernel)
-        self.dkv_tma_packed = dkv_tma_packed
-        assert not dkv_tma_packed or varlen, "dkv_tma_packed: packed sequences only"
-        assert not (dkv_tma_store and varlen and not dkv_tma_packed), "packed: dK and dV by rows"
-        assert not dkv_tma_packed or dkv_tma_store, "dkv_tma_packed is dkv_tma_store's, on packed sequences"
         assert not self.tanh_under_dp or (early_dq and not overlap), "early_dq's step, its start without overlap"
-        assert not dq_split_queries or (tile_m % (sm90.WGMMA_M * num_wg) == 0 and not dq_swapab)
-        assert not early_dq or (dq_flat and not ds_free_once and q_stages >= 2 and num_wg == 2), (
+        assert not dq_split_queries or tile_m % (sm90.WGMMA_M * num_wg) == 0
+        assert not early_dq or (dq_flat and q_stages >= 2 and num_wg == 2), (
             "flat dQ shares, an sdS tile per stage (two at least), a barrier pair per warpgroup (Barrier names two)")
         assert not (softcap and overlap) or self.capped_overlap, "the overlapped start keeps no fp32 P under a cap"
         self.window = window  # Problem.window, or None: tiles.query_window_tiles bounds the walk
@@ -178,15 +132,7 @@ class K10Backward(k9.K9Backward):
         tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = super().tiled_mmas()
         if self.dq_split_queries:
             tiled_mma_dq = k9.dq_mma(self.dtype, self.head_dim, self.num_wg, split_queries=True)
-        if self.dq_swapab:
-            tiled_mma_dq = swapped_dq_mma(self.dtype, self.num_wg, self.tile_m)
         return tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq
-
-    def dq_operands(self, wg_dq, sdS: cute.Tensor, sK: cute.Tensor) -> tuple:
-        if not self.dq_swapab:
-            return super().dq_operands(wg_dq, sdS, sK)
-        return (wg_dq.make_fragment_A(wg_dq.partition_A(k9.transpose_view(sK)))[None, None, None, 0],
-                wg_dq.make_fragment_B(wg_dq.partition_B(sdS)))
 
     def smem_layouts(self) -> tuple:
         """K9's; ``early_dq``: sdS a tile per Q/dO stage."""
@@ -202,12 +148,12 @@ class K10Backward(k9.K9Backward):
             return super().mma_partitions(mmas, smem, wg_idx, tidx)
         sK, sV, sQ, sdO, sdS = smem
         parts = list(super().mma_partitions(mmas, (sK, sV, sQ, sdO, sdS[None, None, 0]), wg_idx, tidx))
-        wg_dq = mmas[2].get_slice(wg_idx * sm90.THREADS_PER_WARPGROUP)
-        if self.dq_swapab:  # dQ^T = K^T . dS^T: dS^T is the B operand (tdQrK's place), staged
-            parts[7] = wg_dq.make_fragment_B(wg_dq.partition_B(sdS))
-        else:
-            parts[6] = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))  # tdQrdS (.., stage)
+        self.stage_ds_operand(parts, mmas[2].get_slice(wg_idx * sm90.THREADS_PER_WARPGROUP), sdS)
         return tuple(parts)
+
+    def stage_ds_operand(self, parts: list, wg_dq, sdS: cute.Tensor):
+        """``mma_partitions``' dQ operand read from sdS, with its stage mode: tdQrdS (A)."""
+        parts[6] = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE2: cute.Tensor,
@@ -353,7 +299,7 @@ class K10Backward(k9.K9Backward):
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.mma(pipeline_kv, pipeline_qdo, walk, count, n_block, kv_head, batch, (seqlen, offset, seqlen_k),
                      (sK, sV, sQ, sdO, sdS, sdQ), mmas, sLSE, sD, mdK, mdV, scale_log2, softmax_scale, dkv_atoms,
-                     starts[1] if cutlass.const_expr(self.dkv_tma_packed) else None)
+                     starts)
 
     # ---- Producer warpgroup: warp 0 loads, warp 1 writes dQ ------------------------------------
 
@@ -429,7 +375,7 @@ class K10Backward(k9.K9Backward):
                                                             (None, 0), offset=self.dq_offset(starts))
             stage = self.dq_stage(t)
             for w in cutlass.range_constexpr(self.dq_parts):  # early_dq: each warpgroup's half as it comes
-                pair = 2 * w + DQ_STAGE_IDS * stage
+                pair = self.dq_pair(2 * w, stage)
                 cute.arch.barrier(barrier_id=Barrier.DQ_FULL + pair, number_of_threads=handoff)
                 if cutlass.const_expr(self.deterministic and w == 0):
                     self.wait_turn(order, head, m_block, batch)
@@ -450,8 +396,12 @@ class K10Backward(k9.K9Backward):
         cute.arch.cp_async_bulk_wait_group(0, read=False)  # the last reduce has landed in GMEM
 
     def dq_stage(self, t: Int32):
-        """The sdQ stage step t's shares go to: t % 2 with ``dq_stages`` = 2, else 0 (no code)."""
-        return t % self.dq_stages if self.dq_stages > 1 else 0
+        """The sdQ stage step t's shares go to (one stage: 0, no code)."""
+        return 0
+
+    def dq_pair(self, pair, stage):
+        """The DQ_FULL/DQ_EMPTY pair (an offset from DQ_FULL) of a share in sdQ stage ``stage``."""
+        return pair
 
     def dq_offset(self, starts: Optional[tuple]):
         """Packed, where the sequence's dQ shares start in the accumulator: at its first row, or,
@@ -538,12 +488,8 @@ class K10Backward(k9.K9Backward):
                 dp_mn[r, c] = self.score_grad(p, dp_mn[r, c], dot, softmax_scale, slope)
 
     def score_grad(self, p, dp, dot, softmax_scale, slope=None):
-        """One score's dS = P * (dP - D), times a softcap's slope 1 - t^2 (``slope``) and softmax_scale,
-        unless ``scale_at_end`` leaves the scale to the walk's end and the post-pass."""
-        ds = p * (dp - dot)
-        if self.scale_at_end:
-            return ds if slope is None else ds * slope
-        return ds * (softmax_scale if slope is None else softmax_scale * slope)
+        """One score's dS = P * (dP - D), times a softcap's slope 1 - t^2 (``slope``) and softmax_scale."""
+        return p * (dp - dot) * (softmax_scale if slope is None else softmax_scale * slope)
 
     @cute.jit
     def cap_scores(self, acc_S: cute.Tensor, softmax_scale: Float32):
@@ -577,13 +523,16 @@ class K10Backward(k9.K9Backward):
         lse2, dot = Float32(float("inf")), Float32(0.0)
         if cutlass.const_expr(not edge or self.unguarded_rows):
             lse2, dot = self.row_values(row, sLSE, sD, lse2, dot)
-        elif cutlass.const_expr(self.select_rows):  # the stage's rows are all there to read
-            lse2, dot = self.row_values(row, sLSE, sD, lse2, dot)
-            if q >= seqlen:
-                lse2, dot = Float32(float("inf")), Float32(0.0)
-        elif q < seqlen:
-            lse2, dot = self.row_values(row, sLSE, sD, lse2, dot)
+        else:
+            lse2, dot = self.guarded_row_values(row, q, seqlen, sLSE, sD, lse2, dot)
         return q, lse2, dot
+
+    @cute.jit
+    def guarded_row_values(self, row: Int32, q: Int32, seqlen: Int32, sLSE, sD, lse2: Float32, dot: Float32) -> tuple:
+        """``row_values`` on an edge step: read only for a query inside the sequence."""
+        if q < seqlen:
+            lse2, dot = self.row_values(row, sLSE, sD, lse2, dot)
+        return lse2, dot
 
     @staticmethod
     def row_values(row, sLSE, sD, lse2, dot) -> tuple:
@@ -634,23 +583,29 @@ class K10Backward(k9.K9Backward):
     def issue_s_and_dp(self, tiled_mma_sdp: cute.TiledMma, accs: tuple, operands: tuple, stage: Int32,
                        running: cutlass.Constexpr[int], ahead: tuple = None):
         """S^T's GEMM, then dP^T's, issued; the wait leaves ``running`` of them (the last) in flight.
-        ``ahead`` ((tScS, the stage's LSE2 row)): the columns' LSE2 read between the two issues, returned."""
+        ``ahead`` ((tScS, the stage's LSE2 row, edge)): ``lse2_ahead`` between the two issues, returned."""
         tSrK, tSrQ, tdPrV, tdPrdO = operands[:4]
         sm90.gemm(tiled_mma_sdp, accs[0], tSrK, tSrQ[None, None, None, stage], zero_init=True, wg_wait=-1)
         lse2 = None
         if cutlass.const_expr(ahead is not None):
-            lse2 = self.columns_of(*ahead)
+            lse2 = self.lse2_ahead(*ahead)
         sm90.gemm(tiled_mma_sdp, accs[1], tdPrV, tdPrdO[None, None, None, stage], zero_init=True, wg_wait=running)
         return lse2
 
+    def lse2_ahead(self, tScS: cute.Tensor, sLSE: cute.Tensor, edge: bool):
+        """The overlapped start's columns' LSE2, read between S^T's issue and dP^T's (None: read as
+        P needs them)."""
+        return None
+
+    def d_ahead(self, tScS: cute.Tensor, sD: cute.Tensor, edge: bool):
+        """The overlapped start's columns' D, read before dP^T's wait (None: read as dS needs them)."""
+        return None
+
     @cute.jit
-    def columns_of(self, tScS: cute.Tensor, sRow: cute.Tensor) -> cute.Tensor:
-        """The value of each of this thread's S^T columns in ``sRow`` (the stage's LSE2 or D), unguarded."""
-        c_mn = sm90.acc_mn_view(tScS)
-        out = cute.make_rmem_tensor(cute.size(c_mn, mode=[1]), Float32)
-        for c in cutlass.range_constexpr(cute.size(c_mn, mode=[1])):
-            out[c] = sRow[c_mn[0, c][1]]
-        return out
+    def wait_for_dp(self, dv_mma: cute.TiledMma, accs: tuple, operands: tuple, stage: Int32) -> bool:
+        """The overlapped start's wait for dP^T's GEMM; whether it issued dV's GEMM (no: the step does)."""
+        warpgroup.wait_group(0)
+        return False
 
     @cute.jit
     def scores_and_grads(self, tiled_mma_sdp: cute.TiledMma, accs: tuple, operands: tuple, tScS: cute.Tensor,
@@ -724,14 +679,13 @@ class K10Backward(k9.K9Backward):
     @cute.jit
     def overlapped_start(self, tiled_mma_sdp: cute.TiledMma, accs: tuple, operands: tuple, tScS: cute.Tensor,
                          rows: tuple, n_block: Int32, m_block: Int32, lens: tuple, scale_log2: Float32,
-                         softmax_scale: Float32, edge: bool, dv_mma: cute.TiledMma = None):
+                         softmax_scale: Float32, edge: bool, dv_mma: cute.TiledMma = None) -> bool:
         """The overlapped steps' start: S^T and dP^T issued, P^T computed (and converted to dV's
-        operand) while dP^T's GEMM still runs, then dS^T."""
+        operand) while dP^T's GEMM still runs, then dS^T. Returns ``wait_for_dp``'s answer."""
         acc_S, acc_dP, tdVrP = accs[0], accs[1], operands[4]
         stage = rows[2]
-        ahead = self.rows_ahead and (not edge or self.unguarded_rows)
         lse2 = self.issue_s_and_dp(tiled_mma_sdp, accs, operands, stage, 1,  # S done, dP runs on
-                                   (tScS, rows[0][None, stage]) if cutlass.const_expr(ahead) else None)
+                                   (tScS, rows[0][None, stage], edge))
         acc_P = acc_S
         if cutlass.const_expr(self.capped_overlap):  # acc_S keeps t for the slope; P goes to dV's operand only
             self.cap_scores(acc_S, softmax_scale)
@@ -739,19 +693,15 @@ class K10Backward(k9.K9Backward):
             scale_log2 = Float32(self.softcap * LOG2_E)
         self.probabilities(acc_S, tScS, rows[0][None, stage], n_block, m_block, lens, scale_log2, edge, lse2, acc_P)
         sm90.convert_to(sm90.acc_as_operand_a(acc_P), tdVrP)
-        dot = None
-        if cutlass.const_expr(ahead):
-            dot = self.columns_of(tScS, rows[1][None, stage])
-        if cutlass.const_expr(self.early_dv):  # dP's GEMM, then dV's: wait for the first alone
-            sm90.gemm(dv_mma, accs[3], tdVrP, operands[5][None, None, None, stage], zero_init=False, wg_wait=1)
-        else:
-            warpgroup.wait_group(0)
+        dot = self.d_ahead(tScS, rows[1][None, stage], edge)
+        dv_issued = self.wait_for_dp(dv_mma, accs, operands, stage)
         slopes = None
         if cutlass.const_expr(self.capped_overlap):  # P back from dV's operand into the scratch tile
             slopes = acc_S
             sm90.convert_from(tdVrP, sm90.acc_as_operand_a(acc_P))
         self.score_grads(acc_P, acc_dP, tScS, rows[1][None, stage], m_block, lens[0], softmax_scale, edge, dot,
                          slopes)
+        return dv_issued
 
     @cute.jit
     def mma_step_early(self, mmas: tuple, accs: tuple, operands: tuple, tScS: cute.Tensor, sdS: cute.Tensor,
@@ -766,9 +716,10 @@ class K10Backward(k9.K9Backward):
         tSrK, tSrQ, tdPrV, tdPrdO, tdVrP, tdVrdO, tdKrdS, tdKrQ, tdQrdS, tdQrK = operands
         t, tdQcdQ, sdQ, tidx, wg_idx = dq
         stage = rows[2]
+        dv_issued = False
         if cutlass.const_expr(self.overlap):
-            self.overlapped_start(tiled_mma_sdp, accs, operands, tScS, rows, n_block, m_block, lens, scale_log2,
-                                  softmax_scale, edge, tiled_mma_dkv)
+            dv_issued = self.overlapped_start(tiled_mma_sdp, accs, operands, tScS, rows, n_block, m_block, lens,
+                                              scale_log2, softmax_scale, edge, tiled_mma_dkv)
         elif cutlass.const_expr(self.tanh_under_dp):  # the cap's tanh while dP's GEMM runs, P after it
             self.issue_s_and_dp(tiled_mma_sdp, accs, operands, stage, 1)
             self.cap_scores(acc_S, softmax_scale)
@@ -780,47 +731,46 @@ class K10Backward(k9.K9Backward):
             self.scores_and_grads(tiled_mma_sdp, accs, operands, tScS, rows, n_block, m_block, lens, scale_log2,
                                   softmax_scale, edge)
             sm90.convert_to(sm90.acc_as_operand_a(acc_S), tdVrP)
-        if cutlass.const_expr(not self.early_dv):
+        if cutlass.const_expr(not dv_issued):
             sm90.gemm(tiled_mma_dkv, acc_dV, tdVrP, tdVrdO[None, None, None, stage], zero_init=False, wg_wait=-1)
         self.store_dS(acc_dP, tScS, sdS[None, None, stage], tiled_mma_sdp)
         cute.arch.fence_view_async_shared()
         sm90.convert_to(sm90.acc_as_operand_a(acc_dP), tdKrdS)
         cute.arch.barrier(barrier_id=Barrier.MMA, number_of_threads=self.mma_threads)  # every dS^T stored
-        if cutlass.const_expr(self.dq_swapab):  # its operands in (A, B) order: this stage's dS^T is B
-            dq_a, dq_b = tdQrdS, tdQrK[None, None, None, stage]
-        else:
-            dq_a, dq_b = tdQrdS[None, None, None, stage], tdQrK
+        dq_a, dq_b = self.dq_gemm_operands(tdQrdS, tdQrK, stage)
         sm90.gemm(tiled_mma_dq, acc_dQ, dq_a, dq_b, zero_init=True, wg_wait=1)  # dV's done
         sm90.gemm(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQ[None, None, None, stage], zero_init=False, wg_wait=1)  # dQ's
         self.hand_over_dq(acc_dQ, tdQcdQ, sdQ, tidx, t, 2 * wg_idx, sm90.THREADS_PER_WARPGROUP)  # its own pair
         warpgroup.wait_group(0)  # dK's GEMM reads dS^T from registers until it retires
+
+    def dq_gemm_operands(self, tdQrdS, tdQrK, stage: Int32) -> tuple:
+        """early_dq's dQ GEMM operands in (A, B) order: this stage's dS, and K."""
+        return tdQrdS[None, None, None, stage], tdQrK
 
     @cute.jit
     def hand_over_dq(self, acc_dQ: cute.Tensor, tdQcdQ: cute.Tensor, sdQ: cute.Tensor, tidx: Int32, t: Int32,
                      pair, threads: cutlass.Constexpr[int]):
         """Step t's dQ share into sdQ and over to the writer on the barriers DQ_FULL + ``pair`` and
         DQ_EMPTY + ``pair``, shared by ``threads`` MMA threads and the writer warp: wait until its
-        TMA has read the share before (none before step 0), store, fence for the async proxy, arrive.
-        ``dq_stages`` = 2: into stage t % 2, on that stage's pair, after the share two steps before."""
+        TMA has read the share before (none before step 0), store, fence for the async proxy, arrive."""
         handoff = threads + cute.arch.WARP_SIZE
-        if cutlass.const_expr(self.dq_stages > 1):
-            stage = self.dq_stage(t)
-            pair = pair + DQ_STAGE_IDS * stage
-            sdQ = cute.make_tensor(sdQ.iterator + stage * (cute.cosize(sdQ.layout) // self.dq_stages), sdQ.layout)
-            if t >= self.dq_stages:
-                cute.arch.barrier(barrier_id=Barrier.DQ_EMPTY + pair, number_of_threads=handoff)
-        elif t > 0:
-            cute.arch.barrier(barrier_id=Barrier.DQ_EMPTY + pair, number_of_threads=handoff)
+        sdQ, pair = self.wait_dq_free(sdQ, t, pair, handoff)
         self.store_dq(acc_dQ, tdQcdQ, sdQ, tidx)
         cute.arch.fence_view_async_shared()  # generic-proxy stores -> the TMA's reads
         cute.arch.barrier_arrive(barrier_id=Barrier.DQ_FULL + pair, number_of_threads=handoff)
 
     @cute.jit
+    def wait_dq_free(self, sdQ: cute.Tensor, t: Int32, pair, handoff: cutlass.Constexpr[int]) -> tuple:
+        """``hand_over_dq``'s wait for the writer's read of the share before; (the sdQ stage and the
+        barrier pair step t's share takes)."""
+        if t > 0:
+            cute.arch.barrier(barrier_id=Barrier.DQ_EMPTY + pair, number_of_threads=handoff)
+        return sdQ, pair
+
+    @cute.jit
     def wait_ds_free(self):
-        """Before a step writes sdS: both warpgroups' dQ GEMMs of the step before are done with it
-        (``ds_free_once``: ``mma`` waits before step 1 only)."""
-        if cutlass.const_expr(not self.ds_free_once):
-            cute.arch.barrier(barrier_id=Barrier.MMA, number_of_threads=self.mma_threads)
+        """Before a step writes sdS: both warpgroups' dQ GEMMs of the step before are done with it."""
+        cute.arch.barrier(barrier_id=Barrier.MMA, number_of_threads=self.mma_threads)
 
     @cute.jit
     def store_dS(self, acc_dS: cute.Tensor, tScS: cute.Tensor, sdS: cute.Tensor, tiled_mma_sdp: cute.TiledMma):
@@ -844,7 +794,7 @@ class K10Backward(k9.K9Backward):
         stores, no bank conflicts); ``FlatPostpass`` reads that order back."""
         if cutlass.const_expr(not self.dq_flat):
             for i in cutlass.range_constexpr(cute.size(acc_dQ)):
-                row, col = tdQcdQ[i] if cutlass.const_expr(not self.dq_swapab) else tdQcdQ[i][::-1]
+                row, col = self.dq_coord(tdQcdQ[i])
                 sdQ[row, col] = acc_dQ[i]
         else:
             per_thread = cute.size(acc_dQ)
@@ -852,6 +802,10 @@ class K10Backward(k9.K9Backward):
             base = (tidx // threads) * threads * per_thread + (tidx % threads) * 4
             flat = cute.make_tensor(sdQ.iterator + base, cute.make_layout((4, per_thread // 4), stride=(1, 4 * threads)))
             cute.autovec_copy(cute.make_tensor(acc_dQ.iterator, cute.make_layout((4, per_thread // 4))), flat)
+
+    def dq_coord(self, coord) -> tuple:
+        """(row, col) in sdQ of a dQ share's element at ``coord`` of its GEMM's C tile."""
+        return coord
 
     @cute.jit
     def probabilities(self, acc_S: cute.Tensor, tScS: cute.Tensor, sLSE: cute.Tensor, n_block: Int32,
@@ -894,9 +848,9 @@ class K10Backward(k9.K9Backward):
     def mma(self, pipeline_kv, pipeline_qdo, walk: tuple, count: Int32, n_block: Int32, kv_head: Int32,
             batch: Int32, lens: tuple, smem: tuple, mmas: tuple, sLSE: cute.Tensor, sD: cute.Tensor,
             mdK: cute.Tensor, mdV: cute.Tensor, scale_log2: Float32, softmax_scale: Float32,
-            dkv_atoms: Optional[tuple] = None, keys: Optional[tuple] = None):
-        """The MMA warpgroups: the walk, then dK and dV out (``keys``, ``dkv_tma_packed``: the
-        sequence's first key row, as a TMA coordinate)."""
+            dkv_atoms: Optional[tuple] = None, starts: Optional[tuple] = None):
+        """The MMA warpgroups: the walk, then dK and dV out (``starts``: packed, where the sequence's
+        rows start, as ``kernel`` found them)."""
         sK, sV, sQ, sdO, sdS, sdQ = smem
         tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = mmas
         tile_m, tile_n, stages = self.tile_m, self.tile_n, self.q_stages
@@ -907,10 +861,8 @@ class K10Backward(k9.K9Backward):
          tdQcdQ) = self.mma_partitions(mmas, (sK, sV, sQ, sdO, sdS), wg_idx, tidx)
         if cutlass.const_expr(self.pin_descriptors):
             tSrQ, tdPrdO, tdVrdO, tdKrQ = (sm90.StagedOperand(x) for x in (tSrQ, tdPrdO, tdVrdO, tdKrQ))
-            if cutlass.const_expr(self.early_dq and self.dq_swapab):  # the staged dS^T, as dQ^T's B
-                tdQrK = sm90.StagedOperand(tdQrK)
-            elif cutlass.const_expr(self.early_dq):
-                tdQrdS = sm90.StagedOperand(tdQrdS)
+            if cutlass.const_expr(self.early_dq):
+                tdQrdS, tdQrK = self.pin_staged_dq(tdQrdS, tdQrK)
 
         pipeline_kv.consumer_wait(tma_pipeline.pipe_state(1, 0, producer=False))
         if cutlass.const_expr(self.step_counter):  # step 0's (head, query tile)
@@ -930,9 +882,7 @@ class K10Backward(k9.K9Backward):
             kw = {}
             if cutlass.const_expr(self.early_dq):  # the step hands its dQ share over itself
                 step, kw = self.mma_step_early, dict(dq=(t, tdQcdQ, sdQ, tidx, wg_idx))
-            if cutlass.const_expr(self.ds_free_once):
-                if t == 1:  # step 0 ended with no DQ_EMPTY sync
-                    cute.arch.barrier(barrier_id=Barrier.MMA, number_of_threads=self.mma_threads)
+            self.before_step(t)
             args = (mmas, (acc_S, acc_dP, acc_dK, acc_dV, acc_dQ), operands, tScS, sdS, (sLSE, sD, qdo.index),
                     n_block, m_block, lens, scale_log2, softmax_scale)
             if cutlass.const_expr(self.unguarded_rows and not self.causal and self.window is None):
@@ -955,19 +905,29 @@ class K10Backward(k9.K9Backward):
             if cutlass.const_expr(self.step_counter):
                 at_head, at_m = self.next_step(at_head, at_m, walk)
 
-        if cutlass.const_expr(self.scale_at_end):  # the walk's dS carried no softmax_scale
-            for i in cutlass.range_constexpr(cute.size(acc_dK)):
-                acc_dK[i] = acc_dK[i] * softmax_scale
-        accs = (acc_dK, acc_dV)
-        if cutlass.const_expr(self.dkv_tma_packed):  # a box must stay inside the sequence's rows
-            if (n_block + 1) * tile_n <= lens[2]:
-                self.store_dkv_tma(accs, (sK, sV), tiled_mma_dkv, tidx, dkv_atoms, n_block, kv_head, batch, keys)
-            else:
-                self.store_dkv_rows(accs, (mdK, mdV), tiled_mma_dkv, tidx, n_block, kv_head, batch)
-        elif cutlass.const_expr(self.dkv_tma_store):
-            self.store_dkv_tma(accs, (sK, sV), tiled_mma_dkv, tidx, dkv_atoms, n_block, kv_head, batch)
+        self.end_walk(acc_dK, softmax_scale)
+        self.store_dkv((acc_dK, acc_dV), (sK, sV), (mdK, mdV), tiled_mma_dkv, tidx, dkv_atoms, n_block, kv_head, batch,
+                       lens, starts)
+
+    def pin_staged_dq(self, tdQrdS, tdQrK) -> tuple:
+        """``pin_descriptors`` with early_dq: the staged dQ operand (dS) pinned too."""
+        return sm90.StagedOperand(tdQrdS), tdQrK
+
+    def before_step(self, t: Int32):
+        """Hook: the MMA warps' work before step t (none)."""
+
+    def end_walk(self, acc_dK: cute.Tensor, softmax_scale: Float32):
+        """Hook: dK's accumulator once the walk is done, before it is stored (as it is)."""
+
+    @cute.jit
+    def store_dkv(self, accs: tuple, smem: tuple, outs: tuple, tiled_mma_dkv: cute.TiledMma, tidx: Int32,
+                  dkv_atoms: Optional[tuple], n_block: Int32, kv_head: Int32, batch: Int32, lens: tuple,
+                  starts: Optional[tuple]):
+        """dK and dV out: by TMA (``dkv_tma_store``), or row by row."""
+        if cutlass.const_expr(self.dkv_tma_store):
+            self.store_dkv_tma(accs, smem, tiled_mma_dkv, tidx, dkv_atoms, n_block, kv_head, batch)
         else:
-            self.store_dkv_rows(accs, (mdK, mdV), tiled_mma_dkv, tidx, n_block, kv_head, batch)
+            self.store_dkv_rows(accs, outs, tiled_mma_dkv, tidx, n_block, kv_head, batch)
 
     @cute.jit
     def store_dkv_rows(self, accs: tuple, outs: tuple, tiled_mma_dkv: cute.TiledMma, tidx: Int32, n_block: Int32,
@@ -1109,14 +1069,6 @@ class VarlenPrepass(k9.Prepass):
                     mdQaccum[0, head, dq_row, lane + 32 * j] = Float32(0.0)
 
 
-def swapped_dq_mma(dtype, num_wg: int, tile_m: int) -> cute.TiledMma:
-    """``dq_swapab``'s dQ GEMM: dQ^T (d, tile_m) = K^T (d, tile_n) . dS^T, A and B both read
-    MN-major, the warpgroups 64 rows of d each."""
-    mn = warpgroup.OperandMajorMode.MN
-    return sm90_utils.make_trivial_tiled_mma(dtype, dtype, mn, mn, Float32, atom_layout_mnk=(num_wg, 1, 1),
-                                             tiler_mn=(sm90.WGMMA_M, tile_m))
-
-
 class FlatPostpass:
     """``dq_flat``'s post-pass, a CTA per query tile: its fp32 shares read back in the MMA threads'
     register order (16-byte loads, the warpgroup's threads side by side, as ``store_dq`` wrote
@@ -1125,21 +1077,27 @@ class FlatPostpass:
 
     PAD = 8  # elements after each SMEM row: rows 16 bytes apart in the banks, so the MMA-order writes don't collide
 
-    def __init__(self, head_dim: int, dtype, num_wg: int, tile_m: int, split_queries: bool = False,
-                 swapab: bool = False):
+    def __init__(self, head_dim: int, dtype, num_wg: int, tile_m: int, split_queries: bool = False):
         self.head_dim, self.dtype, self.num_wg, self.tile_m = head_dim, dtype, num_wg, tile_m
         self.split_queries = split_queries  # the main kernel's dq_split_queries: its register order
-        self.swapab = swapab  # its dq_swapab: shares of dQ^T, (d, tile_m) in that GEMM's register order
 
     def dq_mma(self) -> cute.TiledMma:
-        if self.swapab:
-            return swapped_dq_mma(self.dtype, self.num_wg, self.tile_m)
+        """The main kernel's dQ GEMM, whose register order the shares are in."""
         return k9.dq_mma(self.dtype, self.head_dim, self.num_wg, self.split_queries)
+
+    def share_shape(self) -> tuple:
+        """The C tile of ``dq_mma``: (tile_m, d)."""
+        return self.tile_m, self.head_dim
+
+    def share_coord(self, coord) -> tuple:
+        """(row, col) in the query tile of the share element at ``coord`` of that C tile."""
+        return coord
 
     def launch(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, stream, mCuSeqlensQ=None, max_tiles=None,
                scale=None):
         """The entry points' launch: a CTA per query tile of each (head, batch), or packed (with
-        ``mCuSeqlensQ``), per (query tile of the longest sequence's ``max_tiles``, head, sequence)."""
+        ``mCuSeqlensQ``), per (query tile of the longest sequence's ``max_tiles``, head, sequence);
+        ``scale``: a factor on the shares (an entry point a variant adds)."""
         if mCuSeqlensQ is None:
             grid = (cute.ceil_div(mdQ.shape[2], self.tile_m), mdQ.shape[1], mdQ.shape[0])
         else:
@@ -1152,23 +1110,11 @@ class FlatPostpass:
         self.launch(mdQaccum, mdQ, stream)
 
     @cute.jit
-    def call_scaled(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, scale: Float32, stream):
-        """``__call__`` for a main kernel whose dS carried no softmax_scale (``scale_at_end``):
-        dQ = scale * the accumulator."""
-        self.launch(mdQaccum, mdQ, stream, scale=scale)
-
-    @cute.jit
     def call_varlen(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, mCuSeqlensQ: cute.Tensor, max_tiles: Int32,
                     stream):
         """Packed: (1, heads, total, d) dQ, a CTA per (query tile, head, sequence) of the longest
         sequence's ``max_tiles``; sequence b's tiles in the slots from ``packed_tile_start``."""
         self.launch(mdQaccum, mdQ, stream, mCuSeqlensQ, max_tiles)
-
-    @cute.jit
-    def call_varlen_scaled(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, mCuSeqlensQ: cute.Tensor,
-                           max_tiles: Int32, scale: Float32, stream):
-        """``call_varlen`` with ``call_scaled``'s scale."""
-        self.launch(mdQaccum, mdQ, stream, mCuSeqlensQ, max_tiles, scale)
 
     @cute.kernel
     def kernel(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, tiled_mma_dq: cute.TiledMma,
@@ -1184,8 +1130,7 @@ class FlatPostpass:
             self.dtype, cute.make_layout((self.tile_m, self.head_dim), stride=(self.head_dim + self.PAD, 1)),
             byte_alignment=16)
         if m_block * self.tile_m < seqlen:  # packed: the longest sequence's tile count was launched
-            shape = (self.head_dim, self.tile_m) if cutlass.const_expr(self.swapab) else (self.tile_m, self.head_dim)
-            tdQcdQ = tiled_mma_dq.get_slice(tidx).partition_C(cute.make_identity_tensor(shape))
+            tdQcdQ = tiled_mma_dq.get_slice(tidx).partition_C(cute.make_identity_tensor(self.share_shape()))
             per_thread, threads = cute.size(tdQcdQ), sm90.THREADS_PER_WARPGROUP
             rows = self.tile_m * self.head_dim // FLAT_WIDTH  # of the flat buffer, per query tile
             tile = mdQaccum[batch, head, None, None]
@@ -1196,7 +1141,7 @@ class FlatPostpass:
                                                                                       stride=(1, 4 * threads))),
                               cute.make_tensor(acc.iterator, cute.make_layout((4, per_thread // 4))))
             for i in cutlass.range_constexpr(per_thread):  # acc[i]: the share of tdQcdQ[i], as store_dq wrote it
-                row, col = tdQcdQ[i] if cutlass.const_expr(not self.swapab) else tdQcdQ[i][::-1]
+                row, col = self.share_coord(tdQcdQ[i])
                 if cutlass.const_expr(scale is not None):
                     acc[i] = acc[i] * scale
                 sdQ[row, col] = acc[i].to(self.dtype)
@@ -1240,57 +1185,40 @@ def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = F
     """(K9's pre-pass, K10's main kernel, the post-pass, the configuration) compiled for ``p``."""
     from cutlass.cute.runtime import make_fake_tensor
 
+    from . import k10_experiments as experiments  # the knobs measured and left off
+
     check(p)
-    cfg = config(p, overrides)
-    if cfg["tile_m"] % sm90.WGMMA_M and not cfg.get("dq_swapab"):
-        raise UnsupportedProblem(f"K10 (backward) config {cfg}: tile_m must be a multiple of 64 (dQ's GEMM takes the "
-                                 "queries as M, 64 rows a warpgroup), or a multiple of 16 with dq_swapab")
-    if cfg.get("dq_swapab") and p.head_dim != sm90.WGMMA_M * cfg["num_wg"]:
-        raise UnsupportedProblem(f"K10 (backward) config {cfg}: dq_swapab splits d over the warpgroups, 64 rows "
-                                 f"each (head_dim {sm90.WGMMA_M * cfg['num_wg']} here, not {p.head_dim})")
+    split_d = p.head_dim > 128  # K10BackwardSplitD: one 64-key tile per CTA, its own (sequential) step
+    cfg = experiments.settle(config(p, overrides), p, split_d, dq_flat)
+    base = K10BackwardSplitD if split_d else K10Backward
+    kernel_cls = experiments.kernel_class(cfg, base)[0]
+    if cfg["tile_m"] % kernel_cls.TILE_M_STEP:
+        raise UnsupportedProblem(f"K10 (backward) config {cfg}: tile_m must be a multiple of {kernel_cls.TILE_M_STEP}"
+                                 " (the step of dQ's GEMM along the queries)")
     if p.softcap and cfg.get("overlap") and not cfg.get("capped_overlap"):  # no register for tanh's slope
         cfg = cfg.with_(overlap=False)
     if p.softcap and cfg.get("overlap") and cfg.get("tanh_under_dp"):  # capped_overlap: the tanh is under dP's GEMM
         cfg = cfg.with_(tanh_under_dp=False)
     dt = cute_dtype(p.dtype)
-    split_d = p.head_dim > 128  # K10BackwardSplitD: one 64-key tile per CTA, its own (sequential) step
     tile_n = sm90.WGMMA_M * (1 if split_d else cfg["num_wg"])  # the CTA's keys
     if split_d:
         cfg = cfg.with_(overlap=False, **{k: False for k in ("early_dq", "dq_split_queries", "tanh_under_dp",
-                                                             "dkv_tma_store", "dkv_tma_packed") if cfg.get(k)})
-        if cfg.get("dq_stages", 1) != 1:  # early_dq's, dropped above
-            cfg = cfg.with_(dq_stages=1)
-        if cfg.get("ds_free_once"):
-            raise UnsupportedProblem(f"K10 (backward) config {cfg}: ds_free_once is K10Backward's step; at head_dim "
-                                     "256 K10BackwardSplitD has its own (P^T and dS^T both in SMEM)")
+                                                             "dkv_tma_store") if cfg.get(k)})
         if cfg["q_stages"] != 1 or cfg["num_wg"] != 2 or cfg["tile_m"] != 64:
             raise UnsupportedProblem(f"K10 (backward) config {cfg}: at head_dim 256, two warpgroups, 64 queries a step "
                                      "and one Q/dO stage (a second stage would need 272 KB of SMEM)")
-    if cfg.get("early_dq") and not (dq_flat and not cfg.get("ds_free_once")):
-        raise UnsupportedProblem(f"K10 (backward) config {cfg}: early_dq hands over flat dQ shares (dq_flat) and "
-                                 "keeps its own sdS per stage (no ds_free_once)")
-    if cfg.get("dq_stages", 1) not in (1, 2) or (cfg.get("dq_stages", 1) == 2 and not cfg.get("early_dq")):
-        raise UnsupportedProblem(f"K10 (backward) config {cfg}: dq_stages is 1 or 2, and 2 is early_dq's (a warpgroup's "
-                                 "share to a stage of sdQ on a barrier pair of its own)")
-    if cfg.get("scale_at_end") and split_d:
-        cfg = cfg.with_(scale_at_end=False)  # not built into K10BackwardSplitD's step, nor measured there
-    if cfg.get("scale_at_end") and not dq_flat:
-        raise UnsupportedProblem(f"K10 (backward) config {cfg}: scale_at_end scales dQ in dq_flat's post-pass")
+    if cfg.get("early_dq") and not dq_flat:
+        raise UnsupportedProblem(f"K10 (backward) config {cfg}: early_dq hands over flat dQ shares (dq_flat)")
     if cfg.get("tanh_under_dp") and not cfg.get("early_dq"):
         raise UnsupportedProblem(f"K10 (backward) config {cfg}: tanh_under_dp is early_dq's step under a softcap")
     if cfg.get("early_dq") and cfg["q_stages"] < 2:
         raise UnsupportedProblem(f"K10 (backward) config {cfg}: early_dq keeps a dS tile per Q/dO stage, and needs "
                                  "two: a step's dS must not overwrite the one the other warpgroup's dQ GEMM reads")
-    if cfg.get("dq_split_queries") and (cfg["tile_m"] % (sm90.WGMMA_M * cfg["num_wg"]) or cfg.get("dq_swapab")):
+    if cfg.get("dq_split_queries") and cfg["tile_m"] % (sm90.WGMMA_M * cfg["num_wg"]):
         raise UnsupportedProblem(f"K10 (backward) config {cfg}: dq_split_queries gives each warpgroup 64 of the "
-                                 f"step's queries: tile_m a multiple of {sm90.WGMMA_M * cfg['num_wg']}, no dq_swapab")
-    if cfg.get("dkv_tma_packed") and not cfg.get("dkv_tma_store"):
-        raise UnsupportedProblem(f"K10 (backward) config {cfg}: dkv_tma_packed takes dkv_tma_store's TMA stores to "
-                                 "packed sequences: set both")
-    if p.varlen and cfg.get("dkv_tma_store") and not cfg.get("dkv_tma_packed"):
+                                 f"step's queries: tile_m a multiple of {sm90.WGMMA_M * cfg['num_wg']}")
+    if p.varlen and cfg.get("dkv_tma_store") and not kernel_cls.PACKED_TMA_STORE:
         cfg = cfg.with_(dkv_tma_store=False)  # a box at a packed sequence's last key tile would run into the next
-    if not p.varlen and cfg.get("dkv_tma_packed"):
-        cfg = cfg.with_(dkv_tma_packed=False)  # the same kernel as without it
     if p.varlen and cfg.get("unguarded_rows"):
         cfg = cfg.with_(unguarded_rows=False)  # a tile's rows past a sequence are the next one's
     key_tiles = -(-p.kv_len // tile_n)
@@ -1319,9 +1247,9 @@ def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = F
         args = (x(dt), x(dt, True), x(dt, True), x(dt), rows(), rows(), accumulator(f, x), x(dt, True),
                 x(dt, True), Float32(1.0), fake_stream())
         semaphores = make_fake_tensor(Int32, (cute.sym_int(),), stride=(1,), assumed_align=4) if deterministic else None
-        kernel = (K10BackwardSplitD if split_d else K10Backward)(p.head_dim, dt, p.causal, **cfg,
-                                                                 deterministic=deterministic, dq_flat=dq_flat,
-                                                                 last_first=last_first, varlen=p.varlen, **features)
+        kernel = kernel_cls(p.head_dim, dt, p.causal, **experiments.kernel_class(cfg, base)[1],
+                              deterministic=deterministic, dq_flat=dq_flat, last_first=last_first, varlen=p.varlen,
+                              **features)
         if p.varlen:  # cu_seqlens_q, cu_seqlens_k and the (sequence, key tile) table
             tiles = make_fake_tensor(Int32, (cute.sym_int(), 2), stride=(2, 1), assumed_align=4)
             return kernel.call_varlen, args + (semaphores, cu_seqlens(), cu_seqlens(), tiles)
@@ -1330,13 +1258,10 @@ def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = F
     def flat_post():
         f = FakeShapes()
         x, _ = k9.fake_tensors(p, f)
-        post = FlatPostpass(p.head_dim, dt, cfg["num_wg"], cfg["tile_m"], bool(cfg.get("dq_split_queries")),
-                            bool(cfg.get("dq_swapab")))
-        scaled = bool(cfg.get("scale_at_end"))  # the post-pass applies softmax_scale
-        entry = {(False, False): post, (False, True): post.call_scaled, (True, False): post.call_varlen,
-                 (True, True): post.call_varlen_scaled}[(p.varlen, scaled)]
-        return entry, (accumulator(f, x), x(dt), *((cu_seqlens(), Int32(1)) if p.varlen else ()),
-                       *((Float32(1.0),) if scaled else ()), fake_stream())
+        entry, extra = experiments.flat_postpass(cfg, p.varlen, (p.head_dim, dt, cfg["num_wg"], cfg["tile_m"],
+                                                                 bool(cfg.get("dq_split_queries"))))
+        return entry, (accumulator(f, x), x(dt), *((cu_seqlens(), Int32(1)) if p.varlen else ()), *extra,
+                       fake_stream())
 
     pre, post = k9.compile_passes(p, keep_ptx)
     if p.varlen:
@@ -1381,6 +1306,8 @@ def run_backward(compiled: tuple, q, k, v, o, lse, do, softmax_scale: float, gra
     zeroed here (padding included: the last tile's share covers all its rows)."""
     import torch
 
+    from . import k10_experiments as experiments
+
     pre, main, post, cfg = compiled
     b, h, n, d = q.shape
     tiles = -(-n // cfg["tile_m"])
@@ -1390,7 +1317,7 @@ def run_backward(compiled: tuple, q, k, v, o, lse, do, softmax_scale: float, gra
     if cfg["dq_flat"]:
         dq_accum = flat_accumulator(b, h, n, d, tiles, cfg["tile_m"], q.device)
     return k9.run_backward((pre, main, post), q, k, v, o, lse, do, softmax_scale, grads, extra, dq_accum,
-                           (softmax_scale,) if cfg.get("scale_at_end") else ())
+                           experiments.post_args(cfg, softmax_scale))
 
 
 def run_varlen_backward(compiled: tuple, q, k, v, o, lse, do, softmax_scale: float, cu_seqlens_q, cu_seqlens_k,
@@ -1404,6 +1331,8 @@ def run_varlen_backward(compiled: tuple, q, k, v, o, lse, do, softmax_scale: flo
     head and query tile. Both per-tile tables are numbered by ``packed_tile_start``. Returns
     (dq, dk, dv), packed."""
     import torch
+
+    from . import k10_experiments as experiments
 
     pre, main, post, cfg = compiled
     packed = lambda t: t.unsqueeze(0).transpose(1, 2)  # noqa: E731  (total, heads, d) -> (1, heads, total, d)
@@ -1423,7 +1352,7 @@ def run_varlen_backward(compiled: tuple, q, k, v, o, lse, do, softmax_scale: flo
          cu_seqlens_q, cu_seqlens_k, key_tiles)
     if cfg["dq_flat"]:
         post(accum, packed(dq), cu_seqlens_q, max(1, -(-max_seqlen_q // tile_m)),
-             *((softmax_scale,) if cfg.get("scale_at_end") else ()))
+             *experiments.post_args(cfg, softmax_scale))
     else:
         post(accum, packed(dq))
     return dq, dk, dv
