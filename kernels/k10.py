@@ -109,6 +109,7 @@ class K10Backward(k9.K9Backward):
         # rather than as 4-byte stores whose warp spans 8 rows (rectangular calls only: a packed
         # sequence's box would run into the next sequence's rows)
         self.dkv_tma_store = dkv_tma_store
+        assert not (dkv_tma_store and varlen and not self.PACKED_TMA_STORE), "packed: dK and dV by rows"
         assert not self.tanh_under_dp or (early_dq and not overlap), "early_dq's step, its start without overlap"
         assert not dq_split_queries or tile_m % (sm90.WGMMA_M * num_wg) == 0
         assert not early_dq or (dq_flat and q_stages >= 2 and num_wg == 2), (
@@ -187,7 +188,7 @@ class K10Backward(k9.K9Backward):
         if cutlass.const_expr(self.early_dq):  # the same rows, a warpgroup's half a slot (dq_stages of them)
             sdQ_layout = tma_pipeline.row_major(*self.dq_box, self.dq_parts * self.dq_stages)
         # LSE2 or D of each stage's query rows; a stage starts 128-byte aligned, as a TMA box's
-        # destination must (tile_m 80 would put the second at 320 bytes)
+        # destination must (a tile_m that is not a multiple of 32 would put the second elsewhere)
         sRow_layout = cute.make_layout((tile_m, self.q_stages), stride=(1, -(-tile_m // 32) * 32))
 
         (tma_atom_K, mK_tma), (tma_atom_V, mV_tma), (tma_atom_Q, mQ_tma), (tma_atom_dO, mdO_tma) = self.tma_loads(
@@ -1191,7 +1192,7 @@ def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = F
     split_d = p.head_dim > 128  # K10BackwardSplitD: one 64-key tile per CTA, its own (sequential) step
     cfg = experiments.settle(config(p, overrides), p, split_d, dq_flat)
     base = K10BackwardSplitD if split_d else K10Backward
-    kernel_cls = experiments.kernel_class(cfg, base)[0]
+    kernel_cls = experiments.kernel_class(cfg, base)[0]  # its class attributes decide what follows
     if cfg["tile_m"] % kernel_cls.TILE_M_STEP:
         raise UnsupportedProblem(f"K10 (backward) config {cfg}: tile_m must be a multiple of {kernel_cls.TILE_M_STEP}"
                                  " (the step of dQ's GEMM along the queries)")
@@ -1247,9 +1248,10 @@ def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = F
         args = (x(dt), x(dt, True), x(dt, True), x(dt), rows(), rows(), accumulator(f, x), x(dt, True),
                 x(dt, True), Float32(1.0), fake_stream())
         semaphores = make_fake_tensor(Int32, (cute.sym_int(),), stride=(1,), assumed_align=4) if deterministic else None
-        kernel = kernel_cls(p.head_dim, dt, p.causal, **experiments.kernel_class(cfg, base)[1],
-                              deterministic=deterministic, dq_flat=dq_flat, last_first=last_first, varlen=p.varlen,
-                              **features)
+        cls, kernel_cfg = experiments.kernel_class(cfg, base)
+        assert cls is kernel_cls, "K10's own drops above leave the knobs measured and left off as settle left them"
+        kernel = kernel_cls(p.head_dim, dt, p.causal, **kernel_cfg, deterministic=deterministic, dq_flat=dq_flat,
+                            last_first=last_first, varlen=p.varlen, **features)
         if p.varlen:  # cu_seqlens_q, cu_seqlens_k and the (sequence, key tile) table
             tiles = make_fake_tensor(Int32, (cute.sym_int(), 2), stride=(2, 1), assumed_align=4)
             return kernel.call_varlen, args + (semaphores, cu_seqlens(), cu_seqlens(), tiles)

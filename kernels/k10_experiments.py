@@ -42,6 +42,7 @@ from .contract import Problem, UnsupportedProblem
 # dq_stages = 2: the second sdQ stage's DQ_FULL/DQ_EMPTY pairs, this many ids above the first's
 # (6 to 9, above the ids k10.Barrier names)
 DQ_STAGE_IDS = 4
+assert max(k10.Barrier) < k10.Barrier.DQ_FULL + DQ_STAGE_IDS, "the second stage's ids must be free"
 
 
 def settle(cfg, p: Problem, split_d: bool, dq_flat: bool):

@@ -270,17 +270,17 @@ def feature_grid(f) -> bool:
 
 def printed_in_full(runs):
     """The refcheck runs (newest first) whose every case a page prints: of each grid (the KV-cache
-    grid's rows name a case), the newest on the issues' GPU (TARGET_GPU), else the newest; the
-    feature grids are left to the summary (``feature_grid``), which lists them all (the tree stays
-    small enough to travel with every GPU call)."""
+    grid's rows name a case), the newest on the issues' GPU (TARGET_GPU), else the newest, a full
+    grid before a ``--quick`` one; the feature grids are left to the summary (``feature_grid``),
+    which lists them all (the tree stays small enough to travel with every GPU call)."""
     chosen = {}
     for f in runs:
         if feature_grid(f):
             continue
         grid = any("case" in r for r in f["rows"])
-        on_target = gpu_short_name(f["meta"].get("device", "")) == TARGET_GPU
-        if grid not in chosen or (on_target and not chosen[grid][1]):
-            chosen[grid] = (f, on_target)
+        rank = (gpu_short_name(f["meta"].get("device", "")) == TARGET_GPU, "--quick" not in f["meta"].get("command", ""))
+        if grid not in chosen or rank > chosen[grid][1]:
+            chosen[grid] = (f, rank)
     return [f for f in runs if any(f is g for g, _ in chosen.values())]
 
 

@@ -215,3 +215,15 @@ def test_window_backward_table_sets_each_candidate_against_its_same_flops_rectan
     assert "The rectangle: B=1 H=16 N=4096 d=128 non-causal" in table
     assert "| 1024 | 16384 | `k10_fa3` | 400.0 | 410.0 | 420.0 | 0.952× | — | — | — |" in \
         make_docs.window_backward_table(windows, None)
+
+
+def test_a_page_prints_in_full_the_newest_full_grid_on_the_issues_gpu_before_a_quick_one():
+    def run(device, command):
+        return {"meta": {"device": device, "command": command}, "rows": REFCHECK["rows"]}
+
+    quick_h200, full_h200 = run("NVIDIA H200", "python ref_check.py k7 --quick"), run("NVIDIA H200", "python ref_check.py k7")
+    quick_h100, older_full_h200 = run("NVIDIA H100 80GB HBM3", "python ref_check.py k7 --quick"), run("NVIDIA H200", "x")
+    assert make_docs.printed_in_full([quick_h200, full_h200, older_full_h200]) == [full_h200]
+    assert make_docs.printed_in_full([quick_h200]) == [quick_h200]
+    # the issues' GPU first, then a full grid
+    assert make_docs.printed_in_full([full_h200, quick_h100]) == [quick_h100]
