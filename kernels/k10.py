@@ -1266,6 +1266,7 @@ def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = F
                        fake_stream())
 
     pre, post = k9.compile_passes(p, keep_ptx)
+    pre = experiments.prepass(cfg, p, keep_ptx) or pre
     if p.varlen:
         def varlen_pre():
             f = FakeShapes()

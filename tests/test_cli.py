@@ -371,3 +371,14 @@ def test_ref_check_headdim_picks_the_grids_cases(monkeypatch, capsys):
     rows, failures = ref_check.run_backward_grid(ref_check.QUICK_SEQLENS, None, ["k10_fa3"], head_dim=256)
     assert failures == 0 and len(rows) == len(seen) > 10 and set(seen) == {256}
     assert ref_check.run_backward_grid(ref_check.QUICK_SEQLENS, None, ["k9"], head_dim=256) == ([], 0)
+
+
+def test_ptx_digest_backward_builds_every_knob_measured_and_left_off(capsys):
+    from kernels import k10_experiments
+
+    digest = load_script("ptx_digest")
+    covered = {k for _, _, knob, _, _ in digest.BACKWARD_KNOBS for k in knob}
+    assert set(k10_experiments.MIXINS) <= covered, set(k10_experiments.MIXINS) - covered
+    with pytest.raises(SystemExit):
+        digest.main(["--backward", "--seqlen", "100", "--out", "/dev/null"])
+    assert "--seqlen is the forward's" in capsys.readouterr().err

@@ -666,3 +666,39 @@ def test_the_knobs_measured_and_left_off_live_in_k10_experiments_not_in_the_less
     assert cfg == {"tile_m": 64, "dq_stages": 2, "early_dv": True}
     with pytest.raises(TypeError):
         k10.K10Backward(128, None, False, 2, 64, 2, select_rows=True)  # the lesson takes no such knob
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_wide_prepass_reads_16_bytes_a_thread_and_leaves_the_main_kernel_as_it_was(d):
+    from harness.backward import stage_overrides
+    from kernels.k10 import compile_backward
+
+    p = Problem(2, 4, 1000, d, causal=True)
+    base, wide = (compile_backward(p, keep_ptx=True, **dict(stage_overrides("k10_fa3"), wide_prepass=on))
+                  for on in (False, True))
+    count = lambda pattern, fn: len(re.findall(pattern, compiled_ptx(fn)))  # noqa: E731
+    # a thread: one 16-byte load of O and one of dO, 8 floats of dQ's accumulator zeroed in two
+    # 16-byte stores, D summed over the row's d/8 threads; K9's pre-pass loads 2 bytes at a time
+    assert count(r"ld\.global[^;]*\.v4", wide[0]) == 2 and count(r"st\.global[^;]*\.v4", wide[0]) == 2
+    assert count(r"shfl\.sync\.bfly", wide[0]) == (d // 8).bit_length() - 1
+    assert count(r"ld\.global[^;]*\.v4", base[0]) == 0
+    assert kernel_body(compiled_ptx(wide[1])) == kernel_body(compiled_ptx(base[1]))
+    assert wide[3]["wide_prepass"] and not base[3].get("wide_prepass")
+    # packed calls keep VarlenPrepass
+    assert not compile_backward(p.with_(varlen=True), **dict(stage_overrides("k10_fa3"), wide_prepass=True))[3][
+        "wide_prepass"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_wide_prepass_gradients_match_float64_autograd(d, monkeypatch):
+    from harness.check import check_backward
+
+    knob_stage(monkeypatch, {"wide_prepass": True})
+    # one row, odd lengths (a CTA's rows past the sequence), GQA, fp16, a window, a softcap
+    for p in (Problem(2, 4, 1, d), Problem(2, 4, 17, d, causal=True), Problem(2, 4, 1000, d),
+              Problem(2, 8, 1000, d, nheads_kv=2, causal=True), Problem(2, 4, 1000, d, dtype="float16"),
+              Problem(2, 4, 700, d, window=(150, 90)), Problem(2, 4, 1000, d, causal=True, softcap=5.0)):
+        row = check_backward(p, backward="k10_knob")
+        assert row["ok"], (p, row["reason"])
