@@ -316,13 +316,8 @@ class WidePrepass(k9.Prepass):
 
     VEC = 8  # 16 bytes of a 16-bit dtype
 
-    @cute.jit
-    def __call__(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mLSE2: cute.Tensor, mD: cute.Tensor,
-                 mdQaccum: cute.Tensor, stream):
-        rows = 32 * self.WARPS // (cute.size(mO, mode=[3]) // self.VEC)
-        grid = (cute.ceil_div(mO.shape[2], rows), mO.shape[1], mO.shape[0])
-        self.kernel(mO, mdO, mLSE, mLSE2, mD, mdQaccum).launch(grid=grid, block=[32 * self.WARPS, 1, 1],
-                                                               stream=stream)
+    def rows_per_cta(self, head_dim: int) -> int:
+        return 32 * self.WARPS // (head_dim // self.VEC)
 
     @cute.kernel
     def kernel(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mLSE2: cute.Tensor, mD: cute.Tensor,
@@ -330,7 +325,7 @@ class WidePrepass(k9.Prepass):
         tidx, _, _ = cute.arch.thread_idx()
         bx, head, batch = cute.arch.block_idx()
         per_row = cute.size(mO, mode=[3]) // self.VEC  # threads a row: neighbouring lanes of one warp
-        part, q = tidx % per_row, bx * (32 * self.WARPS // per_row) + tidx // per_row
+        part, q = tidx % per_row, bx * self.rows_per_cta(cute.size(mO, mode=[3])) + tidx // per_row
         dot = Float32(0.0)
         if q < mO.shape[2]:
             rO = cute.make_rmem_tensor(self.VEC, mO.element_type)

@@ -333,10 +333,14 @@ class Prepass:
 
     WARPS = 4
 
+    def rows_per_cta(self, head_dim: int) -> int:
+        """Query rows a CTA takes: a warp each."""
+        return self.WARPS
+
     @cute.jit
     def __call__(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mLSE2: cute.Tensor, mD: cute.Tensor,
                  mdQaccum: cute.Tensor, stream):
-        grid = (cute.ceil_div(mO.shape[2], self.WARPS), mO.shape[1], mO.shape[0])
+        grid = (cute.ceil_div(mO.shape[2], self.rows_per_cta(cute.size(mO, mode=[3]))), mO.shape[1], mO.shape[0])
         self.kernel(mO, mdO, mLSE, mLSE2, mD, mdQaccum).launch(grid=grid, block=[32 * self.WARPS, 1, 1],
                                                                stream=stream)
 
