@@ -377,7 +377,7 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     from harness import results
-    from harness.check import check_kernel, problem_extras
+    from harness.check import CheckResult, check_kernel
 
     names = kernel_names() if args.kernels in ([], ["all"]) else args.kernels
     seqlens = QUICK_SEQLENS if args.quick else SEQLENS
@@ -418,10 +418,8 @@ def main(argv=None) -> int:
                 res = check_kernel(name, p, config=args.config)
                 row = dict(res.row(), status="ok" if res.ok else "failed")
             except Exception as e:  # a crash is a failure of this case, not of the whole grid
-                row = dict(kernel=name, ok=False, status="crashed", reason=f"{type(e).__name__}: {e}"[:200],
-                           max_abs=None, rel_l2=None, lse_max_abs=None, peer_max_abs=None, batch=p.batch,
-                           nheads=p.nheads, seqlen=p.seqlen, head_dim=p.head_dim, dtype=p.dtype, causal=int(p.causal),
-                           nheads_kv=p.kv_heads, seqlen_k=p.kv_len, **problem_extras(p))
+                row = dict(CheckResult(name, p, None, None, None, False, f"{type(e).__name__}: {e}"[:200], None).row(),
+                           status="crashed")
             rows.append(row)
             if out:
                 out.append(row)

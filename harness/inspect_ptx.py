@@ -28,6 +28,12 @@ INSTRUCTIONS = {
 }
 
 
+def without_kernel_names(ptx: str) -> str:
+    """``ptx`` with its kernels' entry names set aside: a name embeds the kernel class (a mixin's
+    included) and its module, which a move may change without changing an instruction."""
+    return re.sub(r"kernel_cutlass_\w+", "KERNEL", ptx)
+
+
 def count_instructions(ptx: str) -> dict:
     return {name: len(re.findall(rx, ptx)) for name, rx in INSTRUCTIONS.items()}
 

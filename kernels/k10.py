@@ -1191,8 +1191,8 @@ def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = F
     check(p)
     split_d = p.head_dim > 128  # K10BackwardSplitD: one 64-key tile per CTA, its own (sequential) step
     cfg = experiments.settle(config(p, overrides), p, split_d, dq_flat)
-    base = K10BackwardSplitD if split_d else K10Backward
-    kernel_cls = experiments.kernel_class(cfg, base)[0]  # its class attributes decide what follows
+    # its class attributes decide what follows (K10's own drops below touch none of the knobs it is built for)
+    kernel_cls = experiments.kernel_class(cfg, K10BackwardSplitD if split_d else K10Backward)
     if cfg["tile_m"] % kernel_cls.TILE_M_STEP:
         raise UnsupportedProblem(f"K10 (backward) config {cfg}: tile_m must be a multiple of {kernel_cls.TILE_M_STEP}"
                                  " (the step of dQ's GEMM along the queries)")
@@ -1248,10 +1248,8 @@ def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = F
         args = (x(dt), x(dt, True), x(dt, True), x(dt), rows(), rows(), accumulator(f, x), x(dt, True),
                 x(dt, True), Float32(1.0), fake_stream())
         semaphores = make_fake_tensor(Int32, (cute.sym_int(),), stride=(1,), assumed_align=4) if deterministic else None
-        cls, kernel_cfg = experiments.kernel_class(cfg, base)
-        assert cls is kernel_cls, "K10's own drops above leave the knobs measured and left off as settle left them"
-        kernel = kernel_cls(p.head_dim, dt, p.causal, **kernel_cfg, deterministic=deterministic, dq_flat=dq_flat,
-                            last_first=last_first, varlen=p.varlen, **features)
+        kernel = kernel_cls(p.head_dim, dt, p.causal, **experiments.kernel_args(cfg), deterministic=deterministic,
+                            dq_flat=dq_flat, last_first=last_first, varlen=p.varlen, **features)
         if p.varlen:  # cu_seqlens_q, cu_seqlens_k and the (sequence, key tile) table
             tiles = make_fake_tensor(Int32, (cute.sym_int(), 2), stride=(2, 1), assumed_align=4)
             return kernel.call_varlen, args + (semaphores, cu_seqlens(), cu_seqlens(), tiles)
@@ -1265,8 +1263,7 @@ def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = F
         return entry, (accumulator(f, x), x(dt), *((cu_seqlens(), Int32(1)) if p.varlen else ()), *extra,
                        fake_stream())
 
-    pre, post = k9.compile_passes(p, keep_ptx)
-    pre = experiments.prepass(cfg, p, keep_ptx) or pre
+    pre, post = k9.compile_passes(p, keep_ptx, experiments.prepass_class(cfg))
     if p.varlen:
         def varlen_pre():
             f = FakeShapes()

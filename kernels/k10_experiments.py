@@ -84,18 +84,22 @@ def settle(cfg, p: Problem, split_d: bool, dq_flat: bool):
     return cfg
 
 
-def kernel_class(cfg: dict, base: type) -> tuple:
-    """(kernel class, the configuration it takes) for K10's configuration ``cfg``: ``base``, or
-    ``base`` with the mixins its knobs ask for (a knob at its off value asks for none)."""
-    mixins, unused = [], set()
-    for knob, mixin in MIXINS.items():
-        value = cfg.get(knob)
-        if value and value != OFF_VALUES.get(knob, False):
-            mixins.append(mixin)
-        else:
-            unused.add(knob)  # at its off value: the kernel takes no such argument
-    cfg = {k: v for k, v in cfg.items() if k not in unused and k not in PASS_KNOBS}
-    return (_with(tuple(mixins), base) if mixins else base), cfg
+def is_on(cfg, knob: str) -> bool:
+    value = cfg.get(knob)
+    return bool(value) and value != OFF_VALUES.get(knob, False)
+
+
+def kernel_class(cfg, base: type) -> type:
+    """The kernel class for K10's configuration ``cfg``: ``base``, or ``base`` with the mixins its
+    knobs ask for (a knob at its off value asks for none)."""
+    mixins = tuple(mixin for knob, mixin in MIXINS.items() if is_on(cfg, knob))
+    return _with(mixins, base) if mixins else base
+
+
+def kernel_args(cfg) -> dict:
+    """``cfg`` as ``kernel_class``'s class takes it: without the knobs at their off values (no
+    class takes them) and the passes' knobs."""
+    return {k: v for k, v in cfg.items() if (k not in MIXINS or is_on(cfg, k)) and k not in PASS_KNOBS}
 
 
 @functools.cache
@@ -113,18 +117,9 @@ def flat_postpass(cfg, varlen: bool, args: tuple) -> tuple:
     return (post.call_varlen if varlen else post), ()
 
 
-def prepass(cfg, p: Problem, keep_ptx: bool):
-    """``wide_prepass``'s pre-pass compiled for ``p``, or None: K9's."""
-    if not cfg.get("wide_prepass"):
-        return None
-    from .contract import cute_dtype, fake_stream, jit_compile
-
-    def build():
-        x, rows = k9.fake_tensors(p)
-        dt = cute_dtype(p.dtype)
-        return WidePrepass(), (x(dt), x(dt), rows(), rows(), rows(), x(Float32), fake_stream())
-
-    return jit_compile(("k10_wide_pre", p.head_dim, p.dtype), build, keep_ptx)
+def prepass_class(cfg):
+    """``wide_prepass``'s pre-pass class for ``k9.compile_passes``, or None: K9's."""
+    return WidePrepass if cfg.get("wide_prepass") else None
 
 
 def post_args(cfg, softmax_scale: float) -> tuple:

@@ -442,19 +442,21 @@ def compile_backward(p: Problem, keep_ptx: bool = False, **overrides) -> tuple:
     return pre, jit_compile(key, main, keep_ptx), post
 
 
-def compile_passes(p: Problem, keep_ptx: bool = False) -> tuple:
-    """The pre-pass and the post-pass for ``p``'s head dim and dtype (a later stage may share them)."""
+def compile_passes(p: Problem, keep_ptx: bool = False, prepass: type = None) -> tuple:
+    """The pre-pass and the post-pass for ``p``'s head dim and dtype (a later stage may share them;
+    ``prepass``: a subclass of ``Prepass`` in its place)."""
     dt = cute_dtype(p.dtype)
+    prepass = prepass or Prepass
 
     def pre():
         x, rows = fake_tensors(p)
-        return Prepass(), (x(dt), x(dt), rows(), rows(), rows(), x(Float32), fake_stream())
+        return prepass(), (x(dt), x(dt), rows(), rows(), rows(), x(Float32), fake_stream())
 
     def post():
         x, _ = fake_tensors(p)
         return Postpass(), (x(Float32), x(dt), fake_stream())
 
-    return (jit_compile(("k9_pre", p.head_dim, p.dtype), pre, keep_ptx),
+    return (jit_compile(("k9_pre", p.head_dim, p.dtype, prepass.__name__), pre, keep_ptx),
             jit_compile(("k9_post", p.head_dim, p.dtype), post, keep_ptx))
 
 

@@ -21,20 +21,19 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import re
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from harness.inspect_ptx import without_kernel_names  # noqa: E402
 from kernels import get_kernel, kernel_names  # noqa: E402
 from kernels.contract import FP8_DTYPES, Problem, UnsupportedProblem, compiled_ptx  # noqa: E402
 
 
 def digest(ptx: str) -> str:
-    """sha256 of the PTX with the kernels' entry names set aside: a name embeds the kernel class and
-    its module, which a move may change without changing an instruction."""
-    return hashlib.sha256(re.sub(r"kernel_cutlass_\w+", "KERNEL", ptx).encode()).hexdigest()
+    """sha256 of the PTX with the kernels' entry names set aside (``without_kernel_names``)."""
+    return hashlib.sha256(without_kernel_names(ptx).encode()).hexdigest()
 
 
 def kernel_digests(seqlen: int) -> dict:

@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from harness.inspect_ptx import count_instructions
+from harness.inspect_ptx import count_instructions, without_kernel_names
 from kernels.contract import Problem, compiled_ptx
 
 
@@ -622,15 +622,8 @@ def test_early_dv_issues_dvs_gemm_before_dps_wait():
     # under a softcap capped_overlap reads P back from dV's operand after dP's wait, which a running
     # dV GEMM would make undefined: the knob stands aside there
     capped = Problem(2, 4, 1000, 128, causal=True, softcap=30.0)
-    assert kernel_body(compiled_ptx(compile_backward(capped, keep_ptx=True, **dict(base, early_dv=True))[1])) == \
-        kernel_body(compiled_ptx(compile_backward(capped, keep_ptx=True, **base)[1]))
-
-
-def kernel_body(ptx: str) -> str:
-    """``ptx`` with its kernels' names (which carry the class's, a mixin's included) as "K"."""
-    for name in set(re.findall(r"\.entry\s+(\w+)\(", ptx)):
-        ptx = ptx.replace(name, "K")
-    return ptx
+    assert without_kernel_names(compiled_ptx(compile_backward(capped, keep_ptx=True, **dict(base, early_dv=True))[1])) == \
+        without_kernel_names(compiled_ptx(compile_backward(capped, keep_ptx=True, **base)[1]))
 
 
 @pytest.mark.gpu
@@ -659,11 +652,13 @@ def test_the_knobs_measured_and_left_off_live_in_k10_experiments_not_in_the_less
         if knob != "dq_stages":  # the lesson's sdQ has one stage: a count the variant raises
             assert knob not in lesson, knob
     # a knob at its off value builds K10's own class and is not passed on; one set builds its mixin
-    cls, cfg = k10_experiments.kernel_class({"tile_m": 64, "dq_stages": 1, "select_rows": False}, k10.K10Backward)
-    assert cls is k10.K10Backward and cfg == {"tile_m": 64}
-    cls, cfg = k10_experiments.kernel_class({"tile_m": 64, "dq_stages": 2, "early_dv": True}, k10.K10Backward)
+    off, on = {"tile_m": 64, "dq_stages": 1, "select_rows": False}, {"tile_m": 64, "dq_stages": 2, "early_dv": True}
+    assert k10_experiments.kernel_class(off, k10.K10Backward) is k10.K10Backward
+    assert k10_experiments.kernel_args(off) == {"tile_m": 64}
+    cls = k10_experiments.kernel_class(on, k10.K10Backward)
     assert cls.__mro__[1:4] == (k10_experiments.EarlyDv, k10_experiments.DqStages, k10.K10Backward), cls.__mro__
-    assert cfg == {"tile_m": 64, "dq_stages": 2, "early_dv": True}
+    assert k10_experiments.kernel_args(on) == {"tile_m": 64, "dq_stages": 2, "early_dv": True}
+    assert k10_experiments.kernel_args(dict(on, wide_prepass=True)) == k10_experiments.kernel_args(on)
     with pytest.raises(TypeError):
         k10.K10Backward(128, None, False, 2, 64, 2, select_rows=True)  # the lesson takes no such knob
 
@@ -682,7 +677,7 @@ def test_wide_prepass_reads_16_bytes_a_thread_and_leaves_the_main_kernel_as_it_w
     assert count(r"ld\.global[^;]*\.v4", wide[0]) == 2 and count(r"st\.global[^;]*\.v4", wide[0]) == 2
     assert count(r"shfl\.sync\.bfly", wide[0]) == (d // 8).bit_length() - 1
     assert count(r"ld\.global[^;]*\.v4", base[0]) == 0
-    assert kernel_body(compiled_ptx(wide[1])) == kernel_body(compiled_ptx(base[1]))
+    assert without_kernel_names(compiled_ptx(wide[1])) == without_kernel_names(compiled_ptx(base[1]))
     assert wide[3]["wide_prepass"] and not base[3].get("wide_prepass")
     # packed calls keep VarlenPrepass
     assert not compile_backward(p.with_(varlen=True), **dict(stage_overrides("k10_fa3"), wide_prepass=True))[3][
