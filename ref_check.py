@@ -9,6 +9,7 @@
     python ref_check.py --varlen      # packed sequences (attention_varlen) against a per-sequence reference
     python ref_check.py --varlen --backward   # their gradients (K10's packed backward), sequence by sequence
     python ref_check.py k6 --features # only the softcap and window cases (with --backward, --decode too)
+    python ref_check.py all --jobs 16 # the forward grid, a process per kernel and head dim, over the GPUs
 
 Kernels that take a logit softcap or a sliding window also run them (softcaps 0.5, 5, 50; windows
 with edges inside and across tiles, one key wide, one-sided, with more keys than queries; GQA,
@@ -324,6 +325,83 @@ def describe_grid(seqlens, all_head_dims: bool) -> str:
             f"(seqlen_q, seqlen_k) in {', '.join(map(str, UNEQUAL_LENGTHS))} with 4/2 heads, causal bottom-right")
 
 
+def job_units(names, seqlens, args) -> list:
+    """``--jobs``' units of work: (label, ref_check.py arguments) for each kernel and head dim of
+    its grid (as ``main`` filters it), the caller's grid options passed on."""
+    options = (["--quick"] * args.quick + ["--all-head-dims"] * args.all_head_dims + ["--features"] * args.features
+               + (["--config", json.dumps(args.config)] if args.config is not None else []))
+    units = []
+    for name in names:
+        grid = [p for p in cases(name, seqlens, args.all_head_dims)
+                if (has_feature(p) or not args.features) and args.headdim in (None, p.head_dim)]
+        for d in sorted({p.head_dim for p in grid}):
+            units.append((f"{name}-d{d}", [name, *options, "--headdim", str(d)]))
+    return units
+
+
+def run_jobs(units, jobs: int, gpus: int, out, script: str = __file__) -> int:
+    """``--jobs``: ``script <arguments> --out ...`` (this file) for each unit (label, arguments), up
+    to ``jobs`` at once, the i-th unit on GPU i mod ``gpus``. Each writes its rows and log into
+    ``<out>.parts/`` as it goes; ``out`` gets them all, in the units' order, every few seconds and at
+    the end (the parts are then removed, unless a unit did not finish). Exit 1 if a case failed or
+    a process ended without finishing its cases."""
+    import shutil
+    import subprocess
+    import tempfile
+    import time
+    from pathlib import Path
+
+    from harness import results
+
+    parts = Path(f"{out.path}.parts") if out else Path(tempfile.mkdtemp(prefix="ref_check."))
+    parts.mkdir(parents=True, exist_ok=True)
+    names, waiting, running, finished = [label for label, _ in units], list(units), {}, True
+    # the GPUs this process sees, by the names a child's CUDA_VISIBLE_DEVICES takes
+    visible = (os.environ.get("CUDA_VISIBLE_DEVICES") or ",".join(map(str, range(gpus)))).split(",")[:max(gpus, 1)]
+
+    def part(name):
+        try:
+            return results.parse((parts / f"{name}.json").read_text())
+        except (OSError, ValueError):  # not started yet
+            return None
+
+    def merged():
+        return [r for name in names for r in (part(name) or {"rows": []})["rows"]]
+
+    while waiting or running:
+        while waiting and len(running) < jobs:
+            name, unit_args = waiting.pop(0)
+            env = dict(os.environ, CUDA_VISIBLE_DEVICES=visible[names.index(name) % len(visible)])
+            log = open(parts / f"{name}.log", "w")
+            cmd = [sys.executable, os.path.abspath(script), *unit_args, "--out", str(parts / f"{name}.json")]
+            running[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log)
+        time.sleep(2)
+        for name, (proc, log) in list(running.items()):
+            if proc.poll() is None:
+                continue
+            log.close()
+            del running[name]
+            done = proc.returncode in (0, 1) and (part(name) or {"meta": {}})["meta"].get("complete")
+            finished &= bool(done)
+            last = (parts / f"{name}.log").read_text().strip().splitlines()[-1:] or ["(no output)"]
+            print(f"{name}: exit {proc.returncode}, {last[0] if done else 'did not finish'}", flush=True)
+        if out:
+            out.rows[:] = merged()
+            out.save()
+    rows = merged()
+    failures = [r for r in rows if not r["ok"]]
+    for r in failures:
+        print(f"FAIL {r['kernel']} {r['dtype']} b={r['batch']} h={r['nheads']} n={r['seqlen']} d={r['head_dim']} "
+              f"causal={int(r['causal'])}: {r['reason']}")
+    if out and finished:
+        out.close()
+    if finished:
+        shutil.rmtree(parts)
+    print(f"\n{len(rows) - len(failures)}/{len(rows)} cases passed" + (f", {len(failures)} FAILED" if failures else "")
+          + ("" if finished else f"; a unit did not finish (logs in {parts})"))
+    return 0 if finished and not failures else 1
+
+
 def _e(x) -> str:
     return f"{x:>11.2e}" if x is not None else f"{'—':>11}"
 
@@ -348,6 +426,9 @@ def main(argv=None) -> int:
     ap.add_argument("--config", type=json.loads, default=None,
                     help="compile_kernel keywords for every case, as JSON (e.g. '{\"tile_n\": 128}'): check a "
                          "configuration before timing it; cases it cannot run are failures")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="the forward grid only: check it in up to this many processes at once (one kernel and "
+                         "head dim each, handed to the visible GPUs in turn), their rows merged into --out")
     args = ap.parse_args(argv)
     # The grid is fixed: a workload variable meant for bench.py would be silently ignored here.
     ignored = [f"{var}={os.environ[var]}" for var in KNOBS.values() if var in os.environ]
@@ -361,6 +442,9 @@ def main(argv=None) -> int:
         return 2
     if args.features and args.varlen:
         print("error: --features picks cases of the forward, --backward and --decode grids", file=sys.stderr)
+        return 2
+    if args.jobs < 1 or (args.jobs > 1 and (args.decode or args.backward or args.varlen)):
+        print("error: --jobs takes a count of 1 or more, and splits the forward grid only", file=sys.stderr)
         return 2
     if args.headdim is not None and (args.decode or args.varlen):
         print("error: --headdim picks cases of the forward and --backward grids", file=sys.stderr)
@@ -383,6 +467,8 @@ def main(argv=None) -> int:
     seqlens = QUICK_SEQLENS if args.quick else SEQLENS
     out = results.open_result_file(args.out, results.command_line("ref_check.py", argv))
     print(f"device: {torch.cuda.get_device_name()}")
+    if args.jobs > 1:
+        return run_jobs(job_units(names, seqlens, args), args.jobs, torch.cuda.device_count(), out)
     if args.varlen and args.backward:
         rows, failures = run_varlen_grid(["k10_fa3"] if args.kernels in ([], ["all"]) else stages, args.quick, out,
                                          backward=True)

@@ -10,6 +10,9 @@ non-causal), bf16, batch 16384/N, heads 2048/d. Each kernel is filed under its r
 fill, main, post-pass), so the three backwards line up although their kernels differ. Rows are
 written as they come. The kernels run one after another on the stream, so the roles add up to
 the backward's device time, the host's gaps left out (``bench.py --backward`` times the call).
+
+``--name k10_wide --config '{...}'``: a K10 configuration (compile overrides, as
+``scripts/ab_backward.py`` takes them) profiled beside ``k10_fa3`` in the same cells.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from harness import results  # noqa: E402
+from scripts.ab_backward import config_arg  # noqa: E402
 
 CELLS = ((128, 0, 1024), (128, 1, 1024), (64, 1, 1024), (256, 1, 1024), (128, 0, 16384))  # (d, causal, N)
 ROLES = (  # the first pattern a kernel's name matches files it
@@ -59,8 +63,20 @@ def profile(fn, reps: int = 20, warmup: int = 5) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", help="write the rows as JSON here, each as it is done")
+    ap.add_argument("--name", help="the stage name a --config runs under (not a stage already)")
+    ap.add_argument("--config", type=config_arg, help="K10 compile overrides as JSON, profiled beside k10_fa3")
     args = ap.parse_args(argv)
     import torch
+
+    import harness.backward as hb
+
+    if (args.name is None) != (args.config is None) or args.name in hb.VARIANTS:
+        print("error: --name and --config go together, and the name must be new", file=sys.stderr)
+        return 2
+    stages = ("k10_fa3",)
+    if args.config:
+        hb.VARIANTS[args.name] = ("k10", args.config)
+        hb.STAGES, stages = tuple(hb.VARIANTS), stages + (args.name,)
 
     if not torch.cuda.is_available():
         print("No CUDA GPU is visible, so nothing can be profiled here.", file=sys.stderr)
@@ -71,11 +87,11 @@ def main(argv=None) -> int:
     for d, causal, n in CELLS:
         b, h = 16384 // n, 2048 // d
         q, k, v, do = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-        for name, entry in candidates(q, k, v, do, bool(causal), d ** -0.5, stages=("k10_fa3",)).items():
+        for name, entry in candidates(q, k, v, do, bool(causal), d ** -0.5, stages=stages).items():
             if isinstance(entry, str):  # a refusal
                 continue
             for kernel, us in sorted(profile(entry[0]).items(), key=lambda kv: -kv[1]):
-                row = dict(candidate=name, head_dim=d, causal=causal, seqlen=n, batch=b, nheads=h,
+                row = dict(candidate=name, **({"config": args.config} if name == args.name else {}), head_dim=d, causal=causal, seqlen=n, batch=b, nheads=h,
                            role=role(kernel), kernel=kernel[:120], us=us)
                 print(f"d={d} causal={causal} N={n:>5} {name:<12} {row['role']:<9} {us:9.1f} us  {kernel[:60]}",
                       flush=True)

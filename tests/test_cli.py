@@ -382,3 +382,63 @@ def test_ptx_digest_backward_builds_every_knob_measured_and_left_off(capsys):
     with pytest.raises(SystemExit):
         digest.main(["--backward", "--seqlen", "100", "--out", "/dev/null"])
     assert "--seqlen is the forward's" in capsys.readouterr().err
+
+
+def test_ref_check_jobs_merge_rows_in_order_and_fail_on_a_failure_or_an_unfinished_unit(tmp_path, capsys, monkeypatch):
+    # A stand-in for ref_check.py: "bad" fails a case, "dies" ends without finishing its grid.
+    child = tmp_path / "child.py"
+    child.write_text(f"""import os, sys
+sys.path.insert(0, {str(ROOT)!r})
+from harness import results
+name, out = sys.argv[1], sys.argv[sys.argv.index("--out") + 1]
+assert sys.argv[2:-2] == ["--quick"], sys.argv
+f = results.ResultFile(out, "child")
+for i in range(2):
+    f.append(dict(kernel=name, i=i, gpu=os.environ["CUDA_VISIBLE_DEVICES"], ok=not (name == "bad" and i),
+                  reason="x", dtype="bf16", batch=1, nheads=1, seqlen=1, head_dim=64, causal=0))
+if name == "dies":
+    sys.exit(3)
+f.close()
+sys.exit(name == "bad")
+""")
+    def units(*names):
+        return [(name, [name, "--quick"]) for name in names]
+
+    out = results.open_result_file(tmp_path / "all.json", "ref_check.py a b --jobs 2")
+    assert ref_check.run_jobs(units("a", "b"), 2, 2, out, script=str(child)) == 0
+    merged = results.parse((tmp_path / "all.json").read_text())
+    assert merged["meta"]["complete"] and merged["meta"]["command"] == "ref_check.py a b --jobs 2"
+    assert [(r["kernel"], r["i"], r["gpu"]) for r in merged["rows"]] == [("a", 0, "0"), ("a", 1, "0"),
+                                                                          ("b", 0, "1"), ("b", 1, "1")]
+    assert not (tmp_path / "all.json.parts").exists()
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")  # a child's GPU is one this process sees
+    out = results.open_result_file(tmp_path / "gpus.json", "x")
+    assert ref_check.run_jobs(units("a", "b", "c"), 3, 2, out, script=str(child)) == 0
+    assert [r["gpu"] for r in results.parse((tmp_path / "gpus.json").read_text())["rows"]] == ["2", "2", "3", "3", "2", "2"]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+
+    out = results.open_result_file(tmp_path / "bad.json", "x")
+    assert ref_check.run_jobs(units("a", "bad", "c"), 2, 2, out, script=str(child)) == 1
+    assert "FAIL bad" in capsys.readouterr().out
+    assert len(results.parse((tmp_path / "bad.json").read_text())["rows"]) == 6
+
+    out = results.open_result_file(tmp_path / "dies.json", "x")
+    assert ref_check.run_jobs(units("a", "dies"), 1, 1, out, script=str(child)) == 1
+    text = capsys.readouterr().out
+    assert "dies: exit 3, did not finish" in text and "did not finish (logs in" in text
+    partial = results.parse((tmp_path / "dies.json").read_text())
+    assert not partial["meta"]["complete"] and len(partial["rows"]) == 4
+    assert (tmp_path / "dies.json.parts" / "dies.log").exists()
+
+
+def test_ref_check_jobs_split_the_grid_by_kernel_and_head_dim_and_pass_its_options_on():
+    args = ref_check.argparse.Namespace(quick=True, all_head_dims=True, features=False, headdim=None,
+                                        config={"tile_n": 128})
+    units = ref_check.job_units(["k2", "k6"], ref_check.QUICK_SEQLENS, args)
+    assert [label for label, _ in units] == ["k2-d32", "k2-d64", "k2-d96", "k2-d128", "k2-d256",
+                                             "k6-d64", "k6-d128", "k6-d256"]
+    assert units[3][1] == ["k2", "--quick", "--all-head-dims", "--config", '{"tile_n": 128}', "--headdim", "128"]
+    args.headdim, args.features, args.config = 128, True, None
+    assert ref_check.job_units(["k2", "k6"], ref_check.QUICK_SEQLENS, args) == [
+        ("k6-d128", ["k6", "--quick", "--all-head-dims", "--features", "--headdim", "128"])]  # K2 has no feature
