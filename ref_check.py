@@ -346,6 +346,7 @@ def run_jobs(units, jobs: int, gpus: int, out, script: str = __file__) -> int:
     the end (the parts are then removed, unless a unit did not finish). Exit 1 if a case failed or
     a process ended without finishing its cases."""
     import shutil
+    import signal
     import subprocess
     import tempfile
     import time
@@ -368,24 +369,38 @@ def run_jobs(units, jobs: int, gpus: int, out, script: str = __file__) -> int:
     def merged():
         return [r for name in names for r in (part(name) or {"rows": []})["rows"]]
 
-    while waiting or running:
-        while waiting and len(running) < jobs:
-            name, unit_args = waiting.pop(0)
-            env = dict(os.environ, CUDA_VISIBLE_DEVICES=visible[names.index(name) % len(visible)])
-            log = open(parts / f"{name}.log", "w")
-            cmd = [sys.executable, os.path.abspath(script), *unit_args, "--out", str(parts / f"{name}.json")]
-            running[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log)
-        time.sleep(2)
-        for name, (proc, log) in list(running.items()):
-            if proc.poll() is None:
-                continue
+    def stop(*_):  # a timeout's SIGTERM: the children stop too, and --out keeps what they wrote
+        raise SystemExit(124)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        while waiting or running:
+            while waiting and len(running) < jobs:
+                name, unit_args = waiting.pop(0)
+                env = dict(os.environ, CUDA_VISIBLE_DEVICES=visible[names.index(name) % len(visible)])
+                log = open(parts / f"{name}.log", "w")
+                cmd = [sys.executable, os.path.abspath(script), *unit_args, "--out", str(parts / f"{name}.json")]
+                running[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log)
+            time.sleep(2)
+            for name, (proc, log) in list(running.items()):
+                if proc.poll() is None:
+                    continue
+                log.close()
+                del running[name]
+                done = proc.returncode in (0, 1) and (part(name) or {"meta": {}})["meta"].get("complete")
+                finished &= bool(done)
+                last = (parts / f"{name}.log").read_text().strip().splitlines()[-1:] or ["(no output)"]
+                print(f"{name}: exit {proc.returncode}, {last[0] if done else 'did not finish'}", flush=True)
+            if out:
+                out.rows[:] = merged()
+                out.save()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        for proc, log in running.values():
+            proc.terminate()
+            proc.wait()
             log.close()
-            del running[name]
-            done = proc.returncode in (0, 1) and (part(name) or {"meta": {}})["meta"].get("complete")
-            finished &= bool(done)
-            last = (parts / f"{name}.log").read_text().strip().splitlines()[-1:] or ["(no output)"]
-            print(f"{name}: exit {proc.returncode}, {last[0] if done else 'did not finish'}", flush=True)
-        if out:
+        if out and running:
             out.rows[:] = merged()
             out.save()
     rows = merged()

@@ -398,6 +398,9 @@ for i in range(2):
                   reason="x", dtype="bf16", batch=1, nheads=1, seqlen=1, head_dim=64, causal=0))
 if name == "dies":
     sys.exit(3)
+if name == "hangs":
+    open(out + ".pid", "w").write(str(os.getpid()))
+    __import__("time").sleep(120)
 f.close()
 sys.exit(name == "bad")
 """)
@@ -430,6 +433,21 @@ sys.exit(name == "bad")
     partial = results.parse((tmp_path / "dies.json").read_text())
     assert not partial["meta"]["complete"] and len(partial["rows"]) == 4
     assert (tmp_path / "dies.json.parts" / "dies.log").exists()
+
+    # a timeout's SIGTERM: the children end with the parent, and --out has the rows they wrote
+    import os
+    import signal
+    import threading
+
+    out = results.open_result_file(tmp_path / "hangs.json", "x")
+    threading.Timer(8.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    with pytest.raises(SystemExit) as e:
+        ref_check.run_jobs(units("a", "hangs"), 2, 1, out, script=str(child))
+    assert e.value.code == 124
+    assert len(results.parse((tmp_path / "hangs.json").read_text())["rows"]) == 4
+    pid = int((tmp_path / "hangs.json.parts" / "hangs.json.pid").read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
 
 
 def test_ref_check_jobs_split_the_grid_by_kernel_and_head_dim_and_pass_its_options_on():
