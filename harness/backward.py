@@ -29,6 +29,7 @@ VARIANTS = {"k9": ("k9", {}), "k10": ("k10", {}), "k10_overlap": ("k10", dict(ov
             "k10_flat": ("k10", dict(dq_flat=True)), "k10_stmatrix": ("k10", dict(ds_stmatrix=True)),
             "k10_fa3": ("k10", dict(overlap=True, dq_flat=True, ds_stmatrix=True, mask_edges=True, early_dq=True,
                                     step_counter=True, plain_first=True, dkv_tma_store=True, tanh_under_dp=True,
+                                    wide_prepass=True,
                                     by_head_dim={64: dict(tile_m=128, dq_split_queries=True, unguarded_rows=True,
                                                      pin_descriptors=True),
                                                  128: dict(capped_overlap=True),
@@ -46,7 +47,8 @@ DETERMINISTIC = tuple(name for name, (module, _) in VARIANTS.items() if module =
 # pin_descriptors: results/ab-k10-edge-d64-h100.json; at d = 128 neither moved); at d = 128 under
 # a softcap the overlapped start all the same (capped_overlap: results/ab-k10-capov-d128-h100.json;
 # at d = 64 ptxas serializes its WGMMAs); d = 256's own step keeps the division and its order (not
-# measured there)
+# measured there); the pre-pass 16 bytes a thread (wide_prepass: 68 us for K9's 76 to 103 at every d,
+# results/backward-kernels-wide-h200.json)
 DEFAULT = "k10_fa3"
 
 

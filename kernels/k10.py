@@ -32,7 +32,7 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from . import k4, k5, k9, sm90, tma_pipeline
+from . import k4, k5, k9, simt, sm90, tma_pipeline
 from .tiles import ROW_ALIGN, kv_window_tiles, packed_row_start, packed_tile_start, query_window_tiles
 from .contract import LOG2_E, SMEM_CAPACITY, FakeShapes, Problem, UnsupportedProblem, cute_dtype, fake_stream, jit_compile, num_sms
 
@@ -50,6 +50,9 @@ class Barrier(enum.IntEnum):
     # early_dq: warpgroup w hands its half of sdQ over on its own pair, DQ_FULL + 2w and DQ_EMPTY + 2w
     DQ_FULL_WG1 = 4
     DQ_EMPTY_WG1 = 5
+
+# knobs of the passes around the main kernel, not of its class: wide_prepass (WidePrepass)
+PASS_KNOBS = ("wide_prepass",)
 
 # dq_flat: a dQ share leaves in the accumulator's own register order, as 256-float rows (one TMA
 # box of at most 256 elements per dimension) of a flat fp32 buffer per query tile.
@@ -1031,6 +1034,42 @@ class K10BackwardSplitD(K10Backward):
         sm90.gemm(tiled_mma_dq, acc_dQ, tdQrdS, tdQrK, zero_init=True, wg_wait=0)
 
 
+class WidePrepass(k9.Prepass):
+    """``wide_prepass``: K9's pre-pass with 16 bytes of O and dO a thread, where K9's warp a row
+    reads 2 bytes a lane. A row's d/8 threads each take 8 neighbouring elements (one vector load of
+    each) and zero 8 floats of dQ's accumulator (two 16-byte stores); a 128-thread CTA takes
+    128 / (d/8) rows, and D's sum closes over the row's threads."""
+
+    VEC = 8  # 16 bytes of a 16-bit dtype
+
+    def rows_per_cta(self, head_dim: int) -> int:
+        return 32 * self.WARPS // (head_dim // self.VEC)
+
+    @cute.kernel
+    def kernel(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mLSE2: cute.Tensor, mD: cute.Tensor,
+               mdQaccum: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        bx, head, batch = cute.arch.block_idx()
+        per_row = cute.size(mO, mode=[3]) // self.VEC  # threads a row: neighbouring lanes of one warp
+        part, q = tidx % per_row, bx * self.rows_per_cta(cute.size(mO, mode=[3])) + tidx // per_row
+        dot = Float32(0.0)
+        if q < mO.shape[2]:
+            rO = cute.make_rmem_tensor(self.VEC, mO.element_type)
+            rdO = cute.make_rmem_tensor(self.VEC, mdO.element_type)
+            cute.autovec_copy(cute.local_tile(mO[batch, head, q, None], (self.VEC,), (part,)), rO)
+            cute.autovec_copy(cute.local_tile(mdO[batch, head, q, None], (self.VEC,), (part,)), rdO)
+            for i in cutlass.range_constexpr(self.VEC):
+                dot += rO[i].to(Float32) * rdO[i].to(Float32)
+            zeros = cute.make_rmem_tensor(self.VEC, Float32)
+            zeros.fill(0.0)
+            cute.autovec_copy(zeros, cute.local_tile(mdQaccum[batch, head, q, None], (self.VEC,), (part,)))
+        dot = simt.butterfly_allreduce(dot, lambda a, b: a + b, per_row)  # every lane: the shuffles need them all
+        if q < mO.shape[2]:
+            if part == 0:
+                mD[batch, head, q] = dot
+                mLSE2[batch, head, q] = mLSE[batch, head, q] * LOG2_E
+
+
 class VarlenPrepass(k9.Prepass):
     """K9's pre-pass on packed sequences: a CTA per (block of rows, head, sequence). Sequence b's
     LSE2 and D land at ``tiles.packed_row_start`` of its first row: a TMA box of floats starts
@@ -1222,6 +1261,8 @@ def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = F
         cfg = cfg.with_(dkv_tma_store=False)  # a box at a packed sequence's last key tile would run into the next
     if p.varlen and cfg.get("unguarded_rows"):
         cfg = cfg.with_(unguarded_rows=False)  # a tile's rows past a sequence are the next one's
+    if p.varlen and cfg.get("wide_prepass"):
+        cfg = cfg.with_(wide_prepass=False)  # packed: VarlenPrepass, by rows
     key_tiles = -(-p.kv_len // tile_n)
     window = p.sliding_window
     arrive_last_first = p.causal or (window is not None and window[1] >= 0)  # key tiles start their walks in order
@@ -1263,7 +1304,7 @@ def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = F
         return entry, (accumulator(f, x), x(dt), *((cu_seqlens(), Int32(1)) if p.varlen else ()), *extra,
                        fake_stream())
 
-    pre, post = k9.compile_passes(p, keep_ptx, experiments.prepass_class(cfg))
+    pre, post = k9.compile_passes(p, keep_ptx, WidePrepass if cfg.get("wide_prepass") else None)
     if p.varlen:
         def varlen_pre():
             f = FakeShapes()

@@ -24,10 +24,6 @@ are under Variants and Profiling in docs/k10.md.
   their own, so a warpgroup waits for the writer's read of the share two steps back, not one.
 * ``dkv_tma_packed``: packed sequences' dK and dV by TMA too, a sequence's whole key tiles as
   boxes at its rows and its last, partial one by rows (a box there would reach the next sequence).
-* ``wide_prepass`` (not yet timed): K9's pre-pass with 16 bytes of O and dO a thread, d/8 threads
-  a row, rather than a warp a row reading 2 bytes a lane; rectangular calls (packed ones keep
-  ``k10.VarlenPrepass``). At d = 64 the pre-pass took 115 us of a 1k backward where
-  flash-attn-4's took 97 (H100, docs/k10.md's backward-kernels table).
 """
 
 from __future__ import annotations
@@ -40,8 +36,8 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 
-from . import k9, k10, simt, sm90
-from .contract import LOG2_E, Problem, UnsupportedProblem
+from . import k9, k10, sm90
+from .contract import Problem, UnsupportedProblem
 
 # dq_stages = 2: the second sdQ stage's DQ_FULL/DQ_EMPTY pairs, this many ids above the first's
 # (6 to 9, above the ids k10.Barrier names)
@@ -79,8 +75,6 @@ def settle(cfg, p: Problem, split_d: bool, dq_flat: bool):
                                  "packed sequences: set both")
     if not p.varlen and cfg.get("dkv_tma_packed"):
         cfg = cfg.with_(dkv_tma_packed=False)  # rectangular: dkv_tma_store alone is the same kernel
-    if p.varlen and cfg.get("wide_prepass"):
-        cfg = cfg.with_(wide_prepass=False)  # packed: VarlenPrepass, by rows
     return cfg
 
 
@@ -98,8 +92,8 @@ def kernel_class(cfg, base: type) -> type:
 
 def kernel_args(cfg) -> dict:
     """``cfg`` as ``kernel_class``'s class takes it: without the knobs at their off values (no
-    class takes them) and the passes' knobs."""
-    return {k: v for k, v in cfg.items() if (k not in MIXINS or is_on(cfg, k)) and k not in PASS_KNOBS}
+    class takes them) and the passes' knobs (``k10.PASS_KNOBS``)."""
+    return {k: v for k, v in cfg.items() if (k not in MIXINS or is_on(cfg, k)) and k not in k10.PASS_KNOBS}
 
 
 @functools.cache
@@ -115,11 +109,6 @@ def flat_postpass(cfg, varlen: bool, args: tuple) -> tuple:
     if cfg.get("scale_at_end"):
         return (post.call_varlen_scaled if varlen else post.call_scaled), (Float32(1.0),)
     return (post.call_varlen if varlen else post), ()
-
-
-def prepass_class(cfg):
-    """``wide_prepass``'s pre-pass class for ``k9.compile_passes``, or None: K9's."""
-    return WidePrepass if cfg.get("wide_prepass") else None
 
 
 def post_args(cfg, softmax_scale: float) -> tuple:
@@ -304,42 +293,6 @@ class ScaledShares:
         self.launch(mdQaccum, mdQ, stream, mCuSeqlensQ, max_tiles, scale)
 
 
-class WidePrepass(k9.Prepass):
-    """K9's pre-pass, 16 bytes of O and dO a thread: a row's d/8 threads each take 8 neighbouring
-    elements (one vector load of each) and zero 8 floats of dQ's accumulator (two 16-byte stores);
-    a 128-thread CTA takes 128 / (d/8) rows, and D's sum closes over the row's threads."""
-
-    VEC = 8  # 16 bytes of a 16-bit dtype
-
-    def rows_per_cta(self, head_dim: int) -> int:
-        return 32 * self.WARPS // (head_dim // self.VEC)
-
-    @cute.kernel
-    def kernel(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mLSE2: cute.Tensor, mD: cute.Tensor,
-               mdQaccum: cute.Tensor):
-        tidx, _, _ = cute.arch.thread_idx()
-        bx, head, batch = cute.arch.block_idx()
-        per_row = cute.size(mO, mode=[3]) // self.VEC  # threads a row: neighbouring lanes of one warp
-        part, q = tidx % per_row, bx * self.rows_per_cta(cute.size(mO, mode=[3])) + tidx // per_row
-        dot = Float32(0.0)
-        if q < mO.shape[2]:
-            rO = cute.make_rmem_tensor(self.VEC, mO.element_type)
-            rdO = cute.make_rmem_tensor(self.VEC, mdO.element_type)
-            cute.autovec_copy(cute.local_tile(mO[batch, head, q, None], (self.VEC,), (part,)), rO)
-            cute.autovec_copy(cute.local_tile(mdO[batch, head, q, None], (self.VEC,), (part,)), rdO)
-            for i in cutlass.range_constexpr(self.VEC):
-                dot += rO[i].to(Float32) * rdO[i].to(Float32)
-            zeros = cute.make_rmem_tensor(self.VEC, Float32)
-            zeros.fill(0.0)
-            cute.autovec_copy(zeros, cute.local_tile(mdQaccum[batch, head, q, None], (self.VEC,), (part,)))
-        dot = simt.butterfly_allreduce(dot, lambda a, b: a + b, per_row)  # every lane: the shuffles need them all
-        if q < mO.shape[2]:
-            if part == 0:
-                mD[batch, head, q] = dot
-                mLSE2[batch, head, q] = mLSE[batch, head, q] * LOG2_E
-
-
-PASS_KNOBS = ("wide_prepass",)  # knobs of the passes around the main kernel, not of its class
 OFF_VALUES = {"dq_stages": 1}  # the knobs whose off value is not False
 # knob -> mixin, in the order the mixins stack (the first overrides the rest)
 MIXINS = {"ds_free_once": DsFreeOnce, "dq_swapab": DqSwapAB, "select_rows": SelectRows, "rows_ahead": RowsAhead,
