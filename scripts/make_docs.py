@@ -1022,7 +1022,7 @@ def backward_kernels_table(f):
     for r in f["rows"]:
         key = (r["head_dim"], r["causal"], r["seqlen"], r["candidate"])
         calls.setdefault(key, dict.fromkeys(roles, 0.0))[r["role"]] += r["us"]
-    body = [[str(d), str(c), str(n), names.get(cand, cand), *(f"{t[x]:.0f}" if t[x] else "—" for x in roles),
+    body = [[str(d), str(c), str(n), names.get(cand, f"`{cand}`"), *(f"{t[x]:.0f}" if t[x] else "—" for x in roles),
              f"{sum(t.values()):.0f}"] for (d, c, n, cand), t in calls.items()]
     meta = f["meta"]
     head = (f"`{meta.get('command', '')}`, {gpu_short_name(meta.get('device', ''))}, {meta.get('date', '')[:10]}, at "
@@ -1777,6 +1777,9 @@ def main(argv=None):
     kernels_run = newest(finished("backward-kernels-*.json"), TARGET_GPU)
     if kernels_run:
         fill("k10", "backward-kernels", lambda: backward_kernels_table(kernels_run))
+    h200_kernels = newest(finished("backward-kernels-*.json"), "H200")
+    if h200_kernels:
+        fill("k10", "backward-kernels-h200", lambda: backward_kernels_table(h200_kernels))
     stalls = finished("ncu-stalls-*.json")
     # a softcap's profile and the same workload's without it (the name less "-softcap"): docs/varlen.md
     capped = {f["file"] for f in stalls if f["rows"][0].get("softcap")}
