@@ -277,7 +277,8 @@ def run_varlen_grid(names, quick: bool, out, backward: bool = False) -> tuple:
     return rows, failures
 
 
-def run_backward_grid(seqlens, out, stages, features_only: bool = False, head_dim: int = None) -> tuple:
+def run_backward_grid(seqlens, out, stages, features_only: bool = False, head_dim: int = None,
+                      causal: int = None) -> tuple:
     rows, failures = [], 0
     print(f"backward grid ({', '.join(stages)}; O and LSE from k6): dq, dk, dv each within twice the max error of "
           "SDPA's own 16-bit backward + 1e-3 of float64 autograd (harness/check.py check_backward), outputs NaN-poisoned")
@@ -288,7 +289,7 @@ def run_backward_grid(seqlens, out, stages, features_only: bool = False, head_di
     for stage in stages:
         k10 = BACKWARD_VARIANTS[stage][0] == "k10"
         for p, magnitude in backward_cases(seqlens, features=k10, head_dims=stage_module(stage).HEAD_DIMS):
-            if (features_only and not has_feature(p)) or head_dim not in (None, p.head_dim):
+            if not picked(p, features_only, head_dim, causal):
                 continue
             row = backward_row(stage, p, magnitude)
             rows.append(row)
@@ -316,6 +317,17 @@ def has_feature(p: Problem) -> bool:
     return bool(p.softcap) or p.window != (-1, -1)
 
 
+def filters(args) -> str:
+    """The --headdim and --causal filters of a call, as an error message names them."""
+    return "".join(f" {name} {value}" for name, value in (("head_dim", args.headdim), ("causal", args.causal))
+                   if value is not None)
+
+
+def picked(p: Problem, features_only: bool, head_dim: int = None, causal: int = None) -> bool:
+    """Whether a grid case passes the --features, --headdim and --causal filters."""
+    return (has_feature(p) or not features_only) and head_dim in (None, p.head_dim) and causal in (None, int(p.causal))
+
+
 def describe_grid(seqlens, all_head_dims: bool) -> str:
     dims = "every head dim it supports" if all_head_dims else f"the head dims it supports among {HEAD_DIMS}"
     return (f"grid per kernel: {dims} x causal 0/1 x seqlen {', '.join(map(str, seqlens))}, batch 2 x heads 3, "
@@ -326,16 +338,28 @@ def describe_grid(seqlens, all_head_dims: bool) -> str:
 
 
 def job_units(names, seqlens, args) -> list:
-    """``--jobs``' units of work: (label, ref_check.py arguments) for each kernel and head dim of
-    its grid (as ``main`` filters it), the caller's grid options passed on."""
+    """``--jobs``' units of work: (label, ref_check.py arguments), the caller's grid options passed
+    on: for the forward grid a kernel and head dim each; for the backward grid (slower by far: a
+    float64 autograd reference a case) a stage, head dim and causal mode each. Only units with a
+    case after the filters."""
     options = (["--quick"] * args.quick + ["--all-head-dims"] * args.all_head_dims + ["--features"] * args.features
                + (["--config", json.dumps(args.config)] if args.config is not None else []))
     units = []
     for name in names:
-        grid = [p for p in cases(name, seqlens, args.all_head_dims)
-                if (has_feature(p) or not args.features) and args.headdim in (None, p.head_dim)]
+        if args.backward:
+            from harness.backward import stage_module
+
+            grid = [p for p, _ in backward_cases(seqlens, features=BACKWARD_VARIANTS[name][0] == "k10",
+                                                 head_dims=stage_module(name).HEAD_DIMS)]
+        else:
+            grid = list(cases(name, seqlens, args.all_head_dims))
+        grid = [p for p in grid if picked(p, args.features, args.headdim, args.causal)]
         for d in sorted({p.head_dim for p in grid}):
-            units.append((f"{name}-d{d}", [name, *options, "--headdim", str(d)]))
+            if not args.backward:
+                units.append((f"{name}-d{d}", [name, *options, "--headdim", str(d)]))
+                continue
+            for c in sorted({int(p.causal) for p in grid if p.head_dim == d}):
+                units.append((f"{name}-d{d}-c{c}", ["--backward", name, *options, "--headdim", str(d), "--causal", str(c)]))
     return units
 
 
@@ -441,9 +465,12 @@ def main(argv=None) -> int:
     ap.add_argument("--config", type=json.loads, default=None,
                     help="compile_kernel keywords for every case, as JSON (e.g. '{\"tile_n\": 128}'): check a "
                          "configuration before timing it; cases it cannot run are failures")
+    ap.add_argument("--causal", type=int, choices=(0, 1), default=None,
+                    help="only the cases with this causal mode (the forward and --backward grids)")
     ap.add_argument("--jobs", type=int, default=1,
-                    help="the forward grid only: check it in up to this many processes at once (one kernel and "
-                         "head dim each, handed to the visible GPUs in turn), their rows merged into --out")
+                    help="the forward and --backward grids: check them in up to this many processes at once (a "
+                         "kernel and head dim each; a backward stage, head dim and causal mode each), handed to the "
+                         "visible GPUs in turn, their rows merged into --out")
     args = ap.parse_args(argv)
     # The grid is fixed: a workload variable meant for bench.py would be silently ignored here.
     ignored = [f"{var}={os.environ[var]}" for var in KNOBS.values() if var in os.environ]
@@ -458,11 +485,12 @@ def main(argv=None) -> int:
     if args.features and args.varlen:
         print("error: --features picks cases of the forward, --backward and --decode grids", file=sys.stderr)
         return 2
-    if args.jobs < 1 or (args.jobs > 1 and (args.decode or args.backward or args.varlen)):
-        print("error: --jobs takes a count of 1 or more, and splits the forward grid only", file=sys.stderr)
+    if args.jobs < 1 or (args.jobs > 1 and (args.decode or args.varlen)):
+        print("error: --jobs takes a count of 1 or more, and splits the forward and --backward grids only",
+              file=sys.stderr)
         return 2
-    if args.headdim is not None and (args.decode or args.varlen):
-        print("error: --headdim picks cases of the forward and --backward grids", file=sys.stderr)
+    if (args.headdim is not None or args.causal is not None) and (args.decode or args.varlen):
+        print("error: --headdim and --causal pick cases of the forward and --backward grids", file=sys.stderr)
         return 2
     stages = list(MAIN_STAGES) if args.kernels in ([], ["all"]) else args.kernels
     unknown = [n for n in stages if n not in BACKWARD_STAGES]
@@ -483,7 +511,8 @@ def main(argv=None) -> int:
     out = results.open_result_file(args.out, results.command_line("ref_check.py", argv))
     print(f"device: {torch.cuda.get_device_name()}")
     if args.jobs > 1:
-        return run_jobs(job_units(names, seqlens, args), args.jobs, torch.cuda.device_count(), out)
+        return run_jobs(job_units(stages if args.backward else names, seqlens, args), args.jobs,
+                        torch.cuda.device_count(), out)
     if args.varlen and args.backward:
         rows, failures = run_varlen_grid(["k10_fa3"] if args.kernels in ([], ["all"]) else stages, args.quick, out,
                                          backward=True)
@@ -491,10 +520,9 @@ def main(argv=None) -> int:
         rows, failures = run_varlen_grid(["k6"] if args.kernels in ([], ["all"]) else args.kernels, args.quick, out)
     elif args.decode or args.backward:
         rows, failures = (run_decode(args.quick, out, args.features) if args.decode
-                          else run_backward_grid(seqlens, out, stages, args.features, args.headdim))
-    if args.backward and args.headdim is not None and not rows:
-        print(f"error: no case of the backward grid has head_dim {args.headdim} for {', '.join(stages)}",
-              file=sys.stderr)
+                          else run_backward_grid(seqlens, out, stages, args.features, args.headdim, args.causal))
+    if args.backward and (args.headdim, args.causal) != (None, None) and not rows:
+        print(f"error: no case of the backward grid has{filters(args)} for {', '.join(stages)}", file=sys.stderr)
         return 2
     if args.decode or args.backward or args.varlen:
         if out:
@@ -513,7 +541,7 @@ def main(argv=None) -> int:
             failures += 1
             continue
         for p in grid:
-            if (args.features and not has_feature(p)) or args.headdim not in (None, p.head_dim):
+            if not picked(p, args.features, args.headdim, args.causal):
                 continue
             try:
                 res = check_kernel(name, p, config=args.config)
@@ -530,8 +558,8 @@ def main(argv=None) -> int:
                   f"{'ok' if row['ok'] else 'FAIL ' + row['reason']}", flush=True)
     if out:
         out.close()
-    if args.headdim is not None and not rows:
-        print(f"error: no case of the grid has head_dim {args.headdim} for {', '.join(names)}", file=sys.stderr)
+    if (args.headdim, args.causal) != (None, None) and not rows:
+        print(f"error: no case of the grid has{filters(args)} for {', '.join(names)}", file=sys.stderr)
         return 2
     print(f"\n{len(rows) - failures}/{len(rows)} cases passed" + (f", {failures} FAILED" if failures else ""))
     return 1 if failures else 0

@@ -13,7 +13,7 @@ from harness.config import SWEEP_HEAD_DIMS, SWEEP_SEQLENS, default_batch_heads, 
 from harness import results
 from harness.results import WORKLOAD_ENV
 from kernels import kernel_names
-from kernels.contract import UnsupportedProblem
+from kernels.contract import Problem, UnsupportedProblem
 from script_loader import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -364,7 +364,7 @@ def test_the_backward_ab_script_refuses_a_bad_configuration_or_a_taken_name(caps
 
 def test_ref_check_headdim_picks_the_grids_cases(monkeypatch, capsys):
     assert ref_check.main(["--decode", "--headdim", "64"]) == 2
-    assert "--headdim picks cases" in capsys.readouterr().err
+    assert "--headdim and --causal pick cases" in capsys.readouterr().err
     seen = []
     monkeypatch.setattr(ref_check, "backward_row",
                         lambda stage, p, magnitude: seen.append(p.head_dim) or dict(ok=True, reason=""))
@@ -451,8 +451,8 @@ sys.exit(name == "bad")
 
 
 def test_ref_check_jobs_split_the_grid_by_kernel_and_head_dim_and_pass_its_options_on():
-    args = ref_check.argparse.Namespace(quick=True, all_head_dims=True, features=False, headdim=None,
-                                        config={"tile_n": 128})
+    args = ref_check.argparse.Namespace(quick=True, all_head_dims=True, features=False, headdim=None, causal=None,
+                                        config={"tile_n": 128}, backward=False)
     units = ref_check.job_units(["k2", "k6"], ref_check.QUICK_SEQLENS, args)
     assert [label for label, _ in units] == ["k2-d32", "k2-d64", "k2-d96", "k2-d128", "k2-d256",
                                              "k6-d64", "k6-d128", "k6-d256"]
@@ -460,3 +460,26 @@ def test_ref_check_jobs_split_the_grid_by_kernel_and_head_dim_and_pass_its_optio
     args.headdim, args.features, args.config = 128, True, None
     assert ref_check.job_units(["k2", "k6"], ref_check.QUICK_SEQLENS, args) == [
         ("k6-d128", ["k6", "--quick", "--all-head-dims", "--features", "--headdim", "128"])]  # K2 has no feature
+
+
+def test_ref_check_jobs_split_the_backward_grid_by_stage_head_dim_and_causal_mode():
+    args = ref_check.argparse.Namespace(quick=False, all_head_dims=False, features=False, headdim=None, causal=None,
+                                        config=None, backward=True)
+    units = ref_check.job_units(["k9", "k10_fa3"], ref_check.SEQLENS, args)
+    assert [label for label, _ in units] == [f"{s}-d{d}-c{c}" for s, dims in (("k9", (64, 128)), ("k10_fa3", (64, 128, 256)))
+                                             for d in dims for c in (0, 1)]
+    assert units[-1][1] == ["--backward", "k10_fa3", "--headdim", "256", "--causal", "1"]
+    # together the units hold every case of the grid once, and a unit's filters pick its own
+    k10_cases = [p for p, _ in ref_check.backward_cases(ref_check.SEQLENS, features=True, head_dims=(64, 128, 256))]
+    per_unit = [[p for p in k10_cases if ref_check.picked(p, False, int(a[3]), int(a[5]))] for _, a in units[4:]]
+    assert sum(map(len, per_unit)) == len(k10_cases) and all(per_unit)
+    args.causal = 0
+    assert [label for label, _ in ref_check.job_units(["k9"], ref_check.SEQLENS, args)] == ["k9-d64-c0", "k9-d128-c0"]
+
+
+def test_ref_check_causal_picks_cases_and_is_refused_outside_its_grids(capsys):
+    p = Problem(1, 1, 8, 64, causal=True)
+    assert ref_check.picked(p, False, None, 1) and not ref_check.picked(p, False, None, 0)
+    assert ref_check.picked(p, False, 64, None) and not ref_check.picked(p, True, 64, 1)  # --features: no feature
+    assert ref_check.main(["--decode", "--causal", "1"]) == 2
+    assert "--causal" in capsys.readouterr().err
