@@ -1052,22 +1052,37 @@ class WidePrepass(k9.Prepass):
         bx, head, batch = cute.arch.block_idx()
         per_row = cute.size(mO, mode=[3]) // self.VEC  # threads a row: neighbouring lanes of one warp
         part, q = tidx % per_row, bx * self.rows_per_cta(cute.size(mO, mode=[3])) + tidx // per_row
+        self.wide_row(mO, mdO, mLSE, mLSE2, mD, mdQaccum, batch, head, q, q, q, part, q < mO.shape[2])
+
+    @cute.jit
+    def wide_row(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mLSE2: cute.Tensor, mD: cute.Tensor,
+                 mdQaccum: cute.Tensor, batch: Int32, head: Int32, q: Int32, out_row: Int32, dq_row: Int32,
+                 part: Int32, valid):
+        """Part ``part`` of query row ``q`` (if ``valid``): D and LSE2 into row ``out_row``, dQ's
+        row ``dq_row`` zeroed. Every thread of the row calls it, valid or not: the shuffles that
+        close D's sum need the row's whole group."""
+        per_row = cute.size(mO, mode=[3]) // self.VEC
         dot = Float32(0.0)
-        if q < mO.shape[2]:
+        if valid:
             rO = cute.make_rmem_tensor(self.VEC, mO.element_type)
             rdO = cute.make_rmem_tensor(self.VEC, mdO.element_type)
             cute.autovec_copy(cute.local_tile(mO[batch, head, q, None], (self.VEC,), (part,)), rO)
             cute.autovec_copy(cute.local_tile(mdO[batch, head, q, None], (self.VEC,), (part,)), rdO)
             for i in cutlass.range_constexpr(self.VEC):
                 dot += rO[i].to(Float32) * rdO[i].to(Float32)
-            zeros = cute.make_rmem_tensor(self.VEC, Float32)
-            zeros.fill(0.0)
-            cute.autovec_copy(zeros, cute.local_tile(mdQaccum[batch, head, q, None], (self.VEC,), (part,)))
-        dot = simt.butterfly_allreduce(dot, lambda a, b: a + b, per_row)  # every lane: the shuffles need them all
-        if q < mO.shape[2]:
+            self.zero_part(mdQaccum, batch, head, dq_row, part)
+        dot = simt.butterfly_allreduce(dot, lambda a, b: a + b, per_row)
+        if valid:
             if part == 0:
-                mD[batch, head, q] = dot
-                mLSE2[batch, head, q] = mLSE[batch, head, q] * LOG2_E
+                mD[batch, head, out_row] = dot
+                mLSE2[batch, head, out_row] = mLSE[batch, head, q] * LOG2_E
+
+    @cute.jit
+    def zero_part(self, mdQaccum: cute.Tensor, batch: Int32, head: Int32, row: Int32, part: Int32):
+        """8 floats of dQ's accumulator row ``row`` zeroed, two 16-byte stores."""
+        zeros = cute.make_rmem_tensor(self.VEC, Float32)
+        zeros.fill(0.0)
+        cute.autovec_copy(zeros, cute.local_tile(mdQaccum[batch, head, row, None], (self.VEC,), (part,)))
 
 
 class VarlenPrepass(k9.Prepass):
@@ -1085,7 +1100,7 @@ class VarlenPrepass(k9.Prepass):
     def __call__(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mLSE2: cute.Tensor, mD: cute.Tensor,
                  mdQaccum: cute.Tensor, mCuSeqlensQ: cute.Tensor, max_seqlen_q: Int32, stream):
         rows = max_seqlen_q + (self.flat_tile_m - 1 if cutlass.const_expr(self.flat_tile_m) else 0)
-        grid = (cute.ceil_div(rows, self.WARPS), mO.shape[1], mCuSeqlensQ.shape[0] - 1)
+        grid = (cute.ceil_div(rows, self.rows_per_cta(cute.size(mO, mode=[3]))), mO.shape[1], mCuSeqlensQ.shape[0] - 1)
         self.kernel(mO, mdO, mLSE, mLSE2, mD, mdQaccum, mCuSeqlensQ).launch(grid=grid, block=[32 * self.WARPS, 1, 1],
                                                                             stream=stream)
 
@@ -1107,6 +1122,29 @@ class VarlenPrepass(k9.Prepass):
             if r >= length and r < cute.ceil_div(length, self.flat_tile_m) * self.flat_tile_m:
                 for j in cutlass.range_constexpr(cute.size(mO, mode=[3]) // 32):
                     mdQaccum[0, head, dq_row, lane + 32 * j] = Float32(0.0)
+
+
+class WideVarlenPrepass(VarlenPrepass, WidePrepass):
+    """``wide_prepass`` on packed sequences: ``VarlenPrepass``'s rows, launch and flat slots,
+    ``WidePrepass``'s 16 bytes a thread."""
+
+    @cute.kernel
+    def kernel(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mLSE2: cute.Tensor, mD: cute.Tensor,
+               mdQaccum: cute.Tensor, mCuSeqlensQ: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        bx, head, seq = cute.arch.block_idx()
+        per_row = cute.size(mO, mode=[3]) // self.VEC
+        part, r = tidx % per_row, bx * self.rows_per_cta(cute.size(mO, mode=[3])) + tidx // per_row
+        q0 = mCuSeqlensQ[seq]
+        length = mCuSeqlensQ[seq + 1] - q0
+        dq_row = q0 + r
+        if cutlass.const_expr(self.flat_tile_m):
+            dq_row = packed_tile_start(q0, seq, self.flat_tile_m) * self.flat_tile_m + r
+        self.wide_row(mO, mdO, mLSE, mLSE2, mD, mdQaccum, Int32(0), head, q0 + r, packed_row_start(q0, seq) + r,
+                      dq_row, part, r < length)
+        if cutlass.const_expr(self.flat_tile_m):
+            if r >= length and r < cute.ceil_div(length, self.flat_tile_m) * self.flat_tile_m:
+                self.zero_part(mdQaccum, Int32(0), head, dq_row, part)
 
 
 class FlatPostpass:
@@ -1261,8 +1299,6 @@ def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = F
         cfg = cfg.with_(dkv_tma_store=False)  # a box at a packed sequence's last key tile would run into the next
     if p.varlen and cfg.get("unguarded_rows"):
         cfg = cfg.with_(unguarded_rows=False)  # a tile's rows past a sequence are the next one's
-    if p.varlen and cfg.get("wide_prepass"):
-        cfg = cfg.with_(wide_prepass=False)  # packed: VarlenPrepass, by rows
     key_tiles = -(-p.kv_len // tile_n)
     window = p.sliding_window
     arrive_last_first = p.causal or (window is not None and window[1] >= 0)  # key tiles start their walks in order
@@ -1312,11 +1348,13 @@ def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = F
             padded_rows = cute.sym_int()
             # dq_flat: the accumulator's rows are the slots' (tile_m each), not the packed rows
             accum = k9.fake_tensors(p)[0](Float32) if dq_flat else x(Float32)
-            return VarlenPrepass(cfg["tile_m"] if dq_flat else 0), (
+            prepass = WideVarlenPrepass if cfg.get("wide_prepass") else VarlenPrepass
+            return prepass(cfg["tile_m"] if dq_flat else 0), (
                 x(dt), x(dt), rows(), padded_row_tensor(f.batch, f.nheads, padded_rows),
                 padded_row_tensor(f.batch, f.nheads, padded_rows), accum, cu_seqlens(), Int32(1), fake_stream())
 
-        pre = jit_compile(("k10_varlen_pre", p.head_dim, p.dtype, cfg["tile_m"] if dq_flat else 0), varlen_pre,
+        pre = jit_compile(("k10_varlen_pre", p.head_dim, p.dtype, cfg["tile_m"] if dq_flat else 0,
+                           bool(cfg.get("wide_prepass"))), varlen_pre,
                           keep_ptx)
     if dq_flat:
         post = jit_compile(("k10_flat_post", p.head_dim, p.dtype, tuple(sorted(cfg.items())), p.varlen), flat_post,

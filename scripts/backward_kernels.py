@@ -13,6 +13,8 @@ the backward's device time, the host's gaps left out (``bench.py --backward`` ti
 
 ``--name k10_wide --config '{...}'``: a K10 configuration (compile overrides, as
 ``scripts/ab_backward.py`` takes them) profiled beside ``k10_fa3`` in the same cells.
+``--varlen``: the packed backward instead (``bench.py --varlen --backward``'s packing at d = 128,
+causal and not), beside flash-attn-4's varlen backward.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="write the rows as JSON here, each as it is done")
     ap.add_argument("--name", help="the stage name a --config runs under (not a stage already)")
     ap.add_argument("--config", type=config_arg, help="K10 compile overrides as JSON, profiled beside k10_fa3")
+    ap.add_argument("--varlen", action="store_true", help="the packed backward's kernels, causal and not")
     args = ap.parse_args(argv)
     import torch
 
@@ -84,19 +87,33 @@ def main(argv=None) -> int:
     from harness.backward_bench import candidates
 
     out = results.open_result_file(args.out, results.command_line("scripts/backward_kernels.py", argv))
-    for d, causal, n in CELLS:
+
+    def emit(name, call, **cell):
+        for kernel, us in sorted(profile(call).items(), key=lambda kv: -kv[1]):
+            row = dict(candidate=name, **({"config": args.config} if name == args.name else {}), **cell,
+                       role=role(kernel), kernel=kernel[:120], us=us)
+            where = " ".join(f"{k}={v}" for k, v in cell.items() if k in ("head_dim", "causal", "seqlen", "tokens"))
+            print(f"{where} {name:<12} {row['role']:<9} {us:9.1f} us  {kernel[:60]}", flush=True)
+            if out:
+                out.append(row)
+
+    if args.varlen:
+        from harness.varlen_bench import backward_candidates, packing
+
+        d, heads = 128, 16
+        lengths, (q, k, v, dout), cu = packing(d, heads)
+        for causal in (0, 1):
+            calls = backward_candidates(q, k, v, dout, cu, lengths, bool(causal), d ** -0.5, stages)
+            for name in (*stages, "fa4"):
+                if callable(calls.get(name)):
+                    emit(name, calls[name], head_dim=d, causal=causal, tokens=sum(lengths), documents=len(lengths),
+                         nheads=heads)
+    for d, causal, n in () if args.varlen else CELLS:
         b, h = 16384 // n, 2048 // d
         q, k, v, do = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
         for name, entry in candidates(q, k, v, do, bool(causal), d ** -0.5, stages=stages).items():
-            if isinstance(entry, str):  # a refusal
-                continue
-            for kernel, us in sorted(profile(entry[0]).items(), key=lambda kv: -kv[1]):
-                row = dict(candidate=name, **({"config": args.config} if name == args.name else {}), head_dim=d, causal=causal, seqlen=n, batch=b, nheads=h,
-                           role=role(kernel), kernel=kernel[:120], us=us)
-                print(f"d={d} causal={causal} N={n:>5} {name:<12} {row['role']:<9} {us:9.1f} us  {kernel[:60]}",
-                      flush=True)
-                if out:
-                    out.append(row)
+            if not isinstance(entry, str):  # a string: a refusal
+                emit(name, entry[0], head_dim=d, causal=causal, seqlen=n, batch=b, nheads=h)
         del q, k, v, do
         torch.cuda.empty_cache()
     if out:

@@ -664,7 +664,7 @@ def test_the_knobs_measured_and_left_off_live_in_k10_experiments_not_in_the_less
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])
-def test_wide_prepass_reads_16_bytes_a_thread_and_leaves_the_main_kernel_as_it_was(d):
+def test_wide_prepass_reads_16_bytes_a_thread_packed_or_not_and_leaves_the_main_kernel_as_it_was(d):
     from harness.backward import stage_overrides
     from kernels.k10 import compile_backward
 
@@ -679,9 +679,13 @@ def test_wide_prepass_reads_16_bytes_a_thread_and_leaves_the_main_kernel_as_it_w
     assert count(r"ld\.global[^;]*\.v4", base[0]) == 0
     assert without_kernel_names(compiled_ptx(wide[1])) == without_kernel_names(compiled_ptx(base[1]))
     assert wide[3]["wide_prepass"] and not base[3].get("wide_prepass")
-    # packed calls keep VarlenPrepass
-    assert not compile_backward(p.with_(varlen=True), **dict(stage_overrides("k10_fa3"), wide_prepass=True))[3][
-        "wide_prepass"]
+    # packed: the same loads and stores (WideVarlenPrepass), and 16-byte zeros past a sequence's last
+    # row to the end of its last query tile's slot
+    base, wide = (compile_backward(p.with_(varlen=True), keep_ptx=True,
+                                   **dict(stage_overrides("k10_fa3"), wide_prepass=on)) for on in (False, True))
+    assert count(r"ld\.global[^;]*\.v4", wide[0]) == 2 and count(r"st\.global[^;]*\.v4", wide[0]) == 4
+    assert count(r"ld\.global[^;]*\.v4", base[0]) == 0
+    assert without_kernel_names(compiled_ptx(wide[1])) == without_kernel_names(compiled_ptx(base[1]))
 
 
 @pytest.mark.gpu
