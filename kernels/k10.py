@@ -1424,8 +1424,8 @@ def run_varlen_backward(compiled: tuple, q, k, v, o, lse, do, softmax_scale: flo
     else:
         dq_accum = accum = torch.empty(1, h, total, d, device=q.device, dtype=torch.float32)
     dq, dk, dv = grads if grads is not None else (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
-    do = packed(do).contiguous()
-    pre(packed(o), do, lse.unsqueeze(0), lse2, dot, dq_accum, cu_seqlens_q, max_seqlen_q)
+    o, do = (packed(k9.aligned_rows(t)) for t in (o, do))  # views of (total, heads, d) rows: no transposed copy
+    pre(o, do, lse.unsqueeze(0), lse2, dot, dq_accum, cu_seqlens_q, max_seqlen_q)
     semaphores = torch.zeros(h * slots, device=q.device, dtype=torch.int32) if cfg["deterministic"] else None
     main(packed(q), packed(k), packed(v), do, lse2, dot, accum, packed(dk), packed(dv), softmax_scale, semaphores,
          cu_seqlens_q, cu_seqlens_k, key_tiles)

@@ -471,6 +471,13 @@ def row_buffers(batch: int, heads: int, rows: int, device) -> tuple:
     return tuple(flat[start:start + size].view(batch, heads, -1)[..., :rows] for start in (0, size + (-size % 8)))
 
 
+def aligned_rows(t):
+    """``t`` contiguous and 16-byte aligned, as the kernels' TMA and 16-byte loads take O and dO:
+    itself when it is, else a copy (a caller's view may start anywhere)."""
+    t = t.contiguous()
+    return t.clone() if t.data_ptr() % 16 else t
+
+
 def run_backward(compiled: tuple, q, k, v, o, lse, do, softmax_scale: float, grads: tuple | None = None,
                  extra: tuple = (), dq_accum=None, post_extra: tuple = ()) -> tuple:
     """(dq, dk, dv) of attention(q, k, v) = o with log-sum-exp ``lse`` (natural log, float32,
@@ -487,7 +494,7 @@ def run_backward(compiled: tuple, q, k, v, o, lse, do, softmax_scale: float, gra
     if dq_accum is None:
         dq_accum = (torch.empty(b, h, n, d, device=q.device, dtype=torch.float32),) * 2
     dq, dk, dv = grads if grads is not None else (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
-    do = do.contiguous()
+    o, do = aligned_rows(o), aligned_rows(do)
     pre(o, do, lse, lse2, dot, dq_accum[0])
     main(q, k, v, do, lse2, dot, dq_accum[1], dk, dv, softmax_scale, *extra)
     post(dq_accum[1], dq, *post_extra)
