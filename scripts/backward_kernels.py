@@ -7,7 +7,7 @@ candidates, one forward each, then the backward repeated) under ``torch.profiler
 device time per backward, averaged over 20 backwards after 5 warm-up ones. Cells: the sweep's
 short walks (1k keys at d 64/128/256, causal and not at d = 128) and one long one (d = 128, 16k,
 non-causal), bf16, batch 16384/N, heads 2048/d. Each kernel is filed under its role (pre-pass,
-fill, main, post-pass), so the three backwards line up although their kernels differ. Rows are
+fill, copy, main, post-pass), so the three backwards line up although their kernels differ. Rows are
 written as they come. The kernels run one after another on the stream, so the roles add up to
 the backward's device time, the host's gaps left out (``bench.py --backward`` times the call).
 
@@ -35,6 +35,7 @@ ROLES = (  # the first pattern a kernel's name matches files it
     ("pre-pass", r"Prepass|preprocess|dot_do_o"),
     ("post-pass", r"Postpass|postprocess|convert_dq"),
     ("fill", r"FillFunc|Memset|fill|zero"),
+    ("copy", r"elementwise_kernel|copy"),  # a torch copy of an operand
     ("main", r"."),
 )
 

@@ -1016,20 +1016,26 @@ def ncu_profile_table(f, workload: str, top: int = 3):
 def backward_kernels_table(f):
     """docs/k10.md: scripts/backward_kernels.py, each backward's device time per call split by the
     role of its kernels (pre-pass, fill, main kernel, post-pass), cell by cell."""
-    roles = ("pre-pass", "fill", "main", "post-pass")
+    def role(r):  # a torch copy (not a fill) among the kernels, under "main" in runs before the script named it
+        return "copy" if r["role"] == "main" and "elementwise_kernel" in r["kernel"] else r["role"]
+
+    roles = ("pre-pass", "fill", "copy", "main", "post-pass")
+    roles = tuple(x for x in roles if x != "copy" or any(role(r) == "copy" for r in f["rows"]))
     names = {"k10_fa3": "`k10_fa3`", "sdpa-cudnn": "cuDNN", "fa4": "flash-attn-4"}
     calls = {}
     for r in f["rows"]:
-        key = (r["head_dim"], r["causal"], r["seqlen"], r["candidate"])
-        calls.setdefault(key, dict.fromkeys(roles, 0.0))[r["role"]] += r["us"]
+        key = (r["head_dim"], r["causal"], r.get("seqlen", f"{r.get('tokens')} packed"), r["candidate"])
+        calls.setdefault(key, dict.fromkeys(roles, 0.0))[role(r)] += r["us"]
     body = [[str(d), str(c), str(n), names.get(cand, f"`{cand}`"), *(f"{t[x]:.0f}" if t[x] else "—" for x in roles),
              f"{sum(t.values()):.0f}"] for (d, c, n, cand), t in calls.items()]
-    meta = f["meta"]
+    meta, r0 = f["meta"], f["rows"][0]
     head = (f"`{meta.get('command', '')}`, {gpu_short_name(meta.get('device', ''))}, {meta.get('date', '')[:10]}, at "
-            f"{meta.get('commit', '')[:7]}: device µs per autograd backward (torch.profiler, mean of 20), bf16, batch "
-            "16384/N, heads 2048/d, each kernel under its role." + (f" ({meta['note']})" if meta.get("note") else ""))
-    return head + "\n\n" + markdown_table(["d", "causal", "N", "backward", "pre-pass", "fill", "main kernel",
-                                              "post-pass", "total"], body)
+            f"{meta.get('commit', '')[:7]}: device µs per autograd backward (torch.profiler, mean of 20), bf16, "
+            + (f"the packing of `bench.py --varlen --backward` ({r0.get('documents')} documents, {r0.get('tokens')} "
+               f"tokens, {r0.get('nheads')} heads)" if "tokens" in r0 else "batch 16384/N, heads 2048/d")
+            + ", each kernel under its role." + (f" ({meta['note']})" if meta.get("note") else ""))
+    return head + "\n\n" + markdown_table(["d", "causal", "N", "backward", *(f"{x} kernel" if x == "main" else x
+                                                                            for x in roles), "total"], body)
 
 
 def ncu_stalls_table(f, top: int = 8):
@@ -1774,12 +1780,14 @@ def main(argv=None):
     compares = sorted(ROOT.glob("results/ncu-compare-*.txt"))
     if compares:
         fill("k6", "ncu-compare", lambda: "\n\n".join(ncu_compare_table(f) for f in compares))
-    kernels_run = newest(finished("backward-kernels-*.json"), TARGET_GPU)
-    if kernels_run:
-        fill("k10", "backward-kernels", lambda: backward_kernels_table(kernels_run))
-    h200_kernels = newest(finished("backward-kernels-*.json"), "H200")
-    if h200_kernels:
-        fill("k10", "backward-kernels-h200", lambda: backward_kernels_table(h200_kernels))
+    kernel_runs = finished("backward-kernels-*.json")
+    packed_runs = [f for f in kernel_runs if "--varlen" in f["meta"].get("command", "")]
+    for stem, block, runs, gpu in (("k10", "backward-kernels", kernel_runs, TARGET_GPU),
+                                   ("k10", "backward-kernels-h200", kernel_runs, "H200"),
+                                   ("varlen", "backward-kernels-varlen-h200", packed_runs, "H200")):
+        run = newest([f for f in runs if (f in packed_runs) == (runs is packed_runs)], gpu)
+        if run:
+            fill(stem, block, lambda run=run: backward_kernels_table(run))
     stalls = finished("ncu-stalls-*.json")
     # a softcap's profile and the same workload's without it (the name less "-softcap"): docs/varlen.md
     capped = {f["file"] for f in stalls if f["rows"][0].get("softcap")}
