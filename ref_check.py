@@ -344,6 +344,7 @@ def job_units(names, seqlens, args) -> list:
     case after the filters."""
     options = (["--quick"] * args.quick + ["--all-head-dims"] * args.all_head_dims + ["--features"] * args.features
                + (["--config", json.dumps(args.config)] if args.config is not None else []))
+    causal = [] if args.causal is None else ["--causal", str(args.causal)]
     units = []
     for name in names:
         if args.backward:
@@ -356,7 +357,7 @@ def job_units(names, seqlens, args) -> list:
         grid = [p for p in grid if picked(p, args.features, args.headdim, args.causal)]
         for d in sorted({p.head_dim for p in grid}):
             if not args.backward:
-                units.append((f"{name}-d{d}", [name, *options, "--headdim", str(d)]))
+                units.append((f"{name}-d{d}", [name, *options, "--headdim", str(d), *causal]))
                 continue
             for c in sorted({int(p.causal) for p in grid if p.head_dim == d}):
                 units.append((f"{name}-d{d}-c{c}", ["--backward", name, *options, "--headdim", str(d), "--causal", str(c)]))
@@ -365,7 +366,7 @@ def job_units(names, seqlens, args) -> list:
 
 def run_jobs(units, jobs: int, gpus: int, out, script: str = __file__) -> int:
     """``--jobs``: ``script <arguments> --out ...`` (this file) for each unit (label, arguments), up
-    to ``jobs`` at once, the i-th unit on GPU i mod ``gpus``. Each writes its rows and log into
+    to ``jobs`` at once, each on the visible GPU with the fewest running. Each writes its rows and log into
     ``<out>.parts/`` as it goes; ``out`` gets them all, in the units' order, every few seconds and at
     the end (the parts are then removed, unless a unit did not finish). Exit 1 if a case failed or
     a process ended without finishing its cases."""
@@ -381,6 +382,8 @@ def run_jobs(units, jobs: int, gpus: int, out, script: str = __file__) -> int:
     parts = Path(f"{out.path}.parts") if out else Path(tempfile.mkdtemp(prefix="ref_check."))
     parts.mkdir(parents=True, exist_ok=True)
     names, waiting, running, finished = [label for label, _ in units], list(units), {}, True
+    for stale in parts.glob("*"):  # a run before this one, stopped part way: its parts are not this run's
+        stale.unlink()
     # the GPUs this process sees, by the names a child's CUDA_VISIBLE_DEVICES takes
     visible = (os.environ.get("CUDA_VISIBLE_DEVICES") or ",".join(map(str, range(gpus)))).split(",")[:max(gpus, 1)]
 
@@ -401,12 +404,14 @@ def run_jobs(units, jobs: int, gpus: int, out, script: str = __file__) -> int:
         while waiting or running:
             while waiting and len(running) < jobs:
                 name, unit_args = waiting.pop(0)
-                env = dict(os.environ, CUDA_VISIBLE_DEVICES=visible[names.index(name) % len(visible)])
+                gpu = min(visible, key=lambda g: sum(g == on for _, _, on in running.values()))
                 log = open(parts / f"{name}.log", "w")
                 cmd = [sys.executable, os.path.abspath(script), *unit_args, "--out", str(parts / f"{name}.json")]
-                running[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log)
+                proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                        env=dict(os.environ, CUDA_VISIBLE_DEVICES=gpu))
+                running[name] = (proc, log, gpu)
             time.sleep(2)
-            for name, (proc, log) in list(running.items()):
+            for name, (proc, log, _) in list(running.items()):
                 if proc.poll() is None:
                     continue
                 log.close()
@@ -420,7 +425,7 @@ def run_jobs(units, jobs: int, gpus: int, out, script: str = __file__) -> int:
                 out.save()
     finally:
         signal.signal(signal.SIGTERM, previous)
-        for proc, log in running.values():
+        for proc, log, _ in running.values():
             proc.terminate()
             proc.wait()
             log.close()
@@ -511,8 +516,16 @@ def main(argv=None) -> int:
     out = results.open_result_file(args.out, results.command_line("ref_check.py", argv))
     print(f"device: {torch.cuda.get_device_name()}")
     if args.jobs > 1:
-        return run_jobs(job_units(stages if args.backward else names, seqlens, args), args.jobs,
-                        torch.cuda.device_count(), out)
+        try:
+            units = job_units(stages if args.backward else names, seqlens, args)
+        except UnsupportedProblem as e:  # a kernel with no grid
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        if not units:
+            print(f"error: no case of the {'backward ' * args.backward}grid has{filters(args)} for "
+                  f"{', '.join(stages if args.backward else names)}", file=sys.stderr)
+            return 2
+        return run_jobs(units, args.jobs, torch.cuda.device_count(), out)
     if args.varlen and args.backward:
         rows, failures = run_varlen_grid(["k10_fa3"] if args.kernels in ([], ["all"]) else stages, args.quick, out,
                                          backward=True)

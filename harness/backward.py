@@ -47,8 +47,8 @@ DETERMINISTIC = tuple(name for name, (module, _) in VARIANTS.items() if module =
 # pin_descriptors: results/ab-k10-edge-d64-h100.json; at d = 128 neither moved); at d = 128 under
 # a softcap the overlapped start all the same (capped_overlap: results/ab-k10-capov-d128-h100.json;
 # at d = 64 ptxas serializes its WGMMAs); d = 256's own step keeps the division and its order (not
-# measured there); the pre-pass 16 bytes a thread (wide_prepass: 68 us for K9's 76 to 103 at every d,
-# results/backward-kernels-wide-h200.json)
+# measured there); the pre-pass 16 bytes a thread (wide_prepass: 67 to 68 us for K9's 73 to 103 at
+# d 64/128/256, results/backward-kernels-wide-h200.json)
 DEFAULT = "k10_fa3"
 
 

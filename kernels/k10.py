@@ -1043,7 +1043,9 @@ class WidePrepass(k9.Prepass):
     VEC = 8  # 16 bytes of a 16-bit dtype
 
     def rows_per_cta(self, head_dim: int) -> int:
-        return 32 * self.WARPS // (head_dim // self.VEC)
+        per_row = head_dim // self.VEC  # a row's threads: D's butterfly sums over a power of two within a warp
+        assert head_dim % self.VEC == 0 and per_row & (per_row - 1) == 0 and per_row <= 32, head_dim
+        return 32 * self.WARPS // per_row
 
     @cute.kernel
     def kernel(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mLSE2: cute.Tensor, mD: cute.Tensor,
@@ -1110,18 +1112,24 @@ class VarlenPrepass(k9.Prepass):
         tidx, _, _ = cute.arch.thread_idx()
         bx, head, seq = cute.arch.block_idx()
         lane, r = tidx % 32, bx * self.WARPS + tidx // 32
+        q, out_row, dq_row, length = self.sequence_row(mCuSeqlensQ, seq, r)
+        if r < length:
+            self.row(mO, mdO, mLSE, mLSE2, mD, mdQaccum, Int32(0), head, q, out_row, lane, dq_row)
+        if cutlass.const_expr(self.flat_tile_m):
+            if r >= length and r < cute.ceil_div(length, self.flat_tile_m) * self.flat_tile_m:
+                for j in cutlass.range_constexpr(cute.size(mO, mode=[3]) // 32):
+                    mdQaccum[0, head, dq_row, lane + 32 * j] = Float32(0.0)
+
+    @cute.jit
+    def sequence_row(self, mCuSeqlensQ: cute.Tensor, seq: Int32, r: Int32):
+        """Row ``r`` of packed sequence ``seq``: (its packed row, where its D and LSE2 go, its row of
+        dQ's accumulator, the sequence's length)."""
         q0 = mCuSeqlensQ[seq]
         length = mCuSeqlensQ[seq + 1] - q0
         dq_row = q0 + r
         if cutlass.const_expr(self.flat_tile_m):
             dq_row = packed_tile_start(q0, seq, self.flat_tile_m) * self.flat_tile_m + r
-        if r < length:
-            self.row(mO, mdO, mLSE, mLSE2, mD, mdQaccum, Int32(0), head, q0 + r, packed_row_start(q0, seq) + r, lane,
-                     dq_row)
-        if cutlass.const_expr(self.flat_tile_m):
-            if r >= length and r < cute.ceil_div(length, self.flat_tile_m) * self.flat_tile_m:
-                for j in cutlass.range_constexpr(cute.size(mO, mode=[3]) // 32):
-                    mdQaccum[0, head, dq_row, lane + 32 * j] = Float32(0.0)
+        return q0 + r, packed_row_start(q0, seq) + r, dq_row, length
 
 
 class WideVarlenPrepass(VarlenPrepass, WidePrepass):
@@ -1135,13 +1143,8 @@ class WideVarlenPrepass(VarlenPrepass, WidePrepass):
         bx, head, seq = cute.arch.block_idx()
         per_row = cute.size(mO, mode=[3]) // self.VEC
         part, r = tidx % per_row, bx * self.rows_per_cta(cute.size(mO, mode=[3])) + tidx // per_row
-        q0 = mCuSeqlensQ[seq]
-        length = mCuSeqlensQ[seq + 1] - q0
-        dq_row = q0 + r
-        if cutlass.const_expr(self.flat_tile_m):
-            dq_row = packed_tile_start(q0, seq, self.flat_tile_m) * self.flat_tile_m + r
-        self.wide_row(mO, mdO, mLSE, mLSE2, mD, mdQaccum, Int32(0), head, q0 + r, packed_row_start(q0, seq) + r,
-                      dq_row, part, r < length)
+        q, out_row, dq_row, length = self.sequence_row(mCuSeqlensQ, seq, r)
+        self.wide_row(mO, mdO, mLSE, mLSE2, mD, mdQaccum, Int32(0), head, q, out_row, dq_row, part, r < length)
         if cutlass.const_expr(self.flat_tile_m):
             if r >= length and r < cute.ceil_div(length, self.flat_tile_m) * self.flat_tile_m:
                 self.zero_part(mdQaccum, Int32(0), head, dq_row, part)
@@ -1341,6 +1344,7 @@ def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = F
                        fake_stream())
 
     pre, post = k9.compile_passes(p, keep_ptx, WidePrepass if cfg.get("wide_prepass") else None)
+    kernel_knobs = tuple(sorted((k, v) for k, v in cfg.items() if k not in PASS_KNOBS))  # either pre-pass: one build
     if p.varlen:
         def varlen_pre():
             f = FakeShapes()
@@ -1357,9 +1361,9 @@ def compile_backward(p: Problem, keep_ptx: bool = False, deterministic: bool = F
                            bool(cfg.get("wide_prepass"))), varlen_pre,
                           keep_ptx)
     if dq_flat:
-        post = jit_compile(("k10_flat_post", p.head_dim, p.dtype, tuple(sorted(cfg.items())), p.varlen), flat_post,
+        post = jit_compile(("k10_flat_post", p.head_dim, p.dtype, kernel_knobs, p.varlen), flat_post,
                            keep_ptx)
-    key = ("k10", p.head_dim, p.dtype, p.causal, deterministic, last_first, dq_flat, tuple(sorted(cfg.items())),
+    key = ("k10", p.head_dim, p.dtype, p.causal, deterministic, last_first, dq_flat, kernel_knobs,
            *((tuple(sorted(features.items())),) if features else ()), *(("varlen",) if p.varlen else ()))
     return pre, jit_compile(key, main, keep_ptx), post, cfg.with_(deterministic=deterministic, dq_flat=dq_flat,
                                                                   last_first=last_first, tile_n=tile_n)

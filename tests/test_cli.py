@@ -391,6 +391,8 @@ def test_ref_check_jobs_merge_rows_in_order_and_fail_on_a_failure_or_an_unfinish
 sys.path.insert(0, {str(ROOT)!r})
 from harness import results
 name, out = sys.argv[1], sys.argv[sys.argv.index("--out") + 1]
+if name == "early":  # a crash before its result file is opened, with ref_check's exit status for a failure
+    sys.exit(1)
 assert sys.argv[2:-2] == ["--quick"], sys.argv
 f = results.ResultFile(out, "child")
 for i in range(2):
@@ -421,6 +423,14 @@ sys.exit(name == "bad")
     assert [r["gpu"] for r in results.parse((tmp_path / "gpus.json").read_text())["rows"]] == ["2", "2", "3", "3", "2", "2"]
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
 
+    # a stopped run's parts are not this run's: a complete one of "early", which now ends before writing any
+    stale = tmp_path / "again.json.parts"
+    stale.mkdir()
+    results.write(stale / "early.json", [dict(kernel="early", ok=True)], "an earlier run")
+    out = results.open_result_file(tmp_path / "again.json", "x")
+    assert ref_check.run_jobs(units("early"), 1, 1, out, script=str(child)) == 1
+    assert "early: exit 1, did not finish" in capsys.readouterr().out
+
     out = results.open_result_file(tmp_path / "bad.json", "x")
     assert ref_check.run_jobs(units("a", "bad", "c"), 2, 2, out, script=str(child)) == 1
     assert "FAIL bad" in capsys.readouterr().out
@@ -440,12 +450,28 @@ sys.exit(name == "bad")
     import threading
 
     out = results.open_result_file(tmp_path / "hangs.json", "x")
-    threading.Timer(8.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
-    with pytest.raises(SystemExit) as e:
-        ref_check.run_jobs(units("a", "hangs"), 2, 1, out, script=str(child))
+    pid_file, done = tmp_path / "hangs.json.parts" / "hangs.json.pid", threading.Event()
+
+    def signal_once_hanging():  # once "hangs" has written its rows (and "a" has had as long), not before
+        for _ in range(1200):
+            if done.is_set():
+                return
+            if pid_file.exists() and (tmp_path / "hangs.json.parts" / "a.json").exists():
+                done.wait(3.0)
+                if not done.is_set():
+                    os.kill(os.getpid(), signal.SIGTERM)
+                return
+            done.wait(0.1)
+
+    threading.Thread(target=signal_once_hanging, daemon=True).start()
+    try:
+        with pytest.raises(SystemExit) as e:
+            ref_check.run_jobs(units("a", "hangs"), 2, 1, out, script=str(child))
+    finally:
+        done.set()
     assert e.value.code == 124
     assert len(results.parse((tmp_path / "hangs.json").read_text())["rows"]) == 4
-    pid = int((tmp_path / "hangs.json.parts" / "hangs.json.pid").read_text())
+    pid = int(pid_file.read_text())
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
 
@@ -460,6 +486,11 @@ def test_ref_check_jobs_split_the_grid_by_kernel_and_head_dim_and_pass_its_optio
     args.headdim, args.features, args.config = 128, True, None
     assert ref_check.job_units(["k2", "k6"], ref_check.QUICK_SEQLENS, args) == [
         ("k6-d128", ["k6", "--quick", "--all-head-dims", "--features", "--headdim", "128"])]  # K2 has no feature
+    args.features, args.causal = False, 1  # each unit is the causal cases only
+    assert ref_check.job_units(["k6"], ref_check.QUICK_SEQLENS, args) == [
+        ("k6-d128", ["k6", "--quick", "--all-head-dims", "--headdim", "128", "--causal", "1"])]
+    args.headdim = 512
+    assert ref_check.job_units(["k6"], ref_check.QUICK_SEQLENS, args) == []  # main: an error, exit 2
 
 
 def test_ref_check_jobs_split_the_backward_grid_by_stage_head_dim_and_causal_mode():

@@ -684,6 +684,7 @@ def test_wide_prepass_reads_16_bytes_a_thread_packed_or_not_and_leaves_the_main_
     base, wide = (compile_backward(p.with_(varlen=True), keep_ptx=True,
                                    **dict(stage_overrides("k10_fa3"), wide_prepass=on)) for on in (False, True))
     assert count(r"ld\.global[^;]*\.v4", wide[0]) == 2 and count(r"st\.global[^;]*\.v4", wide[0]) == 4
+    assert count(r"shfl\.sync\.bfly", wide[0]) == (d // 8).bit_length() - 1
     assert count(r"ld\.global[^;]*\.v4", base[0]) == 0
     assert without_kernel_names(compiled_ptx(wide[1])) == without_kernel_names(compiled_ptx(base[1]))
 
