@@ -52,6 +52,16 @@ DETERMINISTIC = tuple(name for name, (module, _) in VARIANTS.items() if module =
 DEFAULT = "k10_fa3"
 
 
+def add_configuration(name: str, overrides: dict) -> None:
+    """K10 with ``overrides`` (its compile overrides) as the backward stage ``name``, for this
+    process only: a script's ``--config``, a knob measured before it joins the stages."""
+    global STAGES, DETERMINISTIC
+    if name in VARIANTS:
+        raise ValueError(f"{name!r} is a backward stage already")
+    VARIANTS[name] = ("k10", dict(overrides))
+    STAGES, DETERMINISTIC = tuple(VARIANTS), DETERMINISTIC + (name,)
+
+
 def require_stage(stage) -> str:
     """The backward stage a call names ("" or None: ``DEFAULT``), or a clear error."""
     if stage in (None, ""):

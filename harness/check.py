@@ -435,15 +435,11 @@ def _poison_next_alloc(o_shape, dtype, lse_shape):
 
 
 FP8_FACTOR, FP8_FLOOR = 1.5, 1e-3  # vs the emulation's error: same quantization points, slack for rounding order
-# Hopper's FP8 WGMMA accumulates with fewer bits than fp32 (DeepSeek-V3's report measured about 14
-# retained), so scores of e4m3 inputs, and the LSE, drift from an fp32 sum: 1.25e-3 measured on an
-# H100 (8 x 1024 heads x 80 keys, d=64); bf16 kernels stay near 1e-5. A score's drift is its dot
-# product's times the softmax scale, and the dot product's grows with d (more partial sums, each
-# larger); a sharper softmax averages fewer scores. At softmax_scale 0.3 (causal, 1000 keys, H200)
-# K7, K8 and K7_K4 drifted 1.8e-3 to 2.3e-3 at d = 64, 5.6e-3 to 8.1e-3 at d = 128 and 1.2e-2 to
-# 2.0e-2 at d = 256 (results/refcheck-all-h200.json's predecessor, `git log` it: K8 at 2.0e-2 failed
-# a bar that grew as scale * sqrt(d)); at 1/sqrt(d), 1.4e-4 to 1.8e-3. So the bar grows as
-# scale * d, from 4e-3 where that is 8 (d = 64's default scale) and never below it.
+# Hopper's FP8 WGMMA accumulates with fewer bits than fp32 (DeepSeek-V3's report: about 14), so
+# scores of e4m3 inputs, and the LSE, drift from an fp32 sum (1.25e-3 on an H100 at d = 64; bf16
+# kernels stay near 1e-5). A score's drift grows with its dot product's length d (more partial sums,
+# each larger) and with the softmax scale, so the bar grows as scale * d from 4e-3 at d = 64's
+# default scale; the figures behind it are in docs/k7.md (Correctness).
 FP8_LSE_ATOL = 4e-3
 
 

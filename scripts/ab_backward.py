@@ -86,8 +86,8 @@ def main(argv=None) -> int:
         print("No CUDA GPU is visible, so nothing can be checked or timed here.", file=sys.stderr)
         return 2
     configs = dict(zip(args.name, args.config))
-    hb.VARIANTS.update((name, ("k10", config)) for name, config in configs.items())
-    hb.STAGES = tuple(hb.VARIANTS)
+    for name, config in configs.items():
+        hb.add_configuration(name, config)
     from harness import backward_bench
     from harness.check import backward_case, check_backward
 

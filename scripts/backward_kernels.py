@@ -77,14 +77,13 @@ def main(argv=None) -> int:
     if (args.name is None) != (args.config is None) or args.name in hb.VARIANTS:
         print("error: --name and --config go together, and the name must be new", file=sys.stderr)
         return 2
-    stages = ("k10_fa3",)
-    if args.config:
-        hb.VARIANTS[args.name] = ("k10", args.config)
-        hb.STAGES, stages = tuple(hb.VARIANTS), stages + (args.name,)
-
     if not torch.cuda.is_available():
         print("No CUDA GPU is visible, so nothing can be profiled here.", file=sys.stderr)
         return 2
+    stages = ("k10_fa3",)
+    if args.config:
+        hb.add_configuration(args.name, args.config)
+        stages += (args.name,)
     from harness.backward_bench import candidates
 
     out = results.open_result_file(args.out, results.command_line("scripts/backward_kernels.py", argv))

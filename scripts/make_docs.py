@@ -1780,12 +1780,13 @@ def main(argv=None):
     compares = sorted(ROOT.glob("results/ncu-compare-*.txt"))
     if compares:
         fill("k6", "ncu-compare", lambda: "\n\n".join(ncu_compare_table(f) for f in compares))
-    kernel_runs = finished("backward-kernels-*.json")
-    packed_runs = [f for f in kernel_runs if "--varlen" in f["meta"].get("command", "")]
+    # the rectangular runs; the H200 block's prose reads the wide pre-pass's run (backward-kernels-wide-*)
+    kernel_runs = [f for f in finished("backward-kernels-*.json") if "--varlen" not in f["meta"].get("command", "")]
     for stem, block, runs, gpu in (("k10", "backward-kernels", kernel_runs, TARGET_GPU),
-                                   ("k10", "backward-kernels-h200", kernel_runs, "H200"),
-                                   ("varlen", "backward-kernels-varlen-h200", packed_runs, "H200")):
-        run = newest([f for f in runs if (f in packed_runs) == (runs is packed_runs)], gpu)
+                                   ("k10", "backward-kernels-h200", finished("backward-kernels-wide-*.json"), "H200"),
+                                   ("varlen", "backward-kernels-varlen-h200", finished("backward-kernels-varlen-*.json"),
+                                    "H200")):
+        run = newest(runs, gpu)
         if run:
             fill(stem, block, lambda run=run: backward_kernels_table(run))
     stalls = finished("ncu-stalls-*.json")

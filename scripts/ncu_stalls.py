@@ -33,8 +33,7 @@ BACKWARD_KERNELS = {"k10_fa3": "K10Backward", "fa4": "FlashAttentionBackwardSm90
 CONFIGURED = """import sys, json
 import harness.backward as hb
 from harness import backward_bench
-hb.VARIANTS["k10_config"] = ("k10", dict(hb.stage_overrides("k10_fa3"), **json.loads(sys.argv[1])))
-hb.STAGES = tuple(hb.VARIANTS)
+hb.add_configuration("k10_config", dict(hb.stage_overrides("k10_fa3"), **json.loads(sys.argv[1])))
 d, causal, n = (int(x) for x in sys.argv[2:])
 backward_bench.run(lambda row: print(backward_bench.format_row(row)), (d,), (causal,), (n,), ("k10_config",))
 """

@@ -165,3 +165,15 @@ def test_the_backward_sweep_names_what_no_stage_of_ours_runs():
     assert refusals(Problem(2, 8, 1024, 128), ("k9", "k10")) == {}
     why = refusals(Problem(2, 8, 1024, 256), ("k9", "k10"))
     assert set(why) == {"k9"} and "K9 (backward): head_dim 256 not supported" in why["k9"]
+
+
+def test_a_configuration_joins_the_backward_stages_for_this_process_only(monkeypatch):
+    import harness.backward as hb
+
+    for name in ("VARIANTS", "STAGES", "DETERMINISTIC"):
+        monkeypatch.setattr(hb, name, dict(hb.VARIANTS) if name == "VARIANTS" else getattr(hb, name))
+    hb.add_configuration("k10_try", {"overlap": True})
+    assert hb.stage_overrides("k10_try") == {"overlap": True} and hb.stage_module("k10_try").__name__ == "kernels.k10"
+    assert "k10_try" in hb.STAGES and "k10_try" in hb.DETERMINISTIC  # K10's deterministic mode comes with it
+    with pytest.raises(ValueError, match="already"):
+        hb.add_configuration("k10_fa3", {})
