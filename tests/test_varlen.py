@@ -398,3 +398,31 @@ def test_packed_row_starts_are_aligned_disjoint_and_fit_the_padded_buffer():
         assert all(start % ROW_ALIGN == 0 for start, _ in spans)
         assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:]))  # no two sequences share a row
         assert spans[-1][1] <= sum(lengths) + ROW_ALIGN * len(lengths)
+
+
+@pytest.mark.parametrize("misaligned", [False, True])
+def test_the_packed_backward_hands_do_and_o_over_as_views_of_their_rows(misaligned):
+    # The launches stubbed: what run_varlen_backward passes them (on the CPU: it only lays tensors out).
+    from kernels import k10
+
+    total, heads, d = 12, 2, 64
+    o, do = (torch.randn(total, heads, d, dtype=torch.bfloat16) for _ in range(2))
+    if misaligned:  # contiguous, 2 bytes off 16: the kernels' 16-byte loads would not take it
+        do = torch.cat([torch.zeros(1, dtype=do.dtype), do.flatten()])[1:].view(total, heads, d)
+    seen = {}
+
+    def pre(o_, do_, *rest):
+        seen.update(o=o_, do=do_)
+
+    def main(q_, k_, v_, do_, *rest):
+        seen["main_do"] = do_
+
+    cfg = dict(tile_m=64, dq_flat=True, deterministic=False)
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    k10.run_varlen_backward((pre, main, lambda *a: None, cfg), o, o, o, o, torch.zeros(heads, total), do, 0.125,
+                            cu, cu, 7, None)
+    assert seen["do"] is seen["main_do"] and seen["do"].shape == (1, heads, total, d)
+    assert seen["do"].stride() == (total * heads * d, d, heads * d, 1)  # (total, heads, d) rows, not a transposed copy
+    assert seen["o"].data_ptr() == o.data_ptr()
+    assert (seen["do"].data_ptr() == do.data_ptr()) != misaligned and seen["do"].data_ptr() % 16 == 0
+    assert torch.equal(seen["do"][0].transpose(0, 1), do)
