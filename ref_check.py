@@ -317,10 +317,13 @@ def has_feature(p: Problem) -> bool:
     return bool(p.softcap) or p.window != (-1, -1)
 
 
-def filters(args) -> str:
-    """The --headdim and --causal filters of a call, as an error message names them."""
-    return "".join(f" {name} {value}" for name, value in (("head_dim", args.headdim), ("causal", args.causal))
-                   if value is not None)
+def no_case(args, names) -> int:
+    """The error of --headdim/--causal filters that leave no case of the grid: exit status 2."""
+    chosen = "".join(f" {name} {value}" for name, value in (("head_dim", args.headdim), ("causal", args.causal))
+                     if value is not None)
+    print(f"error: no case of the {'backward ' * args.backward}grid has{chosen} for {', '.join(names)}",
+          file=sys.stderr)
+    return 2
 
 
 def picked(p: Problem, features_only: bool, head_dim: int = None, causal: int = None) -> bool:
@@ -396,6 +399,11 @@ def run_jobs(units, jobs: int, gpus: int, out, script: str = __file__) -> int:
     def merged():
         return [r for name in names for r in (part(name) or {"rows": []})["rows"]]
 
+    def flush():  # --out with every row the units have written so far
+        if out:
+            out.rows[:] = merged()
+            out.save()
+
     def stop(*_):  # a timeout's SIGTERM: the children stop too, and --out keeps what they wrote
         raise SystemExit(124)
 
@@ -420,18 +428,15 @@ def run_jobs(units, jobs: int, gpus: int, out, script: str = __file__) -> int:
                 finished &= bool(done)
                 last = (parts / f"{name}.log").read_text().strip().splitlines()[-1:] or ["(no output)"]
                 print(f"{name}: exit {proc.returncode}, {last[0] if done else 'did not finish'}", flush=True)
-            if out:
-                out.rows[:] = merged()
-                out.save()
+            flush()
     finally:
         signal.signal(signal.SIGTERM, previous)
         for proc, log, _ in running.values():
             proc.terminate()
             proc.wait()
             log.close()
-        if out and running:
-            out.rows[:] = merged()
-            out.save()
+        if running:
+            flush()
     rows = merged()
     failures = [r for r in rows if not r["ok"]]
     for r in failures:
@@ -522,9 +527,7 @@ def main(argv=None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
         if not units:
-            print(f"error: no case of the {'backward ' * args.backward}grid has{filters(args)} for "
-                  f"{', '.join(stages if args.backward else names)}", file=sys.stderr)
-            return 2
+            return no_case(args, stages if args.backward else names)
         return run_jobs(units, args.jobs, torch.cuda.device_count(), out)
     if args.varlen and args.backward:
         rows, failures = run_varlen_grid(["k10_fa3"] if args.kernels in ([], ["all"]) else stages, args.quick, out,
@@ -535,8 +538,7 @@ def main(argv=None) -> int:
         rows, failures = (run_decode(args.quick, out, args.features) if args.decode
                           else run_backward_grid(seqlens, out, stages, args.features, args.headdim, args.causal))
     if args.backward and (args.headdim, args.causal) != (None, None) and not rows:
-        print(f"error: no case of the backward grid has{filters(args)} for {', '.join(stages)}", file=sys.stderr)
-        return 2
+        return no_case(args, stages)
     if args.decode or args.backward or args.varlen:
         if out:
             out.close()
@@ -572,8 +574,7 @@ def main(argv=None) -> int:
     if out:
         out.close()
     if (args.headdim, args.causal) != (None, None) and not rows:
-        print(f"error: no case of the grid has{filters(args)} for {', '.join(names)}", file=sys.stderr)
-        return 2
+        return no_case(args, names)
     print(f"\n{len(rows) - failures}/{len(rows)} cases passed" + (f", {failures} FAILED" if failures else ""))
     return 1 if failures else 0
 

@@ -137,7 +137,7 @@ def attention_backward(q, k, v, out, lse, dout, causal: bool = False, softmax_sc
         deterministic = check_deterministic(stage)
     compiled = compiled_backward(stage, p, q.get_device(), deterministic)
     with torch.cuda.device(q.device):
-        return run_backward(compiled, q, k, v, out.contiguous(), lse.contiguous(), dout, p.scale)
+        return run_backward(compiled, q, k, v, out, lse.contiguous(), dout, p.scale)  # O, dO: k9.aligned_rows
 
 
 def require_tensors(q, wanted, contiguous: tuple = ()) -> None:

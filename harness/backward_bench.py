@@ -17,6 +17,19 @@ from __future__ import annotations
 # d = 256 too: K10 takes it (K10BackwardSplitD), K9 does not, and its rows say so beside the peers' times
 SWEEP = dict(head_dims=(64, 128, 256), causals=(0, 1), seqlens=(1024, 4096, 16384))
 STAGES = ("k9", "k10")  # unless told; harness.backward.STAGES lists every stage and variant
+KERNEL_ROLES = (  # a backward's kernels by role (scripts/backward_kernels.py): the first pattern a name matches
+    ("pre-pass", r"Prepass|preprocess|dot_do_o"),
+    ("post-pass", r"Postpass|postprocess|convert_dq"),
+    ("fill", r"FillFunc|Memset|fill|zero"),
+    ("copy", r"elementwise_kernel|copy"),  # a torch copy of an operand
+    ("main", r"."),
+)
+
+
+def kernel_role(kernel: str) -> str:
+    import re
+
+    return next(name for name, pattern in KERNEL_ROLES if re.search(pattern, kernel))
 
 
 def candidates(q, k, v, do, causal: bool, scale: float, stages=STAGES, softcap: float = 0.0,

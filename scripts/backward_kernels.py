@@ -21,29 +21,16 @@ from __future__ import annotations
 
 import argparse
 import collections
-import re
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from harness import results  # noqa: E402
+from harness.backward_bench import kernel_role  # noqa: E402
 from scripts.ab_backward import config_arg  # noqa: E402
 
 CELLS = ((128, 0, 1024), (128, 1, 1024), (64, 1, 1024), (256, 1, 1024), (128, 0, 16384))  # (d, causal, N)
-ROLES = (  # the first pattern a kernel's name matches files it
-    ("pre-pass", r"Prepass|preprocess|dot_do_o"),
-    ("post-pass", r"Postpass|postprocess|convert_dq"),
-    ("fill", r"FillFunc|Memset|fill|zero"),
-    ("copy", r"elementwise_kernel|copy"),  # a torch copy of an operand
-    ("main", r"."),
-)
-
-
-def role(kernel: str) -> str:
-    return next(name for name, pattern in ROLES if re.search(pattern, kernel))
-
-
 def profile(fn, reps: int = 20, warmup: int = 5) -> dict:
     """kernel name -> device µs per call of ``fn``."""
     import torch
@@ -91,7 +78,7 @@ def main(argv=None) -> int:
     def emit(name, call, **cell):
         for kernel, us in sorted(profile(call).items(), key=lambda kv: -kv[1]):
             row = dict(candidate=name, **({"config": args.config} if name == args.name else {}), **cell,
-                       role=role(kernel), kernel=kernel[:120], us=us)
+                       role=kernel_role(kernel), kernel=kernel[:120], us=us)
             where = " ".join(f"{k}={v}" for k, v in cell.items() if k in ("head_dim", "causal", "seqlen", "tokens"))
             print(f"{where} {name:<12} {row['role']:<9} {us:9.1f} us  {kernel[:60]}", flush=True)
             if out:

@@ -27,6 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from harness.backward_bench import kernel_role  # noqa: E402
 from harness.peers import BEST_OF, BEST_OF_FP8, PEERS  # noqa: E402
 from harness.results import fmt, gpu_short_name, load, markdown_table, replace_block  # noqa: E402
 from kernels import get_kernel, kernel_names  # noqa: E402
@@ -1016,10 +1017,10 @@ def ncu_profile_table(f, workload: str, top: int = 3):
 def backward_kernels_table(f):
     """docs/k10.md: scripts/backward_kernels.py, each backward's device time per call split by the
     role of its kernels (pre-pass, fill, main kernel, post-pass), cell by cell."""
-    def role(r):  # a torch copy (not a fill) among the kernels, under "main" in runs before the script named it
-        return "copy" if r["role"] == "main" and "elementwise_kernel" in r["kernel"] else r["role"]
-
     roles = ("pre-pass", "fill", "copy", "main", "post-pass")
+    def role(r):  # a run before the script named "copy" filed torch's copy kernel as main: its name says which
+        return kernel_role(r["kernel"]) if r["role"] == "main" else r["role"]
+
     roles = tuple(x for x in roles if x != "copy" or any(role(r) == "copy" for r in f["rows"]))
     names = {"k10_fa3": "`k10_fa3`", "sdpa-cudnn": "cuDNN", "fa4": "flash-attn-4"}
     calls = {}

@@ -169,14 +169,16 @@ def test_fill_writes_a_block_into_whichever_page_of_the_stem_holds_its_marker(tm
 
 
 def test_backward_kernels_files_each_kernel_under_its_role_and_sums_them_per_call():
-    kernels = load_script("backward_kernels")
-    assert [kernels.role(k) for k in (
+    from harness.backward_bench import kernel_role  # what scripts/backward_kernels.py files each kernel under
+
+    assert [kernel_role(k) for k in (
         "kernel_cutlass_kernel_kernelsk9Prepass_object_at_", "void cudnn::fusion::compute_dot_do_o_specialized<true, 128>",
         "kernel_cutlass_kernel_flash_attncuteflash_bwd_preprocessFlashAttention", "Memset (Device)",
         "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float> >",
         "kernel_cutlass_kernel_kernelsk10FlatPostpass_object_at_", "void cudnn::fusion::convert_dq_to_16bits<true>",
         "kernel_cutlass_kernel_kernelsk10K10Backward_object_at_", "cudnn_generated_fort_native_sdpa_sm90_flash_bprop",
     )] == ["pre-pass"] * 3 + ["fill"] * 2 + ["post-pass"] * 2 + ["main"] * 2
+    assert kernel_role("void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl") == "copy"
     row = dict(head_dim=128, causal=1, seqlen=1024, batch=16, nheads=16)
     run = dict(meta=dict(command="python scripts/backward_kernels.py", device="NVIDIA H100 80GB HBM3",
                          date="2026-11-27T00:00:00", commit="abcdef0123"),
