@@ -363,7 +363,8 @@ def job_units(names, seqlens, args) -> list:
                 units.append((f"{name}-d{d}", [name, *options, "--headdim", str(d), *causal]))
                 continue
             for c in sorted({int(p.causal) for p in grid if p.head_dim == d}):
-                units.append((f"{name}-d{d}-c{c}", ["--backward", name, *options, "--headdim", str(d), "--causal", str(c)]))
+                units.append((f"{name}-d{d}-c{c}",
+                              ["--backward", name, *options, "--headdim", str(d), "--causal", str(c)]))
     return units
 
 
